@@ -1,0 +1,9 @@
+"""kvmesh: a prefix KV cache as a system resource.
+
+Layers (see docs/architecture.md):
+  kvmesh.transfer  segments, registered memory, batched READ/WRITE, per-segment transports
+  kvmesh.replog    sans-I/O Raft core, durable log, asyncio driver (the master's metadata)
+  kvmesh.store     objects, replicas, leases on top of both (planned)
+"""
+
+__version__ = "0.1.0"
