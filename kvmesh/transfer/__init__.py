@@ -1,0 +1,1 @@
+"""kvmesh.transfer: segments, registered memory, batched READ/WRITE, per-segment transports."""
