@@ -444,3 +444,36 @@ class RegionIndex:
                 reg, _ = self.find(int(ptrs[j]), int(lengths[j]))
                 safe[j] = regs.index(reg)
         return regs, safe, ptrs - starts[safe]
+
+
+_CHECK_EVERY = 8 << 20  # bytes copied between two job.check() calls
+
+
+def copy_ranges(
+    dst_base: int,
+    dst_offsets: np.ndarray,
+    src_base: int,
+    src_offsets: np.ndarray,
+    lengths: np.ndarray,
+    check: Any = None,
+) -> None:
+    """memmove every ``lengths[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + dst_offsets[i]``.
+
+    One ``ctypes.memmove`` per range (it releases the GIL, so copies in several threads run in
+    parallel). ``check`` (a callable) is called every few MiB so long copies stay abortable.
+    """
+    dst = (dst_offsets + np.uint64(dst_base)).tolist()
+    src = (src_offsets + np.uint64(src_base)).tolist()
+    lens = lengths.tolist()
+    mm = memmove
+    if check is None:
+        for d, s, n in zip(dst, src, lens):
+            mm(d, s, n)
+        return
+    budget = _CHECK_EVERY
+    for d, s, n in zip(dst, src, lens):
+        mm(d, s, n)
+        budget -= n
+        if budget <= 0:
+            check()
+            budget = _CHECK_EVERY

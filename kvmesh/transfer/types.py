@@ -127,6 +127,23 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     shm_sweep: bool = True  # unlink /dev/shm files left by dead kvmesh processes on this host
     nixl: dict[str, str] = {}  # options passed through to the NIXL transport
 
+    def __post_init__(self) -> None:
+        # Plain constructors are not validated by msgspec: accept strings for the enums here so
+        # EngineConfig(transport="tcp") means what it says.
+        from .errors import InvalidArgument
+
+        try:
+            if self.transport is not None and not isinstance(self.transport, TransportKind):
+                self.transport = TransportKind(str(self.transport).lower())
+            if self.transports_allow is not None:
+                self.transports_allow = [TransportKind(str(getattr(k, "value", k)).lower()) for k in self.transports_allow]
+            self.transports_disable = [TransportKind(str(getattr(k, "value", k)).lower()) for k in self.transports_disable]
+        except ValueError as exc:
+            known = ", ".join(k.value for k in TransportKind)
+            raise InvalidArgument(f"unknown transport in engine configuration ({exc}); known: {known}") from None
+        if self.workers < 1:
+            raise InvalidArgument(f"workers must be >= 1, got {self.workers}")
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "EngineConfig":
         """Build a config from ``KVMESH_*`` variables; keyword overrides win over the env."""

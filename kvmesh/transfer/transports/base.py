@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class TransportContext:
     """What the engine shares with its transports."""
 
-    __slots__ = ("engine_id", "node_id", "host_id", "pid", "config", "call", "find_region")
+    __slots__ = ("engine_id", "node_id", "host_id", "pid", "config", "call", "find_region", "peer")
 
     def __init__(
         self,
@@ -63,6 +63,7 @@ class TransportContext:
         config: EngineConfig,
         call: Callable[[str, TransportKind, bytes, float | None], bytes],
         find_region: Callable[[int], "MemoryRegion | None"],
+        peer: Callable[[str], Any],
     ) -> None:
         self.engine_id = engine_id
         self.node_id = node_id
@@ -74,6 +75,9 @@ class TransportContext:
         self.call = call
         # find_region(region_id) -> a live region of *this process* (any engine) or None.
         self.find_region = find_region
+        # peer(control_address) -> the engine's connected PeerClient (control.py) for that peer:
+        # pooled authenticated connections, .liveness, .ping(), .call().
+        self.peer = peer
 
 
 class PeerLiveness:
