@@ -110,6 +110,57 @@ def _as_int64(name: str, value: Any, n: int | None = None) -> np.ndarray:
     return arr.astype(np.int64)  # always a copy: the caller may reuse its arrays at once
 
 
+def validate_requests(
+    engine: "TransferEngine",
+    op: Op,
+    local: MemoryRegion,
+    remote: RemoteSegment,
+    lo: np.ndarray,
+    ro: np.ndarray,
+    ln: np.ndarray,
+) -> int:
+    """Check requests (int64 arrays) against both regions; return their total bytes."""
+    if local not in engine._regions or local.closed:
+        raise NotRegistered(f"{local!r} is not registered with this engine")
+    if remote.stale_reason is not None:
+        raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
+    reason = remote.peer.liveness.dead_reason
+    if reason is not None:
+        raise PeerDeadError(f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}")
+    n = len(ln)
+    if n <= 8:  # a few numpy reductions cost more than the whole copy of a small request
+        total = 0
+        lsize, rsize = local.size, remote.desc.size
+        for i, (a, b, c) in enumerate(zip(lo.tolist(), ro.tolist(), ln.tolist())):
+            _check_one(i, op, a, b, c, lsize, rsize, local, remote)
+            total += c
+        return total
+    if int(ln.min()) <= 0:
+        bad = int(np.flatnonzero(ln <= 0)[0])
+        raise InvalidLength(f"request length must be positive, got {int(ln[bad])} ({op.value} #{bad} of its group)")
+    if int(lo.min()) < 0 or int(ro.min()) < 0:
+        raise OutOfBounds(f"negative offset in a {op.value} request on segment {remote.name!r}")
+    uln = ln.view(np.uint64)
+    check_ranges(local.size, lo.view(np.uint64), uln, f"local {local!r}")
+    check_ranges(remote.size, ro.view(np.uint64), uln, f"remote segment {remote.name!r}")
+    return int(uln.sum())
+
+
+def _check_one(
+    i: int, op: Op, lo: int, ro: int, ln: int, lsize: int, rsize: int, local: MemoryRegion, remote: RemoteSegment
+) -> None:
+    if ln <= 0:
+        raise InvalidLength(f"request length must be positive, got {ln} ({op.value} #{i} of its group)")
+    if lo < 0 or ro < 0:
+        raise OutOfBounds(f"negative offset in a {op.value} request on segment {remote.name!r}")
+    if lo + ln > lsize:
+        raise OutOfBounds(f"{op.value} #{i}: local range [{lo}, +{ln}) exceeds {local!r} ({lsize} bytes)")
+    if ro + ln > rsize:
+        raise OutOfBounds(
+            f"{op.value} #{i}: remote range [{ro}, +{ln}) exceeds segment {remote.name!r} ({rsize} bytes)"
+        )
+
+
 class Batch:
     """A group of READ/WRITE requests submitted and completed together. Thread-safe.
 
@@ -238,7 +289,7 @@ class Batch:
             plans = []
             for g in self._groups.values():
                 lo, ro, ln, idx = g.build()
-                plans.append((g, self._validate(g, lo, ro, ln), lo, ro, ln, idx))
+                plans.append((g, validate_requests(engine, g.op, g.local, g.remote, lo, ro, ln), lo, ro, ln, idx))
             # Every request is valid: now pick (and open) a transport route per group.
             routes = [engine._route(g.local, g.remote) for g, *_ in plans]
             tasks = self._make_tasks(plans, routes, cfg.split_bytes)
@@ -264,26 +315,6 @@ class Batch:
             for t in tasks:
                 engine._executor.submit(t)
         return self
-
-    def _validate(self, g: _Group, lo: np.ndarray, ro: np.ndarray, ln: np.ndarray) -> int:
-        engine = self._engine
-        local, remote = g.local, g.remote
-        if local not in engine._regions or local.closed:
-            raise NotRegistered(f"{local!r} is not registered with this engine")
-        if remote.stale_reason is not None:
-            raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
-        reason = remote.peer.liveness.dead_reason
-        if reason is not None:
-            raise PeerDeadError(f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}")
-        if len(ln) and int(ln.min()) <= 0:
-            bad = int(np.flatnonzero(ln <= 0)[0])
-            raise InvalidLength(f"request length must be positive, got {int(ln[bad])} ({g.op.value} #{bad} of its group)")
-        if len(lo) and (int(lo.min()) < 0 or int(ro.min()) < 0):
-            raise OutOfBounds(f"negative offset in a {g.op.value} request on segment {remote.name!r}")
-        ulo, uro, uln = lo.view(np.uint64), ro.view(np.uint64), ln.view(np.uint64)
-        check_ranges(local.size, ulo, uln, f"local {local!r}")
-        check_ranges(remote.size, uro, uln, f"remote segment {remote.name!r}")
-        return int(uln.sum())
 
     def _make_tasks(self, plans: list, routes: list[RouteHandle], split: int) -> list[Task]:
         engine = self._engine

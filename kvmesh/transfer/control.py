@@ -77,7 +77,15 @@ def check_ranges(size: int, offsets: np.ndarray, lengths: np.ndarray, what: str)
     """Raise unless every ``[offset, offset + length)`` is non-empty and inside ``size``."""
     if len(offsets) != len(lengths):
         raise InvalidLength(f"{what}: {len(offsets)} offsets but {len(lengths)} lengths")
-    if len(lengths) == 0:
+    n = len(lengths)
+    if n == 0:
+        return
+    if n <= 8:
+        for i, (o, ln) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            if ln == 0:
+                raise InvalidLength(f"{what}: request {i} has length 0")
+            if o > size or ln > size - o:
+                raise OutOfBounds(f"{what}: request {i} [{o}, +{ln}) exceeds its size of {size} bytes")
         return
     if not (lengths > 0).all():
         bad = int(np.flatnonzero(lengths == 0)[0])

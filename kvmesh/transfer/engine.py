@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Iterable
 
 import msgspec
@@ -26,12 +27,14 @@ import numpy as np
 
 from . import protocol as P
 from . import transports as _transports
-from .batch import Batch, BatchResult
+from .batch import Batch, BatchResult, _as_int64, validate_requests
 from .control import ControlServer, Identity, Monitor, PeerClient
 from .errors import (
     EngineClosed,
     InvalidArgument,
+    InvalidLength,
     NotRegistered,
+    OutOfBounds,
     SegmentNotFound,
     TensorMismatch,
     TransferError,
@@ -49,8 +52,8 @@ from .memory import (
     sweep_dead_shared,
 )
 from .segment import RemoteSegment, RouteHandle, SegmentTable
-from .transports.base import Transport, TransportContext
-from .types import EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
+from .transports.base import Transport, TransportContext, TransferJob
+from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -87,6 +90,23 @@ def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
     if type(obj).__module__.startswith("torch"):
         return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.numel() * obj.element_size()
     raise InvalidArgument(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
+
+
+def _as_op(op: Any) -> Op:
+    if op.__class__ is Op:
+        return op
+    try:
+        return Op(op)
+    except ValueError:
+        raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+
+
+def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        return (np.array((local_offset,), np.int64), np.array((remote_offset,), np.int64),
+                np.array((length,), np.int64))
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise OutOfBounds(f"offsets and lengths must be integers below 2**63 ({exc})") from None
 
 
 class TransferEngine:
@@ -236,8 +256,6 @@ class TransferEngine:
         if not isinstance(ptr, int) or ptr <= 0:
             raise InvalidArgument(f"bad address {ptr!r}")
         if not isinstance(size, int) or size <= 0:
-            from .errors import InvalidLength
-
             raise InvalidLength(f"registered size must be positive, got {size!r}")
         shm = None
         if kind.is_host:
@@ -480,26 +498,70 @@ class TransferEngine:
     ) -> BatchResult:
         """Synchronous batch: move the requests and return when done (raises on failure).
 
-        The calling thread does the work itself where it can (no hand-off); parts of a large
-        batch run on the worker threads in parallel.
+        The calling thread does the copy or the socket I/O itself (no thread hand-off); a
+        batch larger than ``split_bytes`` is cut into parts that the worker threads share.
         """
-        b = Batch(self)
-        try:
-            b.add_many(op, local, local_offsets, remote, remote_offsets, lengths)
-            b.submit(timeout, _sync=True)
-            return b.wait()
-        finally:
-            b.free()
+        lo = _as_int64("local_offsets", local_offsets)
+        ro = _as_int64("remote_offsets", remote_offsets)
+        ln = _as_int64("lengths", lengths, len(lo))
+        if not (len(lo) == len(ro) == len(ln)):
+            raise InvalidLength(
+                f"transfer needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, {len(ln)} lengths"
+            )
+        return self._sync(_as_op(op), local, remote, lo, ro, ln, timeout)
 
     def read(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
              length: int, *, timeout: float | None = None) -> BatchResult:
         """READ one range of ``remote`` into ``local`` (synchronous)."""
-        return self.transfer(Op.READ, local, [local_offset], remote, [remote_offset], [length], timeout=timeout)
+        return self._sync(Op.READ, local, remote, *_one(local_offset, remote_offset, length), timeout)
 
     def write(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
               length: int, *, timeout: float | None = None) -> BatchResult:
         """WRITE one range of ``local`` into ``remote`` (synchronous)."""
-        return self.transfer(Op.WRITE, local, [local_offset], remote, [remote_offset], [length], timeout=timeout)
+        return self._sync(Op.WRITE, local, remote, *_one(local_offset, remote_offset, length), timeout)
+
+    def _sync(self, op: Op, local: MemoryRegion, remote: RemoteSegment, lo: np.ndarray, ro: np.ndarray,
+              ln: np.ndarray, timeout: float | None) -> BatchResult:
+        # The lean path of the latency-bound case: no Batch, no Task, no status array.
+        self._check_open()
+        if not isinstance(local, MemoryRegion):
+            raise NotRegistered(f"local memory must be a MemoryRegion from register(), got {type(local).__name__}")
+        if not isinstance(remote, RemoteSegment):
+            raise InvalidArgument(f"remote must be a RemoteSegment from open_segment(), got {type(remote).__name__}")
+        nbytes = validate_requests(self, op, local, remote, lo, ro, ln)
+        if nbytes > self.config.split_bytes and len(ln) > 1:
+            b = Batch(self)
+            try:
+                b.add_many(op, local, lo, remote, ro, ln)
+                b.submit(timeout, _sync=True)
+                return b.wait()
+            finally:
+                b.free()
+        h = self._route(local, remote)
+        if not h.acquire():
+            raise SegmentNotFound(f"segment {remote.name!r} was closed while submitting")
+        try:
+            local.acquire()
+        except BaseException:
+            h.release()
+            raise
+        t0 = time.monotonic()
+        deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
+        job = TransferJob(op, local, remote.desc, h.route, lo.view(np.uint64), ro.view(np.uint64),
+                          ln.view(np.uint64), nbytes, deadline, remote.peer.liveness)
+        try:
+            job.check()
+            h.transport.execute(job)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"{h.transport.kind.value} transport failed on segment {remote.name!r}: {exc!r}") from exc
+        finally:
+            local.release()
+            h.release()
+        self._stats["batches"] += 1
+        return BatchResult(state=BatchState.DONE, requests=len(ln), nbytes=nbytes, failed=0,
+                           transports=[h.transport.kind], elapsed_s=time.monotonic() - t0)
 
     def _route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
         key = (local.kind, local.device)

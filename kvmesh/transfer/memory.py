@@ -49,10 +49,6 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_HUGEPAGE = 14
 
-# ctypes.memmove is a CFUNCTYPE call: it releases the GIL, so copies in worker threads overlap.
-memmove = ctypes.memmove
-
-
 def host_array(ptr: int, size: int) -> np.ndarray:
     """A ``uint8`` numpy view of ``size`` bytes at host address ``ptr`` (no ownership)."""
     if size == 0:
@@ -445,35 +441,3 @@ class RegionIndex:
                 safe[j] = regs.index(reg)
         return regs, safe, ptrs - starts[safe]
 
-
-_CHECK_EVERY = 8 << 20  # bytes copied between two job.check() calls
-
-
-def copy_ranges(
-    dst_base: int,
-    dst_offsets: np.ndarray,
-    src_base: int,
-    src_offsets: np.ndarray,
-    lengths: np.ndarray,
-    check: Any = None,
-) -> None:
-    """memmove every ``lengths[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + dst_offsets[i]``.
-
-    One ``ctypes.memmove`` per range (it releases the GIL, so copies in several threads run in
-    parallel). ``check`` (a callable) is called every few MiB so long copies stay abortable.
-    """
-    dst = (dst_offsets + np.uint64(dst_base)).tolist()
-    src = (src_offsets + np.uint64(src_base)).tolist()
-    lens = lengths.tolist()
-    mm = memmove
-    if check is None:
-        for d, s, n in zip(dst, src, lens):
-            mm(d, s, n)
-        return
-    budget = _CHECK_EVERY
-    for d, s, n in zip(dst, src, lens):
-        mm(d, s, n)
-        budget -= n
-        if budget <= 0:
-            check()
-            budget = _CHECK_EVERY

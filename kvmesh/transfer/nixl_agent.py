@@ -59,6 +59,7 @@ __all__ = [
     "RemoteRegion",
     "available",
     "has_rdma_devices",
+    "installed_reason",
     "nixl_version",
     "prepare_environment",
     "unavailable_reason",
@@ -191,6 +192,25 @@ def available() -> bool:
         global _load_error
         _load_error = f"NIXL import failed: {exc}"
         return False
+
+
+def installed_reason() -> str | None:
+    """Cheap check without importing NIXL: ``None`` when a NIXL package is installed.
+
+    Lets an engine list NIXL as a transport at start-up without paying for the import and
+    the UCX load (~0.5 s) until NIXL is first used; the real import may still fail later.
+    """
+    if _load_tried:
+        return None if _loaded is not None else _load_error
+    import importlib.util
+
+    for name in _candidates():
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return None
+        except (ImportError, ValueError):
+            continue
+    return "NIXL is not installed (tried " + ", ".join(_candidates()) + ")"
 
 
 def unavailable_reason() -> str | None:
@@ -349,6 +369,8 @@ def _lowbit(x: int) -> int:
 
 
 def _as_offsets(values: Any, what: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == np.uint64 and values.ndim == 1:
+        return values
     arr = np.asarray(values)
     if arr.ndim == 0:
         arr = arr.reshape(1)
@@ -921,6 +943,8 @@ class NixlAgent:
         remote_offsets: Any,
         lengths: Any,
         notif: bytes = b"",
+        *,
+        trusted: bool = False,
     ) -> NixlXfer:
         """Build (not post) one transfer of many (local offset, remote offset, length) pieces.
 
@@ -928,7 +952,8 @@ class NixlAgent:
         relative to the regions. Every piece is bounds-checked against both regions first.
         When every offset and length is a multiple of a common power-of-two granule, the
         request is built from cached prepared lists (10-100 µs for 64-1024 pieces); otherwise
-        from explicit descriptors (``initialize_xfer``).
+        from explicit descriptors (``initialize_xfer``). ``trusted=True`` skips the range checks
+        for callers that already checked (the engine checks every request against both regions).
         """
         self._check_open()
         self._active = time.monotonic()
@@ -956,10 +981,62 @@ class NixlAgent:
             raise InvalidArgument(
                 f"offsets and lengths differ in count ({len(lo)}, {len(ro)}, {n})"
             )
-        if not ln.all():
-            bad = int(np.flatnonzero(ln == 0)[0])
-            raise InvalidLength(f"lengths[{bad}] is zero")
-        for offs, region, side in ((lo, local.size, "local"), (ro, remote.size, "remote")):
+        if n <= 8:
+            # Python ints beat a handful of numpy reductions for the latency path.
+            L, R, N = lo.tolist(), ro.tolist(), ln.tolist()
+            acc = 0
+            for i in range(n):
+                a, b, c = L[i], R[i], N[i]
+                if not trusted:
+                    if c == 0:
+                        raise InvalidLength(f"lengths[{i}] is zero")
+                    if a + c > local.size or b + c > remote.size:
+                        side, o, size = (("local", a, local.size) if a + c > local.size
+                                         else ("remote", b, remote.size))
+                        raise OutOfBounds(
+                            f"piece {i}: {side} offset {o} + length {c} exceeds the {side} "
+                            f"region of {size} bytes"
+                        )
+                acc |= a | b | c
+            nbytes = sum(N)
+            granule = acc & -acc
+            uniform = all(c == granule for c in N)
+            if uniform:
+                li = np.array([a // granule for a in L], dtype=np.int32)
+                ri = np.array([b // granule for b in R], dtype=np.int32)
+        else:
+            if not trusted:
+                if not ln.all():
+                    bad = int(np.flatnonzero(ln == 0)[0])
+                    raise InvalidLength(f"lengths[{bad}] is zero")
+                self._check_ranges(lo, ro, ln, local.size, remote.size)
+            nbytes = int(ln.sum())
+            granule = _lowbit(int(np.bitwise_or.reduce(lo | ro | ln)))
+            g = np.uint64(granule)
+            uniform = bool((ln == g).all())
+            if uniform:
+                li = (lo // g).astype(np.int32)
+                ri = (ro // g).astype(np.int32)
+        opts = self.options
+        if local.size // granule > opts.max_table_rows or remote.size // granule > opts.max_table_rows:
+            return self._make_direct(opu, local, lo, peer, remote, ro, ln, nbytes, notif)
+        if not uniform:
+            pieces = nbytes // granule
+            if pieces > max(opts.max_expansion * n, n + 64):
+                return self._make_direct(opu, local, lo, peer, remote, ro, ln, nbytes, notif)
+            # Expand each piece into its granules; NIXL merges the adjacent descriptors again.
+            g = np.uint64(granule)
+            counts = (ln // g).astype(np.int64)
+            starts = np.repeat(np.cumsum(counts) - counts, counts)
+            step = np.arange(pieces, dtype=np.int64) - starts
+            li = (np.repeat((lo // g).astype(np.int64), counts) + step).astype(np.int32)
+            ri = (np.repeat((ro // g).astype(np.int64), counts) + step).astype(np.int32)
+        return self._make_prepped(opu, local, li, peer, remote, ri, granule, nbytes, notif)
+
+    @staticmethod
+    def _check_ranges(lo: np.ndarray, ro: np.ndarray, ln: np.ndarray, lsize: int,
+                      rsize: int) -> None:
+        for offs, region, side in ((lo, lsize, "local"), (ro, rsize, "remote")):
             ends = offs + ln
             # ends < offs catches uint64 wrap-around of huge offsets
             over = (ends > np.uint64(region)) | (ends < offs)
@@ -969,33 +1046,10 @@ class NixlAgent:
                     f"piece {bad}: {side} offset {int(offs[bad])} + length {int(ln[bad])} "
                     f"exceeds the {side} region of {region} bytes"
                 )
-        nbytes = int(ln.sum())
-        granule = _lowbit(int(np.bitwise_or.reduce(np.concatenate((lo, ro, ln)))))
-        opts = self.options
-        pieces = nbytes // granule
-        if (
-            pieces <= max(opts.max_expansion * n, n + 64)
-            and local.size // granule <= opts.max_table_rows
-            and remote.size // granule <= opts.max_table_rows
-        ):
-            return self._make_prepped(opu, local, lo, peer, remote, ro, ln, granule, nbytes, notif)
-        return self._make_direct(opu, local, lo, peer, remote, ro, ln, nbytes, notif)
 
-    def _make_prepped(self, op: str, local: NixlRegion, lo: np.ndarray, peer: str,
-                      remote: RemoteRegion, ro: np.ndarray, ln: np.ndarray, granule: int,
-                      nbytes: int, notif: bytes) -> NixlXfer:
-        g = np.uint64(granule)
-        if bool((ln == g).all()):
-            li = (lo // g).astype(np.int32)
-            ri = (ro // g).astype(np.int32)
-        else:
-            # Expand each piece into its granules; NIXL merges the adjacent descriptors again.
-            counts = (ln // g).astype(np.int64)
-            total = int(counts.sum())
-            starts = np.repeat(np.cumsum(counts) - counts, counts)
-            step = np.arange(total, dtype=np.int64) - starts
-            li = (np.repeat((lo // g).astype(np.int64), counts) + step).astype(np.int32)
-            ri = (np.repeat((ro // g).astype(np.int64), counts) + step).astype(np.int32)
+    def _make_prepped(self, op: str, local: NixlRegion, li: np.ndarray, peer: str,
+                      remote: RemoteRegion, ri: np.ndarray, granule: int, nbytes: int,
+                      notif: bytes) -> NixlXfer:
         with self._lock:
             self._check_open()
             lp = self._prep("", local.addr, local.size, local.kind, local.device, granule)
@@ -1003,15 +1057,14 @@ class NixlAgent:
             lp.users += 1
             rp.users += 1
         try:
-            handle = self._call(
-                f"NIXL {op} with {peer!r}", self._ag.make_prepped_xfer, op, lp.handle, li,
-                rp.handle, ri, notif, backends=_BACKENDS,
-            )
+            handle = self._ag.make_prepped_xfer(op, lp.handle, li, rp.handle, ri, notif,
+                                                backends=_BACKENDS)
         except BaseException as exc:
             self._unuse((lp, rp))
-            if isinstance(exc, PeerDeadError):
-                self._mark_dead(peer, str(exc))
-            raise
+            err = _translate(self._loaded, exc, f"NIXL {op} with {peer!r}")
+            if isinstance(err, PeerDeadError):
+                self._mark_dead(peer, str(err))
+            raise err from None
         return NixlXfer(self, handle, (lp, rp), op, peer, nbytes, len(li), True)
 
     def _make_direct(self, op: str, local: NixlRegion, lo: np.ndarray, peer: str,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import SegmentNotFound, TransportUnavailable
-from ..memory import MemoryRegion, copy_ranges
+from ..fastcopy import copy_ranges
+from ..memory import MemoryRegion
 from ..types import Op, SegmentDescriptor, TransportKind
 from .base import Transport, TransferJob
 

@@ -13,7 +13,8 @@ import threading
 from typing import Any
 
 from ..errors import TransportUnavailable
-from ..memory import MemoryRegion, SharedBuffer, copy_ranges
+from ..fastcopy import copy_ranges
+from ..memory import MemoryRegion, SharedBuffer
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
 from .base import Transport, TransferJob
 
