@@ -41,7 +41,11 @@ from .types import BatchState, Op, RequestStatus, TransportKind
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TransferEngine
 
-_WAIT_GRACE = 5.0  # seconds past the batch deadline before wait() gives up on a stuck job
+_WAIT_GRACE = 5.0
+# RequestStatus values as plain ints: enum attribute access costs microseconds on hot paths.
+_DONE = int(RequestStatus.DONE)
+_FAILED = int(RequestStatus.FAILED)
+_CANCELLED = int(RequestStatus.CANCELLED)  # seconds past the batch deadline before wait() gives up on a stuck job
 
 
 class BatchResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -181,7 +185,8 @@ class Batch:
         self._status: np.ndarray | None = None
         self._tasks: list[Task] = []
         self._pending = 0
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # created only if someone must block
         self._error: BaseException | None = None
         self._served: set[TransportKind] = set()
         self._nbytes = 0
@@ -302,11 +307,15 @@ class Batch:
             if not tasks:
                 self._finish_locked()
                 return self
-        inline = (
-            len(tasks) == 1
-            if _sync
-            else all(t.transport.inline_ok and t.job.nbytes <= cfg.inline_bytes for t in tasks)
-        )
+        if _sync:
+            inline = len(tasks) == 1
+        else:
+            limit = cfg.inline_bytes
+            inline = True
+            for t in tasks:
+                if not (t.transport.inline_ok and t.job.nbytes <= limit):
+                    inline = False
+                    break
         if inline:
             for t in tasks:
                 if t.claim():
@@ -324,8 +333,25 @@ class Batch:
             for (g, nbytes, lo, ro, ln, idx), handle in zip(plans, routes):
                 if len(ln) == 0:
                     continue
-                parts = [(0, len(ln))]
-                if nbytes > split and len(ln) > 1:
+                n = len(ln)
+                if nbytes <= split or n == 1:  # the common case: one job, no slicing
+                    if not handle.acquire():
+                        raise SegmentNotFound(f"segment {g.remote.name!r} was closed while submitting")
+                    try:
+                        g.local.acquire()
+                    except BaseException:
+                        handle.release()
+                        raise
+                    held.append((g.local, handle))
+                    i0 = int(idx[0])
+                    index: object = slice(i0, i0 + n) if int(idx[-1]) - i0 + 1 == n else idx
+                    job = TransferJob(g.op, g.local, g.remote.desc, handle.route, lo.view(np.uint64),
+                                      ro.view(np.uint64), ln.view(np.uint64), nbytes, self._deadline,
+                                      g.remote.peer.liveness)
+                    tasks.append(Task(job, handle.transport, index, handle, self._on_done))
+                    continue
+                parts = [(0, n)]
+                if n > 1:
                     cut = np.searchsorted(np.cumsum(ln), np.arange(split, nbytes, split), side="left") + 1
                     edges = [0] + sorted(set(int(c) for c in cut if 0 < c < len(ln))) + [len(ln)]
                     parts = list(zip(edges[:-1], edges[1:]))
@@ -341,7 +367,7 @@ class Batch:
                     plo, pro, pln = (lo[a:b].view(np.uint64), ro[a:b].view(np.uint64), ln[a:b].view(np.uint64))
                     pidx = idx[a:b]
                     if len(pidx) and int(pidx[-1]) - int(pidx[0]) + 1 == len(pidx):
-                        index: object = slice(int(pidx[0]), int(pidx[-1]) + 1)
+                        index = slice(int(pidx[0]), int(pidx[-1]) + 1)
                     else:
                         index = pidx
                     job = TransferJob(
@@ -374,10 +400,10 @@ class Batch:
             if status is None:  # freed meanwhile
                 return
             if exc is None:
-                status[task.index] = RequestStatus.DONE
+                status[task.index] = _DONE
                 self._served.add(task.transport.kind)
             else:
-                status[task.index] = RequestStatus.CANCELLED if isinstance(exc, Cancelled) else RequestStatus.FAILED
+                status[task.index] = _CANCELLED if isinstance(exc, Cancelled) else _FAILED
                 if self._error is None or isinstance(self._error, Cancelled):
                     self._error = exc
             self._pending -= 1
@@ -389,7 +415,9 @@ class Batch:
             return
         self._t1 = time.monotonic()
         self._state = BatchState.DONE if self._error is None else BatchState.FAILED
-        self._event.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
 
     # --- observing ------------------------------------------------------------------------
     @property
@@ -414,14 +442,17 @@ class Batch:
     def result(self) -> BatchResult:
         with self._lock:
             status = self._status
-            failed = 0 if status is None else int(np.count_nonzero(status >= RequestStatus.FAILED))
-            end = self._t1 if self._event.is_set() else time.monotonic()
+            if status is None or self._state is BatchState.DONE:
+                failed = 0
+            else:
+                failed = int(np.count_nonzero(status >= _FAILED))
+            end = self._t1 if self._done else time.monotonic()
             return BatchResult(
                 state=self._state,
                 requests=self._n,
                 nbytes=self._nbytes,
                 failed=failed,
-                transports=sorted(self._served, key=lambda k: k.value),
+                transports=list(self._served) if len(self._served) < 2 else sorted(self._served, key=lambda k: k.value),
                 elapsed_s=max(0.0, end - self._t0) if self._t0 else 0.0,
                 error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
             )
@@ -442,12 +473,12 @@ class Batch:
             raise BatchStateError("wait() on a batch that was not submitted")
         if self._state is BatchState.FREED:
             raise BatchStateError("wait() on a freed batch")
-        if not self._event.is_set():
+        if not self._done:
             for t in self._tasks:  # steal our own queued jobs: no thread hand-off
                 if t.claim():
                     t.run()
             limit = timeout if timeout is not None else max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE
-            if not self._event.wait(limit):
+            if not self._block(limit):
                 if timeout is None:  # a transport ignored its deadline: give up on it
                     self.cancel()
                 raise TransferTimeout(
@@ -457,6 +488,15 @@ class Batch:
         if raise_on_error and self._error is not None:
             raise self._error
         return self.result()
+
+    def _block(self, timeout: float) -> bool:
+        with self._lock:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            ev = self._event
+        return ev.wait(timeout)
 
     # --- ending ---------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -470,9 +510,9 @@ class Batch:
         """Release the batch. An unfinished batch is cancelled first (bounded wait)."""
         if self._state is BatchState.FREED:
             return
-        if self._state is BatchState.SUBMITTED and not self._event.is_set():
+        if self._state is BatchState.SUBMITTED and not self._done:
             self.cancel()
-            self._event.wait(max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE)
+            self._block(max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE)
         with self._lock:
             self._state = BatchState.FREED
             self._groups = {}

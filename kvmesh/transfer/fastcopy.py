@@ -92,6 +92,12 @@ def copy_ranges(
     One native call per range, GIL released, so several threads copy in parallel. ``check`` is
     called every few MiB so that a long copy stays abortable (dead peer, deadline).
     """
+    if len(lengths) <= 4:  # numpy call overhead would dominate a few small copies
+        for d, s, n in zip(dst_offsets.tolist(), src_offsets.tolist(), lengths.tolist()):
+            copy(dst_base + d, src_base + s, n)
+        if check is not None:
+            check()
+        return
     dsts = dst_offsets + np.uint64(dst_base)
     srcs = src_offsets + np.uint64(src_base)
     dst = dsts.tolist()
