@@ -126,11 +126,11 @@ def validate_requests(
     """Check requests (int64 arrays) against both regions; return their total bytes."""
     if local not in engine._regions or local.closed:
         raise NotRegistered(f"{local!r} is not registered with this engine")
-    if remote.stale_reason is not None:
-        raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
     reason = remote.peer.liveness.dead_reason
     if reason is not None:
         raise PeerDeadError(f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}")
+    if remote.stale_reason is not None:
+        raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
     n = len(ln)
     if n <= 8:  # a few numpy reductions cost more than the whole copy of a small request
         total = 0

@@ -362,9 +362,9 @@ class PeerClient:
         self._idle.append(first)
 
     # --- connections ----------------------------------------------------------------------
-    def _connect(self, watch: bool) -> Connection:
+    def _connect(self, watch: bool, timeout: float | None = None) -> Connection:
         host, port = P.split_host_port(self.address)
-        timeout = self._config.connect_timeout
+        timeout = self._config.connect_timeout if timeout is None else min(timeout, self._config.connect_timeout)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -408,13 +408,16 @@ class PeerClient:
         return conn.sock
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[Connection]:
-        """A pooled connection; closed instead of returned if anything went wrong on it."""
+    def connection(self, timeout: float | None = None) -> Iterator[Connection]:
+        """A pooled connection; closed instead of returned if anything went wrong on it.
+
+        ``timeout`` bounds opening a new connection (a caller's deadline).
+        """
         self.check_alive()
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            conn = self._connect(watch=False)
+            conn = self._connect(watch=False, timeout=timeout)
         try:
             yield conn
         except BaseException:
@@ -436,7 +439,7 @@ class PeerClient:
     def _call(self, msg: P.Message, timeout: float | None = None) -> P.Message:
         t = self._config.control_timeout if timeout is None else timeout
         try:
-            with self.connection() as conn:
+            with self.connection(t) as conn:
                 return conn.request(msg, t)
         except PeerDeadError as exc:
             reason = self.liveness.dead_reason
@@ -468,7 +471,7 @@ class PeerClient:
     ) -> None:
         """Push ``views`` into ``desc`` at ``offsets``; returns once the owner acknowledged."""
         req = P.WriteReq(desc.name, desc.seg_id, offsets.astype("<u8", copy=False).tobytes(), lengths.astype("<u8", copy=False).tobytes(), total)
-        with self.connection() as conn:
+        with self.connection(timeout) as conn:
             conn.sock.settimeout(timeout)
             try:
                 P.send_views(conn.sock, [memoryview(P.encode(req))] + views)
@@ -481,7 +484,7 @@ class PeerClient:
     ) -> None:
         """Ask the owner to push the ranges; receive them straight into ``views``."""
         req = P.ReadReq(desc.name, desc.seg_id, offsets.astype("<u8", copy=False).tobytes(), lengths.astype("<u8", copy=False).tobytes(), total)
-        with self.connection() as conn:
+        with self.connection(timeout) as conn:
             resp = _expect(conn.request(req, timeout), P.ReadResp)
             if resp.total != total:  # type: ignore[attr-defined]
                 raise ProtocolError(f"peer {self.address} answered {resp.total} bytes for a {total} byte read")  # type: ignore[attr-defined]
