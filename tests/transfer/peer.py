@@ -30,10 +30,12 @@ def main() -> None:
     ap.add_argument("--disable", default="")
     ap.add_argument("--token")
     ap.add_argument("--node-id", default="peer")
+    ap.add_argument("--listen", default=None)
     args = ap.parse_args()
 
     cfg = EngineConfig.from_env(
         node_id=args.node_id,
+        listen=args.listen,
         host_id=args.host_id,
         transport=args.transport,
         token=args.token,

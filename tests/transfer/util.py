@@ -43,11 +43,17 @@ def sha(data: Any) -> str:
 class Peer:
     """A peer engine in a child process (tests/transfer/peer.py), driven by JSON lines."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.transfer.peer", *args],
+            [*prefix, sys.executable, "-m", "tests.transfer.peer", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
