@@ -336,7 +336,7 @@ class Batch:
                 n = len(ln)
                 if nbytes <= split or n == 1:  # the common case: one job, no slicing
                     if not handle.acquire():
-                        raise SegmentNotFound(f"segment {g.remote.name!r} was closed while submitting")
+                        raise g.remote.gone_error()
                     try:
                         g.local.acquire()
                     except BaseException:
@@ -357,7 +357,7 @@ class Batch:
                     parts = list(zip(edges[:-1], edges[1:]))
                 for a, b in parts:
                     if not handle.acquire():
-                        raise SegmentNotFound(f"segment {g.remote.name!r} was closed while submitting")
+                        raise g.remote.gone_error()
                     try:
                         g.local.acquire()
                     except BaseException:

@@ -539,7 +539,7 @@ class TransferEngine:
                 b.free()
         h = self._route(local, remote)
         if not h.acquire():
-            raise SegmentNotFound(f"segment {remote.name!r} was closed while submitting")
+            raise remote.gone_error()
         try:
             local.acquire()
         except BaseException:
@@ -760,6 +760,7 @@ class TransferEngine:
 
 # --- the process-wide shared engine -----------------------------------------------------------
 _shared: TransferEngine | None = None
+_shared_args: list[Any] = [None, None, None]  # what created it: (node_id, listen, config)
 _shared_lock = threading.Lock()
 
 
@@ -776,8 +777,15 @@ def init_engine(
                 raise InvalidArgument(
                     f"the shared engine already runs as node {_shared.node_id!r}, not {node_id!r}"
                 )
+            if (listen is not None and listen != _shared_args[1]) or (
+                config is not None and config != _shared_args[2]
+            ):
+                raise InvalidArgument(
+                    "the shared engine already runs with another listen address or configuration"
+                )
             return _shared
         _shared = TransferEngine(node_id, listen, config)
+        _shared_args[:] = [node_id, listen, config]
         return _shared
 
 

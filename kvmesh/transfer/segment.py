@@ -134,8 +134,14 @@ class RemoteSegment:
                 for (k, d), h in self._routes.items()
             }
 
-    def _route_for(self, key: tuple[MemoryKind, int]) -> RouteHandle | None:
-        return self._routes.get(key)
+    def gone_error(self) -> Exception:
+        """The error for a request on this segment once its route was closed under it."""
+        from .errors import PeerDeadError
+
+        reason = self.peer.liveness.dead_reason
+        if reason is not None:
+            return PeerDeadError(f"owner of segment {self.name!r} ({self.peer.address}) is dead: {reason}")
+        return SegmentNotFound(f"segment {self.name!r} is gone: {self.stale_reason or 'closed while submitting'}")
 
     def _close_routes(self) -> None:
         with self._lock:

@@ -329,9 +329,23 @@ def test_shared_accessor_is_one_engine_per_process():
         assert init_engine(node_id=eng.node_id) is eng
         with pytest.raises(InvalidArgument):
             init_engine(node_id="somebody-else")
+        with pytest.raises(InvalidArgument):
+            init_engine(listen="127.0.0.1:1")
         shutdown_engine()
         assert eng.closed
         fresh = init_engine(node_id="fresh")
         assert fresh is not eng and fresh.node_id == "fresh" and get_engine() is fresh
     finally:
         shutdown_engine()
+
+
+def test_engine_talks_to_itself(make_engine):
+    eng = make_engine()
+    seg = eng.alloc_shared(MiB, name="own")
+    buf = eng.register(np.arange(MiB, dtype=np.uint64).astype(np.uint8))
+    rs = eng.open_segment(eng.address, "own")
+    assert eng.write(buf, 0, rs, 0, MiB).transports == [TransportKind.LOCAL]
+    assert (seg.array() == buf.array()).all()
+    assert eng.ping(eng.address) > 0
+    assert [d.name for d in eng.list_segments(eng.address)] == ["own"]
+    assert eng.info()["segments"] == ["own"]
