@@ -69,7 +69,24 @@ def _tune(sock: socket.socket, keepalive: bool) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
 
+def primary_ip() -> str:
+    """This host's address on its default route (no packet is sent), else loopback."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))
+        return probe.getsockname()[0]
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    finally:
+        probe.close()
+
+
 def _offsets(raw: bytes) -> np.ndarray:
+    if len(raw) % 8:
+        raise ProtocolError(f"offset/length array of {len(raw)} bytes is not a uint64 array")
     return np.frombuffer(raw, dtype="<u8")
 
 
@@ -124,7 +141,12 @@ class ControlServer:
         self._call = call
         self._lsock = socket.create_server((host, port), backlog=128)
         bound = self._lsock.getsockname()
-        self.address = config.advertise or f"{bound[0]}:{bound[1]}"
+        bhost = bound[0]
+        if bhost in ("0.0.0.0", "::", ""):
+            bhost = primary_ip()  # a wildcard is not an address peers can use
+        if ":" in bhost:
+            bhost = f"[{bhost}]"
+        self.address = config.advertise or f"{bhost}:{bound[1]}"
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._watchers: dict[socket.socket, threading.Lock] = {}
@@ -160,6 +182,8 @@ class ControlServer:
         except (TransferError, OSError) as exc:
             if not self._closed and not isinstance(exc, PeerDeadError):
                 log.debug("control connection ended: %r", exc)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("control connection failed")
         finally:
             with self._lock:
                 self._conns.discard(sock)

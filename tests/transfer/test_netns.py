@@ -58,6 +58,7 @@ def namespaces():
             _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "-n", nb, "route", "add", "default", "dev", "kvb")  # what "primary address" means
         yield na, nb, subnet
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"cannot build the veth pair: {exc.stderr!r}")
@@ -69,8 +70,9 @@ def namespaces():
 def test_transfers_across_a_veth_pair(namespaces):
     na, nb, subnet = namespaces
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # The peer runs inside namespace b, listening on its veth address only.
-    with Peer("--size", str(16 << 20), "--listen", f"10.77.{subnet}.2:0",
+    # The peer runs inside namespace b on the wildcard address: it must advertise its veth
+    # address (the one on its default route), not 0.0.0.0.
+    with Peer("--size", str(16 << 20), "--listen", "0.0.0.0:0",
               prefix=("ip", "netns", "exec", nb)) as peer:
         assert peer.address.startswith(f"10.77.{subnet}.2:")
         out = subprocess.run(["ip", "netns", "exec", na, sys.executable, "-c", CLIENT, peer.address, subnet],
