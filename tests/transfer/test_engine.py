@@ -349,3 +349,29 @@ def test_engine_talks_to_itself(make_engine):
     assert eng.ping(eng.address) > 0
     assert [d.name for d in eng.list_segments(eng.address)] == ["own"]
     assert eng.info()["segments"] == ["own"]
+
+
+def test_owner_rechecks_requests_it_receives(make_engine):
+    """The owner never trusts the requester: bad raw requests are refused, the stream survives."""
+    import msgspec
+
+    from kvmesh.transfer import OutOfBounds as OOB
+
+    owner, client = make_engine(), make_engine()
+    seg = owner.alloc_shared(MiB, name="s")
+    seg.array()[:] = 1
+    desc = client.open_segment(owner.address, "s").desc
+    peer = client.peer(owner.address)
+    payload = np.full(8192, 9, np.uint8)
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    views = lambda: [memoryview(payload)[:4096], memoryview(payload)[4096:]]  # noqa: E731
+    with pytest.raises(OOB):
+        peer.write(desc, u(0, MiB - 100), u(4096, 4096), views(), 8192, 5.0)
+    stale = msgspec.structs.replace(desc, seg_id=desc.seg_id + 1)
+    with pytest.raises(SegmentNotFound, match="replaced"):
+        peer.write(stale, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
+    with pytest.raises(SegmentNotFound):
+        peer.read(msgspec.structs.replace(desc, name="other"), u(0), u(16), [memoryview(bytearray(16))], 16, 5.0)
+    assert (seg.array() == 1).all()  # nothing landed
+    peer.write(desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)  # pooled connections still fine
+    assert (seg.array()[:8192] == 9).all() and (seg.array()[8192:] == 1).all()
