@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from . import protocol as P
+from . import select as _select
 from . import transports as _transports
 from .batch import Batch, BatchResult, _as_int64, validate_requests
 from .control import ControlServer, Identity, Monitor, PeerClient
@@ -520,6 +521,50 @@ class TransferEngine:
         """WRITE one range of ``local`` into ``remote`` (synchronous)."""
         return self._sync(Op.WRITE, local, remote, *_one(local_offset, remote_offset, length), timeout)
 
+    def transfer_by_address(
+        self,
+        op: Op | str,
+        address: str,
+        local_ptrs: Any,
+        remote_ptrs: Any,
+        lengths: Any,
+        *,
+        timeout: float | None = None,
+    ) -> BatchResult:
+        """Synchronous batch addressed by raw pointers (Mooncake-style ``batch_transfer_sync``).
+
+        ``local_ptrs`` must lie in memory registered here, ``remote_ptrs`` in segments the
+        engine at ``address`` publishes (raw addresses in the owner's process). Requests are
+        resolved and grouped with vectorised lookups, then moved as one batch.
+        """
+        op = _as_op(op)
+        lp = _as_int64("local_ptrs", local_ptrs)
+        rp = _as_int64("remote_ptrs", remote_ptrs)
+        ln = _as_int64("lengths", lengths, len(lp))
+        if not (len(lp) == len(rp) == len(ln)):
+            raise InvalidLength(f"{len(lp)} local addresses, {len(rp)} remote addresses, {len(ln)} lengths")
+        if len(ln) == 0:
+            return BatchResult(state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0)
+        if int(ln.min()) <= 0:
+            raise InvalidLength(f"request length must be positive, got {int(ln.min())}")
+        if int(lp.min()) <= 0 or int(rp.min()) <= 0:
+            raise InvalidArgument("addresses must be positive")
+        regs, ri, lo = self._regions.find_many(lp.view(np.uint64), ln.view(np.uint64))
+        segs, si, ro = self.locate_many(address, rp.view(np.uint64), ln.view(np.uint64))
+        lo, ro = lo.astype(np.int64), ro.astype(np.int64)
+        key = ri.astype(np.int64) * len(segs) + si
+        if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
+            return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
+        b = Batch(self)
+        try:
+            for k in np.unique(key).tolist():
+                m = key == k
+                b.add_many(op, regs[k // len(segs)], lo[m], segs[k % len(segs)], ro[m], ln[m])
+            b.submit(timeout, _sync=True)
+            return b.wait()
+        finally:
+            b.free()
+
     def _sync(self, op: Op, local: MemoryRegion, remote: RemoteSegment, lo: np.ndarray, ro: np.ndarray,
               ln: np.ndarray, timeout: float | None) -> BatchResult:
         # The lean path of the latency-bound case: no Batch, no Task, no status array.
@@ -564,34 +609,8 @@ class TransferEngine:
                            transports=[h.transport.kind], elapsed_s=time.monotonic() - t0)
 
     def _route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
-        key = (local.kind, local.device)
-        h = remote._routes.get(key)
-        if h is not None:
-            return h
-        with remote._lock:
-            h = remote._routes.get(key)
-            if h is not None:
-                return h
-            refused = []
-            for t in self._transports:
-                if not t.can_serve(local, remote.desc):
-                    continue
-                try:
-                    route = t.open(remote.desc)
-                except TransportUnavailable as exc:
-                    refused.append(f"{t.kind.value}: {exc}")
-                    continue
-                h = remote._routes[key] = RouteHandle(t, route)
-                log.debug("segment %s from %s memory: transport %s", remote.name, local.kind.value, t.kind.value)
-                return h
-        off = {k: v for k, v in self.transport_status.items() if v}
-        raise TransportUnavailable(
-            f"no transport can move {local.kind.value} memory to/from segment {remote.name!r} "
-            f"({remote.kind.value} on host {remote.desc.host_id}, we are {self.host_id}); "
-            f"enabled: {[t.kind.value for t in self._transports]}"
-            + (f"; refused: {refused}" if refused else "")
-            + (f"; unavailable: {off}" if off else "")
-        )
+        return _select.route(self._transports, local, remote, host_id=self.host_id,
+                             unavailable=self.transport_status)
 
     def _note_batch(self) -> None:
         self._stats["batches"] += 1

@@ -375,3 +375,34 @@ def test_owner_rechecks_requests_it_receives(make_engine):
     assert (seg.array() == 1).all()  # nothing landed
     peer.write(desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)  # pooled connections still fine
     assert (seg.array()[:8192] == 9).all() and (seg.array()[8192:] == 1).all()
+
+
+def test_transfer_by_raw_addresses(make_engine):
+    owner, client = make_engine(), make_engine()
+    x = np.zeros(64 * 1024, np.uint8)
+    y = np.zeros(32 * 1024, np.uint8)
+    owner.register(x, name="x")
+    owner.register(y, name="y")
+    a = np.random.default_rng(1).integers(0, 256, 16 * 1024, dtype=np.uint8)
+    b = np.random.default_rng(2).integers(0, 256, 16 * 1024, dtype=np.uint8)
+    client.register(a)
+    client.register(b)
+    pa, pb, px, py = a.ctypes.data, b.ctypes.data, x.ctypes.data, y.ctypes.data
+    # Four requests touching two local regions and two remote segments, mixed.
+    local = [pa, pb + 4096, pa + 8192, pb]
+    remote = [py + 100, px, px + 50_000, py + 20_000]
+    lens = [4096, 8192, 1000, 4096]
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert res.requests == 4 and res.transports == [TransportKind.LOCAL]
+    assert (y[100:4196] == a[:4096]).all() and (x[:8192] == b[4096:12288]).all()
+    assert (x[50_000:51_000] == a[8192:9192]).all() and (y[20_000:24_096] == b[:4096]).all()
+    out = np.zeros(4096, np.uint8)
+    client.register(out)
+    client.transfer_by_address("read", owner.address, [out.ctypes.data], [py + 100], [4096])
+    assert (out == a[:4096]).all()
+    with pytest.raises(NotRegistered):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa + 16 * 1024 - 10], [px], [20])
+    with pytest.raises(SegmentNotFound):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa], [px + 64 * 1024 - 10], [20])
+    with pytest.raises(InvalidLength):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa], [px], [0])
