@@ -33,7 +33,11 @@ from .types import SegmentDescriptor
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20  # a frame is metadata only; anything bigger is a protocol violation
 _LEN = struct.Struct("<I")
-_IOV_BATCH = 512  # iovecs per sendmsg/recvmsg_into call (IOV_MAX is 1024 on Linux)
+# iovecs per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux). A receive returns what
+# has arrived (often 64-256 KiB on loopback) and CPython acquires every buffer of the list on
+# each call, so receives take fewer at a time than sends.
+_IOV_SEND = 256
+_IOV_RECV = 64
 _SMALL_PIECE = 64 << 10  # below this, scatter many pieces per syscall
 
 
@@ -225,7 +229,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     i = 0
     n = len(views)
     while i < n:
-        chunk = views[i : i + _IOV_BATCH]
+        chunk = views[i : i + _IOV_SEND]
         sent = sock.sendmsg(chunk)
         # Skip fully sent buffers; keep the unsent tail of a partially sent one.
         for v in chunk:
@@ -254,7 +258,7 @@ def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 views[i] = cur[got:]
             continue
-        chunk = views[i : i + _IOV_BATCH]
+        chunk = views[i : i + _IOV_RECV]
         got = sock.recvmsg_into(chunk)[0]
         if got == 0:
             raise PeerDeadError("peer closed the connection mid-transfer")
