@@ -406,3 +406,31 @@ def test_transfer_by_raw_addresses(make_engine):
         client.transfer_by_address(Op.WRITE, owner.address, [pa], [px + 64 * 1024 - 10], [20])
     with pytest.raises(InvalidLength):
         client.transfer_by_address(Op.WRITE, owner.address, [pa], [px], [0])
+
+
+def test_same_process_gpu_memory_goes_through_cuda(make_engine, monkeypatch):
+    """Routing only: CUDA is simulated with a host copy (real GPUs: scripts/gpu_check.sh)."""
+    from kvmesh.transfer import cuda, fastcopy
+
+    calls = []
+
+    def fake_copy_runs(dst, dst_offsets, src, src_offsets, lengths, device, check=None):
+        calls.append(device)
+        fastcopy.copy_ranges(dst, dst_offsets, src, src_offsets, lengths, check)
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda, "copy_runs", fake_copy_runs)
+    eng = make_engine(transports_allow=["local"])
+    fake_gpu = np.zeros(MiB, np.uint8)  # host memory registered as if it were device 3
+    eng.register_raw(fake_gpu.ctypes.data, MiB, "vram", 3, owner=fake_gpu, name="gpu")
+    host = eng.register(np.random.default_rng(0).integers(0, 256, MiB, dtype=np.uint8))
+    rs = eng.open_segment(eng.address, "gpu")
+    assert eng.write(host, 0, rs, 0, MiB).transports == [TransportKind.LOCAL]
+    assert (fake_gpu == host.array()).all() and calls == [3]
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    other = make_engine(transports_allow=["local"])
+    h2 = other.register(np.zeros(16, np.uint8))
+    from kvmesh.transfer import TransportUnavailable
+
+    with pytest.raises(TransportUnavailable):  # no CUDA: GPU memory is out of reach
+        other.read(h2, 0, other.open_segment(eng.address, "gpu"), 0, 16)

@@ -1,4 +1,9 @@
-"""Same-process transport: the remote segment is memory of this very process; memmove it."""
+"""Same-process transport: the remote segment is memory of this very process; copy it.
+
+Host to host uses the SIMD copy of :mod:`kvmesh.transfer.fastcopy`; as soon as either side is
+GPU memory the copy goes through CUDA (``cudaMemcpyAsync`` with unified addressing, via
+:mod:`kvmesh.transfer.cuda`), when CUDA is usable in this process.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,30 @@ from typing import Any
 from ..errors import SegmentNotFound, TransportUnavailable
 from ..fastcopy import copy_ranges
 from ..memory import MemoryRegion
-from ..types import Op, SegmentDescriptor, TransportKind
+from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
 from .base import Transport, TransferJob
 
 
+def _cuda_usable() -> bool:
+    try:
+        from .. import cuda
+    except ImportError:
+        return False
+    return cuda.available()
+
+
 class LocalTransport(Transport):
-    """memmove between two regions of this process (possibly registered by different engines)."""
+    """Copies between two regions of this process (possibly registered by different engines)."""
 
     kind = TransportKind.LOCAL
     inline_ok = True
 
     def can_serve(self, local: MemoryRegion, remote: SegmentDescriptor) -> bool:
-        return (
-            local.is_host
-            and remote.kind.is_host
-            and remote.pid == self.ctx.pid
-            and remote.host_id == self.ctx.host_id
-        )
+        if remote.pid != self.ctx.pid or remote.host_id != self.ctx.host_id:
+            return False
+        if local.is_host and remote.kind.is_host:
+            return True
+        return _cuda_usable()
 
     def open(self, remote: SegmentDescriptor) -> Any:
         region = self.ctx.find_region(remote.region_id)
@@ -43,8 +55,15 @@ class LocalTransport(Transport):
             lo, ro, ln = job.coalesced()
             check = job.check if job.nbytes > (8 << 20) else None
             if job.op is Op.WRITE:
-                copy_ranges(region.ptr, ro, job.local.ptr, lo, ln, check)
+                dst, dst_off, src, src_off = region.ptr, ro, job.local.ptr, lo
             else:
-                copy_ranges(job.local.ptr, lo, region.ptr, ro, ln, check)
+                dst, dst_off, src, src_off = job.local.ptr, lo, region.ptr, ro
+            if job.local.is_host and region.is_host:
+                copy_ranges(dst, dst_off, src, src_off, ln, check)
+            else:
+                from .. import cuda
+
+                gpu = job.local if job.local.kind is MemoryKind.VRAM else region
+                cuda.copy_runs(dst, dst_off, src, src_off, ln, gpu.device, check)
         finally:
             region.release()
