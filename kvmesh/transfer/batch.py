@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import TransferEngine
 
 _WAIT_GRACE = 5.0
+_SPLIT_MIN_PAGE = 64 << 10  # mean request size below which CPU-copy jobs are not split
 # RequestStatus values as plain ints: enum attribute access costs microseconds on hot paths.
 _DONE = int(RequestStatus.DONE)
 _FAILED = int(RequestStatus.FAILED)
@@ -334,7 +335,10 @@ class Batch:
                 if len(ln) == 0:
                     continue
                 n = len(ln)
-                if nbytes <= split or n == 1:  # the common case: one job, no slicing
+                # Parts only pay off when the copies release the GIL most of the time: CPU-copy
+                # transports with small pages would just pass the GIL around between threads.
+                small = handle.transport.inline_ok and nbytes < n * _SPLIT_MIN_PAGE
+                if nbytes <= split or n == 1 or small:  # the common case: one job, no slicing
                     if not handle.acquire():
                         raise g.remote.gone_error()
                     try:
