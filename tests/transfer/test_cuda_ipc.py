@@ -16,7 +16,6 @@ import ctypes
 import enum
 import hashlib
 import multiprocessing as mp
-import os
 import time
 
 import numpy as np

@@ -261,15 +261,15 @@ class NixlTransport(Transport):
     def open(self, remote: SegmentDescriptor) -> Any:
         req = MetaReq(remote.name, remote.region_id, remote.base, remote.size)
         starter = None
-        failed: list[BaseException] = []
         if self._agent is None:
             # The first agent of a process takes ~0.45 s (UCX loads and probes); so may the
-            # owner's, which it creates to answer us: let both happen at the same time.
+            # owner's, which it creates to answer us: let both happen at the same time. A
+            # failure shows again (and is reported) when self.agent is read below.
             def start() -> None:
                 try:
                     self.agent
-                except BaseException as exc:
-                    failed.append(exc)
+                except Exception:
+                    pass
 
             starter = threading.Thread(target=start, name="kvmesh-nixl-start", daemon=True)
             starter.start()
