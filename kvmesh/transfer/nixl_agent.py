@@ -878,11 +878,16 @@ class NixlAgent:
     # --- prepared descriptor lists ----------------------------------------------------------
     def _prep(self, peer: str, addr: int, size: int, kind: str, device: int, granule: int
               ) -> _Prepped:
-        """The cached prepared list for (peer, region, granule); caller holds ``_lock``."""
+        """The cached prepared list for (peer, region, granule), with one more user.
+
+        The caller holds ``_lock`` and must ``_unuse`` it. Counting the user before anything
+        else is prepared keeps the eviction of that next list from releasing this one.
+        """
         key = (peer, addr, size, kind, device, granule)
         entry = self._prepped.get(key)
         if entry is not None:
             self._prepped.move_to_end(key)
+            entry.users += 1
             return entry
         rows = size // granule
         table = np.empty((rows, 3), dtype=np.uint64)
@@ -895,6 +900,7 @@ class NixlAgent:
             self._ag.prep_xfer_dlist, target, table, kind, backends=_BACKENDS,
         )
         entry = _Prepped(key, handle, rows)
+        entry.users = 1
         self._prepped[key] = entry
         self._cached_rows += rows
         self._evict()
@@ -1066,9 +1072,12 @@ class NixlAgent:
         with self._lock:
             self._check_open()
             lp = self._prep("", local.addr, local.size, local.kind, local.device, granule)
-            rp = self._prep(peer, remote.addr, remote.size, remote.kind, remote.device, granule)
-            lp.users += 1
-            rp.users += 1
+            try:
+                rp = self._prep(peer, remote.addr, remote.size, remote.kind, remote.device,
+                                granule)
+            except BaseException:
+                self._unuse((lp,))
+                raise
         try:
             handle = self._ag.make_prepped_xfer(op, lp.handle, li, rp.handle, ri, notif,
                                                 backends=_BACKENDS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from kvmesh.transfer.errors import (
     OutOfBounds,
     PeerDeadError,
     TransferError,
+    TransferTimeout,
 )
 
 pytestmark = pytest.mark.skipif(not na.available(), reason=f"NIXL: {na.unavailable_reason()}")
@@ -489,3 +491,85 @@ def test_bad_options():
     assert na.NixlOptions.from_dict({"ucx_tls": "tcp", "num_workers": "2"}).num_workers == 2
     with pytest.raises(InvalidArgument):
         na.NixlOptions.from_dict({"progress": "sometimes"})
+
+
+def test_prepared_list_cache_is_bounded_and_reposting_works():
+    opts = na.NixlOptions(ucx_devices="lo", max_cached_rows=300, max_table_rows=256)
+    a = na.NixlAgent(f"cache-{os.getpid()}", opts)
+    try:
+        src = _pattern(1 << 20, 8)
+        dst = np.zeros(1 << 20, np.uint8)
+        rs = a.register(src.ctypes.data, src.nbytes)
+        rd = a.register(dst.ctypes.data, dst.nbytes)
+        remote = rd.remote()
+        # 64 KiB granule: 16 rows per side; 4 KiB: 256 rows per side -> over the cap, the
+        # least recently used unused lists are released
+        for page in (65536, 4096, 16384, 65536, 8192):
+            offs = np.arange(0, 1 << 20, 4 * page, dtype=np.uint64)[:16]
+            x = a.transfer("WRITE", rs, offs, a.name, remote, offs, np.full(len(offs), page,
+                           np.uint64), timeout=30)
+            assert x.prepared
+            for o in offs[:3].tolist():
+                assert (dst[o : o + page] == src[o : o + page]).all()
+            assert a._cached_rows <= 300 + 2 * 256, a._cached_rows
+        # a 2 KiB granule would need 512 rows per region: explicit descriptors instead
+        x = a.transfer("READ", rd, [2048], a.name, rs.remote(), [6144], [2048], timeout=30)
+        assert not x.prepared and (dst[2048:4096] == src[6144:8192]).all()
+        # a DONE handle can be posted again (a repeated fixed pattern)
+        dst[:] = 0
+        x = a.make_xfer("WRITE", rs, [0], a.name, remote, [0], [65536])
+        try:
+            for _ in range(3):
+                if not x.post():
+                    x.wait(30)
+                assert x.done and (dst[:65536] == src[:65536]).all()
+                dst[:65536] = 0
+        finally:
+            x.release()
+            x.release()  # idempotent
+        with pytest.raises(TransferError):
+            x.post()
+    finally:
+        a.close()
+
+
+def test_stopped_peer_hits_the_timeout():
+    """A peer that stops answering (SIGSTOP) over TCP: the wait ends at its deadline."""
+    opts = {"ucx_devices": "lo", "ucx_tls": "tcp"}
+    peer = Peer(f"sleepy-{os.getpid()}", size=BIG, **opts)
+    agent = na.NixlAgent(f"waiter-{os.getpid()}", na.NixlOptions(**opts))
+    try:
+        src = np.ones(BIG, np.uint8)
+        region = agent.register(src.ctypes.data, src.nbytes)
+        name = agent.add_remote(peer.metadata)
+        agent.transfer("WRITE", region, [0], name, peer.region(), [0], [4096], timeout=30)
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                agent.transfer("WRITE", region, [0], name, peer.region(), [0], [BIG], timeout=1.0)
+            assert time.monotonic() - t0 < 15
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+    finally:
+        agent.close()
+        peer.close()
+
+
+def test_notifications_with_a_progress_thread():
+    a = na.NixlAgent(f"nt-a-{os.getpid()}", na.NixlOptions(ucx_devices="lo", progress="pump"))
+    b = na.NixlAgent(f"nt-b-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
+    try:
+        assert b.progress_mode == "thread"
+        a.add_remote(b.metadata())
+        for i in range(3):
+            a.send_notif(b.name, b"n%d" % i)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += b.get_notifs().get(a.name, [])
+            time.sleep(0.005)
+        assert got == [b"n0", b"n1", b"n2"]
+    finally:
+        a.close()
+        b.close()
