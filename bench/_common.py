@@ -221,11 +221,15 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str] = FIELDS,
             for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
               for i, h in enumerate(head)]
-    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
+    # numbers (and sizes) right-aligned, text left-aligned
+    numeric = [c == "page_bytes" or all(isinstance(r.get(c), (int, float)) or r.get(c) is None
+                                        for r in rows) and any(r.get(c) is not None for r in rows)
+               for c in columns]
+    line = "  ".join(h.rjust(w) if n else h.ljust(w) for h, w, n in zip(head, widths, numeric))
     out.write(line + "\n" + "  ".join("-" * w for w in widths) + "\n")
     for b in body:
-        out.write("  ".join(v.rjust(w) if i > 2 else v.ljust(w)
-                            for i, (v, w) in enumerate(zip(b, widths))) + "\n")
+        out.write("  ".join(v.rjust(w) if n else v.ljust(w)
+                            for v, w, n in zip(b, widths, numeric)) + "\n")
     out.flush()
 
 

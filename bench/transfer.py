@@ -154,7 +154,18 @@ def _run_case(t: Target, op: Op, page: int, batch: int, pool: int, reps: int,
     nbytes = page * batch
     return C.record(limits, t.case, served[0] if len(served) == 1 else ",".join(served),
                     op.value, page, batch, gbps=nbytes / seconds / 1e9,
-                    ops_per_s=batch / seconds, path=t.label, verified=ok)
+                    ops_per_s=batch / seconds, path=t.label, via=_via(t, op), verified=ok)
+
+
+def _via(t: Target, op: Op) -> str | None:
+    """For NIXL: what carries the bytes (READs over TCP-only UCX are owner pushes)."""
+    tr = t.engine.transport(TransportKind.NIXL)
+    if tr is None or t.engine.config.transport is not TransportKind.NIXL:
+        return None
+    if op is Op.WRITE:
+        return "ucx put"
+    mode = tr.read_mode_for(t.segment.desc)
+    return {"nixl": "ucx get", "socket": "owner push (tcp)", "push": "owner ucx put"}[mode]
 
 
 def _latency(t: Target, op: Op, samples: int, limits: dict[str, float | None]) -> dict[str, Any]:
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     C.print_table([r for r in records if r["case"] not in ("latency", "idle")],
-                  ("case", "path", "transport", "op", "page_bytes", "batch", "gbps",
+                  ("case", "path", "transport", "via", "op", "page_bytes", "batch", "gbps",
                    "ops_per_s", "ratio_memcpy", "ratio_tcp"))
     print()
     C.print_table([r for r in records if r["case"] == "latency"],

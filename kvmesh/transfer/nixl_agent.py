@@ -500,21 +500,25 @@ class NixlXfer:
     def wait(self, timeout: float | None = None, check: Any = None) -> None:
         """Poll until done. ``check()`` (optional) is called between polls and may raise.
 
-        Sleeps grow from 20 µs to 1 ms so a waiting thread does not starve the progress
-        thread on small machines.
+        Each poll also drives UCX progress, which TCP transfers need from the initiator: the
+        first 2 ms poll every ~20 µs (small transfers finish there), then the pause grows to
+        1 ms so a long wait does not take a core from the copy itself.
         """
         if self.poll():
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         pause = 2e-5
         while True:
             if check is not None:
                 check()
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 self._state = "failed"
                 raise TransferTimeout(f"{self._what()}: not finished after {timeout:.3f} s")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            if now - start > 2e-3:
+                pause = min(pause * 2, 1e-3)
             if self.poll():
                 return
 

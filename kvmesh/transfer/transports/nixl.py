@@ -229,6 +229,10 @@ class NixlTransport(Transport):
                 region.transport_data["nixl"] = nr
             return nr
 
+    def read_mode_for(self, remote: SegmentDescriptor) -> str:
+        """How READs from ``remote`` are served: ``nixl``, ``socket`` or ``push`` (see above)."""
+        return self._read_mode(remote)
+
     def _read_mode(self, remote: SegmentDescriptor) -> str:
         if self.read_mode != "auto":
             return self.read_mode
