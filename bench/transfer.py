@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover
 KiB = 1 << 10
 MiB = 1 << 20
 FULL_PAGES = [16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]
-FULL_BATCHES = [64, 256, 1024]
+FULL_BATCHES = [64, 128, 256, 1024]
 QUICK_CASES = [(16 * KiB, 256), (256 * KiB, 128), (1 * MiB, 64)]
 MAX_BATCH_BYTES = 256 * MiB
 

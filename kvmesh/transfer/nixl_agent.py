@@ -608,6 +608,12 @@ class NixlAgent:
         if not isinstance(name, str) or not name:
             raise InvalidArgument("a NIXL agent needs a non-empty str name")
         loaded = _require()
+        tls = os.environ.get("UCX_TLS")
+        if tls is not None and not tls.strip():
+            # Set after NIXL was imported: UCX reads it again for every backend, and an empty
+            # value makes backend creation fail.
+            del os.environ["UCX_TLS"]
+            log.warning("NIXL: removed an empty UCX_TLS from the environment")
         self._loaded = loaded
         self.name = name
         self.options = opts = options or NixlOptions()

@@ -573,3 +573,26 @@ def test_notifications_with_a_progress_thread():
     finally:
         a.close()
         b.close()
+
+
+def test_ucx_tls_from_the_environment(monkeypatch):
+    """UCX_TLS=tcp in the environment (both processes) works; an empty UCX_TLS is removed."""
+    monkeypatch.setenv("UCX_TLS", "")
+    a = na.NixlAgent(f"env-empty-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
+    a.close()
+    assert "UCX_TLS" not in os.environ
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    peer = Peer(f"env-tcp-peer-{os.getpid()}", size=1 << 20, ucx_devices="lo")  # inherits it
+    agent = na.NixlAgent(f"env-tcp-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
+    try:
+        buf = np.zeros(1 << 20, np.uint8)
+        region = agent.register(buf.ctypes.data, buf.nbytes)
+        name = agent.add_remote(peer.metadata)
+        agent.transfer("READ", region, [0], name, peer.region(), [0], [1 << 20], timeout=60)
+        assert _digest(buf) == _digest(_pattern(1 << 20, peer.seed))
+        buf[:4096] = 9
+        agent.transfer("WRITE", region, [0], name, peer.region(), [8192], [4096], timeout=60)
+        assert peer.ask("digest", 8192, 4096) == _digest(buf[:4096])
+    finally:
+        agent.close()
+        peer.close()
