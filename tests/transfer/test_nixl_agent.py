@@ -56,6 +56,9 @@ def _peer_main(conn, name: str, size: int, opts: dict, seed: int) -> None:
         elif cmd == "bytes":
             off, n = args
             conn.send(buf[off : off + n].tobytes())
+        elif cmd == "fill":
+            buf[:] = _pattern(size, seed)
+            conn.send(True)
         elif cmd == "cpu":
             t0, w0 = time.process_time(), time.monotonic()
             time.sleep(args[0])
@@ -108,14 +111,30 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(a).hexdigest()
 
 
-@pytest.fixture(params=["cma", "tcp"])
-def pair(request):
-    """(local agent, local buffer, local region, peer, peer agent name) per UCX path."""
-    opts = {"ucx_devices": "lo"}
-    if request.param == "tcp":
-        opts["ucx_tls"] = "tcp"
-    peer = Peer(f"peer-{request.param}-{os.getpid()}", **opts)
-    agent = na.NixlAgent(f"local-{request.param}-{os.getpid()}", na.NixlOptions(**opts))
+_OPTS = {"cma": {"ucx_devices": "lo"}, "tcp": {"ucx_devices": "lo", "ucx_tls": "tcp"}}
+
+
+@pytest.fixture(scope="module", params=["cma", "tcp"])
+def shared_peer(request):
+    """One peer process per UCX path for the whole module (spawning one costs ~1.5 s)."""
+    peer = Peer(f"peer-{request.param}-{os.getpid()}", **_OPTS[request.param])
+    peer.path = request.param
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+_serial = iter(range(1 << 30))
+
+
+@pytest.fixture
+def pair(shared_peer):
+    """(local agent, local buffer, local region, peer, peer agent name); peer memory refilled."""
+    peer = shared_peer
+    assert peer.ask("fill")
+    agent = na.NixlAgent(f"local-{peer.path}-{os.getpid()}-{next(_serial)}",
+                         na.NixlOptions(**_OPTS[peer.path]))
     buf = np.zeros(PEER_SIZE, dtype=np.uint8)
     region = agent.register(buf.ctypes.data, buf.nbytes)
     name = agent.add_remote(peer.metadata)
@@ -123,7 +142,6 @@ def pair(request):
         yield agent, buf, region, peer, name
     finally:
         agent.close()
-        peer.close()
 
 
 def test_environment_defaults():
