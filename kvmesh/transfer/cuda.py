@@ -274,6 +274,8 @@ def export_ipc(ptr: int, device: int) -> tuple[bytes, int]:
     """``(handle, offset)``: the IPC handle of the allocation holding ``ptr`` on ``device``."""
     rt = _api()
     _set_device(device)
+    # The driver API below needs the device's primary context current in this thread.
+    _check(rt.cudaFree(0), "cudaFree(0) (context initialisation)")
     base, _size = _check(_drv.cuMemGetAddressRange(ptr), f"cuMemGetAddressRange(0x{ptr:x})")
     base = int(base)
     handle = _check(rt.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle(0x{base:x})")

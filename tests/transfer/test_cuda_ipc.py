@@ -126,6 +126,8 @@ class FakeCuda:
         return (Err.cudaSuccess, buf.addr)
 
     def cudaFree(self, ptr):
+        if int(ptr) == 0:  # the context-initialisation idiom
+            return (Err.cudaSuccess,)
         buf = self.allocs.pop(int(ptr), None)
         if buf is None:
             return (Err.cudaErrorInvalidValue,)
