@@ -64,7 +64,9 @@ def machine_info() -> dict[str, Any]:
             gpu = out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "gpu": gpu}
+    # Other jobs on a shared box skew every figure: record how busy it was.
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "gpu": gpu,
+            "load_avg": [round(x, 2) for x in os.getloadavg()]}
 
 
 # --- timing ----------------------------------------------------------------------------------

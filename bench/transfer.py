@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets_met:
             print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}")
     elapsed = time.monotonic() - t_start
-    print(f"\n{len(records)} records in {elapsed:.1f} s", flush=True)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
+          f"{os.cpu_count()} CPUs; other jobs skew the figures)", flush=True)
     if args.json:
         C.write_json(args.json, "transfer", limits, records, targets=targets_met,
                      quick=quick, elapsed_s=round(elapsed, 1))
