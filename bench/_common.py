@@ -193,6 +193,16 @@ def record(limits: dict[str, float | None], case: str, transport: str | None, op
     return row
 
 
+def apply_ratios(records: list[dict[str, Any]], limits: dict[str, float | None]) -> None:
+    """(Re)compute every record's ratios from ``limits`` (once the limits are final)."""
+    mem = limits.get("memcpy_gbps")
+    tcp = limits.get("tcp_gbps")
+    for r in records:
+        g = r.get("gbps")
+        r["ratio_memcpy"] = None if g is None or not mem else round(g / mem, 3)
+        r["ratio_tcp"] = None if g is None or not tcp else round(g / tcp, 3)
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
