@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     # best sample is the limit: a busy moment during one sample must not inflate every ratio.
     tcp_bytes = (args.tcp_mib or (256 if quick else 1024)) * MiB
     mem_samples = [C.memcpy_gbps(64 * MiB, 5 if quick else 9)]
-    tcp_samples = [C.tcp_gbps(tcp_bytes, 64 * MiB, 3 if quick else 5)]
+    tcp_samples = [C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5)]
     limits: dict[str, float | None] = {"memcpy_gbps": round(max(mem_samples), 3),
                                        "tcp_gbps": round(max(tcp_samples), 3)}
     print(f"limits at start: memcpy {limits['memcpy_gbps']} GB/s (64 MiB, one thread), "
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {t.label:9s} {op.value:5s} {page // KiB:5d} KiB x {batch:5d}: "
                           f"{r['gbps']:6.2f} GB/s", flush=True)
             mem_samples.append(C.memcpy_gbps(64 * MiB, 3))
+            tcp_samples.append(C.tcp_gbps(tcp_bytes, 4 * MiB, 2))
         for t in targets:
             for op in (Op.READ, Op.WRITE):
                 records.append(_latency(t, op, samples, limits))
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             eng.close()
         for child in children:
             child.close()
-    tcp_samples.append(C.tcp_gbps(tcp_bytes, 64 * MiB, 3 if quick else 5))
+    tcp_samples.append(C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5))
     limits = {"memcpy_gbps": round(max(mem_samples), 3), "tcp_gbps": round(max(tcp_samples), 3)}
     C.apply_ratios(records, limits)
     print(f"limits (best of the run's samples): memcpy {limits['memcpy_gbps']} GB/s "

@@ -35,7 +35,7 @@ def test_bench_quick_tiny(tmp_path):
     assert data["machine"]["cpus"] == os.cpu_count() and data["machine"]["python"]
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
     samples = data["limit_samples"]
-    assert len(samples["memcpy_gbps"]) == 1 + len(labels) and len(samples["tcp_gbps"]) == 2
+    assert len(samples["memcpy_gbps"]) == 1 + len(labels) and len(samples["tcp_gbps"]) == 2 + len(labels)
     assert data["limits"]["memcpy_gbps"] == pytest.approx(max(samples["memcpy_gbps"]), abs=1e-3)
     recs = data["records"]
     for r in recs:
