@@ -226,7 +226,7 @@ def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["path"] in ("shm", "nixl", "local"):
             out.append({"target": f"single 4 KiB {r['op']} p50 <= 50 us", "path": r["path"],
                         "value": r["p50_us"], "met": r["p50_us"] <= 50.0})
-    for r in find(case="idle"):
+    for r in find(case="idle", path="peer engine"):  # one engine (this process holds five)
         out.append({"target": "idle engine < 5 % of a core", "path": r["path"],
                     "value": r["cpu_pct"], "met": r["cpu_pct"] < 5.0})
     return out
@@ -319,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.2)
         records.append(C.record(limits, "idle", "all", None, path="peer engine",
                                 cpu_pct=round(100 * C.idle_cpu_fraction(peer.pid, idle_s), 2)))
+        agents = sum(1 for e in engines if (t := e.transport(TransportKind.NIXL)) and t.started)
         records.append(C.record(limits, "idle", "all", None,
-                                path=f"this process ({len(engines)} engines)",
+                                path=f"this process ({len(engines)} engines, {agents} NIXL agents)",
                                 cpu_pct=round(100 * C.idle_cpu_fraction(None, idle_s), 2)))
     finally:
         for eng in engines:
