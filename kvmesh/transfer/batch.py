@@ -338,7 +338,7 @@ class Batch:
                 # Parts only pay off when the copies release the GIL most of the time: CPU-copy
                 # transports with small pages would just pass the GIL around between threads.
                 small = handle.transport.inline_ok and nbytes < n * _SPLIT_MIN_PAGE
-                if nbytes <= split or n == 1 or small:  # the common case: one job, no slicing
+                if nbytes <= split or n == 1 or small or not handle.transport.split_ok:  # the common case: one job, no slicing
                     if not handle.acquire():
                         raise g.remote.gone_error()
                     try:

@@ -21,6 +21,8 @@ from kvmesh.transfer import (
     TransportKind,
 )
 
+from kvmesh.transfer.nixl_agent import has_rdma_devices
+
 from .util import pattern, sha
 
 MiB = 1 << 20
@@ -83,10 +85,12 @@ def test_default_selection_follows_the_design_table(make_engine, make_peer):
     other = make_engine(host_id="elsewhere")
     nixl_on = here.transport_status.get("nixl") is None
     net = TransportKind.NIXL if nixl_on else TransportKind.TCP
+    # Between hosts without RDMA, UCX only has TCP and the engine's socket path is faster.
+    far = TransportKind.NIXL if nixl_on and has_rdma_devices() else TransportKind.TCP
     for eng, peer, want in (
         (here, shm_peer, TransportKind.SHM),  # same host, shared segment
         (here, dram_peer, net),  # same host, private memory
-        (other, shm_peer, net),  # other host
+        (other, shm_peer, far),  # other host
     ):
         peer.cmd("fill", seed=1)
         buf = eng.register(np.zeros(MiB, np.uint8))

@@ -164,9 +164,21 @@ def test_forced_tcp_read_modes(read_mode):
         assert sha(buf[3:1004]) == sha(src[5:1006])
 
 
-def test_other_host_reads_are_pushed():
-    """A peer on "another host" (forced host id): READs are served as owner pushes."""
+def test_other_host_goes_to_tcp_without_rdma():
+    """Host memory on another host: plain TCP unless RDMA is present (network=auto)."""
     with _peer("--host-id", "far-away-host") as peer, _engine() as eng:
+        seg = eng.open_segment(peer.address, "pool")
+        buf = np.zeros(POOL, np.uint8)
+        local = eng.register(buf)
+        res = eng.transfer(Op.READ, local, [0], seg, [0], [POOL])
+        want = TransportKind.NIXL if na.has_rdma_devices() else TransportKind.TCP
+        assert res.transports == [want]
+        assert sha(buf) == sha(pattern(SEED, 0, POOL))
+
+
+def test_other_host_reads_are_pushed():
+    """A peer on "another host" with NIXL kept for the network: READs are owner pushes."""
+    with _peer("--host-id", "far-away-host") as peer, _engine(network="nixl") as eng:
         assert eng.host_id != "far-away-host"
         seg = eng.open_segment(peer.address, "pool")
         buf = np.zeros(POOL, np.uint8)

@@ -203,6 +203,9 @@ class Transport(abc.ABC):
     # True when execute() is a pure CPU copy with nothing to wait for: small jobs then run in the
     # submitting thread (no thread hand-off: a 4 KiB same-host transfer stays in the µs range).
     inline_ok: ClassVar[bool] = False
+    # False when cutting a big job into parts for several worker threads does not pay (one
+    # NIXL agent posts them one after the other and each extra handle costs 7-25 %).
+    split_ok: ClassVar[bool] = True
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
