@@ -1,0 +1,828 @@
+"""TransferEngine: one per process; registers memory, publishes segments, moves bytes.
+
+The engine wires the pieces together and owns every thread: the control server (accept +
+one thread per connection), the monitor (peer liveness), and the worker pool. All of them
+block when idle. Transports are created once, in the preference order of
+``transports.REGISTRY`` filtered by configuration, and chosen per (local memory kind,
+remote segment) on first use (design.md §1).
+
+Use :func:`get_engine` / :func:`init_engine` for the process-wide shared engine (the store
+client and both SGLang plugins must share one).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Iterable
+
+import msgspec
+import numpy as np
+
+from . import protocol as P
+from . import select as _select
+from . import transports as _transports
+from .batch import Batch, BatchResult, _as_int64, validate_requests
+from .control import ControlServer, Identity, Monitor, PeerClient
+from .errors import (
+    EngineClosed,
+    InvalidArgument,
+    InvalidLength,
+    NotRegistered,
+    OutOfBounds,
+    SegmentNotFound,
+    TensorMismatch,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from .executor import Executor
+from .memory import (
+    MemoryRegion,
+    RegionIndex,
+    SharedBuffer,
+    describe_object,
+    find_live_region,
+    shared_buffer_at,
+    sweep_dead_shared,
+)
+from .segment import RemoteSegment, RouteHandle, SegmentTable
+from .transports.base import Transport, TransportContext, TransferJob
+from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
+
+log = logging.getLogger("kvmesh.transfer")
+
+_swept = False
+_sweep_lock = threading.Lock()
+
+
+def detect_host_id() -> str:
+    """Identity of "this host" for locality: same id <=> the same kernel and ``/dev/shm``.
+
+    Hostname alone is not enough (containers share it or not at will); the boot id names the
+    kernel and the device number of ``/dev/shm`` tells apart tmpfs mounts of containers that
+    do not share shared memory.
+    """
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    try:
+        st = os.stat("/dev/shm")
+        parts.append(f"{st.st_dev}:{st.st_ino}")
+    except OSError:
+        parts.append("no-shm")
+    digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    return f"{parts[0]}-{digest}"
+
+
+def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
+    """(dtype name, shape, nbytes) of a torch tensor or numpy array."""
+    if isinstance(obj, np.ndarray):
+        return obj.dtype.name, tuple(obj.shape), obj.nbytes
+    if type(obj).__module__.startswith("torch"):
+        return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.numel() * obj.element_size()
+    raise InvalidArgument(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
+
+
+def _as_op(op: Any) -> Op:
+    if op.__class__ is Op:
+        return op
+    try:
+        return Op(op)
+    except ValueError:
+        raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+
+
+def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        return (np.array((local_offset,), np.int64), np.array((remote_offset,), np.int64),
+                np.array((length,), np.int64))
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise OutOfBounds(f"offsets and lengths must be integers below 2**63 ({exc})") from None
+
+
+class TransferEngine:
+    """Moves bytes between registered memory of this process and segments of peers.
+
+    ``TransferEngine(node_id=None, listen="127.0.0.1:0", config=None)``: ``config`` defaults
+    to :meth:`EngineConfig.from_env`; ``node_id`` and ``listen`` override it. The control
+    server starts at once; ``address`` is what peers pass to :meth:`open_segment`.
+    """
+
+    def __init__(
+        self,
+        node_id: str | None = None,
+        listen: str | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        cfg = config if config is not None else EngineConfig.from_env()
+        changes = {k: v for k, v in (("node_id", node_id), ("listen", listen)) if v is not None}
+        if changes:
+            cfg = msgspec.structs.replace(cfg, **changes)
+        self.config = cfg
+        self.pid = os.getpid()
+        self.engine_id = secrets.token_hex(8)
+        self.host_id = cfg.host_id or detect_host_id()
+        self.node_id = cfg.node_id or f"{socket.gethostname()}-{self.pid}-{self.engine_id[:4]}"
+        self._lock = threading.RLock()
+        self._closed = False
+        self._regions = RegionIndex()
+        self._owned_buffers: dict[int, SharedBuffer] = {}  # region id -> buffer we allocated
+        self._table = SegmentTable()
+        self._peers: dict[str, PeerClient] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._remote: dict[tuple[str, str], RemoteSegment] = {}
+        self._removed: set[int] = set()
+        self._monitor: Monitor | None = None
+        self._stats = {"batches": 0}
+        self._sweep()
+
+        self._ctx = TransportContext(
+            engine_id=self.engine_id,
+            node_id=self.node_id,
+            host_id=self.host_id,
+            pid=self.pid,
+            config=cfg,
+            call=self._transport_call,
+            find_region=find_live_region,
+            peer=self.peer,
+        )
+        self._transports: list[Transport] = []
+        self.transport_status: dict[str, str | None] = {}  # kind -> None (enabled) or why not
+        self._start_transports()
+        self._executor = Executor(cfg.workers)
+        try:
+            self._server = ControlServer(
+                cfg.listen,
+                Identity(self.node_id, self.engine_id, self.host_id),
+                cfg,
+                lookup=self._table.lookup,
+                list_segments=self._table.list,
+                call=self._handle_call,
+            )
+        except BaseException:
+            self._executor.close()
+            for t in self._transports:
+                t.close()
+            raise
+        self.address = self._server.address
+        log.info("transfer engine %s on %s (host %s), transports %s", self.node_id, self.address,
+                 self.host_id, [t.kind.value for t in self._transports])
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        global _swept
+        if not self.config.shm_sweep:
+            return
+        with _sweep_lock:
+            if _swept:
+                return
+            _swept = True
+        removed = sweep_dead_shared()
+        if removed:
+            log.info("removed %d shared-memory files left by dead processes", len(removed))
+
+    def _start_transports(self) -> None:
+        cfg = self.config
+        for kind in _transports.REGISTRY:
+            if not cfg.transport_enabled(kind):
+                self.transport_status[kind.value] = "disabled by configuration"
+                continue
+            cls, why = _transports.load(kind)
+            if cls is None:
+                self.transport_status[kind.value] = why
+                continue
+            try:
+                self._transports.append(cls(self._ctx))
+                self.transport_status[kind.value] = None
+            except Exception as exc:
+                log.warning("transport %s failed to start: %r", kind.value, exc)
+                self.transport_status[kind.value] = f"failed to start: {exc!r}"
+        if cfg.transport is not None and not self._transports:
+            raise TransportUnavailable(
+                f"forced transport {cfg.transport.value!r} is unavailable: "
+                f"{self.transport_status.get(cfg.transport.value)}"
+            )
+
+    @property
+    def transports(self) -> list[TransportKind]:
+        """Enabled transports, in preference order."""
+        return [t.kind for t in self._transports]
+
+    def transport(self, kind: TransportKind | str) -> Transport | None:
+        """The running transport object of ``kind`` (None if not enabled)."""
+        kind = TransportKind(kind)
+        for t in self._transports:
+            if t.kind is kind:
+                return t
+        return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"transfer engine {self.node_id} is closed")
+
+    # --- memory ---------------------------------------------------------------------------
+    def register(self, obj: Any, *, name: str | None = None, kind: MemoryKind | None = None) -> MemoryRegion:
+        """Register a numpy array, torch tensor (CPU or CUDA), bytearray/memoryview or SharedBuffer.
+
+        Register once and reuse the handle: that is the fast path. With ``name`` the region is
+        also published as a segment. Memory inside a :class:`SharedBuffer` of this process is
+        detected and registered as SHM, so same-host peers copy into it directly.
+        """
+        ptr, size, k, device, owner = describe_object(obj, kind)
+        return self.register_raw(ptr, size, k, device, owner=owner, name=name)
+
+    def register_raw(
+        self,
+        ptr: int,
+        size: int,
+        kind: MemoryKind | str = MemoryKind.DRAM,
+        device: int = -1,
+        *,
+        owner: Any = None,
+        name: str | None = None,
+    ) -> MemoryRegion:
+        """Register ``size`` bytes at address ``ptr``; ``owner`` is kept alive meanwhile."""
+        self._check_open()
+        kind = MemoryKind(kind)
+        if not isinstance(ptr, int) or ptr <= 0:
+            raise InvalidArgument(f"bad address {ptr!r}")
+        if not isinstance(size, int) or size <= 0:
+            raise InvalidLength(f"registered size must be positive, got {size!r}")
+        shm = None
+        if kind.is_host:
+            shm = shared_buffer_at(ptr, size)
+            if shm is not None:
+                kind = MemoryKind.SHM
+            elif kind is MemoryKind.SHM:
+                raise InvalidArgument("SHM regions must lie inside a SharedBuffer (use alloc_shared)")
+        region = MemoryRegion(ptr, size, kind, device, owner, shm)
+        done: list[Transport] = []
+        try:
+            for t in self._transports:
+                t.on_register(region)
+                done.append(t)
+        except BaseException:
+            for t in done:
+                t.on_unregister(region)
+            region.close(0)
+            raise
+        self._regions.add(region)
+        if name is not None:
+            try:
+                self.publish(region, name)
+            except BaseException:
+                self.unregister(region)
+                raise
+        return region
+
+    def alloc_shared(self, size: int, *, name: str | None = None) -> MemoryRegion:
+        """Allocate ``size`` bytes of shared memory, registered (and published as ``name``).
+
+        ``region.array()`` is a numpy view of it. Same-host peers map it and copy directly;
+        unregistering frees it.
+        """
+        self._check_open()
+        buf = SharedBuffer.create(size, populate=self.config.shm_populate)
+        try:
+            region = self.register_raw(buf.addr, size, MemoryKind.SHM, owner=buf)
+        except BaseException:
+            buf.close()
+            raise
+        self._owned_buffers[region.region_id] = buf
+        if name is not None:
+            try:
+                self.publish(region, name)
+            except BaseException:
+                self.unregister(region)
+                raise
+        return region
+
+    def unregister(self, region: MemoryRegion, *, timeout: float = 10.0) -> None:
+        """Unpublish and unregister ``region``; waits (bounded) for jobs still using it."""
+        if region not in self._regions:
+            raise NotRegistered(f"{region!r} is not registered with this engine")
+        for name in self._table.names_of(region):
+            self.unpublish(name)
+        region.close(timeout)
+        self._regions.remove(region)
+        for t in self._transports:
+            try:
+                t.on_unregister(region)
+            except Exception:
+                log.exception("transport %s failed to unregister %r", t.kind.value, region)
+        buf = self._owned_buffers.pop(region.region_id, None)
+        if buf is not None:
+            buf.close()
+
+    def regions(self) -> list[MemoryRegion]:
+        return self._regions.all()
+
+    def find_region(self, ptr: int, length: int = 1) -> tuple[MemoryRegion, int]:
+        """The registered region holding ``[ptr, ptr + length)`` and the offset of ``ptr``."""
+        return self._regions.find(ptr, length)
+
+    def find_regions(self, ptrs: Any, lengths: Any) -> tuple[list[MemoryRegion], np.ndarray, np.ndarray]:
+        """Vectorised :meth:`find_region`: ``(regions, region index per address, offsets)``."""
+        return self._regions.find_many(np.asarray(ptrs), np.asarray(lengths))
+
+    # --- segments -------------------------------------------------------------------------
+    def publish(self, region: MemoryRegion, name: str, *, meta: dict[str, str] | None = None) -> SegmentDescriptor:
+        """Publish a registered region as segment ``name``; returns its descriptor."""
+        self._check_open()
+        if region not in self._regions:
+            raise NotRegistered(f"{region!r} is not registered with this engine")
+        if not name:
+            raise InvalidArgument("segment names must be non-empty")
+        shm = region.shm
+        desc = SegmentDescriptor(
+            name=name,
+            seg_id=secrets.randbits(63),
+            node_id=self.node_id,
+            host_id=self.host_id,
+            engine_id=self.engine_id,
+            pid=self.pid,
+            region_id=region.region_id,
+            kind=region.kind,
+            device=region.device,
+            base=region.ptr,
+            size=region.size,
+            control=self.address,
+            shm_name=shm.name if shm is not None else None,
+            shm_offset=region.shm_offset,
+            shm_size=shm.size if shm is not None else 0,
+            meta=dict(meta or {}),
+        )
+        fields: dict[str, Any] = {}
+        for t in self._transports:
+            fields.update(t.describe(region))
+        if fields:
+            desc = msgspec.structs.replace(desc, **fields)
+        self._table.add(desc, region)
+        region.name = name
+        return desc
+
+    def unpublish(self, name: str) -> None:
+        """Stop publishing ``name``; peers that opened it are told (their handles go stale)."""
+        desc, region = self._table.remove(name)
+        if region.name == name:
+            region.name = None
+        if not self._closed:
+            self._server.notify(P.SegmentRemoved(name, desc.seg_id))
+
+    def segments(self) -> list[SegmentDescriptor]:
+        """Descriptors of the segments this engine publishes."""
+        return self._table.list()
+
+    # --- peers ----------------------------------------------------------------------------
+    def peer(self, address: str) -> PeerClient:
+        """The connected client for the engine at ``address`` (connects on first use)."""
+        self._check_open()
+        p = self._peers.get(address)
+        if p is not None and p.liveness.alive:
+            return p
+        with self._lock:
+            lock = self._peer_locks.setdefault(address, threading.Lock())
+        with lock:
+            p = self._peers.get(address)
+            if p is not None and p.liveness.alive:
+                return p
+            p = PeerClient(address, Identity(self.node_id, self.engine_id, self.host_id), self.config)
+            try:
+                sock = p.open_watch()
+                with self._lock:
+                    self._check_open()
+                    if self._monitor is None:
+                        self._monitor = Monitor(self._on_segment_removed, self._on_peer_dead)
+                    self._monitor.watch(sock, p)
+            except BaseException:
+                p.close()
+                raise
+            self._peers[address] = p
+            return p
+
+    def ping(self, address: str, timeout: float | None = None) -> float:
+        """Round-trip time to the engine at ``address``, in seconds."""
+        return self.peer(address).ping(timeout)
+
+    def list_segments(self, address: str) -> list[SegmentDescriptor]:
+        """Descriptors of every segment the engine at ``address`` publishes."""
+        return self.peer(address).list_segments()
+
+    def open_segment(self, address: str, name: str, *, refresh: bool = False) -> RemoteSegment:
+        """A handle on segment ``name`` of the engine at ``address`` (cached per peer)."""
+        peer = self.peer(address)
+        key = (peer.engine_id, name)
+        rs = self._remote.get(key)
+        if rs is not None and not refresh and rs.stale_reason is None and rs.peer is peer:
+            return rs
+        desc = peer.get_segment(name)
+        return self._adopt(peer, desc)
+
+    def _adopt(self, peer: PeerClient, desc: SegmentDescriptor) -> RemoteSegment:
+        key = (peer.engine_id, desc.name)
+        with self._lock:
+            rs = self._remote.get(key)
+            if rs is not None and rs.desc.seg_id == desc.seg_id and rs.stale_reason is None and rs.peer is peer:
+                return rs
+            new = RemoteSegment(desc, peer)
+            if desc.seg_id in self._removed:  # removal notice overtook our lookup
+                new.stale_reason = "removed by its owner"
+            else:
+                self._remote[key] = new
+        if rs is not None and rs.desc.seg_id != desc.seg_id:
+            rs.stale_reason = rs.stale_reason or "replaced by its owner"
+            rs._close_routes()
+        return new
+
+    def locate(self, address: str, remote_ptr: int, length: int = 1) -> tuple[RemoteSegment, int]:
+        """The peer segment holding raw peer address ``remote_ptr`` and the offset in it.
+
+        For address-based APIs (the Mooncake-style PD shim): the peer's segment list is
+        fetched once and refreshed when an address is not found.
+        """
+        segs, idx, offs = self.locate_many(address, np.array([remote_ptr], np.uint64), np.array([length], np.uint64))
+        return segs[int(idx[0])], int(offs[0])
+
+    def locate_many(self, address: str, remote_ptrs: Any, lengths: Any) -> tuple[list[RemoteSegment], np.ndarray, np.ndarray]:
+        """Vectorised :meth:`locate`: ``(segments, segment index per address, offsets)``."""
+        ptrs = np.asarray(remote_ptrs, dtype=np.uint64)
+        lens = np.asarray(lengths, dtype=np.uint64)
+        peer = self.peer(address)
+        for attempt in (0, 1):
+            segs = [s for (eid, _), s in list(self._remote.items()) if eid == peer.engine_id and s.stale_reason is None]
+            if attempt == 1 or not segs:
+                segs = [self._adopt(peer, d) for d in peer.list_segments()]
+                segs = [s for s in segs if s.stale_reason is None]
+            if not segs:
+                continue
+            segs.sort(key=lambda s: s.desc.base)
+            starts = np.array([s.desc.base for s in segs], dtype=np.uint64)
+            ends = np.array([s.desc.base + s.desc.size for s in segs], dtype=np.uint64)
+            i = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
+            safe = np.maximum(i, 0)
+            ok = (i >= 0) & (ptrs + lens <= ends[safe])
+            if ok.all():
+                return segs, safe, ptrs - starts[safe]
+        bad = int(np.flatnonzero(~ok)[0]) if len(ptrs) and segs else 0
+        raise SegmentNotFound(
+            f"peer {address} publishes no segment holding address 0x{int(ptrs[bad]):x}+{int(lens[bad])}"
+        )
+
+    # --- transfers ------------------------------------------------------------------------
+    def batch(self) -> Batch:
+        """A new, empty batch (see :class:`Batch`)."""
+        self._check_open()
+        return Batch(self)
+
+    allocate_batch = batch
+
+    def transfer(
+        self,
+        op: Op | str,
+        local: MemoryRegion,
+        local_offsets: Any,
+        remote: RemoteSegment,
+        remote_offsets: Any,
+        lengths: Any,
+        *,
+        timeout: float | None = None,
+    ) -> BatchResult:
+        """Synchronous batch: move the requests and return when done (raises on failure).
+
+        The calling thread does the copy or the socket I/O itself (no thread hand-off); a
+        batch larger than ``split_bytes`` is cut into parts that the worker threads share.
+        """
+        lo = _as_int64("local_offsets", local_offsets)
+        ro = _as_int64("remote_offsets", remote_offsets)
+        ln = _as_int64("lengths", lengths, len(lo))
+        if not (len(lo) == len(ro) == len(ln)):
+            raise InvalidLength(
+                f"transfer needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, {len(ln)} lengths"
+            )
+        return self._sync(_as_op(op), local, remote, lo, ro, ln, timeout)
+
+    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
+             length: int, *, timeout: float | None = None) -> BatchResult:
+        """READ one range of ``remote`` into ``local`` (synchronous)."""
+        return self._sync(Op.READ, local, remote, *_one(local_offset, remote_offset, length), timeout)
+
+    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
+              length: int, *, timeout: float | None = None) -> BatchResult:
+        """WRITE one range of ``local`` into ``remote`` (synchronous)."""
+        return self._sync(Op.WRITE, local, remote, *_one(local_offset, remote_offset, length), timeout)
+
+    def transfer_by_address(
+        self,
+        op: Op | str,
+        address: str,
+        local_ptrs: Any,
+        remote_ptrs: Any,
+        lengths: Any,
+        *,
+        timeout: float | None = None,
+    ) -> BatchResult:
+        """Synchronous batch addressed by raw pointers (Mooncake-style ``batch_transfer_sync``).
+
+        ``local_ptrs`` must lie in memory registered here, ``remote_ptrs`` in segments the
+        engine at ``address`` publishes (raw addresses in the owner's process). Requests are
+        resolved and grouped with vectorised lookups, then moved as one batch.
+        """
+        op = _as_op(op)
+        lp = _as_int64("local_ptrs", local_ptrs)
+        rp = _as_int64("remote_ptrs", remote_ptrs)
+        ln = _as_int64("lengths", lengths, len(lp))
+        if not (len(lp) == len(rp) == len(ln)):
+            raise InvalidLength(f"{len(lp)} local addresses, {len(rp)} remote addresses, {len(ln)} lengths")
+        if len(ln) == 0:
+            return BatchResult(state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0)
+        if int(ln.min()) <= 0:
+            raise InvalidLength(f"request length must be positive, got {int(ln.min())}")
+        if int(lp.min()) <= 0 or int(rp.min()) <= 0:
+            raise InvalidArgument("addresses must be positive")
+        regs, ri, lo = self._regions.find_many(lp.view(np.uint64), ln.view(np.uint64))
+        segs, si, ro = self.locate_many(address, rp.view(np.uint64), ln.view(np.uint64))
+        lo, ro = lo.astype(np.int64), ro.astype(np.int64)
+        key = ri.astype(np.int64) * len(segs) + si
+        if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
+            return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
+        b = Batch(self)
+        try:
+            for k in np.unique(key).tolist():
+                m = key == k
+                b.add_many(op, regs[k // len(segs)], lo[m], segs[k % len(segs)], ro[m], ln[m])
+            b.submit(timeout, _sync=True)
+            return b.wait()
+        finally:
+            b.free()
+
+    def _sync(self, op: Op, local: MemoryRegion, remote: RemoteSegment, lo: np.ndarray, ro: np.ndarray,
+              ln: np.ndarray, timeout: float | None) -> BatchResult:
+        # The lean path of the latency-bound case: no Batch, no Task, no status array.
+        self._check_open()
+        if not isinstance(local, MemoryRegion):
+            raise NotRegistered(f"local memory must be a MemoryRegion from register(), got {type(local).__name__}")
+        if not isinstance(remote, RemoteSegment):
+            raise InvalidArgument(f"remote must be a RemoteSegment from open_segment(), got {type(remote).__name__}")
+        nbytes = validate_requests(self, op, local, remote, lo, ro, ln)
+        if nbytes > self.config.split_bytes and len(ln) > 1:
+            b = Batch(self)
+            try:
+                b.add_many(op, local, lo, remote, ro, ln)
+                b.submit(timeout, _sync=True)
+                return b.wait()
+            finally:
+                b.free()
+        h = self._route(local, remote)
+        if not h.acquire():
+            raise remote.gone_error()
+        try:
+            local.acquire()
+        except BaseException:
+            h.release()
+            raise
+        t0 = time.monotonic()
+        deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
+        job = TransferJob(op, local, remote.desc, h.route, lo.view(np.uint64), ro.view(np.uint64),
+                          ln.view(np.uint64), nbytes, deadline, remote.peer.liveness)
+        try:
+            job.check()
+            h.transport.execute(job)
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"{h.transport.kind.value} transport failed on segment {remote.name!r}: {exc!r}") from exc
+        finally:
+            local.release()
+            h.release()
+        self._stats["batches"] += 1
+        return BatchResult(state=BatchState.DONE, requests=len(ln), nbytes=nbytes, failed=0,
+                           transports=[h.transport.kind], elapsed_s=time.monotonic() - t0)
+
+    def _route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
+        return _select.route(self._transports, local, remote, host_id=self.host_id,
+                             unavailable=self.transport_status)
+
+    def _note_batch(self) -> None:
+        self._stats["batches"] += 1
+
+    # --- standalone tensors -----------------------------------------------------------------
+    def expose_tensor(self, name: str, tensor: Any) -> SegmentDescriptor:
+        """Register ``tensor`` (torch or numpy, contiguous) and publish it as ``name``.
+
+        Peers then call :meth:`read_tensor` / :meth:`write_tensor` with our address and the
+        name. Unexpose with ``unpublish(name)`` (or :meth:`unregister` of the region).
+        """
+        dtype, shape, _ = _tensor_meta(tensor)
+        region = self.register(tensor)
+        try:
+            return self.publish(region, name, meta={"dtype": dtype, "shape": ",".join(map(str, shape))})
+        except BaseException:
+            self.unregister(region)
+            raise
+
+    def _tensor_io(self, op: Op, address: str, name: str, tensor: Any, timeout: float | None) -> BatchResult:
+        dtype, shape, nbytes = _tensor_meta(tensor)
+        seg = self.open_segment(address, name)
+        meta = seg.desc.meta
+        want = ",".join(map(str, shape))
+        if seg.size != nbytes or ("dtype" in meta and (meta["dtype"] != dtype or meta.get("shape") != want)):
+            raise TensorMismatch(
+                f"tensor {name!r} of {address} is {meta.get('dtype', '?')}[{meta.get('shape', '?')}] "
+                f"({seg.size} bytes); ours is {dtype}[{want}] ({nbytes} bytes)"
+            )
+        ptr, size, _, _, _ = describe_object(tensor)
+        temp = None
+        try:
+            region, off = self._regions.find(ptr, size)
+        except NotRegistered:
+            temp = region = self.register(tensor)
+            off = 0
+        try:
+            return self.transfer(op, region, [off], seg, [0], [nbytes], timeout=timeout)
+        finally:
+            if temp is not None:
+                self.unregister(temp)
+
+    def read_tensor(self, address: str, name: str, into: Any, *, timeout: float | None = None) -> BatchResult:
+        """Copy the tensor ``name`` exposed by the engine at ``address`` into ``into``.
+
+        ``into`` must match its dtype and shape. Register ``into`` beforehand to skip a
+        temporary registration per call.
+        """
+        return self._tensor_io(Op.READ, address, name, into, timeout)
+
+    def write_tensor(self, address: str, name: str, src: Any, *, timeout: float | None = None) -> BatchResult:
+        """Copy ``src`` into the tensor ``name`` exposed by the engine at ``address``."""
+        return self._tensor_io(Op.WRITE, address, name, src, timeout)
+
+    # --- transport calls and monitor callbacks ----------------------------------------------
+    def _transport_call(self, address: str, kind: TransportKind, payload: bytes, timeout: float | None) -> bytes:
+        return self.peer(address).call(TransportKind(kind).value, payload, timeout)
+
+    def _handle_call(self, kind: str, payload: bytes) -> bytes:
+        try:
+            t = self.transport(kind)
+        except ValueError:
+            t = None
+        if t is None:
+            raise TransportUnavailable(f"transport {kind!r} is not enabled on {self.node_id}")
+        return t.handle_call(payload)
+
+    def _on_segment_removed(self, peer: PeerClient, name: str, seg_id: int) -> None:
+        with self._lock:
+            self._removed.add(seg_id)
+            if len(self._removed) > 100_000:  # bounded memory; old ids no longer matter
+                self._removed.clear()
+            rs = self._remote.get((peer.engine_id, name))
+            if rs is None or rs.desc.seg_id != seg_id:
+                return
+            del self._remote[(peer.engine_id, name)]
+        rs.stale_reason = "removed by its owner"
+        rs._close_routes()
+
+    def _on_peer_dead(self, peer: PeerClient, reason: str) -> None:
+        if peer.liveness.dead_reason is None:
+            peer.liveness.dead_reason = reason
+        if not self._closed:
+            log.info("peer %s (%s) is gone: %s", peer.address, peer.node_id, reason)
+        with self._lock:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            gone = [(k, s) for k, s in self._remote.items() if s.peer is peer]
+            for k, _ in gone:
+                del self._remote[k]
+        for _, s in gone:
+            s.stale_reason = s.stale_reason or f"owner is dead: {reason}"
+            s._close_routes()
+        for t in self._transports:
+            try:
+                t.peer_lost(peer.engine_id)
+            except Exception:
+                log.exception("transport %s failed in peer_lost", t.kind.value)
+        peer.close()
+
+    # --- introspection / shutdown ---------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """A summary for humans and tools (``kvmesh info``)."""
+        return {
+            "node_id": self.node_id,
+            "engine_id": self.engine_id,
+            "host_id": self.host_id,
+            "address": self.address,
+            "pid": self.pid,
+            "transports": {k: ("enabled" if v is None else v) for k, v in self.transport_status.items()},
+            "regions": len(self._regions.all()),
+            "segments": [d.name for d in self._table.list()],
+            "peers": sorted(self._peers),
+            "batches": self._stats["batches"],
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop every thread, drop peers and routes, free what the engine allocated."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.close()
+        with self._lock:
+            peers = list(self._peers.values())
+            remote = list(self._remote.values())
+            self._peers.clear()
+            self._remote.clear()
+        for p in peers:
+            p.liveness.dead_reason = p.liveness.dead_reason or "local engine closed"
+            p.close()
+        if self._monitor is not None:
+            self._monitor.close()
+        self._executor.close()
+        for s in remote:
+            s.stale_reason = s.stale_reason or "local engine closed"
+            s._close_routes()
+        for region in self._regions.all():
+            try:
+                self.unregister(region, timeout=2.0)
+            except TransferTimeout:
+                # A transfer still runs on it: leak the memory rather than free it under the copy.
+                log.warning("closing with %r still in use; not freeing it", region)
+                self._owned_buffers.pop(region.region_id, None)
+            except TransferError:
+                pass
+        for t in reversed(self._transports):
+            try:
+                t.close()
+            except Exception:
+                log.exception("transport %s failed to close", t.kind.value)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TransferEngine({self.node_id!r} at {self.address}, transports={[k.value for k in self.transports]})"
+
+
+# --- the process-wide shared engine -----------------------------------------------------------
+_shared: TransferEngine | None = None
+_shared_args: list[Any] = [None, None, None]  # what created it: (node_id, listen, config)
+_shared_lock = threading.Lock()
+
+
+def init_engine(
+    node_id: str | None = None,
+    listen: str | None = None,
+    config: EngineConfig | None = None,
+) -> TransferEngine:
+    """Create the process-wide engine, or return it if it exists (arguments then must agree)."""
+    global _shared
+    with _shared_lock:
+        if _shared is not None and not _shared.closed:
+            if node_id is not None and node_id != _shared.node_id:
+                raise InvalidArgument(
+                    f"the shared engine already runs as node {_shared.node_id!r}, not {node_id!r}"
+                )
+            if (listen is not None and listen != _shared_args[1]) or (
+                config is not None and config != _shared_args[2]
+            ):
+                raise InvalidArgument(
+                    "the shared engine already runs with another listen address or configuration"
+                )
+            return _shared
+        _shared = TransferEngine(node_id, listen, config)
+        _shared_args[:] = [node_id, listen, config]
+        return _shared
+
+
+def get_engine() -> TransferEngine:
+    """The process-wide engine (created from ``KVMESH_*`` environment variables if needed)."""
+    eng = _shared
+    if eng is not None and not eng.closed:
+        return eng
+    return init_engine()
+
+
+def shutdown_engine() -> None:
+    """Close the process-wide engine, if any."""
+    global _shared
+    with _shared_lock:
+        eng, _shared = _shared, None
+    if eng is not None:
+        eng.close()
+
+
+atexit.register(shutdown_engine)

@@ -1,0 +1,436 @@
+"""TransferEngine in one process: batches, bad input, threads, tensors, segments, accessor."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.transfer import (
+    BatchState,
+    BatchStateError,
+    EngineClosed,
+    InvalidArgument,
+    InvalidLength,
+    NotRegistered,
+    Op,
+    OutOfBounds,
+    RequestStatus,
+    SegmentExists,
+    SegmentNotFound,
+    TensorMismatch,
+    TransferEngine,
+    TransportKind,
+    get_engine,
+    init_engine,
+    shutdown_engine,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pair(make_engine):
+    """Two engines in this process; ``b`` publishes a 4 MiB shared segment 'pool'."""
+    a, b = make_engine(node_id="a"), make_engine(node_id="b")
+    seg_region = b.alloc_shared(4 * MiB, name="pool")
+    seg_region.array()[:] = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    local = a.register(np.zeros(4 * MiB, np.uint8))
+    return a, b, seg_region, local, a.open_segment(b.address, "pool")
+
+
+def test_read_write_and_transport_report(pair):
+    a, b, seg, local, rs = pair
+    res = a.read(local, 0, rs, 0, 4 * MiB)
+    assert res.state is BatchState.DONE and res.transports == [TransportKind.LOCAL]
+    assert res.nbytes == 4 * MiB and res.failed == 0
+    assert (local.array() == seg.array()).all()
+    before = seg.array().copy()
+    local.array()[:] = 7
+    a.write(local, 100, rs, 1000, 5000)
+    assert (seg.array()[1000:6000] == 7).all()
+    assert (seg.array()[:1000] == before[:1000]).all() and (seg.array()[6000:] == before[6000:]).all()
+    assert rs.transports() == {"dram": "local"}
+
+
+def test_batch_of_many_pages_in_both_directions(pair):
+    a, b, seg, local, rs = pair
+    page, n = 4096, 1024
+    rng = np.random.default_rng(5)
+    src_pages = rng.permutation(n)
+    dst_pages = rng.permutation(n)
+    with a.batch() as bt:
+        idx = bt.add_many(Op.READ, local, dst_pages * page, rs, src_pages * page, page)
+        assert idx == range(0, n)
+        assert bt.poll() is BatchState.OPEN and len(bt) == n
+        bt.submit()
+        res = bt.wait()
+        assert res.state is BatchState.DONE and res.requests == n
+        assert (bt.status() == RequestStatus.DONE).all()
+    l2, s2 = local.array().reshape(n, page), seg.array().reshape(n, page)
+    assert (l2[dst_pages] == s2[src_pages]).all()
+    # WRITE them back somewhere else, mixed with single adds, in one batch
+    local.array()[:] = np.random.default_rng(9).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    with a.batch() as bt:
+        bt.add(Op.WRITE, local, 0, rs, 10, 3)
+        bt.add_many("write", local, [page, 3 * page], rs, [2 * page, 5 * page], [page, 2 * page])
+        bt.add(Op.READ, local, 8 * page, rs, 0, 16)
+        bt.submit().wait()
+        assert bt.status().tolist() == [RequestStatus.DONE] * 4
+    s = seg.array()
+    assert (s[10:13] == local.array()[:3]).all()
+    assert (s[2 * page : 3 * page] == local.array()[page : 2 * page]).all()
+    assert (s[5 * page : 7 * page] == local.array()[3 * page : 5 * page]).all()
+    assert (local.array()[8 * page : 8 * page + 16] == s[:16]).all()
+
+
+def test_large_batch_split_into_parallel_parts(make_engine):
+    a, b = make_engine(split_bytes=2 * MiB), make_engine()
+    seg = b.alloc_shared(32 * MiB, name="big")
+    src = np.random.default_rng(2).integers(0, 256, 32 * MiB, dtype=np.uint8)
+    local = a.register(src)
+    rs = a.open_segment(b.address, "big")
+    offs = np.arange(32, dtype=np.int64) * MiB
+    with a.batch() as bt:
+        bt.add_many(Op.WRITE, local, offs, rs, offs[::-1], MiB)
+        bt.submit()
+        assert len(bt._tasks) == 16  # cut at request boundaries into split_bytes parts
+        bt.wait()
+    assert (seg.array().reshape(32, MiB)[::-1] == src.reshape(32, MiB)).all()
+    res = a.transfer(Op.READ, local, offs, rs, offs, MiB)  # sync path, split too
+    assert res.nbytes == 32 * MiB and (local.array() == seg.array()).all()
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((0, 0, 0), InvalidLength, "positive"),
+        ((0, 0, -5), InvalidLength, "positive"),
+        ((-1, 0, 10), OutOfBounds, "negative"),
+        ((0, -4096, 10), OutOfBounds, "negative"),
+        ((4 * MiB - 10, 0, 11), OutOfBounds, "local"),
+        ((0, 4 * MiB - 10, 11), OutOfBounds, "remote"),
+        ((0, 2**63 + 5, 1), OutOfBounds, "2\\*\\*63"),
+    ],
+)
+def test_bad_requests_refuse_the_whole_batch(pair, args, exc, match):
+    a, b, seg, local, rs = pair
+    before = seg.array().copy()
+    local.array()[:] = 0xAB
+    bt = a.batch()
+    bt.add(Op.WRITE, local, 0, rs, 0, 4096)  # a valid request in the same batch
+    bt.add(Op.WRITE, local, *args[:1], rs, *args[1:])
+    with pytest.raises(exc, match=match):
+        bt.submit()
+    assert bt.state is BatchState.OPEN
+    bt.free()
+    assert (seg.array() == before).all()  # not a byte moved, not even the valid request
+    with pytest.raises(exc):
+        a.write(local, args[0], rs, args[1], args[2])
+    big = np.zeros(300, np.int64)
+    big[-1] = args[2]
+    with pytest.raises(exc):  # the vectorised check finds it too
+        a.transfer(Op.WRITE, local, np.where(big == args[2], args[0], 0), rs,
+                   np.where(big == args[2], args[1], 0), np.where(big == args[2], args[2], 1))
+    assert (seg.array() == before).all()
+
+
+def test_bad_arguments_get_specific_errors(pair, make_engine):
+    a, b, seg, local, rs = pair
+    foreign = make_engine().register(np.zeros(16, np.uint8))
+    with pytest.raises(NotRegistered):
+        a.read(foreign, 0, rs, 0, 8)
+    with pytest.raises(NotRegistered):
+        a.read(np.zeros(8, np.uint8), 0, rs, 0, 8)
+    with pytest.raises(InvalidArgument):
+        a.read(local, 0, "pool", 0, 8)
+    with pytest.raises(InvalidArgument):
+        a.transfer("copy", local, [0], rs, [0], [8])
+    with pytest.raises(InvalidArgument):
+        a.transfer(Op.READ, local, [0.5], rs, [0], [8])
+    with pytest.raises(InvalidLength):
+        a.transfer(Op.READ, local, [0, 8], rs, [0], [8, 8])
+    with pytest.raises(SegmentNotFound, match="nope"):
+        a.open_segment(b.address, "nope")
+    gone = a.register(np.zeros(16, np.uint8))
+    a.unregister(gone)
+    with pytest.raises(NotRegistered):
+        a.read(gone, 0, rs, 0, 8)
+
+
+def test_batch_state_misuse(pair):
+    a, b, seg, local, rs = pair
+    bt = a.batch()
+    with pytest.raises(BatchStateError):
+        bt.wait()
+    bt.add(Op.READ, local, 0, rs, 0, 8)
+    bt.submit()
+    with pytest.raises(BatchStateError):
+        bt.submit()
+    with pytest.raises(BatchStateError):
+        bt.add(Op.READ, local, 0, rs, 0, 8)
+    bt.wait()
+    bt.free()
+    with pytest.raises(BatchStateError):
+        bt.wait()
+    empty = a.batch().submit()
+    assert empty.wait().state is BatchState.DONE and empty.wait().requests == 0
+
+
+def test_many_threads_many_batches_in_flight(pair):
+    a, b, seg, local, rs = pair
+    page, threads, rounds = 8192, 8, 25
+    per = (4 * MiB // page) // threads  # each thread owns a disjoint slice of pages
+    src = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    local.array()[:] = src
+    errors = []
+
+    def worker(t):
+        try:
+            rng = np.random.default_rng(t)
+            mine = np.arange(t * per, (t + 1) * per)
+            for r in range(rounds):
+                pick = rng.permutation(mine)[: per // 2]
+                bt = a.batch()
+                bt.add_many(Op.WRITE, local, pick * page, rs, pick * page, page)
+                bt.submit()
+                if r % 2:
+                    bt.wait()
+                    bt.free()
+                else:
+                    with a.batch() as b2:  # a second batch in flight at the same time
+                        b2.add_many(Op.READ, local, pick * page, rs, pick * page, page)
+                        b2.submit()
+                        bt.wait()
+                        b2.wait()
+                    bt.free()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors
+    a.write(local, 0, rs, 0, 4 * MiB)  # every page once more, then compare
+    assert (seg.array() == src).all()
+
+
+def test_async_submit_then_free_cancels_cleanly(make_engine):
+    a, b = make_engine(split_bytes=4 * MiB), make_engine()
+    seg = b.alloc_shared(64 * MiB, name="big")
+    local = a.register(np.ones(64 * MiB, np.uint8))
+    rs = a.open_segment(b.address, "big")
+    offs = np.zeros(256, np.int64)  # 256 x the same 64 MiB: 16 GiB of copying if not cancelled
+    bt = a.batch()
+    bt.add_many(Op.WRITE, local, offs, rs, offs, 64 * MiB)
+    t0 = time.monotonic()
+    bt.submit()
+    time.sleep(0.05)
+    bt.free()
+    assert time.monotonic() - t0 < 30
+    st = bt.status()
+    assert (st == RequestStatus.CANCELLED).any()
+    assert set(np.unique(st).tolist()) <= {RequestStatus.DONE, RequestStatus.CANCELLED}
+    assert a.read(local, 0, rs, 0, 4096).state is BatchState.DONE  # the engine keeps working
+
+
+def test_tensor_api_in_process(make_engine):
+    a, b = make_engine(), make_engine()
+    src = torch.arange(24, dtype=torch.float16).reshape(2, 3, 4)
+    b.expose_tensor("w", src)
+    out = torch.zeros(2, 3, 4, dtype=torch.float16)
+    res = a.read_tensor(b.address, "w", out)
+    assert torch.equal(out, src) and res.transports == [TransportKind.LOCAL]
+    a.write_tensor(b.address, "w", torch.full((2, 3, 4), 3.0, dtype=torch.float16))
+    assert (src == 3).all()
+    with pytest.raises(TensorMismatch):
+        a.read_tensor(b.address, "w", torch.zeros(24, dtype=torch.float16))
+    with pytest.raises(TensorMismatch):
+        a.read_tensor(b.address, "w", torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+    with pytest.raises(SegmentNotFound):
+        a.read_tensor(b.address, "nope", out)
+    arr = np.zeros((2, 3, 4), np.float16)  # numpy arrays work as well
+    b.expose_tensor("np", np.arange(24, dtype=np.float16).reshape(2, 3, 4))
+    a.read_tensor(b.address, "np", arr)
+    assert arr.ravel().tolist() == list(range(24))
+    assert len(a.regions()) == 0  # temporary registrations are gone again
+
+
+def test_publish_unpublish_replace(pair):
+    a, b, seg, local, rs = pair
+    with pytest.raises(SegmentExists):
+        b.publish(seg, "pool")
+    b.unpublish("pool")
+    deadline = time.monotonic() + 10
+    while rs.stale_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the removal notice travels over the watch connection
+    assert rs.stale_reason and "removed" in rs.stale_reason
+    with pytest.raises(SegmentNotFound):
+        a.read(local, 0, rs, 0, 8)
+    desc = b.publish(seg, "pool")
+    rs2 = a.open_segment(b.address, "pool")
+    assert rs2 is not rs and rs2.desc.seg_id == desc.seg_id
+    a.read(local, 0, rs2, 0, 8)
+    assert [d.name for d in a.list_segments(b.address)] == ["pool"]
+
+
+def test_locate_raw_peer_addresses(make_engine):
+    a, b = make_engine(), make_engine()
+    x, y = np.zeros(8192, np.uint8), np.zeros(4096, np.uint8)
+    rx, ry = b.register(x, name="x"), b.register(y, name="y")
+    seg, off = a.locate(b.address, y.ctypes.data + 100, 50)
+    assert seg.name == "y" and off == 100
+    segs, idx, offs = a.locate_many(b.address, [x.ctypes.data, y.ctypes.data + 4095, x.ctypes.data + 8000], [10, 1, 192])
+    assert [segs[i].name for i in idx] == ["x", "y", "x"] and offs.tolist() == [0, 4095, 8000]
+    z = np.zeros(100, np.uint8)
+    b.register(z, name="z")  # published after our first lookup: found on refresh
+    assert a.locate(b.address, z.ctypes.data + 99)[0].name == "z"
+    with pytest.raises(SegmentNotFound):
+        a.locate(b.address, x.ctypes.data + 8000, 500)
+
+
+def test_closed_engine_refuses_and_stops_its_threads():
+    before = {t.ident for t in threading.enumerate()}
+    eng = TransferEngine()
+    peer = TransferEngine()
+    peer.alloc_shared(MiB, name="s")
+    r = eng.register(np.zeros(MiB, np.uint8))
+    eng.read(r, 0, eng.open_segment(peer.address, "s"), 0, 10)
+    eng.close()
+    peer.close()
+    with pytest.raises(EngineClosed):
+        eng.register(np.zeros(4, np.uint8))
+    with pytest.raises(EngineClosed):
+        eng.batch()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("kvmesh")]
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, left
+
+
+def test_shared_accessor_is_one_engine_per_process():
+    shutdown_engine()
+    try:
+        got = []
+        ts = [threading.Thread(target=lambda: got.append(get_engine())) for _ in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert len({id(e) for e in got}) == 1
+        eng = got[0]
+        assert init_engine() is eng and get_engine() is eng
+        assert init_engine(node_id=eng.node_id) is eng
+        with pytest.raises(InvalidArgument):
+            init_engine(node_id="somebody-else")
+        with pytest.raises(InvalidArgument):
+            init_engine(listen="127.0.0.1:1")
+        shutdown_engine()
+        assert eng.closed
+        fresh = init_engine(node_id="fresh")
+        assert fresh is not eng and fresh.node_id == "fresh" and get_engine() is fresh
+    finally:
+        shutdown_engine()
+
+
+def test_engine_talks_to_itself(make_engine):
+    eng = make_engine()
+    seg = eng.alloc_shared(MiB, name="own")
+    buf = eng.register(np.arange(MiB, dtype=np.uint64).astype(np.uint8))
+    rs = eng.open_segment(eng.address, "own")
+    assert eng.write(buf, 0, rs, 0, MiB).transports == [TransportKind.LOCAL]
+    assert (seg.array() == buf.array()).all()
+    assert eng.ping(eng.address) > 0
+    assert [d.name for d in eng.list_segments(eng.address)] == ["own"]
+    assert eng.info()["segments"] == ["own"]
+
+
+def test_owner_rechecks_requests_it_receives(make_engine):
+    """The owner never trusts the requester: bad raw requests are refused, the stream survives."""
+    import msgspec
+
+    from kvmesh.transfer import OutOfBounds as OOB
+
+    owner, client = make_engine(), make_engine()
+    seg = owner.alloc_shared(MiB, name="s")
+    seg.array()[:] = 1
+    desc = client.open_segment(owner.address, "s").desc
+    peer = client.peer(owner.address)
+    payload = np.full(8192, 9, np.uint8)
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    views = lambda: [memoryview(payload)[:4096], memoryview(payload)[4096:]]  # noqa: E731
+    with pytest.raises(OOB):
+        peer.write(desc, u(0, MiB - 100), u(4096, 4096), views(), 8192, 5.0)
+    stale = msgspec.structs.replace(desc, seg_id=desc.seg_id + 1)
+    with pytest.raises(SegmentNotFound, match="replaced"):
+        peer.write(stale, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
+    with pytest.raises(SegmentNotFound):
+        peer.read(msgspec.structs.replace(desc, name="other"), u(0), u(16), [memoryview(bytearray(16))], 16, 5.0)
+    assert (seg.array() == 1).all()  # nothing landed
+    peer.write(desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)  # pooled connections still fine
+    assert (seg.array()[:8192] == 9).all() and (seg.array()[8192:] == 1).all()
+
+
+def test_transfer_by_raw_addresses(make_engine):
+    owner, client = make_engine(), make_engine()
+    x = np.zeros(64 * 1024, np.uint8)
+    y = np.zeros(32 * 1024, np.uint8)
+    owner.register(x, name="x")
+    owner.register(y, name="y")
+    a = np.random.default_rng(1).integers(0, 256, 16 * 1024, dtype=np.uint8)
+    b = np.random.default_rng(2).integers(0, 256, 16 * 1024, dtype=np.uint8)
+    client.register(a)
+    client.register(b)
+    pa, pb, px, py = a.ctypes.data, b.ctypes.data, x.ctypes.data, y.ctypes.data
+    # Four requests touching two local regions and two remote segments, mixed.
+    local = [pa, pb + 4096, pa + 8192, pb]
+    remote = [py + 100, px, px + 50_000, py + 20_000]
+    lens = [4096, 8192, 1000, 4096]
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert res.requests == 4 and res.transports == [TransportKind.LOCAL]
+    assert (y[100:4196] == a[:4096]).all() and (x[:8192] == b[4096:12288]).all()
+    assert (x[50_000:51_000] == a[8192:9192]).all() and (y[20_000:24_096] == b[:4096]).all()
+    out = np.zeros(4096, np.uint8)
+    client.register(out)
+    client.transfer_by_address("read", owner.address, [out.ctypes.data], [py + 100], [4096])
+    assert (out == a[:4096]).all()
+    with pytest.raises(NotRegistered):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa + 16 * 1024 - 10], [px], [20])
+    with pytest.raises(SegmentNotFound):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa], [px + 64 * 1024 - 10], [20])
+    with pytest.raises(InvalidLength):
+        client.transfer_by_address(Op.WRITE, owner.address, [pa], [px], [0])
+
+
+def test_same_process_gpu_memory_goes_through_cuda(make_engine, monkeypatch):
+    """Routing only: CUDA is simulated with a host copy (real GPUs: scripts/gpu_check.sh)."""
+    from kvmesh.transfer import cuda, fastcopy
+
+    calls = []
+
+    def fake_copy_runs(dst, dst_offsets, src, src_offsets, lengths, device, check=None):
+        calls.append(device)
+        fastcopy.copy_ranges(dst, dst_offsets, src, src_offsets, lengths, check)
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda, "copy_runs", fake_copy_runs)
+    eng = make_engine(transports_allow=["local"])
+    fake_gpu = np.zeros(MiB, np.uint8)  # host memory registered as if it were device 3
+    eng.register_raw(fake_gpu.ctypes.data, MiB, "vram", 3, owner=fake_gpu, name="gpu")
+    host = eng.register(np.random.default_rng(0).integers(0, 256, MiB, dtype=np.uint8))
+    rs = eng.open_segment(eng.address, "gpu")
+    assert eng.write(host, 0, rs, 0, MiB).transports == [TransportKind.LOCAL]
+    assert (fake_gpu == host.array()).all() and calls == [3]
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    other = make_engine(transports_allow=["local"])
+    h2 = other.register(np.zeros(16, np.uint8))
+    from kvmesh.transfer import TransportUnavailable
+
+    with pytest.raises(TransportUnavailable):  # no CUDA: GPU memory is out of reach
+        other.read(h2, 0, other.open_segment(eng.address, "gpu"), 0, 16)
