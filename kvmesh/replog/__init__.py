@@ -1,0 +1,1 @@
+"""kvmesh.replog: Raft-replicated log for the store master's metadata (see docs/replog.md)."""
