@@ -225,6 +225,16 @@ class Wal:
                 self.truncated_bytes += len(buf) - end
             self._segments.append(WalSegment(seq, path, end))
             self._replay.extend((seq, r) for r in records)
+            if last and not records:
+                # The newest segment lost even its preamble: nothing in it was ever synced
+                # (rotation and compaction sync first). Drop it, so that every segment we
+                # append to starts with a preamble.
+                os.unlink(path)
+                fsync_dir(self.dir)
+                self._segments.pop()
+                if not self._segments:
+                    self._start_segment(seq)
+                    return
         if self._segments:
             seg = self._segments[-1]
             self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
@@ -351,6 +361,9 @@ class Wal:
         """Delete whole segments with sequence number < ``seq`` (never the active one).
         Returns how many were removed. Durable before returning."""
         self._check()
+        # The survivors must be durable before their predecessors go: the oldest survivor's
+        # preamble is what recovery will start from.
+        self.sync()
         seq = min(seq, self.active_seq)
         doomed = [s for s in self._segments if s.seq < seq]
         if not doomed:
