@@ -255,6 +255,11 @@ class DiskStorage:
                 # The snapshot supersedes the log (installed from a leader; crash before the
                 # Installed marker, or the log diverged after it).
                 ents = [Entry(m.term, m.index)]
+            else:
+                # Start the in-memory log right after the snapshot: the core derives the
+                # snapshot index from first_index() and replays membership changes above it.
+                ents = ents[m.index - off :]
+                ents[0] = Entry(m.term, m.index)
             self._snap_meta = m
             self._snap_data = snap.data
             if hs.commit < m.index:
@@ -357,26 +362,34 @@ class DiskStorage:
         """One fdatasync covering everything written so far (group commit)."""
         self.wal.sync()
 
-    def persist(self, rd: Ready) -> None:
-        """Persist a Ready's snapshot, entries and hard state with at most one WAL fsync."""
+    def write(self, rd: Ready, snapshot_path: str | None = None) -> bool:
+        """Write a Ready's snapshot, entries and hard state without syncing; returns whether
+        an fsync is needed before the Ready's ``send_after_persist`` messages may go out."""
         if rd.snapshot_to_install is not None:
-            self.apply_snapshot(rd.snapshot_to_install)
+            self.apply_snapshot(rd.snapshot_to_install, snapshot_path)
         if rd.entries_to_append:
             self.append(rd.entries_to_append)
         if rd.hard_state is not None and rd.hard_state != self._hs:
             self.set_hard_state(rd.hard_state)
-        if rd.must_sync or rd.entries_to_append:
+        return rd.must_sync or bool(rd.entries_to_append) or rd.snapshot_to_install is not None
+
+    def persist(self, rd: Ready) -> None:
+        """:meth:`write` plus at most one WAL fsync (group commit)."""
+        if self.write(rd):
             self.sync()
 
-    def apply_snapshot(self, snap: Snapshot) -> None:
-        """Install a snapshot received from the leader: durable file first, then a WAL marker
-        (synced), then the in-memory log is replaced."""
+    def apply_snapshot(self, snap: Snapshot, path: str | None = None) -> None:
+        """Install a snapshot received from the leader: the durable file first (``path`` if
+        the caller already wrote it with :func:`snapfile.write_snapshot`, e.g. in a worker
+        thread), then a WAL marker (durable at the next :meth:`sync`), then the in-memory
+        log is replaced. A crash before the marker is synced is handled by recovery: the
+        newer snapshot file supersedes the log."""
         m = snap.meta
         if m.index < self._snap_meta.index:
             raise StorageError(f"snapshot at {m.index} is older than the stored one at {self._snap_meta.index}")
-        path = snapfile.write_snapshot(self.snap_dir, snap)
+        if path is None:
+            path = snapfile.write_snapshot(self.snap_dir, snap)
         self.wal.append([_enc.encode(_WInstalled(m.index, m.term))])
-        self.wal.sync()
         self._snap_meta, self._snap_data, self._snap_path = m, snap.data, path
         self._ents = [Entry(m.term, m.index)]
         if self._hs.commit < m.index:
