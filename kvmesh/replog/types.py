@@ -32,11 +32,14 @@ commit are backward-compatible additions only; they are listed here.
 Change log
 ----------
 * v1: initial contract.
+* v1.1: ``LeaderTransferError``; ``RaftConfig.lease_ticks`` subtracts one tick of
+  granularity (see its docstring).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Protocol, Union, runtime_checkable
 
 import msgspec
@@ -89,6 +92,7 @@ __all__ = [
     "ProposalDropped",
     "ProposalTooLarge",
     "ConfChangeError",
+    "LeaderTransferError",
     "ReadyContractError",
     "StorageError",
     "LogCompacted",
@@ -297,8 +301,13 @@ class RaftConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def lease_ticks(self) -> int:
-        """Lease length in ticks, measured from when the confirming round was sent."""
-        return int(self.election_tick * (1.0 - self.lease_drift_bound))
+        """Lease length in ticks, measured from when the confirming round was sent:
+        ``floor(election_tick * (1 - lease_drift_bound)) - 1``. The extra tick pays for tick
+        granularity: a follower refuses votes for more than ``election_tick - 1`` of its own
+        tick periods after hearing from the leader, while a read at tick difference d may
+        happen up to d + 1 leader periods after the round was sent. Leases are then safe as
+        long as the leader's clock is slower than any follower's by less than the bound."""
+        return max(0, math.floor(self.election_tick * (1.0 - self.lease_drift_bound) + 1e-9) - 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -602,6 +611,10 @@ class ProposalTooLarge(ProposalDropped):
 
 class ConfChangeError(ReplogError):
     """A membership change is invalid for the current configuration."""
+
+
+class LeaderTransferError(ReplogError):
+    """A leadership transfer target is invalid (not a voter of the current configuration)."""
 
 
 class ReadyContractError(ReplogError):
