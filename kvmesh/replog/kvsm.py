@@ -130,6 +130,18 @@ class KvStateMachine:
             return False
         raise TypeError(f"unsupported KV command {cmd!r}")  # nested batch
 
+    def query(self, data: bytes) -> Any:
+        """Read-only evaluation of an encoded ``KvGet`` (or a ``KvBatch`` of them) against
+        local state; serve it only after a read-index / lease check."""
+        cmd = _cmd_dec.decode(data)
+        if type(cmd) is KvBatch:
+            if any(type(c) is not KvGet for c in cmd.commands):
+                raise TypeError("query batches may only contain KvGet")
+            return [self.get(c.key) for c in cmd.commands]
+        if type(cmd) is not KvGet:
+            raise TypeError(f"query accepts KvGet or a batch of them, not {type(cmd).__name__}")
+        return self.get(cmd.key)
+
     def get(self, key: str) -> bytes | None:
         """Local read (serve it only after a read-index / lease check)."""
         v = self.data.get(key)
