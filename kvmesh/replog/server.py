@@ -52,6 +52,7 @@ __all__ = [
     "Request",
     "Response",
     "ReplicaServer",
+    "LocalCluster",
     "main",
     "MAX_REQUEST",
 ]
@@ -204,6 +205,9 @@ class ReplicaServer:
                 result = await node.register_session()
             elif t is ReqStatus:
                 result = node.status()
+                digest = getattr(node.state_machine, "digest", None)
+                if digest is not None:
+                    result["digest"] = digest()
             else:  # pragma: no cover - the decoder admits only the union
                 raise TypeError(f"unknown request {t.__name__}")
             resp = Response(req.rid, True, _enc.encode(result))
@@ -235,6 +239,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="data directory (required with --durability disk)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
     p.add_argument("--client-port-offset", type=int, default=100, help="client port = raft port + offset")
+    p.add_argument("--client-addrs", default=None, help="ID=HOST:PORT,... client endpoints (overrides the offset)")
     p.add_argument("--tick-ms", type=float, default=100.0)
     p.add_argument("--election-ticks", type=int, default=10, help="min election timeout in ticks (max = 2x)")
     p.add_argument("--lease-reads", action="store_true", help="serve reads from the leader lease")
@@ -257,7 +262,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         node_id=a.id,
         peers=peers,
-        client_addrs=client_addrs_for(peers, a.client_port_offset),
+        client_addrs=parse_peers(a.client_addrs) if a.client_addrs else client_addrs_for(peers, a.client_port_offset),
         data_dir=a.dir,
         durability=a.durability,
         join=a.join,
@@ -317,3 +322,158 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class LocalCluster:
+    """Replica processes on this host, for tests, benchmarks and development.
+
+    Ports are picked free at construction; ``base_dir/N`` is replica N's data directory.
+    ``extra_args`` are passed to every replica (e.g. ``["--durability", "memory"]``).
+    Replica logs go to ``base_dir/replicaN.log``.
+    """
+
+    def __init__(
+        self,
+        base_dir: str,
+        n: int = 3,
+        *,
+        tick_ms: float = 100.0,
+        election_ticks: int = 10,
+        extra_args: list[str] | None = None,
+        host: str = "127.0.0.1",
+        python: str | None = None,
+    ) -> None:
+        import socket
+
+        self.base_dir = base_dir
+        os.makedirs(base_dir, exist_ok=True)
+        socks = []
+        for _ in range(2 * n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        ports = [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
+        self.ids = list(range(1, n + 1))
+        self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
+        self.client_addrs = {i: f"{host}:{ports[n + i - 1]}" for i in self.ids}
+        self.tick_ms = tick_ms
+        self.election_ticks = election_ticks
+        self.extra_args = list(extra_args or [])
+        self.python = python or sys.executable
+        self.procs: dict[int, Any] = {}
+        self.restore_s: dict[int, float] = {}
+
+    def _spec(self, d: dict[int, str]) -> str:
+        return ",".join(f"{i}={a}" for i, a in sorted(d.items()))
+
+    def command(self, i: int) -> list[str]:
+        return [
+            self.python, "-m", "kvmesh.replog.server",
+            "--id", str(i),
+            "--peers", self._spec(self.peers),
+            "--client-addrs", self._spec(self.client_addrs),
+            "--dir", os.path.join(self.base_dir, str(i)),
+            "--tick-ms", str(self.tick_ms),
+            "--election-ticks", str(self.election_ticks),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, i: int, wait: bool = True, timeout: float = 60.0) -> None:
+        import subprocess
+
+        if self.alive(i):
+            raise RuntimeError(f"replica {i} is already running")
+        logf = open(os.path.join(self.base_dir, f"replica{i}.log"), "ab")
+        self.procs[i] = subprocess.Popen(self.command(i), stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL)
+        logf.close()
+        if wait:
+            self.wait_ready(i, timeout)
+
+    def wait_ready(self, i: int, timeout: float = 60.0) -> float:
+        """Wait for the replica's READY line; returns its restore time (seconds)."""
+        import select
+        import time
+
+        p = self.procs[i]
+        assert p.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"replica {i} not ready within {timeout}s (log: {self.log_tail(i)})")
+            r, _, _ = select.select([p.stdout], [], [], min(left, 0.5))
+            if r:
+                line = p.stdout.readline().decode()
+                if line.startswith("READY"):
+                    self.restore_s[i] = float(line.split()[2])
+                    return self.restore_s[i]
+                if not line and p.poll() is not None:
+                    raise RuntimeError(f"replica {i} exited with {p.returncode}: {self.log_tail(i)}")
+
+    def start_all(self, timeout: float = 60.0) -> None:
+        for i in self.ids:
+            self.start(i, wait=False)
+        for i in self.ids:
+            self.wait_ready(i, timeout)
+
+    def alive(self, i: int) -> bool:
+        p = self.procs.get(i)
+        return p is not None and p.poll() is None
+
+    def signal(self, i: int, sig: int) -> None:
+        p = self.procs[i]
+        if p.poll() is None:
+            p.send_signal(sig)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL (no cleanup, like a crash) and reap."""
+        p = self.procs.get(i)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+    def stop(self, i: int, timeout: float = 10.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); returns the exit code."""
+        import subprocess
+
+        p = self.procs.get(i)
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p.returncode
+
+    def pause(self, i: int) -> None:
+        self.signal(i, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        self.signal(i, signal.SIGCONT)
+
+    def log_tail(self, i: int, n: int = 2000) -> str:
+        try:
+            with open(os.path.join(self.base_dir, f"replica{i}.log"), "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        for i in list(self.procs):
+            self.kill(i)
+            p = self.procs[i]
+            if p.stdout is not None:
+                p.stdout.close()
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
