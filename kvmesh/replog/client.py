@@ -58,6 +58,7 @@ class _Conn:
         self.waiters: dict[int, asyncio.Future] = {}
         self.task: asyncio.Task | None = None
         self.lock = asyncio.Lock()
+        self.outbuf: list[bytes] | None = None
 
     async def ensure(self, timeout: float) -> None:
         if self.writer is not None and not self.writer.is_closing():
@@ -88,7 +89,13 @@ class _Conn:
             self._fail(ConnectionError(f"connection to {self.addr} closed"))
             raise
 
+    def _flush(self) -> None:
+        buf, self.outbuf = self.outbuf, None
+        if buf and self.writer is not None and not self.writer.is_closing():
+            self.writer.write(b"".join(buf))
+
     def _fail(self, exc: BaseException) -> None:
+        self.outbuf = None
         for f in self.waiters.values():
             if not f.done():
                 f.set_exception(exc)
@@ -100,10 +107,16 @@ class _Conn:
     async def call(self, req: Any, timeout: float) -> Response:
         await self.ensure(timeout)
         assert self.writer is not None
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self.waiters[req.rid] = fut
         data = _enc.encode(req)
-        self.writer.write(_LEN.pack(len(data)) + data)
+        # Requests issued in the same loop iteration share one send.
+        if self.outbuf is None:
+            self.outbuf = []
+            loop.call_soon(self._flush)
+        self.outbuf.append(_LEN.pack(len(data)))
+        self.outbuf.append(data)
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -125,7 +138,8 @@ class ReplogClient:
     """Leader-finding, retrying, exactly-once client.
 
     ``addrs``: client endpoints of the replicas. ``timeout``: overall deadline of one call;
-    ``attempt_timeout``: how long to wait for one replica before trying another.
+    ``attempt_timeout``: how long to wait for one replica before trying another;
+    ``max_backoff``: longest pause between rounds over all replicas (no leader known).
     """
 
     def __init__(
@@ -136,12 +150,14 @@ class ReplogClient:
         attempt_timeout: float = 2.0,
         result_type: Any = Any,
         seed: int | None = None,
+        max_backoff: float = 0.5,
     ) -> None:
         self.addrs = list(addrs.values()) if isinstance(addrs, dict) else list(addrs)
         if not self.addrs:
             raise ValueError("no replica addresses")
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
+        self.max_backoff = max_backoff
         self._conns = {a: _Conn(a) for a in self.addrs}
         self._leader: str | None = None
         self._rid = itertools.count(1)
@@ -214,8 +230,8 @@ class ReplogClient:
                 return resp  # definite: session, command, bad_request, error
             if redirected:
                 continue
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+            await asyncio.sleep(min(backoff, self.max_backoff))
+            backoff = min(backoff * 2, self.max_backoff)
 
     def _decode(self, resp: Response) -> Any:
         if resp.ok:

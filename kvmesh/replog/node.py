@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
 import inspect
 import itertools
 import logging
@@ -203,6 +204,8 @@ class RaftNode:
         self.transport: Transport | None = None
         self._wake = asyncio.Event()
         self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
+        self._deadline_seq = itertools.count()
         self._reads: dict[bytes, asyncio.Future] = {}
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
         self._read_ctx = itertools.count(1)
@@ -325,6 +328,7 @@ class RaftNode:
             if not p.fut.done():
                 p.fut.set_exception(exc)
         self._pending.clear()
+        self._deadlines.clear()
         for f in self._reads.values():
             if not f.done():
                 f.set_exception(exc)
@@ -416,6 +420,19 @@ class RaftNode:
         """Replicate ``cmd`` and return the state machine's result once it is committed and
         applied here. With ``client_id``/``seq`` (from :meth:`register_session`) the command
         is applied exactly once however often it is retried, on any replica."""
+        return await self.propose_nowait(cmd, client_id, seq, ack, timeout)
+
+    def propose_nowait(
+        self,
+        cmd: bytes,
+        client_id: int | None = None,
+        seq: int | None = None,
+        ack: int = 0,
+        timeout: float | None = None,
+    ) -> asyncio.Future:
+        """:meth:`propose` without a coroutine: appends now (raising NotLeaderError etc.
+        immediately) and returns a future of the result (for RPC layers that answer from a
+        done-callback instead of spawning a task per request)."""
         if client_id is None:
             data = encode_envelope(Plain(cmd))
         else:
@@ -424,7 +441,7 @@ class RaftNode:
             data = encode_envelope(Command(client_id, seq, cmd, ack))
             if self.tracker is not None and self.is_leader:
                 self.tracker.touch(client_id, time.monotonic())
-        return await self._propose_data(data, timeout)
+        return self._submit(data, timeout)
 
     async def propose_many(self, cmds: list[tuple[bytes, int | None, int | None, int]], timeout: float | None = None) -> list[Any]:
         """Propose several ``(cmd, client_id, seq, ack)`` at once (one batch, one fsync);
@@ -441,26 +458,9 @@ class RaftNode:
         except NotLeader as e:
             raise self._not_leader(e.leader_hint) from None
         self.metrics["proposals"] += len(datas)
-        loop = asyncio.get_running_loop()
-        futs = []
-        term = core.term
-        for idx in range(last - len(datas) + 1, last + 1):
-            f = loop.create_future()
-            self._pending[idx] = _Pending(term, f)
-            futs.append(f)
+        futs = [self._track(idx, core.term, timeout) for idx in range(last - len(datas) + 1, last + 1)]
         self._wake.set()
-        t = self.cfg.proposal_timeout_s if timeout is None else timeout
-        done, _ = await asyncio.wait(futs, timeout=t)
-        out = []
-        for idx, f in zip(range(last - len(datas) + 1, last + 1), futs):
-            if f.done():
-                exc = f.exception()
-                out.append(exc if exc is not None else f.result())
-            else:
-                self._pending.pop(idx, None)
-                f.cancel()
-                out.append(ProposalTimeout(f"no result for index {idx} within {t}s"))
-        return out
+        return list(await asyncio.gather(*futs, return_exceptions=True))
 
     async def register_session(self, timeout: float | None = None) -> int:
         """Open an exactly-once session; returns the client id to use with :meth:`propose`."""
@@ -470,23 +470,42 @@ class RaftNode:
         return cid
 
     async def _propose_data(self, data: bytes, timeout: float | None) -> Any:
+        return await self._submit(data, timeout)
+
+    def _submit(self, data: bytes, timeout: float | None) -> asyncio.Future:
         core = self._core()
         try:
             idx = core.propose(data)
         except NotLeader as e:
             raise self._not_leader(e.leader_hint) from None
         self.metrics["proposals"] += 1
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[idx] = _Pending(core.term, fut)
+        fut = self._track(idx, core.term, timeout)
         self._wake.set()
+        return fut
+
+    def _track(self, idx: int, term: int, timeout: float | None) -> asyncio.Future:
+        """A future resolved when index ``idx`` is applied (or times out)."""
+        fut = asyncio.get_running_loop().create_future()
+        old = self._pending.get(idx)
+        if old is not None and not old.fut.done():
+            # We lead now and our log holds a different entry at idx: the old one is gone.
+            old.fut.set_exception(ProposalLost(f"index {idx} was taken by a proposal of term {term}"))
+        self._pending[idx] = _Pending(term, fut)
         t = self.cfg.proposal_timeout_s if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(fut, t)
-        except asyncio.TimeoutError:
+        # One heap swept by the tick loop instead of a timer per proposal.
+        heapq.heappush(self._deadlines, (time.monotonic() + t, next(self._deadline_seq), idx, fut))
+        return fut
+
+    def _expire_proposals(self, now: float) -> None:
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, _, idx, fut = heapq.heappop(dl)
+            if fut.done():
+                continue
             p = self._pending.get(idx)
             if p is not None and p.fut is fut:
                 del self._pending[idx]
-            raise ProposalTimeout(f"no result for the proposal at index {idx} within {t}s (outcome unknown)") from None
+            fut.set_exception(ProposalTimeout(f"no result for the proposal at index {idx} in time (outcome unknown)"))
 
     async def read_index(self, timeout: float | None = None) -> int:
         """Linearizable read barrier: returns an index such that the local state machine,
@@ -554,14 +573,9 @@ class RaftNode:
             idx = core.propose_conf_change(cc)
         except NotLeader as e:
             raise self._not_leader(e.leader_hint) from None
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[idx] = _Pending(core.term, fut)
+        fut = self._track(idx, core.term, timeout)
         self._wake.set()
-        t = self.cfg.proposal_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(fut, t)
-        except asyncio.TimeoutError:
-            raise ProposalTimeout(f"membership change at index {idx} not applied within {t}s") from None
+        await fut
 
     async def snapshot_now(self) -> int:
         """Take a snapshot at the current applied index (returns it; 0 if one is running)."""
@@ -615,6 +629,8 @@ class RaftNode:
             nxt = self._tick_epoch + (self._ticks_done + 1) * tick
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
             self._catch_up_ticks()
+            if self._deadlines:
+                self._expire_proposals(time.monotonic())
 
     async def _expiry_loop(self) -> None:
         assert self.tracker is not None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -137,6 +138,7 @@ class ReplicaServer:
         self.listen_addr = listen_addr
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
+        self._out: dict[asyncio.StreamWriter, list[bytes]] = {}
 
     async def start(self) -> None:
         host, port = parse_addr(self.listen_addr)
@@ -175,6 +177,18 @@ class ReplicaServer:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     self._write(writer, Response(0, False, kind="bad_request", error=str(e)))
                     continue
+                if type(req) is ReqSubmit:
+                    # Hot path: no task per command; the answer is written from the
+                    # future's done-callback when the entry is applied.
+                    try:
+                        fut = self.node.propose_nowait(req.body, req.client_id, req.seq, req.ack)
+                    except (ReplogError, ValueError) as e:
+                        self._write(writer, _error_response(req.rid, e))
+                    else:
+                        fut.add_done_callback(functools.partial(self._answer, writer, req.rid))
+                    if writer.transport.get_write_buffer_size() > (1 << 20):
+                        await writer.drain()
+                    continue
                 t = asyncio.get_running_loop().create_task(self._handle(req, writer))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
@@ -186,19 +200,44 @@ class ReplicaServer:
             self._conns.discard(task)
             writer.close()
 
+    def _answer(self, writer: asyncio.StreamWriter, rid: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            try:
+                resp = Response(rid, True, _enc.encode(fut.result()))
+            except (TypeError, msgspec.EncodeError) as e:
+                resp = Response(rid, False, kind="bad_request", error=f"result not encodable: {e}")
+        elif isinstance(exc, (ReplogError, asyncio.TimeoutError)):
+            resp = _error_response(rid, exc)
+        else:
+            resp = Response(rid, False, kind="error", error=f"{type(exc).__name__}: {exc}")
+        self._write(writer, resp)
+
     def _write(self, writer: asyncio.StreamWriter, resp: Response) -> None:
         if writer.is_closing():
             return
         data = _enc.encode(resp)
-        writer.write(_LEN.pack(len(data)) + data)
+        # Responses resolved in the same loop iteration (one applied batch) leave in one
+        # send: a syscall per response would dominate the cost of small commands.
+        buf = self._out.get(writer)
+        if buf is None:
+            buf = self._out[writer] = []
+            asyncio.get_running_loop().call_soon(self._flush, writer)
+        buf.append(_LEN.pack(len(data)))
+        buf.append(data)
+
+    def _flush(self, writer: asyncio.StreamWriter) -> None:
+        buf = self._out.pop(writer, None)
+        if buf and not writer.is_closing():
+            writer.write(b"".join(buf))
 
     async def _handle(self, req: Any, writer: asyncio.StreamWriter) -> None:
         node = self.node
         t = type(req)
         try:
-            if t is ReqSubmit:
-                result = await node.propose(req.body, req.client_id, req.seq, req.ack)
-            elif t is ReqRead:
+            if t is ReqRead:
                 await node.read_index()
                 result = node.state_machine.query(req.body)  # type: ignore[attr-defined]
             elif t is ReqRegister:
@@ -217,10 +256,11 @@ class ReplicaServer:
             log.warning("request %r failed: %r", req, e)
             resp = Response(req.rid, False, kind="bad_request", error=f"{type(e).__name__}: {e}")
         self._write(writer, resp)
-        try:
-            await writer.drain()
-        except ConnectionError:
-            pass
+        if writer.transport.get_write_buffer_size() > (1 << 20):
+            try:
+                await writer.drain()  # a client that stops reading must not grow our buffer forever
+            except ConnectionError:
+                pass
 
 
 def client_addrs_for(peers: dict[int, str], offset: int) -> dict[int, str]:
