@@ -388,7 +388,8 @@ async def restart(base: str, n_objects: int, tick_ms: float) -> dict:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    quick = args.quick
+    quick = args.quick or args.smoke
+    smoke = args.smoke
     base = args.dir or tempfile.mkdtemp(prefix="kvmesh-replog-bench-")
     os.makedirs(base, exist_ok=True)
     lim = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps(128 << 20 if quick else 512 << 20)}
@@ -407,6 +408,8 @@ async def run(args: argparse.Namespace) -> dict:
     _print_header(lim)
     warm, dur = (1.0, 3.0) if quick else (5.0, 30.0)
     batches = [1, 64] if quick else [1, 16, 64, 256]
+    if smoke:
+        warm, dur, batches = 0.3, 0.7, [16]
     for durability in ("disk", "memory"):
         d = os.path.join(base, f"commit-{durability}")
         cluster = LocalCluster(d, 3, tick_ms=tick_ms, election_ticks=10, extra_args=["--durability", durability])
@@ -419,13 +422,13 @@ async def run(args: argparse.Namespace) -> dict:
                 sessions, inflight = (4, 16) if b == 1 else (8, 1)
                 r = await throughput(cluster, b, sessions, inflight, warm, dur, f"t{b}")
                 add(record("commit", "commit", batch=b, ops_per_s=r["ops_per_s"], durability=durability, fsync=durability == "disk", clients=sessions * inflight, sessions=sessions, replicas=3, verified_reads=r["verified"]))
-            r = await latency(cluster, 300 if quick else 2000, "lat")
+            r = await latency(cluster, 30 if smoke else 300 if quick else 2000, "lat")
             add(record("latency", "commit", batch=1, p50_us=r["p50_us"], p99_us=r["p99_us"], ops_per_s=r["ops_per_s"], durability=durability, fsync=durability == "disk", clients=1, replicas=3))
         finally:
             cluster.close()
             shutil.rmtree(d, ignore_errors=True)
 
-    kills = 5 if quick else 20
+    kills = 2 if smoke else 5 if quick else 20
     d = os.path.join(base, "failover")
     cluster = LocalCluster(d, 3, tick_ms=tick_ms, election_ticks=10, extra_args=["--snapshot-threshold", "5000", "--trailing-logs", "500"])
     try:
@@ -447,7 +450,7 @@ async def run(args: argparse.Namespace) -> dict:
         cluster.close()
         shutil.rmtree(d, ignore_errors=True)
 
-    n_obj = 1_000_000
+    n_obj = 20_000 if smoke else 1_000_000
     d = os.path.join(base, "restart")
     try:
         r = await restart(d, n_obj, tick_ms)
@@ -467,6 +470,7 @@ async def run(args: argparse.Namespace) -> dict:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "gpu": None},
         "limits": lim,
         "quick": quick,
+        "smoke": smoke,
         "records": records,
     }
 
@@ -502,6 +506,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 60 s)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
     p.add_argument("--dir", default=None, help="working directory for replica data (default: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="a tiny run of every code path (tests)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
