@@ -309,12 +309,8 @@ class RaftNode:
         self._fail_all(NodeStopped(f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")))
         if isinstance(self.storage, DiskStorage):
             try:
-                if self.fatal_error is None:
-                    self.storage.close()
-                else:
-                    # Do not sync after a failed fsync; just release the directory.
-                    self.storage._wal = None
-                    self.storage.close()
+                # A WAL that failed an fsync refuses to sync again and just closes.
+                self.storage.close()
             except Exception as e:  # noqa: BLE001
                 log.error("replog node %d: closing storage: %s", self.id, e)
         self.storage = None
@@ -589,7 +585,10 @@ class RaftNode:
     def _on_message(self, msg: Any) -> None:
         if self.core is None or not self._running:
             return
-        self.core.step(msg)
+        try:
+            self.core.step(msg)
+        except Exception:  # noqa: BLE001 - one bad message must not kill the transport
+            log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
         self._wake.set()
 
     def _on_unreachable(self, peer: int) -> None:
