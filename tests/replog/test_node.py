@@ -420,3 +420,49 @@ def test_fsync_failure_stops_the_node_and_cluster_continues(tmp_path, monkeypatc
             await c.stop_all()
 
     run(main())
+
+
+def test_membership_add_learner_promote_and_remove(tmp_path):
+    from kvmesh.replog.types import ConfChange, ConfChangeType
+
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        extra = free_ports(1)[0]
+        addr4 = f"127.0.0.1:{extra}"
+        try:
+            leader = await c.leader()
+            for i in range(50):
+                await c.put(f"k{i}", b"v")
+            # The new member knows everybody; the others learn its address from the entry.
+            peers4 = dict(c.peers)
+            peers4[4] = addr4
+            n4 = RaftNode(c.config(4, peers=peers4, join=True), KvStateMachine())
+            await n4.start()
+            c.nodes[4] = n4
+            await leader.change_membership(ConfChange(ConfChangeType.ADD_LEARNER, 4, addr4.encode()))
+            assert leader.status()["learners"] == [4]
+            for _ in range(200):
+                if n4.applied_index >= leader.applied_index and n4.state_machine.get("k49") == b"v":
+                    break
+                await asyncio.sleep(0.02)
+            assert n4.state_machine.get("k49") == b"v"
+            assert not n4.is_leader
+            await leader.change_membership(ConfChange(ConfChangeType.PROMOTE_LEARNER, 4))
+            assert leader.status()["voters"] == [1, 2, 3, 4]
+            # 4 voters: a majority is 3; losing the leader still leaves 3.
+            old = leader.id
+            await c.stop(old)
+            new = await c.leader()
+            await c.put("after", b"1")
+            assert new.status()["voters"] == [1, 2, 3, 4]
+            # Remove the dead member: back to 3 voters, 2 of 3 needed.
+            await new.change_membership(ConfChange(ConfChangeType.REMOVE_NODE, old))
+            assert old not in new.status()["voters"]
+            await c.put("after-remove", b"1")
+            await c.converge()
+            assert all(n.state_machine.get("after-remove") == b"1" for n in c.nodes.values())
+        finally:
+            await c.stop_all()
+
+    run(main())
