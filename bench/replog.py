@@ -369,6 +369,32 @@ async def restart(base: str, n_objects: int, tick_ms: float) -> dict:
             serve_s = time.perf_counter() - t0
             got = await c.get_many(["obj-0000000", f"obj-{n_objects - 1:07d}", "after-restart"])
             assert got == [b"x" * 40, b"x" * 40, b"1"], f"read-back mismatch: {got}"
+            # Snapshot capture on the leader while a client keeps reading through it: the
+            # event loop must keep serving (shallow copy + chunked encode + file in a thread).
+            leader = await find_leader(cluster)
+            addr = cluster.client_addrs[leader]
+            lat: list[float] = []
+            stop = asyncio.Event()
+
+            async def reader() -> None:
+                r = KvClient({leader: addr}, timeout=30.0)
+                try:
+                    while not stop.is_set():
+                        t1 = time.perf_counter()
+                        await r.get("after-restart")
+                        lat.append(time.perf_counter() - t1)
+                finally:
+                    await r.close()
+
+            rt = asyncio.get_running_loop().create_task(reader())
+            await asyncio.sleep(0.3)
+            t1 = time.perf_counter()
+            snap_index = await c.snapshot(addr, reset_lag=True)
+            snap_s = time.perf_counter() - t1
+            stop.set()
+            await rt
+            st = await c.status(addr)
+            assert snap_index > 0
         finally:
             await c.close()
         return {
@@ -379,6 +405,10 @@ async def restart(base: str, n_objects: int, tick_ms: float) -> dict:
             "snapshot_bytes": snap_bytes,
             "build_s": build_s,
             "rss_mb": rss,
+            "snapshot_s": snap_s,
+            "snapshot_loop_lag_max_ms": st["loop_lag_max_s"] * 1e3,
+            "snapshot_read_max_ms": max(lat) * 1e3 if lat else None,
+            "snapshot_read_p99_ms": pct(lat, 99) * 1e3 if lat else None,
         }
     finally:
         cluster.close()
@@ -459,6 +489,8 @@ async def run(args: argparse.Namespace) -> dict:
                 "restart", "restart", page_bytes=None, objects=n_obj,
                 restart_s=r["restore_s"], process_ready_s=r["process_ready_s"], cluster_commit_s=r["cluster_commit_s"],
                 restore_s_by_replica=r["restore_s_by_replica"], snapshot_bytes=r["snapshot_bytes"], rss_mb=r["rss_mb"],
+                snapshot_s=r["snapshot_s"], snapshot_loop_lag_max_ms=r["snapshot_loop_lag_max_ms"],
+                snapshot_read_max_ms=r["snapshot_read_max_ms"], snapshot_read_p99_ms=r["snapshot_read_p99_ms"],
             )
         )  # fmt: skip
     finally:
@@ -491,7 +523,9 @@ def _print_row(r: dict) -> None:
                  f"history {r['linearizable']}, lost {r['lost_writes']}")  # fmt: skip
     elif r["case"] == "restart":
         notes = (f"{r['objects']:,} objects: restore {r['restart_s']:.2f}s, process ready {r['process_ready_s']:.2f}s, "
-                 f"cluster commit {r['cluster_commit_s']:.2f}s, snapshot {r['snapshot_bytes'] / 1e6:.0f} MB, rss {r['rss_mb'] or 0:.0f} MB")  # fmt: skip
+                 f"cluster commit {r['cluster_commit_s']:.2f}s, snapshot {r['snapshot_bytes'] / 1e6:.0f} MB, rss {r['rss_mb'] or 0:.0f} MB; "
+                 f"live snapshot {r['snapshot_s']:.2f}s with loop lag max {r['snapshot_loop_lag_max_ms']:.0f} ms, "
+                 f"reads during it max {r['snapshot_read_max_ms'] or 0:.0f} ms")  # fmt: skip
     elif r["case"] == "commit":
         notes = f"{r['gbps'] * 1000:.1f} MB/s of commands, reads verified"
     print(

@@ -31,7 +31,7 @@ import msgspec
 
 from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, encode_command
 from .node import CommandError, NodeStopped, ProposalTimeout, ReadTimeout, SessionExpiredError
-from .server import ReqRead, ReqRegister, ReqStatus, ReqSubmit, Response
+from .server import ReqRead, ReqRegister, ReqSnapshot, ReqStatus, ReqSubmit, Response
 from .transport import parse_addr
 from .types import ReplogError
 
@@ -292,6 +292,12 @@ class ReplogClient:
         conn = self._conns.setdefault(addr, _Conn(addr))
         resp = await conn.call(ReqStatus(next(self._rid)), self.attempt_timeout)
         return msgspec.msgpack.decode(resp.result)
+
+    async def snapshot(self, addr: str, reset_lag: bool = False, timeout: float = 60.0) -> int:
+        """Admin: make one replica snapshot now; returns the snapshot index."""
+        conn = self._conns.setdefault(addr, _Conn(addr))
+        resp = await conn.call(ReqSnapshot(next(self._rid), reset_lag), timeout)
+        return self._decode(resp)
 
     @property
     def leader_addr(self) -> str | None:

@@ -8,7 +8,8 @@ Run one replica of a 3-node cluster (client port = raft port + ``--client-port-o
 The example state machine is :class:`~kvmesh.replog.kvsm.KvStateMachine`; embedders pass
 their own to :class:`ReplicaServer` (it needs ``query(bytes)`` for reads).
 
-Client protocol: frames ``[len u32 LE][msgpack]`` carrying :data:`Request` structs; every
+Client protocol: frames ``[len u32 LE][msgpack]`` carrying :data:`Request` structs (plus the
+admin :class:`ReqSnapshot`); every
 request has a ``rid`` echoed in its :class:`Response`, so requests pipeline on one
 connection. Results are msgpack bytes (``Response.result``); errors carry a ``kind``
 (``not_leader``, ``timeout``, ``lost``, ``dropped``, ``session``, ``command``, ``stopped``,
@@ -50,6 +51,7 @@ __all__ = [
     "ReqSubmit",
     "ReqRead",
     "ReqStatus",
+    "ReqSnapshot",
     "Request",
     "Response",
     "ReplicaServer",
@@ -93,7 +95,15 @@ class ReqStatus(msgspec.Struct, tag=4, array_like=True, frozen=True):
     rid: int
 
 
-Request = Union[ReqRegister, ReqSubmit, ReqRead, ReqStatus]
+class ReqSnapshot(msgspec.Struct, tag=5, array_like=True, frozen=True):
+    """Admin: take a snapshot now; result: its index (0 if one was already running).
+    ``reset_lag``: clear the event-loop lag statistics first (to measure the stall)."""
+
+    rid: int
+    reset_lag: bool = False
+
+
+Request = Union[ReqRegister, ReqSubmit, ReqRead, ReqStatus, ReqSnapshot]
 
 
 class Response(msgspec.Struct, array_like=True, frozen=True):
@@ -242,6 +252,10 @@ class ReplicaServer:
                 result = node.state_machine.query(req.body)  # type: ignore[attr-defined]
             elif t is ReqRegister:
                 result = await node.register_session()
+            elif t is ReqSnapshot:
+                if req.reset_lag:
+                    node.reset_lag_stats()
+                result = await node.snapshot_now()
             elif t is ReqStatus:
                 result = node.status()
                 digest = getattr(node.state_machine, "digest", None)
