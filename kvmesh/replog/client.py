@@ -287,10 +287,10 @@ class ReplogClient:
             raise ReadTimeout(str(e)) from None
         return self._decode(resp)
 
-    async def status(self, addr: str) -> dict:
-        """Status of one replica (no leader needed)."""
+    async def status(self, addr: str, digest: bool = False) -> dict:
+        """Status of one replica (no leader needed); ``digest`` adds the state digest."""
         conn = self._conns.setdefault(addr, _Conn(addr))
-        resp = await conn.call(ReqStatus(next(self._rid)), self.attempt_timeout)
+        resp = await conn.call(ReqStatus(next(self._rid), digest), self.attempt_timeout)
         return msgspec.msgpack.decode(resp.result)
 
     async def snapshot(self, addr: str, reset_lag: bool = False, timeout: float = 60.0) -> int:

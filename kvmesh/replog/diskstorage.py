@@ -407,14 +407,16 @@ class DiskStorage:
         snap = Snapshot(SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data)
         return snap, snapfile.write_snapshot(self.snap_dir, snap)
 
-    def commit_snapshot(self, snap: Snapshot, path: str) -> None:
+    def commit_snapshot(self, snap: Snapshot, path: str, keep_data: bool = True) -> None:
         """Make a prepared snapshot the current one (a newer one may have been installed
-        meanwhile: then this one is discarded)."""
+        meanwhile: then this one is discarded). With ``keep_data=False`` the image is not
+        held in memory; :meth:`snapshot` reads the file when a follower needs it."""
         if snap.meta.index <= self._snap_meta.index:
             if path != self._snap_path and os.path.exists(path):
                 os.unlink(path)
             return
-        self._snap_meta, self._snap_data, self._snap_path = snap.meta, snap.data, path
+        self._snap_meta, self._snap_path = snap.meta, path
+        self._snap_data = snap.data if keep_data else None
         self._prune_snapshot_files()
 
     def create_snapshot(self, index: int, conf_state: ConfState, data: bytes) -> Snapshot:

@@ -852,21 +852,23 @@ class RaftNode:
             for c in chunks:
                 parts.append(c)
                 await asyncio.sleep(0)  # encode one chunk per loop iteration
-            data = b"".join(parts)
+            size = sum(len(p) for p in parts)
             try:
                 term = storage.term(index)
             except StorageError:
                 return 0  # a snapshot from the leader replaced the log meanwhile
-            snap = Snapshot(SnapshotMeta(index, term, conf), data)
+            meta = SnapshotMeta(index, term, conf)
             if isinstance(storage, DiskStorage):
-                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, snap)
+                # The pieces go to the file as they are (no big join under the GIL); the
+                # image is read back from the file only if a follower needs it.
+                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, Snapshot(meta), 1 << 20, parts)
                 if self.storage is not storage:
                     return 0
-                storage.commit_snapshot(snap, path)
+                storage.commit_snapshot(Snapshot(meta), path, keep_data=False)
             else:
                 if index <= storage.snapshot().meta.index:
                     return 0
-                storage.create_snapshot(index, conf, data)
+                storage.create_snapshot(index, conf, b"".join(parts))
             if storage.snapshot().meta.index != index:
                 return 0
             self._snap_index = index
@@ -874,9 +876,7 @@ class RaftNode:
             if compact_to >= storage.first_index():
                 storage.compact(compact_to)
             self.metrics["snapshots_taken"] += 1
-            log.info(
-                "replog node %d: snapshot at %d (%d bytes, %.3fs)", self.id, index, len(data), time.perf_counter() - t0
-            )
+            log.info("replog node %d: snapshot at %d (%d bytes, %.3fs)", self.id, index, size, time.perf_counter() - t0)
             return index
         finally:
             self._snapshotting = False

@@ -90,9 +90,11 @@ class ReqRead(msgspec.Struct, tag=3, array_like=True, frozen=True):
 
 
 class ReqStatus(msgspec.Struct, tag=4, array_like=True, frozen=True):
-    """Node status (a dict), no leader needed."""
+    """Node status (a dict), no leader needed. ``digest``: include the state machine's
+    ``digest()`` (costly on a large state)."""
 
     rid: int
+    digest: bool = False
 
 
 class ReqSnapshot(msgspec.Struct, tag=5, array_like=True, frozen=True):
@@ -258,7 +260,7 @@ class ReplicaServer:
                 result = await node.snapshot_now()
             elif t is ReqStatus:
                 result = node.status()
-                digest = getattr(node.state_machine, "digest", None)
+                digest = getattr(node.state_machine, "digest", None) if req.digest else None
                 if digest is not None:
                     result["digest"] = digest()
             else:  # pragma: no cover - the decoder admits only the union

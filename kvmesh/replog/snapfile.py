@@ -4,7 +4,8 @@ File format (``snap-{index:016x}-{term:016x}.snap``)::
 
     b"KVMSNAP1"
     [len u32][crc32c u32][SnapHeader msgpack]      format version, index, term, conf state, sizes
-    [len u32][crc32c u32][data chunk]   x N        the state-machine image, <= chunk_bytes each
+    [len u32][crc32c u32][data chunk]   x N        the state-machine image, in non-empty pieces
+                                                   (chunk_bytes each, or as the writer got them)
     [len u32][crc32c u32][SnapTrailer msgpack]     chunk count, data length, crc32c of all data
 
 A file is created as ``*.tmp``, fsynced, renamed into place and the directory fsynced, so a
@@ -107,33 +108,38 @@ def _name(index: int, term: int) -> str:
     return f"snap-{index:016x}-{term:016x}.snap"
 
 
-def write_snapshot(dirpath: str, snap: Snapshot, chunk_bytes: int = 1 << 20) -> str:
+def write_snapshot(dirpath: str, snap: Snapshot, chunk_bytes: int = 1 << 20, parts: list[bytes] | None = None) -> str:
     """Durably write ``snap`` into ``dirpath``; returns the final path.
 
-    Order: write ``*.tmp`` -> fsync -> rename -> fsync directory. Raises ``OSError`` on any
-    I/O failure (callers treat that as fatal)."""
+    ``parts``: the image as a list of pieces (written as they are, without joining them
+    into one buffer first; ``snap.data`` is then ignored). Otherwise ``snap.data`` is cut
+    into ``chunk_bytes`` chunks. Order: write ``*.tmp`` -> fsync -> rename -> fsync the
+    directory. Raises ``OSError`` on any I/O failure (callers treat that as fatal). The
+    CRC work releases the GIL, so this may run in a worker thread."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     os.makedirs(dirpath, exist_ok=True)
     meta = snap.meta
     final = os.path.join(dirpath, _name(meta.index, meta.term))
     tmp = final + ".tmp"
-    data = memoryview(snap.data)
-    header = _enc.encode(
-        SnapHeader(FORMAT_VERSION, meta.index, meta.term, meta.conf_state, len(data), chunk_bytes)
-    )
+    if parts is None:
+        data = memoryview(snap.data)
+        pieces: list = [data[lo : lo + chunk_bytes] for lo in range(0, len(data), chunk_bytes)]
+    else:
+        pieces = [p for p in parts if len(p)]
+    total = sum(len(p) for p in pieces)
+    header = _enc.encode(SnapHeader(FORMAT_VERSION, meta.index, meta.term, meta.conf_state, total, chunk_bytes))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20, closefd=False) as f:
             f.write(_MAGIC)
             f.write(pack_chunk(header))
-            chunks = 0
-            for lo in range(0, len(data), chunk_bytes):
-                piece = data[lo : lo + chunk_bytes]
+            crc = 0
+            for piece in pieces:
                 f.write(_HDR.pack(len(piece), crc32c.crc32c(piece)))
                 f.write(piece)
-                chunks += 1
-            f.write(pack_chunk(_enc.encode(SnapTrailer(chunks, len(data), crc32c.crc32c(data)))))
+                crc = crc32c.crc32c(piece, crc)
+            f.write(pack_chunk(_enc.encode(SnapTrailer(len(pieces), total, crc))))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -184,11 +190,14 @@ def read_snapshot(path: str) -> Snapshot:
     m = _NAME.match(os.path.basename(path))
     if m and (int(m.group(1), 16), int(m.group(2), 16)) != (hdr.index, hdr.term):
         raise SnapshotCorruptionError(f"{path}: header says index {hdr.index} term {hdr.term}, name disagrees")
-    expected_chunks = -(-hdr.data_len // hdr.chunk_bytes) if hdr.chunk_bytes else 0
     out = bytearray()
-    for k in range(expected_chunks):
-        piece, pos = _read_frame(buf, pos, path, f"data chunk {k}")
+    chunks = 0
+    while len(out) < hdr.data_len:
+        piece, pos = _read_frame(buf, pos, path, f"data chunk {chunks}")
+        if not len(piece):
+            raise SnapshotCorruptionError(f"{path}: empty data chunk {chunks}")
         out += piece
+        chunks += 1
     raw, pos = _read_frame(buf, pos, path, "trailer")
     try:
         trl = _trl_dec.decode(raw)
@@ -196,7 +205,7 @@ def read_snapshot(path: str) -> Snapshot:
         raise SnapshotCorruptionError(f"{path}: undecodable trailer: {e}") from e
     if pos != len(buf):
         raise SnapshotCorruptionError(f"{path}: {len(buf) - pos} unexpected bytes after the trailer")
-    if trl.chunks != expected_chunks or trl.data_len != hdr.data_len or len(out) != hdr.data_len:
+    if trl.chunks != chunks or trl.data_len != hdr.data_len or len(out) != hdr.data_len:
         raise SnapshotCorruptionError(f"{path}: trailer/header size mismatch")
     data = bytes(out)
     if crc32c.crc32c(data) != trl.data_crc:

@@ -95,7 +95,7 @@ class Load:
         print(f"history: {len(ops)} ops, {self.acked} acknowledged writes, {self.unknown} unknown; checked in {r.elapsed_s:.3f}s")
 
 
-async def statuses(cluster, ids=None):
+async def statuses(cluster, ids=None, digest=False):
     c = KvClient(cluster.client_addrs, attempt_timeout=1.0)
     out = {}
     try:
@@ -103,7 +103,7 @@ async def statuses(cluster, ids=None):
             if not cluster.alive(i):
                 continue
             try:
-                out[i] = await c.status(cluster.client_addrs[i])
+                out[i] = await c.status(cluster.client_addrs[i], digest=digest)
             except (OSError, asyncio.TimeoutError, ConnectionError):
                 pass
     finally:
@@ -126,7 +126,7 @@ async def converge(cluster, timeout=30.0):
     end = time.monotonic() + timeout
     st = {}
     while time.monotonic() < end:
-        st = await statuses(cluster)
+        st = await statuses(cluster, digest=True)
         if len(st) == len(cluster.ids):
             applied = {s["applied"] for s in st.values()}
             digests = {s["digest"] for s in st.values()}

@@ -454,3 +454,21 @@ def test_random_ops_match_memory_storage_and_survive_crashes(tmp_path, seed):
         assert st.snapshot() == ref.snapshot()
     assert crashes > 20
     st.close()
+
+
+def test_snapshot_image_loaded_lazily_from_file(tmp_path):
+    from kvmesh.replog import snapfile as sf
+
+    st = DiskStorage.open(str(tmp_path / "n"))
+    _fill(st, 100)
+    meta = SnapshotMeta(80, 1, CS)
+    path = sf.write_snapshot(st.snap_dir, Snapshot(meta), parts=[b"ab", b"cd"])
+    st.commit_snapshot(Snapshot(meta), path, keep_data=False)
+    assert st._snap_data is None  # not held in memory
+    assert st.snapshot() == Snapshot(meta, b"abcd")  # read from the file on demand
+    # A damaged file is reported as corruption, not served.
+    st._snap_data = None
+    _corrupt_snapshot(path)
+    with pytest.raises(StorageCorruptionError):
+        st.snapshot()
+    st.close()
