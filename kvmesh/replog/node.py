@@ -85,8 +85,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RAFT = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1)
+DEFAULT_RAFT = RaftConfig(
+    election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=8 << 20
+)
 """With the default 100 ms tick: heartbeats every 100 ms, elections after 1-2 s (notes §5.3)."""
+
+
+_APPLY_SLICE = 1000
 
 
 class NotLeaderError(NotLeader):
@@ -204,6 +209,8 @@ class RaftNode:
         self.core: RaftCore | None = None
         self.transport: Transport | None = None
         self._wake = asyncio.Event()
+        self._ready_idle = asyncio.Event()
+        self._ready_idle.set()
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
         self._deadline_seq = itertools.count()
@@ -676,6 +683,13 @@ class RaftNode:
             self._fatal(e)
 
     async def _handle_ready(self, rd: Any) -> None:
+        self._ready_idle.clear()
+        try:
+            await self._process_ready(rd)
+        finally:
+            self._ready_idle.set()
+
+    async def _process_ready(self, rd: Any) -> None:
         core = self.core
         storage = self.storage
         tr = self.transport
@@ -712,7 +726,13 @@ class RaftNode:
         if snap is not None:
             self._install(snap)
         if rd.committed_entries:
-            self._apply(rd.committed_entries)
+            ents = rd.committed_entries
+            # Long batches (a follower catching up) are applied in slices so that
+            # heartbeats, votes and client requests keep being served in between.
+            for lo in range(0, len(ents), _APPLY_SLICE):
+                if lo:
+                    await asyncio.sleep(0)
+                self._apply(ents[lo : lo + _APPLY_SLICE])
         if rd.soft_state is not None:
             self._soft_state(rd.soft_state)
         for rs in rd.read_states:
@@ -842,7 +862,9 @@ class RaftNode:
             core = self._core()
             storage = self.storage
             assert storage is not None
-            # Capture at one instant: applied index, configuration and a shallow image.
+            # Capture at one instant between Readies: applied index, configuration (the
+            # core applies membership changes on advance) and a shallow image.
+            await self._ready_idle.wait()
             index = self._applied
             conf = core.conf_state
             chunks_fn = getattr(self.sm, "snapshot_chunks", None)

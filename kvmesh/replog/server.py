@@ -314,6 +314,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         max_election_tick=2 * a.election_ticks,
         heartbeat_tick=1,
         read_only_option=ReadOnlyOption.LEASE_BASED if a.lease_reads else ReadOnlyOption.SAFE,
+        max_committed_size_per_ready=8 << 20,
     )
     return NodeConfig(
         node_id=a.id,
