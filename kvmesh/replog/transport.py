@@ -82,7 +82,9 @@ class _Peer:
 
     def enqueue(self, data: bytes, is_snapshot: bool) -> None:
         cfg = self.tr.cfg
-        if len(self.queue) >= cfg.max_queue_msgs or self.queued_bytes + len(data) > cfg.max_queue_bytes:
+        # An empty queue takes any one message, however big (a snapshot larger than the
+        # byte bound must still be deliverable).
+        if self.queue and (len(self.queue) >= cfg.max_queue_msgs or self.queued_bytes + len(data) > cfg.max_queue_bytes):
             self.dropped_msgs += 1
             self.tr._report(self.id, is_snapshot)
             return
