@@ -219,10 +219,9 @@ class RaftCore:
                 self._become_follower(m.term, NONE)
         elif m.term < self.term:
             if mt is Append or mt is Heartbeat:
-                if self.cfg.check_quorum or self.cfg.pre_vote:
-                    # A stale leader partitioned away may otherwise never learn our term
-                    # (with pre-vote, nobody else's term rises to tell it).
-                    self._send(AppendResp(self.id, m.frm, self.term, index=0))
+                # Paper §5.1: reject with our term so that a stale leader steps down (with
+                # pre-vote nobody else would ever raise its term to tell it).
+                self._send(AppendResp(self.id, m.frm, self.term, index=0))
             elif mt is PreVote:
                 self._send(PreVoteResp(self.id, m.frm, self.term, reject=True))
             return
@@ -489,6 +488,9 @@ class RaftCore:
         if self.role != LEADER:
             return
         if self._need_flush or self._commit_dirty:
+            # Followers learn the commit index from the next Append or heartbeat; an empty
+            # Append just for it is sent only when forced (stepping down), which keeps the
+            # message count per batch at one round trip.
             commit_dirty = self._commit_dirty
             self._need_flush = self._commit_dirty = False
             for pid in self._peer_ids:
@@ -866,10 +868,20 @@ class RaftCore:
 
     def _handle_heartbeat_resp(self, m: HeartbeatResp, pr: Progress) -> None:
         pr.probe_sent = False
-        if pr.state == REPLICATE and pr.inflights.full():
-            # A lost Append would otherwise stall a full window forever.
-            pr.inflights.free_first_one()
-        if pr.match < self.log.last_index() or pr.state == PROBE:
+        if pr.state == REPLICATE:
+            if pr.match < self.log.last_index():
+                if pr.match == pr.hb_match:
+                    # No progress since the previous heartbeat answer: an Append may have
+                    # been lost. Free a slot of a full window and probe (an Append at our
+                    # end makes the follower reveal a gap).
+                    if pr.inflights.full():
+                        pr.inflights.free_first_one()
+                    self._send_append(m.frm, pr)
+                else:
+                    while self._send_append(m.frm, pr, send_if_empty=False):
+                        pass
+            pr.hb_match = pr.match
+        elif pr.state == PROBE:
             self._send_append(m.frm, pr)
         if m.ctx and not pr.is_learner and self.readonly.ack(m.frm, m.ctx):
             self._check_read_rounds()
@@ -885,7 +897,6 @@ class RaftCore:
         matches = [log.persisted if v == me else prs[v].match for v in self.voters if v == me or v in prs]
         if not log.maybe_commit(committed_index(matches), self.term):
             return False
-        self._commit_dirty = True
         ro = self.readonly
         if ro.awaiting_commit and self._committed_in_term():
             reqs = ro.awaiting_commit
@@ -923,6 +934,11 @@ class RaftCore:
             self.read_states.append(ReadState(index, ctx))
         else:
             self._send(ReadIndexResp(self.id, frm, self.term, index, ctx))
+            # The follower serves the read once it has applied ``index``: tell it the commit
+            # index now rather than at the next heartbeat.
+            pr = self.prs.get(frm)
+            if pr is not None:
+                self._send_append(frm, pr)
 
     def _check_can_propose(self) -> None:
         if self.role != LEADER:

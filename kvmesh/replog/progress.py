@@ -72,6 +72,7 @@ class Progress:
         "inflights",
         "is_learner",
         "state_ticks",
+        "hb_match",
     )
 
     def __init__(self, next_index: int, max_inflight: int, max_inflight_bytes: int = 0, is_learner: bool = False) -> None:
@@ -84,6 +85,7 @@ class Progress:
         self.inflights = Inflights(max_inflight, max_inflight_bytes)
         self.is_learner = is_learner
         self.state_ticks = 0  # ticks spent in SNAPSHOT state (timeout)
+        self.hb_match = -1  # match when the previous heartbeat answer arrived
 
     def _reset_state(self, state: ProgressState) -> None:
         self.probe_sent = False

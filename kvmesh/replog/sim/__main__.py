@@ -16,12 +16,7 @@ import os
 import sys
 import time
 
-from .cluster import SimResult, run_seed
-
-
-def _run(args: tuple[int, str, dict]) -> SimResult:
-    seed, profile, overrides = args
-    return run_seed(seed, profile, **overrides)
+from .cluster import run_seed_args as _run
 
 
 def main(argv: list[str] | None = None) -> int:

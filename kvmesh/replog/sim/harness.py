@@ -137,6 +137,7 @@ class Network:
     def add_node(self, i: int, config: RaftConfig | None = None) -> None:
         """A new, empty node (to be added with a configuration change)."""
         self.nodes[i] = HarnessNode(i, MemoryStorage(), config or self.config, random.Random(i))
+        self.queue.extend(self.nodes[i].process_ready())
 
     def restart(self, i: int) -> None:
         """Crash and restart node ``i`` from its (fully durable) storage."""
@@ -146,6 +147,7 @@ class Network:
         # Volatile state is gone: the state machine restarts from the snapshot and reapplies.
         self.nodes[i] = node
         self.queue = [m for m in self.queue if m.to != i]
+        self.queue.extend(node.process_ready())
 
     # -- driving --------------------------------------------------------------------------
 

@@ -60,8 +60,9 @@ class Invariants:
     checks are what catches the damage).
     """
 
-    def __init__(self, durable_checks: bool = True) -> None:
-        self.durable_checks = durable_checks
+    def __init__(self, durable_checks: bool = True, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.durable_checks = durable_checks and enabled
         self.leader_of_term: dict[int, int] = {}
         self.applied: dict[int, Entry] = {}  # index -> entry first applied there
         self.max_applied = 0
@@ -78,11 +79,15 @@ class Invariants:
     # -- 1, 2: leaders -----------------------------------------------------------------------
 
     def leader_seen(self, term: int, node: int) -> None:
+        if not self.enabled:
+            return
         prev = self.leader_of_term.setdefault(term, node)
         if prev != node:
             raise SimViolation("election-safety", f"term {term} has two leaders: {prev} and {node}")
 
     def leader_appended(self, node: int, term: int, entries: list[Entry]) -> None:
+        if not self.enabled:
+            return
         first = entries[0].index
         prev = self.leader_tail.get(node)
         if prev is not None and prev[0] == term and first <= prev[1]:
@@ -95,6 +100,8 @@ class Invariants:
     # -- 4: leader completeness -------------------------------------------------------------
 
     def became_leader(self, node: int, core: RaftCore) -> None:
+        if not self.enabled:
+            return
         self.leader_seen(core.term, node)
         log = core.log
         first = log.first_index()
@@ -113,6 +120,8 @@ class Invariants:
     # -- 7: messages against durable state ---------------------------------------------------
 
     def message_sent(self, node: int, m, durable: MemoryStorage) -> None:
+        if not self.enabled:
+            return
         t = type(m)
         if t is Append:
             self.leader_seen(m.term, node)
@@ -144,6 +153,8 @@ class Invariants:
     # -- 5, 6: apply ---------------------------------------------------------------------------
 
     def entry_applied(self, node: int, e: Entry, voters: tuple[int, ...], durables: dict[int, MemoryStorage]) -> None:
+        if not self.enabled:
+            return
         prev = self.applied.get(e.index)
         if prev is None:
             self.applied[e.index] = e
@@ -166,6 +177,8 @@ class Invariants:
     def commit_progress(self, node: int, core: RaftCore, prev_commit: int) -> int:
         log = core.log
         c = log.committed
+        if not self.enabled:
+            return c
         if c < prev_commit:
             raise SimViolation("commit-monotonic", f"node {node} commit went back from {prev_commit} to {c}")
         if log.applied > c:
@@ -177,6 +190,8 @@ class Invariants:
     # -- 8: snapshots ------------------------------------------------------------------------
 
     def snapshot_taken(self, node: int, index: int, digest: int) -> None:
+        if not self.enabled:
+            return
         prev = self.snap_digests.setdefault(index, digest)
         if prev != digest:
             raise SimViolation("snapshot-equivalence", f"node {node} snapshot at {index} differs from another node's")
@@ -185,6 +200,8 @@ class Invariants:
             raise SimViolation("snapshot-equivalence", f"node {node} snapshot at {index} differs from log replay")
 
     def snapshot_restored(self, node: int, index: int, digest: int) -> None:
+        if not self.enabled:
+            return
         want = self.snap_digests.get(index)
         if want is not None and want != digest:
             raise SimViolation(
