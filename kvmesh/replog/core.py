@@ -187,7 +187,12 @@ class RaftCore:
     # ======================================================================================
 
     def tick(self) -> None:
-        """Advance logical time by one tick."""
+        """Advance logical time by one tick.
+
+        Drivers call this once per elapsed tick interval of a *monotonic* clock, and after a
+        stall (GC pause, blocked event loop, SIGSTOP) they first deliver every missed tick
+        before stepping messages or calling :meth:`read_index`: leases are measured in
+        ticks, and a lease must not outlive a freeze."""
         self._ticks += 1
         if self.role == LEADER:
             self._tick_leader()

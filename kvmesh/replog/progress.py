@@ -132,6 +132,11 @@ class Progress:
             return True
         if self.next - 1 != rejected:
             return False
+        if rejected <= self.match:
+            # The peer refuses an entry it acknowledged: it lost durable state (a wiped node,
+            # or durability="memory"). Forget its match instead of probing the same index
+            # forever; commitment is unaffected (the commit index never decreases).
+            self.match = max(0, min(match_hint, rejected - 1))
         self.next = max(min(rejected, match_hint + 1), self.match + 1)
         self.probe_sent = False
         return True

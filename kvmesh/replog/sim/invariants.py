@@ -131,8 +131,10 @@ class Invariants:
             if prev != m.to:
                 raise SimViolation("vote-durability", f"node {node} voted for {prev} and {m.to} in term {m.term}")
             if self.durable_checks:
+                # Durable: this vote, or a later term (which rules out any other vote in
+                # m.term after a restart).
                 hs = durable.hard_state
-                if hs.term != m.term or hs.vote != m.to:
+                if hs.term < m.term or (hs.term == m.term and hs.vote != m.to):
                     raise SimViolation(
                         "vote-durability",
                         f"node {node} granted its vote to {m.to} in term {m.term} before persisting it (durable {hs})",
