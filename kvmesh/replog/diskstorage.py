@@ -54,11 +54,24 @@ from .types import (
     StorageError,
     bootstrap_entries,
 )
-from .wal import Wal, WalCorruptionError
+from .wal import Wal, WalCorruptionError, fsync_dir
 
 __all__ = ["DiskStorage", "StorageCorruptionError", "StorageLockedError"]
 
 log = logging.getLogger(__name__)
+
+
+def remove_files(dirpath: str, paths: list[str]) -> None:
+    """Unlink ``paths`` (missing ones are fine) and make it durable."""
+    n = 0
+    for p in paths:
+        try:
+            os.unlink(p)
+            n += 1
+        except FileNotFoundError:
+            pass
+    if n:
+        fsync_dir(dirpath)
 
 
 class StorageCorruptionError(StorageError):
@@ -124,6 +137,9 @@ class DiskStorage:
         self._wal: Wal | None = None
         self._lock_fd = -1
         self.keep_snapshots = 2
+        # A driver that deletes obsolete_snapshot_files() itself (e.g. in a worker thread,
+        # to keep large unlinks off its event loop) sets this.
+        self.defer_pruning = False
 
     # ------------------------------------------------------------------ open / recovery
 
@@ -425,12 +441,21 @@ class DiskStorage:
         self.commit_snapshot(snap, path)
         return snap
 
-    def _prune_snapshot_files(self) -> None:
-        files = snapfile.list_snapshots(self.snap_dir)
-        keep = [f.path for f in files if f.index <= self._snap_meta.index][-self.keep_snapshots :]
+    def obsolete_snapshot_files(self) -> list[str]:
+        """Snapshot files that may be deleted: all but the newest ``keep_snapshots`` at or
+        below the current snapshot. Files above it are never listed: they may belong to a
+        snapshot being written right now (an install or a local snapshot in a thread)."""
+        cur = self._snap_meta.index
+        older = [f.path for f in snapfile.list_snapshots(self.snap_dir) if f.index <= cur]
+        keep = set(older[-self.keep_snapshots :])
         if self._snap_path:
-            keep.append(self._snap_path)
-        snapfile.remove_snapshots_except(self.snap_dir, keep)
+            keep.add(self._snap_path)
+        return [p for p in older if p not in keep]
+
+    def _prune_snapshot_files(self) -> None:
+        if self.defer_pruning:
+            return
+        remove_files(self.snap_dir, self.obsolete_snapshot_files())
 
     def compact(self, index: int) -> None:
         """Discard entries up to ``index`` (at most the current snapshot's index) from memory

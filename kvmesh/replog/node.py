@@ -47,7 +47,7 @@ import msgspec
 
 from . import snapfile
 from .core import RaftCore
-from .diskstorage import DiskStorage
+from .diskstorage import DiskStorage, remove_files
 from .memstorage import MemoryStorage
 from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
 from .transport import Transport, TransportConfig
@@ -257,6 +257,7 @@ class RaftNode:
                 bootstrap_voters=None if cfg.join else voters,
                 segment_bytes=cfg.wal_segment_bytes,
             )
+            self.storage.defer_pruning = True
         else:
             log.warning(
                 "replog node %d: durability='memory' - the log is NOT persisted; a majority crash "
@@ -742,6 +743,10 @@ class RaftNode:
         self._term = core.term
         core.advance(rd)
         self._notify_applied()
+        if snap is not None and disk:
+            doomed = storage.obsolete_snapshot_files()
+            if doomed:
+                await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
         if (
             not self._snapshotting
             and self._applied - self._snap_index >= self.cfg.snapshot_threshold
@@ -887,6 +892,10 @@ class RaftNode:
                 if self.storage is not storage:
                     return 0
                 storage.commit_snapshot(Snapshot(meta), path, keep_data=False)
+                # Deleting an old 60 MB file can take a while: not on the loop.
+                doomed = storage.obsolete_snapshot_files()
+                if doomed:
+                    await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
             else:
                 if index <= storage.snapshot().meta.index:
                     return 0

@@ -3,6 +3,7 @@ disk and memory durability, redirects, exactly-once retries, reads, snapshots + 
 InstallSnapshot, leader callbacks, no-quorum timeouts, session expiry, fatal fsync errors."""
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -306,6 +307,7 @@ def test_snapshot_compaction_and_install_on_lagging_follower(tmp_path):
             node = await c.start(lagger)
             await c.converge(timeout=20)
             assert node.metrics["snapshots_installed"] >= 1
+            assert len(os.listdir(node.storage.snap_dir)) <= 2  # old images pruned (in a thread)
             assert node.state_machine.get("key-699") == b"x" * 50
             assert len(node.state_machine.data) == 700
             # The installed snapshot survives a restart of that node.

@@ -472,3 +472,24 @@ def test_snapshot_image_loaded_lazily_from_file(tmp_path):
     with pytest.raises(StorageCorruptionError):
         st.snapshot()
     st.close()
+
+
+def test_pruning_never_touches_snapshots_being_written(tmp_path):
+    from kvmesh.replog import snapfile as sf
+
+    st = DiskStorage.open(str(tmp_path / "n"))
+    _fill(st, 100)
+    for i in (10, 20, 30):
+        st.create_snapshot(i, CS, b"s%d" % i)
+    names = lambda: sorted(f.index for f in sf.list_snapshots(st.snap_dir))  # noqa: E731
+    assert names() == [20, 30]  # two kept
+    # A snapshot file above the current one (an install or local snapshot still being
+    # registered) survives pruning triggered meanwhile.
+    sf.write_snapshot(st.snap_dir, Snapshot(SnapshotMeta(90, 1, CS), b"in-flight"))
+    st.create_snapshot(40, CS, b"s40")
+    assert names() == [30, 40, 90]
+    st.defer_pruning = True
+    st.create_snapshot(50, CS, b"s50")
+    assert names() == [30, 40, 50, 90]
+    assert st.obsolete_snapshot_files() == [os.path.join(st.snap_dir, "snap-%016x-%016x.snap" % (30, 1))]
+    st.close()
