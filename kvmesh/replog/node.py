@@ -285,7 +285,14 @@ class RaftNode:
             on_snapshot_status=self._on_snapshot_status,
             config=cfg.transport,
         )
-        await self.transport.start()
+        try:
+            await self.transport.start()
+        except BaseException:
+            # E.g. the address is in use: release the data directory before failing.
+            if isinstance(self.storage, DiskStorage):
+                self.storage.close()
+            self.storage = None
+            raise
         self._running = True
         self._tick_epoch = time.monotonic()
         self._ticks_done = 0

@@ -44,7 +44,9 @@ from .node import (
     parse_peers,
 )
 from .transport import parse_addr
-from .types import ProposalDropped, RaftConfig, ReadOnlyOption, ReplogError
+from .snapfile import SnapshotCorruptionError
+from .types import ProposalDropped, RaftConfig, ReadOnlyOption, ReplogError, StorageError
+from .wal import WalCorruptionError
 
 __all__ = [
     "ReqRegister",
@@ -332,7 +334,8 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
 
 
 async def run_replica(cfg: NodeConfig, sm: Any = None) -> int:
-    """Run until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3)."""
+    """Run until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3). ``main`` exits
+    4 when the data directory is damaged or locked, 5 on other start-up I/O errors."""
     node = RaftNode(cfg, sm if sm is not None else KvStateMachine())
     await node.start()
     server = ReplicaServer(node, cfg.client_addrs.get(cfg.node_id) or cfg.peers[cfg.node_id])
@@ -374,7 +377,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
-    return asyncio.run(run_replica(cfg))
+    try:
+        return asyncio.run(run_replica(cfg))
+    except (StorageError, WalCorruptionError, SnapshotCorruptionError) as e:
+        # Fail stop with a clear message: a damaged or busy data directory is never
+        # "repaired" by guessing. Wipe it to rejoin as a fresh replica (it catches up).
+        log.critical("replica %d refuses to start: %s", cfg.node_id, e)
+        print(f"error: replica {cfg.node_id} refuses to start: {e}", file=sys.stderr)
+        return 4
+    except OSError as e:
+        log.critical("replica %d cannot start: %s", cfg.node_id, e)
+        print(f"error: replica {cfg.node_id} cannot start: {e}", file=sys.stderr)
+        return 5
 
 
 if __name__ == "__main__":
