@@ -202,3 +202,23 @@ def test_soak_many_seeds() -> None:
     n = int(os.environ.get("KVMESH_SOAK_SEEDS", "2000"))
     bad = [r for r in (run_seed(s, "soak") for s in range(100_000, 100_000 + n)) if not r.ok]
     assert not bad, _explain(bad[0])
+
+
+def test_leader_churn_in_a_stable_window_is_flagged() -> None:
+    """Invariant 15 is live: moving leadership long after the faults ended is reported."""
+    from kvmesh.replog.sim.invariants import SimViolation
+    from kvmesh.replog.sim.nemesis import Nemesis
+
+    cfg = SimConfig(seed=11, n_clients=2, nemesis=True, faults=("loss",), fault_min=0.5, fault_max=0.5)
+    sim = Simulator(cfg)
+    sim.nemesis = Nemesis(sim, __import__("random").Random(1), cfg.faults)
+    sim.start_clients()
+    sim.run_until(2.0)
+    assert sim.nemesis.stable_since == 0.0
+    lid = sim.leader_id()
+    other = next(i for i in sim.nodes if i != lid)
+    sim.run_until(2 * cfg.election_max_s + 0.5)
+    sim.nodes[lid].core.transfer_leader(other)
+    sim.nodes[lid].pump()
+    with pytest.raises(SimViolation, match="leader-churn"):
+        sim.run_until(10.0)

@@ -436,6 +436,7 @@ class SimNode:
             if ss.role == Role.LEADER:
                 sim.elections += 1
                 inv.became_leader(self.id, core)
+                sim.check_churn(self.id)
                 sim.log_event("leader", self.id, f"term={core.term} last={core.log.last_index()}")
             elif self.pending_reads:
                 # Leadership changed: reads forwarded or queued under the old leader are gone.
@@ -847,6 +848,22 @@ class Simulator:
         res.commit_index = max(n.core.log.committed for n in self.nodes.values())
         res.faults = list(self.faults_applied)
         res.virtual_s = self.now
+
+    def check_churn(self, node_id: int) -> None:
+        """Invariant 15: with pre-vote and check-quorum, once a stable window has settled
+        (2 x election_max after the faults ended) leadership does not move."""
+        nem = self.nemesis
+        raft = self.cfg.raft
+        if nem is None or nem.stable_since is None or not (raft.pre_vote and raft.check_quorum):
+            return
+        if not self.cfg.internal_checks or self.stopping:
+            return
+        if self.now > nem.stable_since + 2 * self.cfg.election_max_s:
+            raise SimViolation(
+                "leader-churn",
+                f"node {node_id} became leader (term {self.nodes[node_id].core.term}) "
+                f"{self.now - nem.stable_since:.2f}s into a stable window",
+            )
 
     def heal_all(self) -> None:
         """End every fault: network healed, clocks reset, paused nodes resumed, crashed

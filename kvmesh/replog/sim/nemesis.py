@@ -47,6 +47,7 @@ class Nemesis:
         self.weights = [FAULTS[n] for n in names]
         self.active: list[Undo] = []
         self.stopped = False
+        self.stable_since: float | None = 0.0  # start of the current stable window
 
     # -- schedule ----------------------------------------------------------------------------
 
@@ -64,6 +65,7 @@ class Nemesis:
         if self.stopped:
             return
         sim = self.sim
+        self.stable_since = None
         k = 1 if self.rng.random() < 0.6 else min(2, sim.cfg.max_concurrent_faults)
         for name in self.rng.choices(self.names, self.weights, k=k):
             undo = getattr(self, "_f_" + name)()
@@ -76,6 +78,7 @@ class Nemesis:
 
     def _fault_off(self) -> None:
         self._undo_all()
+        self.stable_since = self.sim.now
         if not self.stopped:
             self.sim.log_event("heal", 0, "")
             self.sim.schedule(self._stable_period(), self._fault_on)
