@@ -222,3 +222,23 @@ def test_leader_churn_in_a_stable_window_is_flagged() -> None:
     sim.nodes[lid].pump()
     with pytest.raises(SimViolation, match="leader-churn"):
         sim.run_until(10.0)
+
+
+def test_d4_membership_cycles_under_leader_faults() -> None:
+    """D1/D2/D4 in the simulator: learners are added, promoted and voters (sometimes the
+    leader) removed while leaders crash and get isolated; every invariant holds."""
+    removed_any = False
+    for seed in (1, 2):
+        cfg = msgspec.structs.replace(
+            SimConfig.generate(seed, "ci"),
+            faults=("membership", "crash_leader", "isolate_leader"),
+            duration=80.0,
+            fault_min=0.5,
+            fault_max=2.0,
+        )
+        sim = Simulator(cfg)
+        r = sim.run()
+        assert r.ok, _explain(r)
+        assert len(sim.nodes) > cfg.n_voters  # nodes were added
+        removed_any |= any(n.removed for n in sim.nodes.values())
+    assert removed_any

@@ -28,16 +28,12 @@ from ..linearizability import History, KvModel, KvOp, check, lost_acknowledged_w
 from ..memstorage import MemoryStorage
 from ..session import Command, Register, SessionRejected, encode_envelope
 from ..types import (
-    NONE,
-    ConfChange,
     ConfChangeType,
     EntryKind,
-    LogCompacted,
     NotLeader,
     ProposalDropped,
     RaftConfig,
     ReadOnlyOption,
-    ReplogError,
     Role,
     VoteResp,
     decode_conf_change,
