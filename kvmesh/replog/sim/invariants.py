@@ -187,6 +187,12 @@ class Invariants:
             raise SimViolation("commit-bounds", f"node {node} applied {log.applied} > commit {c}")
         if c > log.last_index():
             raise SimViolation("commit-bounds", f"node {node} commit {c} > last index {log.last_index()}")
+        if c > prev_commit and core.role == Role.LEADER and log.zero_term(c) != core.term:
+            # Figure 8: a leader moves its commit index only onto an entry of its own term.
+            raise SimViolation(
+                "commit-current-term",
+                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} by counting",
+            )
         return c
 
     # -- 8: snapshots ------------------------------------------------------------------------
