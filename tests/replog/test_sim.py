@@ -242,3 +242,56 @@ def test_d4_membership_cycles_under_leader_faults() -> None:
         assert len(sim.nodes) > cfg.n_voters  # nodes were added
         removed_any |= any(n.removed for n in sim.nodes.values())
     assert removed_any
+
+
+def _stall_scenario(catch_up: bool):
+    """E3: the lease-holding leader freezes (and is cut off from its peers) while the
+    others elect a new leader that overwrites a key; right after it resumes, a client reads
+    the key from it."""
+    cfg = SimConfig(
+        seed=6,
+        n_voters=3,
+        n_clients=0,
+        nemesis=False,
+        buggify=False,
+        client_timeout=0.5,
+        op_deadline=6.0,
+        catch_up_ticks=catch_up,
+        raft=RaftConfig(election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED),
+    )
+    sim = Simulator(cfg)
+    sim.run_until(3.0)
+    old = sim.leader_id()
+    writer, overwriter, reader = sim.add_client(), sim.add_client(), sim.add_client()
+    for c in (writer, overwriter, reader):
+        c.submit("get", "warmup", target=old)
+    sim.run_until(3.5)
+    writer.submit("put", "x", target=old)
+    sim.run_until(4.0)
+    sim.nodes[old].pause()
+    sim.net.isolate(old, sim.nodes)
+    other = next(i for i in sim.nodes if i != old)
+
+    def resume_and_read(_v) -> None:
+        sim.nodes[old].resume()
+        sim.schedule(0.01, reader.submit, "get", "x", None, False, old)
+
+    overwriter.done_callbacks.append(resume_and_read)
+    overwriter.submit("put", "x", target=other)
+    sim.run_until(14.0)
+    reads = [o for o in sim.history.operations() if o.input.key == "x" and o.input.op == "get" and not o.pending]
+    return sim.check_history(), reads
+
+
+def test_e3_stalled_leader_without_tick_catch_up_serves_stale_read() -> None:
+    """Negative control for the driver contract: a driver that does not deliver the ticks
+    missed during a stall lets a lease outlive it."""
+    result, reads = _stall_scenario(catch_up=False)
+    assert reads
+    assert result.outcome == "illegal", result.report()
+
+
+def test_e3_stalled_leader_with_tick_catch_up_is_safe() -> None:
+    result, reads = _stall_scenario(catch_up=True)
+    assert reads  # answered (by another replica after the stale leader gave up its lease)
+    assert result.outcome == "ok", result.report()

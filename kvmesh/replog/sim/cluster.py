@@ -87,6 +87,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # Raft-internal oracles (election safety, leader completeness, ...). Negative controls
     # turn them off to show that the client-side checks alone catch the damage.
     internal_checks: bool = True
+    # Deliver the ticks a frozen node missed before it handles anything else (the driver
+    # contract for leases); False is a negative control.
+    catch_up_ticks: bool = True
     lin_timeout: float = 20.0
 
     @property
@@ -244,8 +247,9 @@ class SimNode:
         # message or request is handled (a monotonic clock does not stop), so that a
         # leader's lease cannot outlive the freeze.
         missed, self.missed_ticks = self.missed_ticks, 0
-        for _ in range(missed):
-            self.core.tick()
+        if self.sim.cfg.catch_up_ticks:
+            for _ in range(missed):
+                self.core.tick()
         deferred, self.deferred = self.deferred, []
         for rd in deferred:
             self.busy = False
