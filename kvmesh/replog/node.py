@@ -608,6 +608,10 @@ class RaftNode:
     def _on_message(self, msg: Any) -> None:
         if self.core is None or not self._running:
             return
+        # After a stall (GC, blocked loop, SIGSTOP) the missed ticks must land before any
+        # message is stepped: a leader answering a follower's ReadIndex from a lease it
+        # measured in stale ticks would serve a stale read (simulator scenario E3).
+        self._catch_up_ticks()
         try:
             self.core.step(msg)
         except Exception:  # noqa: BLE001 - one bad message must not kill the transport
