@@ -1,0 +1,105 @@
+"""kvmesh.replog: the Raft-replicated log behind the store master's metadata.
+
+Layers (see docs/replog.md):
+
+* :mod:`.types` - the contract: entries, messages, Ready, storage/state-machine protocols;
+* :class:`RaftCore` - the sans-I/O protocol core; :class:`MemoryStorage`;
+* :class:`DiskStorage` - WAL (:mod:`.wal`) + snapshot files (:mod:`.snapfile`);
+* :class:`RaftNode` - the asyncio driver (timers, TCP transport, group-commit fsync,
+  proposals resolved after apply, read-index, snapshots), with exactly-once client sessions
+  (:class:`SessionStateMachine`);
+* :class:`ReplicaServer` / ``python -m kvmesh.replog`` - a replica process with a client
+  endpoint; :class:`ReplogClient` / :class:`KvClient` - leader-finding, retrying clients;
+* :mod:`.linearizability` - the Porcupine-style history checker used by the tests;
+* :mod:`.sim` - the deterministic simulator.
+"""
+
+from .client import ClusterUnavailable, KvClient, ReplogClient
+from .core import RaftCore
+from .diskstorage import DiskStorage, StorageCorruptionError, StorageLockedError
+from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, KvStateMachine
+from .linearizability import History, KvModel, KvOp, Operation, check
+from .memstorage import MemoryStorage
+from .node import (
+    CommandError,
+    LeaderChange,
+    NodeConfig,
+    NodeStopped,
+    NotLeaderError,
+    ProposalLost,
+    ProposalTimeout,
+    RaftNode,
+    ReadTimeout,
+    SessionExpiredError,
+)
+from .server import LocalCluster, ReplicaServer
+from .session import SessionStateMachine, SessionTracker
+from .types import (
+    ConfChange,
+    ConfChangeType,
+    ConfState,
+    Entry,
+    HardState,
+    LogStorage,
+    NotLeader,
+    ProposalDropped,
+    RaftConfig,
+    ReadOnlyOption,
+    ReplogError,
+    Snapshot,
+    SnapshotMeta,
+    StateMachine,
+)
+from .wal import WalCorruptionError, WalFatalError
+
+__all__ = [
+    "RaftCore",
+    "RaftConfig",
+    "ReadOnlyOption",
+    "Entry",
+    "HardState",
+    "ConfState",
+    "ConfChange",
+    "ConfChangeType",
+    "Snapshot",
+    "SnapshotMeta",
+    "LogStorage",
+    "StateMachine",
+    "MemoryStorage",
+    "DiskStorage",
+    "RaftNode",
+    "NodeConfig",
+    "LeaderChange",
+    "SessionStateMachine",
+    "SessionTracker",
+    "KvStateMachine",
+    "KvGet",
+    "KvPut",
+    "KvDelete",
+    "KvCas",
+    "KvBatch",
+    "ReplicaServer",
+    "LocalCluster",
+    "ReplogClient",
+    "KvClient",
+    "History",
+    "Operation",
+    "KvModel",
+    "KvOp",
+    "check",
+    "ReplogError",
+    "NotLeader",
+    "NotLeaderError",
+    "ProposalDropped",
+    "ProposalLost",
+    "ProposalTimeout",
+    "ReadTimeout",
+    "NodeStopped",
+    "SessionExpiredError",
+    "CommandError",
+    "ClusterUnavailable",
+    "StorageCorruptionError",
+    "StorageLockedError",
+    "WalCorruptionError",
+    "WalFatalError",
+]

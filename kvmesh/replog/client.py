@@ -1,0 +1,332 @@
+"""Client of a replica cluster (the protocol of :mod:`kvmesh.replog.server`).
+
+:class:`ReplogClient` finds the leader itself (following ``not_leader`` redirects, trying
+the next replica on connection errors and timeouts) and makes every command exactly-once:
+it opens a session, numbers commands, and retries a command with the *same* sequence
+number until it gets an answer, so a retry after a lost reply or a failover returns the
+original result instead of applying twice.
+
+Outcomes of :meth:`ReplogClient.submit`:
+
+* a result: the command was applied exactly once;
+* :class:`~kvmesh.replog.node.CommandError`: the state machine rejected it (applied as a
+  no-op, deterministically);
+* :class:`~kvmesh.replog.node.ProposalTimeout` after ``timeout``: unknown outcome;
+* :class:`~kvmesh.replog.node.SessionExpiredError`: unknown outcome, session gone.
+
+:class:`KvClient` adds ``put/get/delete/cas`` for :class:`~kvmesh.replog.kvsm.KvStateMachine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import struct
+import time
+from typing import Any
+
+import msgspec
+
+from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, encode_command
+from .node import CommandError, NodeStopped, ProposalTimeout, ReadTimeout, SessionExpiredError
+from .server import ReqRead, ReqRegister, ReqSnapshot, ReqStatus, ReqSubmit, Response
+from .transport import parse_addr
+from .types import ReplogError
+
+__all__ = ["ReplogClient", "KvClient", "ClusterUnavailable"]
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+_enc = msgspec.msgpack.Encoder()
+_resp_dec = msgspec.msgpack.Decoder(Response)
+
+
+class ClusterUnavailable(ReplogError, TimeoutError):
+    """No replica answered usefully before the deadline."""
+
+
+class _Conn:
+    """One pipelined connection to one replica."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.task: asyncio.Task | None = None
+        self.lock = asyncio.Lock()
+        self.outbuf: list[bytes] | None = None
+
+    async def ensure(self, timeout: float) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            return
+        async with self.lock:
+            if self.writer is not None and not self.writer.is_closing():
+                return
+            host, port = parse_addr(self.addr)
+            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            sock = self.writer.get_extra_info("socket")
+            if sock is not None:
+                import socket
+
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.task = asyncio.get_running_loop().create_task(self._read_loop(self.reader))
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                (n,) = _LEN.unpack(await reader.readexactly(4))
+                resp = _resp_dec.decode(await reader.readexactly(n))
+                f = self.waiters.pop(resp.rid, None)
+                if f is not None and not f.done():
+                    f.set_result(resp)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, msgspec.DecodeError) as e:
+            self._fail(ConnectionError(f"connection to {self.addr} lost: {e or type(e).__name__}"))
+        except asyncio.CancelledError:
+            self._fail(ConnectionError(f"connection to {self.addr} closed"))
+            raise
+
+    def _flush(self) -> None:
+        buf, self.outbuf = self.outbuf, None
+        if buf and self.writer is not None and not self.writer.is_closing():
+            self.writer.write(b"".join(buf))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.outbuf = None
+        for f in self.waiters.values():
+            if not f.done():
+                f.set_exception(exc)
+        self.waiters.clear()
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = None
+
+    async def call(self, req: Any, timeout: float) -> Response:
+        await self.ensure(timeout)
+        assert self.writer is not None
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiters[req.rid] = fut
+        data = _enc.encode(req)
+        # Requests issued in the same loop iteration share one send.
+        if self.outbuf is None:
+            self.outbuf = []
+            loop.call_soon(self._flush)
+        self.outbuf.append(_LEN.pack(len(data)))
+        self.outbuf.append(data)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.waiters.pop(req.rid, None)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except BaseException:  # noqa: BLE001
+                pass
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = None
+
+
+class ReplogClient:
+    """Leader-finding, retrying, exactly-once client.
+
+    ``addrs``: client endpoints of the replicas. ``timeout``: overall deadline of one call;
+    ``attempt_timeout``: how long to wait for one replica before trying another;
+    ``max_backoff``: longest pause between rounds over all replicas (no leader known).
+    """
+
+    def __init__(
+        self,
+        addrs: list[str] | dict[int, str],
+        *,
+        timeout: float = 15.0,
+        attempt_timeout: float = 2.0,
+        result_type: Any = Any,
+        seed: int | None = None,
+        max_backoff: float = 0.5,
+    ) -> None:
+        self.addrs = list(addrs.values()) if isinstance(addrs, dict) else list(addrs)
+        if not self.addrs:
+            raise ValueError("no replica addresses")
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self.max_backoff = max_backoff
+        self._conns = {a: _Conn(a) for a in self.addrs}
+        self._leader: str | None = None
+        self._rid = itertools.count(1)
+        self._rng = random.Random(seed)
+        self._result_dec = msgspec.msgpack.Decoder(result_type)
+        self.client_id: int | None = None
+        self._outstanding: set[int] = set()
+        self._next_seq = 1
+        self.redirects = 0
+        self.retries = 0
+
+    async def close(self) -> None:
+        for c in self._conns.values():
+            await c.close()
+
+    async def __aenter__(self) -> "ReplogClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _candidates(self) -> list[str]:
+        order = list(self.addrs)
+        self._rng.shuffle(order)
+        if self._leader in order:
+            order.remove(self._leader)
+            order.insert(0, self._leader)
+        return order
+
+    async def _call(self, make_req: Any, deadline: float) -> Response:
+        """Send until some replica answers something other than a retryable error."""
+        backoff = 0.02
+        last_err = "no attempt"
+        while True:
+            redirected = False
+            for addr in self._candidates():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise ClusterUnavailable(f"no usable answer before the deadline (last: {last_err})")
+                if addr not in self._conns:
+                    self._conns[addr] = _Conn(addr)
+                conn = self._conns[addr]
+                try:
+                    resp = await conn.call(make_req(next(self._rid)), min(self.attempt_timeout, deadline - now))
+                except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                    last_err = f"{addr}: {type(e).__name__} {e}"
+                    if self._leader == addr:
+                        self._leader = None
+                    self.retries += 1
+                    continue
+                if resp.ok:
+                    self._leader = addr
+                    return resp
+                kind = resp.kind
+                last_err = f"{addr}: {kind}: {resp.error}"
+                if kind == "not_leader":
+                    self.redirects += 1
+                    if resp.leader_addr and resp.leader_addr != addr:
+                        self._leader = resp.leader_addr
+                        redirected = True
+                        break  # go straight to the named leader
+                    if self._leader == addr:
+                        self._leader = None
+                    continue
+                if kind in ("timeout", "lost", "dropped", "stopped"):
+                    self.retries += 1
+                    if self._leader == addr and kind == "stopped":
+                        self._leader = None
+                    continue
+                return resp  # definite: session, command, bad_request, error
+            if redirected:
+                continue
+            await asyncio.sleep(min(backoff, self.max_backoff))
+            backoff = min(backoff * 2, self.max_backoff)
+
+    def _decode(self, resp: Response) -> Any:
+        if resp.ok:
+            return self._result_dec.decode(resp.result)
+        if resp.kind == "session":
+            raise SessionExpiredError(resp.error)
+        if resp.kind == "command":
+            raise CommandError(resp.error)
+        if resp.kind == "stopped":
+            raise NodeStopped(resp.error)
+        raise ReplogError(f"{resp.kind}: {resp.error}")
+
+    async def register(self) -> int:
+        """Open the session (done automatically by the first :meth:`submit`)."""
+        deadline = time.monotonic() + self.timeout
+        resp = await self._call(lambda rid: ReqRegister(rid), deadline)
+        if not resp.ok:
+            self._decode(resp)
+        self.client_id = msgspec.msgpack.decode(resp.result, type=int)
+        return self.client_id
+
+    async def submit(self, body: bytes, timeout: float | None = None) -> Any:
+        """Apply a state-machine command exactly once; returns its result."""
+        if self.client_id is None:
+            await self.register()
+        seq = self._next_seq
+        self._next_seq += 1
+        self._outstanding.add(seq)
+        cid = self.client_id
+        assert cid is not None
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+
+            def make(rid: int) -> ReqSubmit:
+                # Everything below the oldest command still in flight has been answered.
+                ack = min(self._outstanding) if self._outstanding else self._next_seq
+                return ReqSubmit(rid, cid, seq, body, ack)
+
+            try:
+                resp = await self._call(make, deadline)
+            except ClusterUnavailable as e:
+                raise ProposalTimeout(f"command seq {seq} of client {cid}: outcome unknown ({e})") from None
+            return self._decode(resp)
+        finally:
+            self._outstanding.discard(seq)
+
+    async def read(self, body: bytes, timeout: float | None = None) -> Any:
+        """Linearizable read (``query(body)`` on a replica after a read-index barrier)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            resp = await self._call(lambda rid: ReqRead(rid, body), deadline)
+        except ClusterUnavailable as e:
+            raise ReadTimeout(str(e)) from None
+        return self._decode(resp)
+
+    async def status(self, addr: str, digest: bool = False) -> dict:
+        """Status of one replica (no leader needed); ``digest`` adds the state digest."""
+        conn = self._conns.setdefault(addr, _Conn(addr))
+        resp = await conn.call(ReqStatus(next(self._rid), digest), self.attempt_timeout)
+        return msgspec.msgpack.decode(resp.result)
+
+    async def snapshot(self, addr: str, reset_lag: bool = False, timeout: float = 60.0) -> int:
+        """Admin: make one replica snapshot now; returns the snapshot index."""
+        conn = self._conns.setdefault(addr, _Conn(addr))
+        resp = await conn.call(ReqSnapshot(next(self._rid), reset_lag), timeout)
+        return self._decode(resp)
+
+    @property
+    def leader_addr(self) -> str | None:
+        return self._leader
+
+
+class KvClient(ReplogClient):
+    """:class:`ReplogClient` for :class:`~kvmesh.replog.kvsm.KvStateMachine`."""
+
+    def __init__(self, addrs: list[str] | dict[int, str], **kw: Any) -> None:
+        kw.setdefault("result_type", Any)
+        super().__init__(addrs, **kw)
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self.submit(encode_command(KvPut(key, value)))
+
+    async def delete(self, key: str) -> bool:
+        return await self.submit(encode_command(KvDelete(key)))
+
+    async def cas(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        return await self.submit(encode_command(KvCas(key, expected, value)))
+
+    async def get(self, key: str) -> bytes | None:
+        return await self.read(encode_command(KvGet(key)))
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return await self.read(encode_command(KvBatch([KvGet(k) for k in keys])))
+
+    async def batch(self, cmds: list[Any]) -> list[Any]:
+        """Several commands as one log entry (one RPC, applied atomically in order)."""
+        return await self.submit(encode_command(KvBatch(cmds)))
+

@@ -1,0 +1,163 @@
+"""In-memory :class:`~kvmesh.replog.types.LogStorage` (tests, the simulator, and
+``durability="memory"`` development clusters). Mirrors etcd-raft's MemoryStorage: the log is
+a list whose first element is a sentinel standing for the last entry covered by the
+snapshot."""
+
+from __future__ import annotations
+
+from .types import (
+    ENTRY_OVERHEAD,
+    ConfState,
+    Entry,
+    HardState,
+    LogCompacted,
+    LogUnavailable,
+    Snapshot,
+    SnapshotMeta,
+    StorageError,
+    bootstrap_entries,
+)
+
+__all__ = ["MemoryStorage", "limit_size"]
+
+
+def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
+    """Longest prefix of ``ents`` whose ``entry_size`` total stays within ``max_bytes``,
+    but at least one entry."""
+    if max_bytes is None or len(ents) <= 1:
+        return ents
+    total = 0
+    for i, e in enumerate(ents):
+        total += len(e.data) + ENTRY_OVERHEAD
+        if total > max_bytes and i > 0:
+            return ents[:i]
+    return ents
+
+
+class MemoryStorage:
+    """A log, hard state and snapshot held in memory.
+
+    Read side: the :class:`LogStorage` protocol. Write side, used by drivers after handling a
+    Ready: :meth:`set_hard_state`, :meth:`append`, :meth:`apply_snapshot`; and by the
+    application: :meth:`create_snapshot`, :meth:`compact`.
+    """
+
+    def __init__(self, hard_state: HardState | None = None, snapshot: Snapshot | None = None) -> None:
+        self._hs = hard_state or HardState()
+        self._snap = snapshot or Snapshot()
+        m = self._snap.meta
+        # _ents[0] is a sentinel carrying the snapshot's (index, term).
+        self._ents: list[Entry] = [Entry(term=m.term, index=m.index)]
+
+    @classmethod
+    def bootstrap(cls, voters: list[int] | tuple[int, ...], learners: list[int] | tuple[int, ...] = ()) -> "MemoryStorage":
+        """A storage holding the founding log prefix of a new cluster."""
+        ents, hs = bootstrap_entries(voters, learners)
+        s = cls()
+        s.append(ents)
+        s.set_hard_state(hs)
+        return s
+
+    # -- read API -------------------------------------------------------------------------
+
+    def initial_state(self) -> tuple[HardState, ConfState]:
+        return self._hs, self._snap.meta.conf_state
+
+    @property
+    def hard_state(self) -> HardState:
+        return self._hs
+
+    def first_index(self) -> int:
+        return self._ents[0].index + 1
+
+    def last_index(self) -> int:
+        return self._ents[0].index + len(self._ents) - 1
+
+    def term(self, index: int) -> int:
+        off = self._ents[0].index
+        if index < off:
+            raise LogCompacted(f"index {index} is compacted (first index {off + 1})")
+        if index - off >= len(self._ents):
+            raise LogUnavailable(f"index {index} is beyond the last index {self.last_index()}")
+        return self._ents[index - off].term
+
+    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
+        off = self._ents[0].index
+        if lo <= off:
+            raise LogCompacted(f"entries from {lo} are compacted (first index {off + 1})")
+        if hi > self.last_index() + 1:
+            raise LogUnavailable(f"entries up to {hi - 1} requested, last index is {self.last_index()}")
+        if lo >= hi:
+            return []
+        return limit_size(self._ents[lo - off : hi - off], max_bytes)
+
+    def snapshot(self) -> Snapshot:
+        return self._snap
+
+    # -- write API ------------------------------------------------------------------------
+
+    def set_hard_state(self, hs: HardState) -> None:
+        self._hs = hs
+
+    def append(self, entries: list[Entry]) -> None:
+        """Append ``entries`` (contiguous); an entry at index i replaces the log from i on.
+        Entries already covered by the snapshot are skipped."""
+        if not entries:
+            return
+        off = self._ents[0].index
+        first = entries[0].index
+        last = self.last_index()
+        if first > last + 1:
+            raise StorageError(f"append would leave a gap: last index {last}, first new index {first}")
+        if entries[-1].index <= off:
+            return
+        if first <= off:
+            entries = entries[off + 1 - first :]
+            first = off + 1
+        del self._ents[first - off :]
+        self._ents.extend(entries)
+
+    def apply_snapshot(self, snap: Snapshot) -> None:
+        """Replace the whole log by ``snap`` (a snapshot the leader sent)."""
+        if snap.meta.index < self._snap.meta.index:
+            raise StorageError(
+                f"snapshot at {snap.meta.index} is older than the stored one at {self._snap.meta.index}"
+            )
+        self._snap = snap
+        self._ents = [Entry(term=snap.meta.term, index=snap.meta.index)]
+
+    def create_snapshot(self, index: int, conf_state: ConfState, data: bytes) -> Snapshot:
+        """Record a snapshot of the state machine taken at ``index`` (already applied)."""
+        if index <= self._snap.meta.index:
+            raise StorageError(f"snapshot at {index} is not newer than the stored one at {self._snap.meta.index}")
+        if index > self.last_index():
+            raise LogUnavailable(f"snapshot index {index} is beyond the last index {self.last_index()}")
+        snap = Snapshot(SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data)
+        self._snap = snap
+        return snap
+
+    def compact(self, index: int) -> None:
+        """Discard entries up to and including ``index`` (the caller must have a snapshot at
+        or above it, or accept that lagging followers then need one)."""
+        off = self._ents[0].index
+        if index <= off:
+            return
+        if index > self.last_index():
+            raise LogUnavailable(f"cannot compact to {index}: last index is {self.last_index()}")
+        keep = self._ents[index - off :]
+        keep[0] = Entry(term=keep[0].term, index=keep[0].index)
+        self._ents = keep
+
+    # -- helpers for simulators ----------------------------------------------------------
+
+    def copy(self) -> "MemoryStorage":
+        """An independent copy (entries are immutable, so the list copy is enough)."""
+        s = MemoryStorage.__new__(MemoryStorage)
+        s._hs = self._hs
+        s._snap = self._snap
+        s._ents = list(self._ents)
+        return s
+
+    def all_entries(self) -> list[Entry]:
+        """Entries from ``first_index()`` to ``last_index()``."""
+        return self._ents[1:]

@@ -1,0 +1,941 @@
+"""The asyncio driver: runs one replica's :class:`~kvmesh.replog.core.RaftCore` against a
+real clock, a TCP transport, durable storage and the application's state machine.
+
+One event loop per replica. The driver:
+
+* turns ``time.monotonic()`` into ``core.tick()`` (missed ticks after a stall are caught
+  up, so tick-based leases never outlive real time);
+* runs the Ready loop: write the snapshot/entries/hard state (page cache) -> send
+  ``send_now`` -> **one** fdatasync in a worker thread (group commit; messages and
+  proposals keep being stepped in meanwhile and form the next batch) -> send
+  ``send_after_persist`` -> restore/apply -> ``advance``;
+* resolves proposals only after their entry is committed **and** applied, with the state
+  machine's result; a proposal whose index got a different entry fails with
+  :class:`ProposalLost` (definitely not applied), a timeout with :class:`ProposalTimeout`
+  (outcome unknown: retry with the same ``(client_id, seq)``);
+* serves linearizable reads through read-index (or the leader lease when configured):
+  :meth:`RaftNode.read_index` returns once the local state machine reflects every write
+  acknowledged before the call;
+* takes snapshots past ``snapshot_threshold`` entries (shallow copy now, chunks encoded
+  between loop iterations, file written in a thread) and compacts, keeping
+  ``trailing_logs`` entries for slightly lagging followers;
+* wraps the application's state machine in
+  :class:`~kvmesh.replog.session.SessionStateMachine` (exactly-once commands).
+
+An I/O failure of the log (write or fsync error, corruption) is fatal: the node stops,
+fails every waiter with :class:`NodeStopped`, and :attr:`RaftNode.fatal_error` says why.
+
+``durability="memory"`` keeps the log in memory only (tests, caches, benchmarks): a
+majority crash then loses acknowledged writes. It is named loudly on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import heapq
+import inspect
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+from . import snapfile
+from .core import RaftCore
+from .diskstorage import DiskStorage, remove_files
+from .memstorage import MemoryStorage
+from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
+from .transport import Transport, TransportConfig
+from .types import (
+    NONE,
+    ConfChange,
+    ConfChangeType,
+    EntryKind,
+    NotLeader,
+    ProposalDropped,
+    RaftConfig,
+    ReplogError,
+    Role,
+    Snapshot,
+    SnapshotMeta,
+    StateMachine,
+    StorageError,
+    decode_conf_change,
+)
+
+__all__ = [
+    "NodeConfig",
+    "RaftNode",
+    "LeaderChange",
+    "NotLeaderError",
+    "ProposalLost",
+    "ProposalTimeout",
+    "ReadTimeout",
+    "NodeStopped",
+    "SessionExpiredError",
+    "CommandError",
+    "DEFAULT_RAFT",
+    "parse_peers",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RAFT = RaftConfig(
+    election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=8 << 20
+)
+"""With the default 100 ms tick: heartbeats every 100 ms, elections after 1-2 s (notes §5.3)."""
+
+
+_APPLY_SLICE = 1000
+
+
+class NotLeaderError(NotLeader):
+    """This replica is not the leader. ``leader_id`` (or None) and ``leader_addr`` (the
+    address clients should use, or None) tell where to go."""
+
+    def __init__(self, leader_id: int | None, leader_addr: str | None) -> None:
+        self.leader_id = leader_id
+        self.leader_addr = leader_addr
+        where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
+        super().__init__(leader_id, f"not the leader ({where})")
+
+
+class ProposalLost(ProposalDropped):
+    """A different entry was committed at the proposal's index: it was definitely not
+    applied (retry it, ideally with the same session sequence number)."""
+
+
+class ProposalTimeout(ReplogError, TimeoutError):
+    """No result in time; the command may or may not be applied. Retry with the same
+    ``(client_id, seq)`` to get its result exactly once."""
+
+
+class ReadTimeout(ReplogError, TimeoutError):
+    """A read index could not be confirmed in time (no quorum, leader change)."""
+
+
+class NodeStopped(ReplogError):
+    """The node stopped (shutdown or a fatal storage error) before answering."""
+
+
+class SessionExpiredError(ReplogError):
+    """The client session is unknown (expired or never registered) or the sequence number
+    is below its acknowledged floor: the command was *not* applied now, and whether an
+    earlier attempt was applied cannot be known any more."""
+
+
+class CommandError(ReplogError):
+    """The state machine raised while applying the command (deterministically, on every
+    replica); the message is the exception's."""
+
+
+class LeaderChange(msgspec.Struct, frozen=True):
+    """Passed to leadership callbacks: the new leader (``NONE`` = unknown), the term, and
+    whether this node is now the leader."""
+
+    leader_id: int
+    term: int
+    is_self: bool
+
+
+class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Configuration of one replica.
+
+    * ``peers``: raft address ``host:port`` of every member, this node included.
+    * ``client_addrs``: optional address of each member's client endpoint, returned in
+      :class:`NotLeaderError` redirects (default: the raft address).
+    * ``durability``: ``"disk"`` (WAL + fsync, needs ``data_dir``) or ``"memory"``.
+    * ``join``: start without bootstrapping (a member being added to a running cluster).
+    """
+
+    node_id: int
+    peers: dict[int, str]
+    client_addrs: dict[int, str] = {}
+    data_dir: str | None = None
+    durability: Literal["disk", "memory"] = "disk"
+    join: bool = False
+    tick_s: float = 0.1
+    raft: RaftConfig = DEFAULT_RAFT
+    snapshot_threshold: int = 50_000
+    trailing_logs: int = 10_000
+    proposal_timeout_s: float = 10.0
+    read_timeout_s: float = 5.0
+    session_ttl_s: float = 0.0  # 0: sessions never expire
+    wal_segment_bytes: int = 64 << 20
+    transport: TransportConfig = TransportConfig()
+
+    def __post_init__(self) -> None:
+        if self.node_id not in self.peers:
+            raise ValueError(f"node {self.node_id} is not in peers {sorted(self.peers)}")
+        if self.durability not in ("disk", "memory"):
+            raise ValueError(f"durability must be 'disk' or 'memory', got {self.durability!r}")
+        if self.durability == "disk" and not self.data_dir:
+            raise ValueError("durability='disk' needs data_dir")
+        if self.tick_s <= 0:
+            raise ValueError("tick_s must be positive")
+        if self.trailing_logs < 0 or self.snapshot_threshold <= 0:
+            raise ValueError("snapshot_threshold must be > 0 and trailing_logs >= 0")
+
+
+class _Pending:
+    __slots__ = ("term", "fut")
+
+    def __init__(self, term: int, fut: asyncio.Future) -> None:
+        self.term = term
+        self.fut = fut
+
+
+class RaftNode:
+    """One replica. Create, ``await start()``, use, ``await stop()``.
+
+    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (optionally
+    ``snapshot_chunks()`` for non-blocking snapshots and ``result_type`` for typed cached
+    results); the node wraps it for exactly-once sessions. ``state_machine`` must be fresh:
+    the node restores it from the newest snapshot on start.
+    """
+
+    def __init__(self, config: NodeConfig, state_machine: StateMachine, *, rng: random.Random | None = None) -> None:
+        self.cfg = config
+        self.id = config.node_id
+        self.user_sm = state_machine
+        self.sm = SessionStateMachine(state_machine)
+        self._rng = rng
+        self.storage: DiskStorage | MemoryStorage | None = None
+        self.core: RaftCore | None = None
+        self.transport: Transport | None = None
+        self._wake = asyncio.Event()
+        self._ready_idle = asyncio.Event()
+        self._ready_idle.set()
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
+        self._deadline_seq = itertools.count()
+        self._reads: dict[bytes, asyncio.Future] = {}
+        self._apply_waiters: list[tuple[int, asyncio.Future]] = []
+        self._read_ctx = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._leader_cbs: list[Callable[[LeaderChange], Any]] = []
+        self._leader = NONE
+        self._term = 0
+        self._applied = 0
+        self._snap_index = 0
+        self._snapshotting = False
+        self._running = False
+        self._stopped = asyncio.Event()
+        self.fatal_error: BaseException | None = None
+        self.tracker = SessionTracker(config.session_ttl_s) if config.session_ttl_s > 0 else None
+        self._tick_epoch = 0.0
+        self._ticks_done = 0
+        self._lag_max = 0.0
+        self._lags: collections.deque[float] = collections.deque(maxlen=1024)
+        self.metrics = {
+            "readies": 0,
+            "fsyncs": 0,
+            "entries_persisted": 0,
+            "entries_applied": 0,
+            "proposals": 0,
+            "snapshots_taken": 0,
+            "snapshots_installed": 0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Recover storage and state machine, start the transport, timers and Ready loop."""
+        cfg = self.cfg
+        voters = sorted(cfg.peers)
+        t0 = time.perf_counter()
+        if cfg.durability == "disk":
+            assert cfg.data_dir is not None
+            self.storage = await asyncio.to_thread(
+                DiskStorage.open,
+                cfg.data_dir,
+                bootstrap_voters=None if cfg.join else voters,
+                segment_bytes=cfg.wal_segment_bytes,
+            )
+            self.storage.defer_pruning = True
+        else:
+            log.warning(
+                "replog node %d: durability='memory' - the log is NOT persisted; a majority crash "
+                "loses acknowledged writes",
+                self.id,
+            )
+            self.storage = MemoryStorage() if cfg.join else MemoryStorage.bootstrap(voters)
+        snap = self.storage.snapshot()
+        if snap.meta.index:
+            self.sm.restore(snap.data)
+            # The restored image is long-lived: keep the cyclic GC from rescanning it.
+            gc.collect()
+            gc.freeze()
+        self._applied = self._snap_index = snap.meta.index
+        self.restore_s = time.perf_counter() - t0
+        self.core = RaftCore(self.id, self.storage, cfg.raft, self._rng, applied=self._applied)
+        self._term = self.core.term
+        listen = cfg.peers[self.id]
+        self.transport = Transport(
+            self.id,
+            listen,
+            cfg.peers,
+            self._on_message,
+            on_unreachable=self._on_unreachable,
+            on_snapshot_status=self._on_snapshot_status,
+            config=cfg.transport,
+        )
+        try:
+            await self.transport.start()
+        except BaseException:
+            # E.g. the address is in use: release the data directory before failing.
+            if isinstance(self.storage, DiskStorage):
+                self.storage.close()
+            self.storage = None
+            raise
+        self._running = True
+        self._tick_epoch = time.monotonic()
+        self._ticks_done = 0
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._ready_loop(), name=f"replog-{self.id}-ready"),
+            loop.create_task(self._tick_loop(), name=f"replog-{self.id}-tick"),
+        ]
+        if self.tracker is not None:
+            self._tasks.append(loop.create_task(self._expiry_loop(), name=f"replog-{self.id}-expiry"))
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Stop timers, transport and loop; fail all waiters; close storage. Idempotent."""
+        if not self._running and self.storage is None:
+            return
+        self._running = False
+        me = asyncio.current_task()
+        for t in self._tasks:
+            if t is not me:
+                t.cancel()
+        for t in self._tasks:
+            if t is not me:
+                try:
+                    await t
+                except BaseException:  # noqa: BLE001 - shutting down
+                    pass
+        self._tasks = []
+        if self.transport is not None:
+            await self.transport.stop()
+        self._fail_all(NodeStopped(f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")))
+        if isinstance(self.storage, DiskStorage):
+            try:
+                # A WAL that failed an fsync refuses to sync again and just closes.
+                self.storage.close()
+            except Exception as e:  # noqa: BLE001
+                log.error("replog node %d: closing storage: %s", self.id, e)
+        self.storage = None
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for p in self._pending.values():
+            if not p.fut.done():
+                p.fut.set_exception(exc)
+        self._pending.clear()
+        self._deadlines.clear()
+        for f in self._reads.values():
+            if not f.done():
+                f.set_exception(exc)
+        self._reads.clear()
+        for _, f in self._apply_waiters:
+            if not f.done():
+                f.set_exception(exc)
+        self._apply_waiters.clear()
+
+    def _fatal(self, exc: BaseException) -> None:
+        if self.fatal_error is None:
+            self.fatal_error = exc
+            log.critical("replog node %d: fatal: %s; stopping", self.id, exc)
+        asyncio.get_running_loop().create_task(self.stop())
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def leader_id(self) -> int | None:
+        return self._leader or None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.core is not None and self.core.role == Role.LEADER
+
+    @property
+    def term(self) -> int:
+        return self._term
+
+    @property
+    def applied_index(self) -> int:
+        return self._applied
+
+    @property
+    def state_machine(self) -> StateMachine:
+        """The application's state machine (read it after :meth:`read_index`)."""
+        return self.user_sm
+
+    def address_of(self, node_id: int | None) -> str | None:
+        if not node_id:
+            return None
+        return self.cfg.client_addrs.get(node_id) or self.cfg.peers.get(node_id)
+
+    def on_leader_change(self, cb: Callable[[LeaderChange], Any]) -> None:
+        """Call ``cb(LeaderChange)`` (a function or coroutine function) whenever the known
+        leader changes. The store master starts its lease grace period when ``is_self``."""
+        self._leader_cbs.append(cb)
+
+    def status(self) -> dict[str, Any]:
+        core = self._core()
+        st = core.status()
+        return {
+            "id": self.id,
+            "role": Role(st.role).name,
+            "term": st.term,
+            "leader": st.leader,
+            "commit": st.commit,
+            "applied": self._applied,
+            "first_index": st.first_index,
+            "last_index": st.last_index,
+            "snapshot_index": self._snap_index,
+            "voters": list(st.conf_state.voters),
+            "learners": list(st.conf_state.learners),
+            "sessions": len(self.sm.sessions),
+            "loop_lag_max_s": self._lag_max,
+            "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
+            "durability": self.cfg.durability,
+            **self.metrics,
+        }
+
+    def reset_lag_stats(self) -> None:
+        """Forget event-loop lag samples (to measure a window, e.g. around a snapshot)."""
+        self._lag_max = 0.0
+        self._lags.clear()
+
+    def _core(self) -> RaftCore:
+        if self.core is None or not self._running:
+            raise NodeStopped(f"node {self.id} is not running" + (f": {self.fatal_error}" if self.fatal_error else ""))
+        return self.core
+
+    def _not_leader(self, hint: int | None) -> NotLeaderError:
+        hint = hint or self._leader or None
+        if hint == self.id:
+            hint = None
+        return NotLeaderError(hint, self.address_of(hint))
+
+    async def propose(
+        self,
+        cmd: bytes,
+        client_id: int | None = None,
+        seq: int | None = None,
+        ack: int = 0,
+        timeout: float | None = None,
+    ) -> Any:
+        """Replicate ``cmd`` and return the state machine's result once it is committed and
+        applied here. With ``client_id``/``seq`` (from :meth:`register_session`) the command
+        is applied exactly once however often it is retried, on any replica."""
+        return await self.propose_nowait(cmd, client_id, seq, ack, timeout)
+
+    def propose_nowait(
+        self,
+        cmd: bytes,
+        client_id: int | None = None,
+        seq: int | None = None,
+        ack: int = 0,
+        timeout: float | None = None,
+    ) -> asyncio.Future:
+        """:meth:`propose` without a coroutine: appends now (raising NotLeaderError etc.
+        immediately) and returns a future of the result (for RPC layers that answer from a
+        done-callback instead of spawning a task per request)."""
+        if client_id is None:
+            data = encode_envelope(Plain(cmd))
+        else:
+            if seq is None or seq <= 0:
+                raise ValueError("seq must be a positive int with client_id")
+            data = encode_envelope(Command(client_id, seq, cmd, ack))
+            if self.tracker is not None and self.is_leader:
+                self.tracker.touch(client_id, time.monotonic())
+        return self._submit(data, timeout)
+
+    async def propose_many(self, cmds: list[tuple[bytes, int | None, int | None, int]], timeout: float | None = None) -> list[Any]:
+        """Propose several ``(cmd, client_id, seq, ack)`` at once (one batch, one fsync);
+        results (or exceptions) in order."""
+        datas = []
+        for cmd, cid, seq, ack in cmds:
+            if cid is None:
+                datas.append(encode_envelope(Plain(cmd)))
+            else:
+                datas.append(encode_envelope(Command(cid, seq or 0, cmd, ack)))
+        core = self._core()
+        try:
+            last = core.propose_many(datas)
+        except NotLeader as e:
+            raise self._not_leader(e.leader_hint) from None
+        self.metrics["proposals"] += len(datas)
+        futs = [self._track(idx, core.term, timeout) for idx in range(last - len(datas) + 1, last + 1)]
+        self._wake.set()
+        return list(await asyncio.gather(*futs, return_exceptions=True))
+
+    async def register_session(self, timeout: float | None = None) -> int:
+        """Open an exactly-once session; returns the client id to use with :meth:`propose`."""
+        cid = await self._propose_data(encode_envelope(Register()), timeout)
+        if self.tracker is not None:
+            self.tracker.touch(cid, time.monotonic())
+        return cid
+
+    async def _propose_data(self, data: bytes, timeout: float | None) -> Any:
+        return await self._submit(data, timeout)
+
+    def _submit(self, data: bytes, timeout: float | None) -> asyncio.Future:
+        core = self._core()
+        try:
+            idx = core.propose(data)
+        except NotLeader as e:
+            raise self._not_leader(e.leader_hint) from None
+        self.metrics["proposals"] += 1
+        fut = self._track(idx, core.term, timeout)
+        self._wake.set()
+        return fut
+
+    def _track(self, idx: int, term: int, timeout: float | None) -> asyncio.Future:
+        """A future resolved when index ``idx`` is applied (or times out)."""
+        fut = asyncio.get_running_loop().create_future()
+        old = self._pending.get(idx)
+        if old is not None and not old.fut.done():
+            # We lead now and our log holds a different entry at idx: the old one is gone.
+            old.fut.set_exception(ProposalLost(f"index {idx} was taken by a proposal of term {term}"))
+        self._pending[idx] = _Pending(term, fut)
+        t = self.cfg.proposal_timeout_s if timeout is None else timeout
+        # One heap swept by the tick loop instead of a timer per proposal.
+        heapq.heappush(self._deadlines, (time.monotonic() + t, next(self._deadline_seq), idx, fut))
+        return fut
+
+    def _expire_proposals(self, now: float) -> None:
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, _, idx, fut = heapq.heappop(dl)
+            if fut.done():
+                continue
+            p = self._pending.get(idx)
+            if p is not None and p.fut is fut:
+                del self._pending[idx]
+            fut.set_exception(ProposalTimeout(f"no result for the proposal at index {idx} in time (outcome unknown)"))
+
+    async def read_index(self, timeout: float | None = None) -> int:
+        """Linearizable read barrier: returns an index such that the local state machine,
+        now applied at least that far, reflects every write acknowledged before this call.
+        Works on followers too (they ask the leader). Raises NotLeaderError/ReadTimeout."""
+        core = self._core()
+        self._catch_up_ticks()  # a lease must be judged against real time, not a stale tick count
+        ctx = next(self._read_ctx).to_bytes(8, "little")
+        fut = asyncio.get_running_loop().create_future()
+        # Remember whom the request went to: the core drops it if that leadership ends.
+        fut.replog_leader = (core.lead, core.term)  # type: ignore[attr-defined]
+        self._reads[ctx] = fut
+        try:
+            core.read_index(ctx)
+        except NotLeader as e:
+            del self._reads[ctx]
+            raise self._not_leader(e.leader_hint) from None
+        self._wake.set()
+        t = self.cfg.read_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        try:
+            index = await asyncio.wait_for(fut, t)
+        except asyncio.TimeoutError:
+            raise ReadTimeout(f"read index not confirmed within {t}s") from None
+        finally:
+            self._reads.pop(ctx, None)
+        await self.wait_applied(index, max(0.0, deadline - time.monotonic()))
+        return index
+
+    async def linearizable_read(self, fn: Callable[[StateMachine], Any], timeout: float | None = None) -> Any:
+        """``fn(state_machine)`` after a :meth:`read_index` barrier."""
+        await self.read_index(timeout)
+        return fn(self.user_sm)
+
+    async def wait_applied(self, index: int, timeout: float | None = None) -> None:
+        """Wait until the state machine has applied ``index``."""
+        if self._applied >= index:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._apply_waiters.append((index, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ReadTimeout(f"index {index} not applied in time (applied {self._applied})") from None
+
+    async def transfer_leadership(self, to: int, timeout: float = 5.0) -> None:
+        """Hand leadership to ``to`` and wait until it leads (or raise ReadTimeout)."""
+        core = self._core()
+        try:
+            core.transfer_leader(to)
+        except NotLeader as e:
+            raise self._not_leader(e.leader_hint) from None
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while self._leader != to:
+            if time.monotonic() > deadline:
+                raise ReadTimeout(f"leadership did not move to {to} within {timeout}s")
+            await asyncio.sleep(self.cfg.tick_s / 2)
+
+    async def change_membership(self, cc: ConfChange, timeout: float | None = None) -> None:
+        """Propose a single-server membership change and wait until it is applied. For
+        ADD_VOTER/ADD_LEARNER put the new member's raft address in ``cc.context``."""
+        core = self._core()
+        try:
+            idx = core.propose_conf_change(cc)
+        except NotLeader as e:
+            raise self._not_leader(e.leader_hint) from None
+        fut = self._track(idx, core.term, timeout)
+        self._wake.set()
+        await fut
+
+    async def snapshot_now(self) -> int:
+        """Take a snapshot at the current applied index (returns it; 0 if one is running)."""
+        self._core()
+        if self._snapshotting or self._applied <= self._snap_index:
+            return 0
+        return await self._take_snapshot()
+
+    # ------------------------------------------------------------------ inputs
+
+    def _on_message(self, msg: Any) -> None:
+        if self.core is None or not self._running:
+            return
+        # After a stall (GC, blocked loop, SIGSTOP) the missed ticks must land before any
+        # message is stepped: a leader answering a follower's ReadIndex from a lease it
+        # measured in stale ticks would serve a stale read (simulator scenario E3).
+        self._catch_up_ticks()
+        try:
+            self.core.step(msg)
+        except Exception:  # noqa: BLE001 - one bad message must not kill the transport
+            log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
+        self._wake.set()
+
+    def _on_unreachable(self, peer: int) -> None:
+        if self.core is not None and self._running:
+            self.core.report_unreachable(peer)
+
+    def _on_snapshot_status(self, peer: int, ok: bool) -> None:
+        if self.core is not None and self._running:
+            self.core.report_snapshot(peer, ok)
+            self._wake.set()
+
+    def _catch_up_ticks(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        now = time.monotonic()
+        due = int((now - self._tick_epoch) / self.cfg.tick_s)
+        n = due - self._ticks_done
+        if n <= 0:
+            return
+        # After a long stall every timeout has expired anyway; more ticks change nothing
+        # (the cap is far above the lease length, so leases stay conservative).
+        cap = 4 * self.cfg.raft.election_range[1]
+        if n > cap:
+            self._ticks_done = due - cap
+            n = cap
+        for _ in range(n):
+            core.tick()
+        self._ticks_done += n
+        self._wake.set()
+
+    async def _tick_loop(self) -> None:
+        tick = self.cfg.tick_s
+        while self._running:
+            nxt = self._tick_epoch + (self._ticks_done + 1) * tick
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            # How late this wakeup is: the event-loop stall (GC, long encodes, blocking
+            # calls) that elections and leases must absorb.
+            lag = max(0.0, time.monotonic() - nxt)
+            self._lags.append(lag)
+            if lag > self._lag_max:
+                self._lag_max = lag
+            self._catch_up_ticks()
+            if self._deadlines:
+                self._expire_proposals(time.monotonic())
+
+    async def _expiry_loop(self) -> None:
+        assert self.tracker is not None
+        period = max(self.cfg.session_ttl_s / 4, self.cfg.tick_s)
+        while self._running:
+            await asyncio.sleep(period)
+            if not self.is_leader:
+                continue
+            idle = self.tracker.idle(time.monotonic())
+            if not idle:
+                continue
+            try:
+                await self._propose_data(encode_envelope(Expire(idle)), None)
+                self.tracker.forget(idle)
+            except ReplogError as e:
+                log.info("replog node %d: session expiry not committed: %s", self.id, e)
+
+    # ------------------------------------------------------------------ Ready loop
+
+    async def _ready_loop(self) -> None:
+        core = self.core
+        assert core is not None
+        try:
+            while self._running:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._running and core.has_ready():
+                    await self._handle_ready(core.ready())
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - storage/apply failures are fatal
+            self._fatal(e)
+
+    async def _handle_ready(self, rd: Any) -> None:
+        self._ready_idle.clear()
+        try:
+            await self._process_ready(rd)
+        finally:
+            self._ready_idle.set()
+
+    async def _process_ready(self, rd: Any) -> None:
+        core = self.core
+        storage = self.storage
+        tr = self.transport
+        assert core is not None and storage is not None and tr is not None
+        self.metrics["readies"] += 1
+        snap = rd.snapshot_to_install
+        disk = isinstance(storage, DiskStorage)
+        # 1. Write (page cache only).
+        if disk:
+            path = None
+            if snap is not None:
+                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, snap)
+            need_sync = storage.write(rd, path)
+        else:
+            if snap is not None:
+                storage.apply_snapshot(snap)
+            if rd.entries_to_append:
+                storage.append(rd.entries_to_append)
+            if rd.hard_state is not None:
+                storage.set_hard_state(rd.hard_state)
+            need_sync = False
+        self.metrics["entries_persisted"] += len(rd.entries_to_append)
+        # 2. Messages that do not depend on this write (leader appends, heartbeats).
+        if rd.send_now:
+            tr.send(rd.send_now)
+        # 3. One fsync for the whole batch; the loop keeps stepping messages meanwhile.
+        if need_sync:
+            await asyncio.to_thread(storage.sync)
+            self.metrics["fsyncs"] += 1
+        # 4. Messages that promise durability (votes, append acks).
+        if rd.send_after_persist:
+            tr.send(rd.send_after_persist)
+        # 5. State machine.
+        if snap is not None:
+            self._install(snap)
+        if rd.committed_entries:
+            ents = rd.committed_entries
+            # Long batches (a follower catching up) are applied in slices so that
+            # heartbeats, votes and client requests keep being served in between.
+            for lo in range(0, len(ents), _APPLY_SLICE):
+                if lo:
+                    await asyncio.sleep(0)
+                self._apply(ents[lo : lo + _APPLY_SLICE])
+        if rd.soft_state is not None:
+            self._soft_state(rd.soft_state)
+        for rs in rd.read_states:
+            f = self._reads.get(rs.context)
+            if f is not None and not f.done():
+                f.set_result(rs.index)
+        self._term = core.term
+        core.advance(rd)
+        self._notify_applied()
+        if snap is not None and disk:
+            doomed = storage.obsolete_snapshot_files()
+            if doomed:
+                await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
+        if (
+            not self._snapshotting
+            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
+        ):
+            self._snapshotting = True
+            asyncio.get_running_loop().create_task(self._snapshot_task())
+
+    def _install(self, snap: Snapshot) -> None:
+        self.sm.restore(snap.data)
+        self._applied = self._snap_index = snap.meta.index
+        self.metrics["snapshots_installed"] += 1
+        # Pending proposals at or below the snapshot: their fate is unknown here.
+        for idx in [i for i in self._pending if i <= snap.meta.index]:
+            p = self._pending.pop(idx)
+            if not p.fut.done():
+                p.fut.set_exception(ProposalTimeout(f"index {idx} was covered by an installed snapshot; outcome unknown"))
+        for cc_peer in snap.meta.conf_state.voters + snap.meta.conf_state.learners:
+            if cc_peer not in self.cfg.peers and self.transport is not None and cc_peer not in self.transport.peer_addresses():
+                log.warning("replog node %d: member %d has no known address", self.id, cc_peer)
+
+    def _apply(self, ents: list) -> None:
+        sm = self.sm
+        pending = self._pending
+        for e in ents:
+            idx = e.index
+            p = pending.pop(idx, None) if pending else None
+            if e.kind == EntryKind.CONF_CHANGE:
+                self._conf_change(decode_conf_change(e.data))
+                result: Any = None
+                err: BaseException | None = None
+            elif not e.data:
+                result, err = None, None  # a new leader's no-op
+            else:
+                err = None
+                try:
+                    result = sm.apply(idx, e.data)
+                except Exception as ex:  # noqa: BLE001 - deterministic on every replica
+                    result, err = None, CommandError(f"{type(ex).__name__}: {ex}")
+                    log.warning("replog node %d: state machine raised at index %d: %r", self.id, idx, ex)
+            self._applied = idx
+            if p is None or p.fut.done():
+                continue
+            if p.term != e.term:
+                p.fut.set_exception(ProposalLost(f"index {idx} was taken by an entry of term {e.term}, not {p.term}"))
+            elif err is not None:
+                p.fut.set_exception(err)
+            elif type(result) is SessionRejected:
+                p.fut.set_exception(SessionExpiredError(f"client {result.client_id} seq {result.seq}: {result.reason}"))
+            else:
+                p.fut.set_result(result)
+        self.metrics["entries_applied"] += len(ents)
+
+    def _conf_change(self, cc: ConfChange) -> None:
+        tr = self.transport
+        if tr is None:
+            return
+        if cc.type in (ConfChangeType.ADD_VOTER, ConfChangeType.ADD_LEARNER) and cc.context:
+            addr = cc.context.decode()
+            if cc.node_id != self.id:
+                tr.add_peer(cc.node_id, addr)
+        elif cc.type == ConfChangeType.REMOVE_NODE and cc.node_id != self.id:
+            tr.remove_peer(cc.node_id)
+
+    def _notify_applied(self) -> None:
+        if not self._apply_waiters:
+            return
+        applied = self._applied
+        keep = []
+        for index, f in self._apply_waiters:
+            if index <= applied:
+                if not f.done():
+                    f.set_result(None)
+            else:
+                keep.append((index, f))
+        self._apply_waiters = keep
+
+    def _soft_state(self, ss: Any) -> None:
+        old = self._leader
+        self._leader = ss.leader
+        if ss.leader == old:
+            return
+        core = self.core
+        assert core is not None
+        # The core drops unconfirmed read requests when the leadership they were sent to
+        # ends: fail those now so callers retry instead of waiting for their timeout.
+        exc = self._not_leader(ss.leader)
+        current = (ss.leader, core.term)
+        for f in self._reads.values():
+            if not f.done() and f.replog_leader != current:
+                f.set_exception(exc)
+        is_self = ss.leader == self.id
+        if is_self and self.tracker is not None:
+            self.tracker.reset(self.sm.session_ids(), time.monotonic())
+        change = LeaderChange(ss.leader, core.term, is_self)
+        log.info("replog node %d: leader is now %s (term %d)", self.id, ss.leader or "unknown", core.term)
+        for cb in list(self._leader_cbs):
+            try:
+                r = cb(change)
+                if inspect.isawaitable(r):
+                    asyncio.ensure_future(r)
+            except Exception:  # noqa: BLE001 - a callback must not break the loop
+                log.exception("replog node %d: leader-change callback failed", self.id)
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _snapshot_task(self) -> None:
+        try:
+            await self._take_snapshot()
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, (OSError,)):
+                self._fatal(e)
+            else:
+                log.warning("replog node %d: snapshot failed: %s", self.id, e)
+
+    async def _take_snapshot(self) -> int:
+        self._snapshotting = True
+        try:
+            core = self._core()
+            storage = self.storage
+            assert storage is not None
+            # Capture at one instant between Readies: applied index, configuration (the
+            # core applies membership changes on advance) and a shallow image.
+            await self._ready_idle.wait()
+            index = self._applied
+            conf = core.conf_state
+            chunks_fn = getattr(self.sm, "snapshot_chunks", None)
+            chunks = chunks_fn() if chunks_fn is not None else iter((self.sm.snapshot(),))
+            t0 = time.perf_counter()
+            parts = []
+            for c in chunks:
+                parts.append(c)
+                await asyncio.sleep(0)  # encode one chunk per loop iteration
+            size = sum(len(p) for p in parts)
+            try:
+                term = storage.term(index)
+            except StorageError:
+                return 0  # a snapshot from the leader replaced the log meanwhile
+            meta = SnapshotMeta(index, term, conf)
+            if isinstance(storage, DiskStorage):
+                # The pieces go to the file as they are (no big join under the GIL); the
+                # image is read back from the file only if a follower needs it.
+                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, Snapshot(meta), 1 << 20, parts)
+                if self.storage is not storage:
+                    return 0
+                storage.commit_snapshot(Snapshot(meta), path, keep_data=False)
+                # Deleting an old 60 MB file can take a while: not on the loop.
+                doomed = storage.obsolete_snapshot_files()
+                if doomed:
+                    await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
+            else:
+                if index <= storage.snapshot().meta.index:
+                    return 0
+                storage.create_snapshot(index, conf, b"".join(parts))
+            if storage.snapshot().meta.index != index:
+                return 0
+            self._snap_index = index
+            compact_to = index - self.cfg.trailing_logs
+            if compact_to >= storage.first_index():
+                storage.compact(compact_to)
+            self.metrics["snapshots_taken"] += 1
+            log.info("replog node %d: snapshot at %d (%d bytes, %.3fs)", self.id, index, size, time.perf_counter() - t0)
+            return index
+        finally:
+            self._snapshotting = False
+
+
+def parse_peers(spec: str) -> dict[int, str]:
+    """``"1=127.0.0.1:7001,2=127.0.0.1:7002"`` -> ``{1: "127.0.0.1:7001", ...}``."""
+    out: dict[int, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip().isdigit():
+            raise ValueError(f"bad peer {part!r}, expected ID=HOST:PORT")
+        out[int(k)] = v.strip()
+    if not out:
+        raise ValueError("no peers given")
+    return out
+

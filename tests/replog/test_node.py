@@ -1,0 +1,470 @@
+"""The asyncio driver with real TCP on loopback: 3 replicas in one event loop (fast timers),
+disk and memory durability, redirects, exactly-once retries, reads, snapshots + catch-up by
+InstallSnapshot, leader callbacks, no-quorum timeouts, session expiry, fatal fsync errors."""
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from kvmesh.replog import wal as walmod
+from kvmesh.replog.kvsm import KvBatch, KvDelete, KvGet, KvPut, KvStateMachine, encode_command
+from kvmesh.replog.node import (
+    NodeConfig,
+    NodeStopped,
+    NotLeaderError,
+    ProposalTimeout,
+    RaftNode,
+    ReadTimeout,
+    SessionExpiredError,
+)
+from kvmesh.replog.transport import TransportConfig
+from kvmesh.replog.types import RaftConfig, ReadOnlyOption
+
+FAST = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1)
+TICK = 0.02  # elections after 0.2-0.4 s
+
+
+def free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Cluster:
+    def __init__(self, tmp_path, n=3, durability="disk", **cfg):
+        self.tmp = tmp_path
+        ports = free_ports(n)
+        self.peers = {i + 1: f"127.0.0.1:{p}" for i, p in enumerate(ports)}
+        self.durability = durability
+        self.cfg = cfg
+        self.nodes: dict[int, RaftNode] = {}
+
+    def config(self, i, **over):
+        kw = dict(
+            node_id=i,
+            peers=self.peers,
+            data_dir=str(self.tmp / f"n{i}"),
+            durability=self.durability,
+            tick_s=TICK,
+            raft=FAST,
+            proposal_timeout_s=5.0,
+            read_timeout_s=3.0,
+        )
+        kw.update(self.cfg)
+        kw.update(over)
+        return NodeConfig(**kw)
+
+    async def start(self, i, **over):
+        node = RaftNode(self.config(i, **over), KvStateMachine())
+        await node.start()
+        self.nodes[i] = node
+        return node
+
+    async def start_all(self):
+        for i in self.peers:
+            await self.start(i)
+
+    async def stop(self, i):
+        await self.nodes.pop(i).stop()
+
+    async def stop_all(self):
+        for i in list(self.nodes):
+            await self.stop(i)
+
+    async def leader(self, timeout=10.0, exclude=()):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            ls = [n for i, n in self.nodes.items() if n.is_leader and i not in exclude]
+            if len(ls) == 1:
+                return ls[0]
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no leader within {timeout}s: {[n.status() for n in self.nodes.values()]}")
+
+    async def put(self, key, value, timeout=10.0):
+        """Write through whoever leads (like a client would), retrying on redirects."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            node = await self.leader(max(0.1, end - loop.time()))
+            try:
+                return await node.propose(encode_command(KvPut(key, value)))
+            except (NotLeaderError, ProposalTimeout):
+                if loop.time() > end:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def converge(self, timeout=10.0):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            applied = {n.applied_index for n in self.nodes.values()}
+            commits = {n.status()["commit"] for n in self.nodes.values()}
+            if len(applied) == 1 and applied == commits:
+                digests = {n.state_machine.digest() for n in self.nodes.values()}
+                assert len(digests) == 1, "replicas applied the same index but differ"
+                return applied.pop()
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no convergence: {[n.status() for n in self.nodes.values()]}")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+@pytest.mark.parametrize("durability", ["disk", "memory"])
+def test_elect_propose_read_and_redirect(tmp_path, durability):
+    async def main():
+        c = Cluster(tmp_path, durability=durability)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            assert await leader.propose(encode_command(KvPut("a", b"1"))) is None
+            assert await leader.propose(encode_command(KvBatch([KvPut("b", b"2"), KvGet("a"), KvDelete("zz")]))) == [None, b"1", False]
+            follower = next(n for n in c.nodes.values() if n is not leader)
+            with pytest.raises(NotLeaderError) as ei:
+                await follower.propose(encode_command(KvPut("x", b"y")))
+            assert ei.value.leader_id == leader.id
+            assert ei.value.leader_addr == c.peers[leader.id]
+            # A follower read: read index from the leader, then local state.
+            got = await follower.linearizable_read(lambda sm: sm.get("b"))
+            assert got == b"2"
+            await c.converge()
+            st = leader.status()
+            assert st["role"] == "LEADER" and st["durability"] == durability
+            if durability == "disk":
+                assert st["fsyncs"] > 0
+            else:
+                assert st["fsyncs"] == 0
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_batched_concurrent_proposals_group_commit(tmp_path):
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            n = 2000
+            res = await asyncio.gather(*[leader.propose(encode_command(KvPut(f"k{i}", b"v%d" % i))) for i in range(n)])
+            assert res == [None] * n
+            st = leader.status()
+            # Many proposals per Ready: far fewer fsyncs than entries.
+            assert st["fsyncs"] < n / 4, st
+            await c.converge()
+            for node in c.nodes.values():
+                assert node.state_machine.get("k1999") == b"v1999"
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_exactly_once_retry_across_leader_change(tmp_path):
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            cid = await leader.register_session()
+            cmd = encode_command(KvDelete("k"))
+            await leader.propose(encode_command(KvPut("k", b"v")))
+            assert await leader.propose(cmd, cid, 1) is True
+            # The client did not get the answer; the leader dies; it retries the same seq.
+            old = leader.id
+            await c.stop(old)
+            new = await c.leader()
+            assert new.id != old
+            await new.propose(encode_command(KvPut("k", b"again")))
+            assert await new.propose(cmd, cid, 1) is True  # cached answer, not re-applied
+            assert new.state_machine.get("k") == b"again"
+            assert await new.propose(cmd, cid, 2) is True  # a new command is applied
+            with pytest.raises(SessionExpiredError):
+                await new.propose(cmd, 424242, 1)  # never registered
+            await c.start(old)
+            await c.converge()
+            assert c.nodes[old].sm.duplicates >= 1
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_restart_all_from_disk_keeps_acknowledged_writes(tmp_path):
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        acked = {}
+        for i in range(300):
+            await c.put(f"k{i}", b"%d" % i)
+            acked[f"k{i}"] = b"%d" % i
+        await c.stop_all()
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            await leader.read_index()
+            for k, v in acked.items():
+                assert leader.state_machine.get(k) == v
+            await c.converge()
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_leader_change_callbacks(tmp_path):
+    async def main():
+        c = Cluster(tmp_path)
+        events = {}
+        for i in c.peers:
+            node = RaftNode(c.config(i), KvStateMachine())
+            events[i] = []
+            node.on_leader_change(events[i].append)
+
+            async def acb(change, i=i):
+                events[i].append(("async", change.is_self))
+
+            node.on_leader_change(acb)
+            await node.start()
+            c.nodes[i] = node
+        try:
+            leader = await c.leader()
+            await c.put("x", b"1")
+            await asyncio.sleep(0.05)
+            assert any(e.is_self for e in events[leader.id] if not isinstance(e, tuple))
+            assert ("async", True) in events[leader.id]
+            for i, evs in events.items():
+                if i != leader.id:
+                    assert any(getattr(e, "leader_id", None) == leader.id and not e.is_self for e in evs)
+            old = leader.id
+            await c.stop(old)
+            new = await c.leader()
+            await asyncio.sleep(0.05)
+            assert any(getattr(e, "is_self", False) and e.term > 1 for e in events[new.id])
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_no_quorum_times_out_instead_of_hanging(tmp_path):
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            await c.put("a", b"1")
+            for i in [i for i in c.nodes if i != leader.id]:
+                await c.stop(i)
+            with pytest.raises((ProposalTimeout, NotLeaderError)):
+                await leader.propose(encode_command(KvPut("b", b"2")), timeout=0.5)
+            with pytest.raises((ReadTimeout, NotLeaderError)):
+                await leader.read_index(timeout=0.5)
+            # Check-quorum: the isolated leader steps down within about an election timeout.
+            for _ in range(100):
+                if not leader.is_leader:
+                    break
+                await asyncio.sleep(0.02)
+            assert not leader.is_leader
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_snapshot_compaction_and_install_on_lagging_follower(tmp_path):
+    async def main():
+        c = Cluster(
+            tmp_path,
+            snapshot_threshold=200,
+            trailing_logs=20,
+            transport=TransportConfig(fragment_bytes=4096),  # force a fragmented InstallSnapshot
+        )
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            lagger = next(i for i in c.nodes if i != leader.id)
+            await c.stop(lagger)
+            for i in range(700):
+                await c.put(f"key-{i}", b"x" * 50)
+            for _ in range(100):
+                if leader.status()["snapshot_index"] >= 600:
+                    break
+                await asyncio.sleep(0.02)
+            st = leader.status()
+            assert st["snapshots_taken"] >= 2 and st["first_index"] > 400, st
+            node = await c.start(lagger)
+            await c.converge(timeout=20)
+            assert node.metrics["snapshots_installed"] >= 1
+            assert len(os.listdir(node.storage.snap_dir)) <= 2  # old images pruned (in a thread)
+            assert node.state_machine.get("key-699") == b"x" * 50
+            assert len(node.state_machine.data) == 700
+            # The installed snapshot survives a restart of that node.
+            await c.stop(lagger)
+            node = await c.start(lagger)
+            assert node.applied_index >= 600 and node.restore_s >= 0
+            await c.put("after", b"1")
+            await c.converge(timeout=20)
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_snapshot_encoding_yields_to_the_loop(tmp_path):
+    async def main():
+        c = Cluster(tmp_path, n=1, snapshot_threshold=10**9)
+        await c.start_all()
+        try:
+            node = await c.leader()
+            for i in range(0, 45_000, 5000):
+                await node.propose(encode_command(KvBatch([KvPut(f"k{j}", b"v") for j in range(i, i + 5000)])))
+            beats = 0
+            running = True
+
+            async def ticker():
+                nonlocal beats
+                while running:
+                    beats += 1
+                    await asyncio.sleep(0)
+
+            t = asyncio.get_running_loop().create_task(ticker())
+            idx = await node.snapshot_now()
+            running = False
+            await t
+            assert idx == node.applied_index
+            # 45k objects = 5 chunks: the loop ran other tasks between the chunks.
+            assert beats >= 5
+            assert node.storage.snapshot().meta.index == idx
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_session_expiry_is_a_committed_entry(tmp_path):
+    async def main():
+        c = Cluster(tmp_path, session_ttl_s=0.3)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            cid = await leader.register_session()
+            await leader.propose(encode_command(KvPut("a", b"1")), cid, 1)
+            for _ in range(100):
+                if all(cid not in n.sm.sessions for n in c.nodes.values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(cid not in n.sm.sessions for n in c.nodes.values())
+            with pytest.raises(SessionExpiredError):
+                await leader.propose(encode_command(KvPut("a", b"2")), cid, 2)
+            await c.converge()
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_lease_reads(tmp_path):
+    async def main():
+        c = Cluster(tmp_path, raft=RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED))
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            await c.put("a", b"1")
+            for _ in range(20):
+                assert await leader.linearizable_read(lambda sm: sm.get("a")) == b"1"
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_fsync_failure_stops_the_node_and_cluster_continues(tmp_path, monkeypatch):
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            await c.put("a", b"1")
+            victim = leader.id
+            real = walmod.os.fdatasync
+            victim_wal = leader.storage.wal
+
+            def flaky(fd):
+                if fd == victim_wal._fd:
+                    raise OSError(5, "Input/output error")
+                return real(fd)
+
+            monkeypatch.setattr(walmod.os, "fdatasync", flaky)
+            with pytest.raises((NodeStopped, ProposalTimeout)):
+                await leader.propose(encode_command(KvPut("b", b"2")), timeout=3)
+            await leader.wait_stopped()
+            assert "fsync" in str(leader.fatal_error)
+            c.nodes.pop(victim)
+            monkeypatch.setattr(walmod.os, "fdatasync", real)
+            await c.put("c", b"3")
+            new = await c.leader()
+            assert new.id != victim
+            await new.read_index()
+            assert new.state_machine.get("a") == b"1" and new.state_machine.get("c") == b"3"
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
+def test_membership_add_learner_promote_and_remove(tmp_path):
+    from kvmesh.replog.types import ConfChange, ConfChangeType
+
+    async def main():
+        c = Cluster(tmp_path)
+        await c.start_all()
+        extra = free_ports(1)[0]
+        addr4 = f"127.0.0.1:{extra}"
+        try:
+            leader = await c.leader()
+            for i in range(50):
+                await c.put(f"k{i}", b"v")
+            # The new member knows everybody; the others learn its address from the entry.
+            peers4 = dict(c.peers)
+            peers4[4] = addr4
+            n4 = RaftNode(c.config(4, peers=peers4, join=True), KvStateMachine())
+            await n4.start()
+            c.nodes[4] = n4
+            await leader.change_membership(ConfChange(ConfChangeType.ADD_LEARNER, 4, addr4.encode()))
+            assert leader.status()["learners"] == [4]
+            for _ in range(200):
+                if n4.applied_index >= leader.applied_index and n4.state_machine.get("k49") == b"v":
+                    break
+                await asyncio.sleep(0.02)
+            assert n4.state_machine.get("k49") == b"v"
+            assert not n4.is_leader
+            await leader.change_membership(ConfChange(ConfChangeType.PROMOTE_LEARNER, 4))
+            assert leader.status()["voters"] == [1, 2, 3, 4]
+            # 4 voters: a majority is 3; losing the leader still leaves 3.
+            old = leader.id
+            await c.stop(old)
+            new = await c.leader()
+            await c.put("after", b"1")
+            assert new.status()["voters"] == [1, 2, 3, 4]
+            # Remove the dead member: back to 3 voters, 2 of 3 needed.
+            await new.change_membership(ConfChange(ConfChangeType.REMOVE_NODE, old))
+            assert old not in new.status()["voters"]
+            await c.put("after-remove", b"1")
+            await c.converge()
+            assert all(n.state_machine.get("after-remove") == b"1" for n in c.nodes.values())
+        finally:
+            await c.stop_all()
+
+    run(main())
