@@ -163,12 +163,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 back = eng.register(back_arr)
                 seg = eng.open_segment(node.address, "kv-pool")
                 rng = np.random.default_rng(2)
+                last_dest = np.arange(n)  # slots of the last WRITE round: what READ fetches back
                 for op in (Op.WRITE, Op.READ):
                     times = []
                     for rnd in range(args.rounds + 1):  # the first round warms up (connect, map)
                         dest = rng.permutation(slots)[:n]
                         if op is Op.READ:
-                            dest = last_dest  # noqa: F821 - read back what the last WRITE put there
+                            dest = last_dest
                         t0 = time.perf_counter()
                         res = eng.transfer(op, src if op is Op.WRITE else back,
                                            np.arange(n) * page_bytes, seg, dest * page_bytes, page_bytes)

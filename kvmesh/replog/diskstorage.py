@@ -40,13 +40,12 @@ from typing import Union
 import msgspec
 
 from . import snapfile
+from .memstorage import EntryLog
 from .snapfile import SnapshotCorruptionError
 from .types import (
-    ENTRY_OVERHEAD,
     ConfState,
     Entry,
     HardState,
-    LogCompacted,
     LogUnavailable,
     Ready,
     Snapshot,
@@ -104,27 +103,16 @@ class _WInstalled(msgspec.Struct, tag=4, array_like=True):
     term: int
 
 
-def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
-    """Longest prefix within ``max_bytes`` (``entry_size`` each), but at least one entry."""
-    if max_bytes is None or len(ents) <= 1:
-        return ents
-    total = 0
-    for i, e in enumerate(ents):
-        total += len(e.data) + ENTRY_OVERHEAD
-        if total > max_bytes and i > 0:
-            return ents[:i]
-    return ents
-
-
 _Record = Union[_WEntries, _WHardState, _WBase, _WInstalled]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(_Record)
 
 
-class DiskStorage:
+class DiskStorage(EntryLog):
     """Durable log storage in directory ``path``; create with :meth:`open`."""
 
     def __init__(self, path: str) -> None:
+        super().__init__()
         self.path = path
         self.wal_dir = os.path.join(path, "wal")
         self.snap_dir = os.path.join(path, "snap")
@@ -132,7 +120,6 @@ class DiskStorage:
         self._snap_meta = SnapshotMeta()
         self._snap_data: bytes | None = b""
         self._snap_path: str | None = None
-        self._ents: list[Entry] = [Entry(0, 0)]  # [0] is the sentinel (base index, term)
         self._seg_max: dict[int, int] = {}  # WAL segment seq -> highest entry index in it
         self._wal: Wal | None = None
         self._lock_fd = -1
@@ -304,30 +291,6 @@ class DiskStorage:
     def hard_state(self) -> HardState:
         return self._hs
 
-    def first_index(self) -> int:
-        return self._ents[0].index + 1
-
-    def last_index(self) -> int:
-        return self._ents[0].index + len(self._ents) - 1
-
-    def term(self, index: int) -> int:
-        off = self._ents[0].index
-        if index < off:
-            raise LogCompacted(f"index {index} is compacted (first index {off + 1})")
-        if index - off >= len(self._ents):
-            raise LogUnavailable(f"index {index} is beyond the last index {self.last_index()}")
-        return self._ents[index - off].term
-
-    def entries(self, lo: int, hi: int, max_bytes: int | None = None) -> list[Entry]:
-        off = self._ents[0].index
-        if lo <= off:
-            raise LogCompacted(f"entries from {lo} are compacted (first index {off + 1})")
-        if hi > self.last_index() + 1:
-            raise LogUnavailable(f"entries up to {hi - 1} requested, last index is {self.last_index()}")
-        if lo >= hi:
-            return []
-        return limit_size(self._ents[lo - off : hi - off], max_bytes)
-
     def snapshot(self) -> Snapshot:
         if self._snap_data is None:
             assert self._snap_path is not None
@@ -357,22 +320,12 @@ class DiskStorage:
     def append(self, entries: list[Entry]) -> None:
         """Write entries; an entry at index i replaces the log from i on (durable at the next
         :meth:`sync`). Entries already covered by the snapshot/compaction are skipped."""
+        entries = self._new_suffix(entries)
         if not entries:
             return
-        off = self._ents[0].index
-        first = entries[0].index
-        last = self.last_index()
-        if first > last + 1:
-            raise StorageError(f"append would leave a gap: last index {last}, first new index {first}")
-        if entries[-1].index <= off:
-            return
-        if first <= off:
-            entries = entries[off + 1 - first :]
-            first = off + 1
         seq = self.wal.append([_enc.encode(_WEntries(entries))])
         self._seg_max[seq] = max(self._seg_max.get(seq, 0), entries[-1].index)
-        del self._ents[first - off :]
-        self._ents.extend(entries)
+        self._splice(entries)
 
     def sync(self) -> None:
         """One fdatasync covering everything written so far (group commit)."""
@@ -407,7 +360,7 @@ class DiskStorage:
             path = snapfile.write_snapshot(self.snap_dir, snap)
         self.wal.append([_enc.encode(_WInstalled(m.index, m.term))])
         self._snap_meta, self._snap_data, self._snap_path = m, snap.data, path
-        self._ents = [Entry(m.term, m.index)]
+        self._reset_log(m.index, m.term)
         if self._hs.commit < m.index:
             self._hs = HardState(self._hs.term, self._hs.vote, m.index)
         self._prune_snapshot_files()
@@ -460,16 +413,11 @@ class DiskStorage:
     def compact(self, index: int) -> None:
         """Discard entries up to ``index`` (at most the current snapshot's index) from memory
         and delete WAL segments holding nothing above it."""
-        off = self._ents[0].index
-        if index <= off:
+        if index <= self.first_index() - 1:
             return
         if index > self._snap_meta.index:
             raise StorageError(f"cannot compact to {index}: the newest snapshot is at {self._snap_meta.index}")
-        if index > self.last_index():
-            raise LogUnavailable(f"cannot compact to {index}: last index is {self.last_index()}")
-        keep = self._ents[index - off :]
-        keep[0] = Entry(keep[0].term, keep[0].index)
-        self._ents = keep
+        self._compact_log(index)
         wal = self.wal
         # Whole segments, oldest first, up to the first one holding an entry above index;
         # never the active one. The first kept segment's preamble makes it self-contained.
@@ -495,6 +443,3 @@ class DiskStorage:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
-
-    def all_entries(self) -> list[Entry]:
-        return self._ents[1:]

@@ -18,7 +18,7 @@ from .types import (
     bootstrap_entries,
 )
 
-__all__ = ["MemoryStorage", "limit_size"]
+__all__ = ["EntryLog", "MemoryStorage", "limit_size"]
 
 
 def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
@@ -34,38 +34,22 @@ def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
     return ents
 
 
-class MemoryStorage:
-    """A log, hard state and snapshot held in memory.
+class EntryLog:
+    """The in-memory log both storages keep: a list whose first element is a sentinel
+    standing for the last entry covered by the snapshot (etcd-raft's MemoryStorage layout).
 
-    Read side: the :class:`LogStorage` protocol. Write side, used by drivers after handling a
-    Ready: :meth:`set_hard_state`, :meth:`append`, :meth:`apply_snapshot`; and by the
-    application: :meth:`create_snapshot`, :meth:`compact`.
+    Gives the read side of :class:`~kvmesh.replog.types.LogStorage` (``first_index``,
+    ``last_index``, ``term``, ``entries``) and the in-memory half of ``append``/``compact``;
+    :class:`MemoryStorage` and :class:`~kvmesh.replog.diskstorage.DiskStorage` add durability
+    (or not) around it.
     """
 
-    def __init__(self, hard_state: HardState | None = None, snapshot: Snapshot | None = None) -> None:
-        self._hs = hard_state or HardState()
-        self._snap = snapshot or Snapshot()
-        m = self._snap.meta
-        # _ents[0] is a sentinel carrying the snapshot's (index, term).
-        self._ents: list[Entry] = [Entry(term=m.term, index=m.index)]
+    def __init__(self) -> None:
+        self._ents: list[Entry] = [Entry(term=0, index=0)]
 
-    @classmethod
-    def bootstrap(cls, voters: list[int] | tuple[int, ...], learners: list[int] | tuple[int, ...] = ()) -> "MemoryStorage":
-        """A storage holding the founding log prefix of a new cluster."""
-        ents, hs = bootstrap_entries(voters, learners)
-        s = cls()
-        s.append(ents)
-        s.set_hard_state(hs)
-        return s
-
-    # -- read API -------------------------------------------------------------------------
-
-    def initial_state(self) -> tuple[HardState, ConfState]:
-        return self._hs, self._snap.meta.conf_state
-
-    @property
-    def hard_state(self) -> HardState:
-        return self._hs
+    def _reset_log(self, index: int, term: int) -> None:
+        """Drop every entry: the log now starts right after (index, term)."""
+        self._ents = [Entry(term=term, index=index)]
 
     def first_index(self) -> int:
         return self._ents[0].index + 1
@@ -91,6 +75,77 @@ class MemoryStorage:
             return []
         return limit_size(self._ents[lo - off : hi - off], max_bytes)
 
+    def all_entries(self) -> list[Entry]:
+        """Entries from ``first_index()`` to ``last_index()``."""
+        return self._ents[1:]
+
+    def _new_suffix(self, entries: list[Entry]) -> list[Entry]:
+        """The part of ``entries`` (contiguous) that an append must store: entries already
+        covered by the snapshot/compaction are dropped; a gap after the log is an error."""
+        if not entries:
+            return entries
+        off = self._ents[0].index
+        first = entries[0].index
+        last = self.last_index()
+        if first > last + 1:
+            raise StorageError(f"append would leave a gap: last index {last}, first new index {first}")
+        if entries[-1].index <= off:
+            return []
+        if first <= off:
+            entries = entries[off + 1 - first :]
+        return entries
+
+    def _splice(self, entries: list[Entry]) -> None:
+        """Put ``entries`` (a :meth:`_new_suffix` result) in place: an entry at index i
+        replaces the log from i on."""
+        if entries:
+            del self._ents[entries[0].index - self._ents[0].index :]
+            self._ents.extend(entries)
+
+    def _compact_log(self, index: int) -> bool:
+        """Drop entries up to and including ``index`` from memory; False if already done."""
+        off = self._ents[0].index
+        if index <= off:
+            return False
+        if index > self.last_index():
+            raise LogUnavailable(f"cannot compact to {index}: last index is {self.last_index()}")
+        keep = self._ents[index - off :]
+        keep[0] = Entry(term=keep[0].term, index=keep[0].index)
+        self._ents = keep
+        return True
+
+
+class MemoryStorage(EntryLog):
+    """A log, hard state and snapshot held in memory.
+
+    Read side: the :class:`LogStorage` protocol. Write side, used by drivers after handling a
+    Ready: :meth:`set_hard_state`, :meth:`append`, :meth:`apply_snapshot`; and by the
+    application: :meth:`create_snapshot`, :meth:`compact`.
+    """
+
+    def __init__(self, hard_state: HardState | None = None, snapshot: Snapshot | None = None) -> None:
+        self._hs = hard_state or HardState()
+        self._snap = snapshot or Snapshot()
+        self._reset_log(self._snap.meta.index, self._snap.meta.term)
+
+    @classmethod
+    def bootstrap(cls, voters: list[int] | tuple[int, ...], learners: list[int] | tuple[int, ...] = ()) -> "MemoryStorage":
+        """A storage holding the founding log prefix of a new cluster."""
+        ents, hs = bootstrap_entries(voters, learners)
+        s = cls()
+        s.append(ents)
+        s.set_hard_state(hs)
+        return s
+
+    # -- read API -------------------------------------------------------------------------
+
+    def initial_state(self) -> tuple[HardState, ConfState]:
+        return self._hs, self._snap.meta.conf_state
+
+    @property
+    def hard_state(self) -> HardState:
+        return self._hs
+
     def snapshot(self) -> Snapshot:
         return self._snap
 
@@ -102,20 +157,7 @@ class MemoryStorage:
     def append(self, entries: list[Entry]) -> None:
         """Append ``entries`` (contiguous); an entry at index i replaces the log from i on.
         Entries already covered by the snapshot are skipped."""
-        if not entries:
-            return
-        off = self._ents[0].index
-        first = entries[0].index
-        last = self.last_index()
-        if first > last + 1:
-            raise StorageError(f"append would leave a gap: last index {last}, first new index {first}")
-        if entries[-1].index <= off:
-            return
-        if first <= off:
-            entries = entries[off + 1 - first :]
-            first = off + 1
-        del self._ents[first - off :]
-        self._ents.extend(entries)
+        self._splice(self._new_suffix(entries))
 
     def apply_snapshot(self, snap: Snapshot) -> None:
         """Replace the whole log by ``snap`` (a snapshot the leader sent)."""
@@ -124,7 +166,7 @@ class MemoryStorage:
                 f"snapshot at {snap.meta.index} is older than the stored one at {self._snap.meta.index}"
             )
         self._snap = snap
-        self._ents = [Entry(term=snap.meta.term, index=snap.meta.index)]
+        self._reset_log(snap.meta.index, snap.meta.term)
 
     def create_snapshot(self, index: int, conf_state: ConfState, data: bytes) -> Snapshot:
         """Record a snapshot of the state machine taken at ``index`` (already applied)."""
@@ -139,14 +181,7 @@ class MemoryStorage:
     def compact(self, index: int) -> None:
         """Discard entries up to and including ``index`` (the caller must have a snapshot at
         or above it, or accept that lagging followers then need one)."""
-        off = self._ents[0].index
-        if index <= off:
-            return
-        if index > self.last_index():
-            raise LogUnavailable(f"cannot compact to {index}: last index is {self.last_index()}")
-        keep = self._ents[index - off :]
-        keep[0] = Entry(term=keep[0].term, index=keep[0].index)
-        self._ents = keep
+        self._compact_log(index)
 
     # -- helpers for simulators ----------------------------------------------------------
 
@@ -157,7 +192,3 @@ class MemoryStorage:
         s._snap = self._snap
         s._ents = list(self._ents)
         return s
-
-    def all_entries(self) -> list[Entry]:
-        """Entries from ``first_index()`` to ``last_index()``."""
-        return self._ents[1:]

@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
