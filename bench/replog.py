@@ -27,20 +27,18 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import signal
-import socket
-import statistics
 import sys
 import tempfile
-import threading
 import time
 
-import numpy as np
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))  # run from a checkout without installing
+sys.path.insert(0, _HERE)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as C  # noqa: E402
 
 from kvmesh.replog.client import KvClient  # noqa: E402
 from kvmesh.replog.diskstorage import DiskStorage  # noqa: E402
@@ -52,54 +50,6 @@ from kvmesh.replog.types import ConfState, ReplogError  # noqa: E402
 
 VALUE = b"v" * 64  # key ~24 B + value 64 B + envelope: a ~100-byte PutEnd-like command
 CMD_BYTES = 100
-
-
-# ----------------------------------------------------------------------------- limits
-
-
-def memcpy_gbps() -> float:
-    src = np.ones(64 << 20, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # warm-up (page faults)
-    reps = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        reps.append(time.perf_counter() - t0)
-    return (64 << 20) / statistics.median(reps) / 1e9
-
-
-def tcp_gbps(total: int = 256 << 20) -> float:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    port = srv.getsockname()[1]
-    got = [0]
-
-    def recv() -> None:
-        c, _ = srv.accept()
-        buf = bytearray(1 << 20)
-        while True:
-            n = c.recv_into(buf)
-            if not n:
-                break
-            got[0] += n
-        c.close()
-
-    t = threading.Thread(target=recv)
-    t.start()
-    s = socket.create_connection(("127.0.0.1", port))
-    chunk = b"\0" * (1 << 20)
-    t0 = time.perf_counter()
-    sent = 0
-    while sent < total:
-        s.sendall(chunk)
-        sent += len(chunk)
-    s.close()
-    t.join()
-    dt = time.perf_counter() - t0
-    srv.close()
-    return got[0] / dt / 1e9
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -422,7 +372,7 @@ async def run(args: argparse.Namespace) -> dict:
     smoke = args.smoke
     base = args.dir or tempfile.mkdtemp(prefix="kvmesh-replog-bench-")
     os.makedirs(base, exist_ok=True)
-    lim = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps(128 << 20 if quick else 512 << 20)}
+    lim = {"memcpy_gbps": C.memcpy_gbps(), "tcp_gbps": C.tcp_gbps(128 << 20 if quick else 512 << 20)}
     records: list[dict] = []
     tick_ms = 50.0  # election timeout 0.5-1.0 s (10-20 ticks); heartbeats every 50 ms
 
@@ -499,7 +449,7 @@ async def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(base, ignore_errors=True)
     return {
         "bench": "replog",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "gpu": None},
+        "machine": C.machine_info(),
         "limits": lim,
         "quick": quick,
         "smoke": smoke,
