@@ -18,7 +18,7 @@ from kvmesh.replog.sim.nemesis import FAULTS
 from kvmesh.replog.types import RaftConfig, ReadOnlyOption
 
 _env = os.environ.get("KVMESH_SIM_SEEDS")
-CI_SEEDS = [int(s) for s in _env.split(",")] if _env else list(range(200))
+CI_SEEDS = [int(s) for s in _env.split(",")] if _env else list(range(300))
 
 
 def _explain(r) -> str:
