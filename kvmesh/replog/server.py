@@ -58,6 +58,7 @@ __all__ = [
     "Response",
     "ReplicaServer",
     "LocalCluster",
+    "free_ports",
     "main",
     "MAX_REQUEST",
 ]
@@ -395,6 +396,22 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` right now (all bound at once, then released)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class LocalCluster:
     """Replica processes on this host, for tests, benchmarks and development.
 
@@ -414,18 +431,9 @@ class LocalCluster:
         host: str = "127.0.0.1",
         python: str | None = None,
     ) -> None:
-        import socket
-
         self.base_dir = base_dir
         os.makedirs(base_dir, exist_ok=True)
-        socks = []
-        for _ in range(2 * n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        ports = [s.getsockname()[1] for s in socks]
-        for s in socks:
-            s.close()
+        ports = free_ports(2 * n, host)
         self.ids = list(range(1, n + 1))
         self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
         self.client_addrs = {i: f"{host}:{ports[n + i - 1]}" for i in self.ids}

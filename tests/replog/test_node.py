@@ -4,7 +4,6 @@ InstallSnapshot, leader callbacks, no-quorum timeouts, session expiry, fatal fsy
 
 import asyncio
 import os
-import socket
 
 import pytest
 
@@ -19,23 +18,12 @@ from kvmesh.replog.node import (
     ReadTimeout,
     SessionExpiredError,
 )
+from kvmesh.replog.server import free_ports
 from kvmesh.replog.transport import TransportConfig
 from kvmesh.replog.types import RaftConfig, ReadOnlyOption
 
 FAST = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1)
 TICK = 0.02  # elections after 0.2-0.4 s
-
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:

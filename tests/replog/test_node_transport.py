@@ -2,25 +2,13 @@
 ones, bounded queues and unreachable reports, reconnection, malformed frames."""
 
 import asyncio
-import socket
 import struct
 
+from kvmesh.replog.server import free_ports
 from kvmesh.replog.transport import FRAG, HELLO, Transport, TransportConfig
 from kvmesh.replog.types import ConfState, Heartbeat, InstallSnapshot, Snapshot, SnapshotMeta
 
 import msgspec
-
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Box:
