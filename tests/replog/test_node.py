@@ -63,6 +63,13 @@ class Cluster:
     async def stop(self, i):
         await self.nodes.pop(i).stop()
 
+    async def __aenter__(self):
+        await self.start_all()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.stop_all()
+
     async def stop_all(self):
         for i in list(self.nodes):
             await self.stop(i)
@@ -111,9 +118,7 @@ def run(coro):
 @pytest.mark.parametrize("durability", ["disk", "memory"])
 def test_elect_propose_read_and_redirect(tmp_path, durability):
     async def main():
-        c = Cluster(tmp_path, durability=durability)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path, durability=durability) as c:
             leader = await c.leader()
             assert await leader.propose(encode_command(KvPut("a", b"1"))) is None
             assert await leader.propose(encode_command(KvBatch([KvPut("b", b"2"), KvGet("a"), KvDelete("zz")]))) == [None, b"1", False]
@@ -132,17 +137,13 @@ def test_elect_propose_read_and_redirect(tmp_path, durability):
                 assert st["fsyncs"] > 0
             else:
                 assert st["fsyncs"] == 0
-        finally:
-            await c.stop_all()
 
     run(main())
 
 
 def test_batched_concurrent_proposals_group_commit(tmp_path):
     async def main():
-        c = Cluster(tmp_path)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path) as c:
             leader = await c.leader()
             n = 2000
             res = await asyncio.gather(*[leader.propose(encode_command(KvPut(f"k{i}", b"v%d" % i))) for i in range(n)])
@@ -153,17 +154,13 @@ def test_batched_concurrent_proposals_group_commit(tmp_path):
             await c.converge()
             for node in c.nodes.values():
                 assert node.state_machine.get("k1999") == b"v1999"
-        finally:
-            await c.stop_all()
 
     run(main())
 
 
 def test_exactly_once_retry_across_leader_change(tmp_path):
     async def main():
-        c = Cluster(tmp_path)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path) as c:
             leader = await c.leader()
             cid = await leader.register_session()
             cmd = encode_command(KvDelete("k"))
@@ -183,8 +180,6 @@ def test_exactly_once_retry_across_leader_change(tmp_path):
             await c.start(old)
             await c.converge()
             assert c.nodes[old].sm.duplicates >= 1
-        finally:
-            await c.stop_all()
 
     run(main())
 
@@ -248,9 +243,7 @@ def test_leader_change_callbacks(tmp_path):
 
 def test_no_quorum_times_out_instead_of_hanging(tmp_path):
     async def main():
-        c = Cluster(tmp_path)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path) as c:
             leader = await c.leader()
             await c.put("a", b"1")
             for i in [i for i in c.nodes if i != leader.id]:
@@ -265,8 +258,6 @@ def test_no_quorum_times_out_instead_of_hanging(tmp_path):
                     break
                 await asyncio.sleep(0.02)
             assert not leader.is_leader
-        finally:
-            await c.stop_all()
 
     run(main())
 
@@ -312,9 +303,7 @@ def test_snapshot_compaction_and_install_on_lagging_follower(tmp_path):
 
 def test_snapshot_encoding_yields_to_the_loop(tmp_path):
     async def main():
-        c = Cluster(tmp_path, n=1, snapshot_threshold=10**9)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path, n=1, snapshot_threshold=10**9) as c:
             node = await c.leader()
             for i in range(0, 45_000, 5000):
                 await node.propose(encode_command(KvBatch([KvPut(f"k{j}", b"v") for j in range(i, i + 5000)])))
@@ -335,17 +324,13 @@ def test_snapshot_encoding_yields_to_the_loop(tmp_path):
             # 45k objects = 5 chunks: the loop ran other tasks between the chunks.
             assert beats >= 5
             assert node.storage.snapshot().meta.index == idx
-        finally:
-            await c.stop_all()
 
     run(main())
 
 
 def test_session_expiry_is_a_committed_entry(tmp_path):
     async def main():
-        c = Cluster(tmp_path, session_ttl_s=0.3)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path, session_ttl_s=0.3) as c:
             leader = await c.leader()
             cid = await leader.register_session()
             await leader.propose(encode_command(KvPut("a", b"1")), cid, 1)
@@ -357,32 +342,24 @@ def test_session_expiry_is_a_committed_entry(tmp_path):
             with pytest.raises(SessionExpiredError):
                 await leader.propose(encode_command(KvPut("a", b"2")), cid, 2)
             await c.converge()
-        finally:
-            await c.stop_all()
 
     run(main())
 
 
 def test_lease_reads(tmp_path):
     async def main():
-        c = Cluster(tmp_path, raft=RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED))
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path, raft=RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED)) as c:
             leader = await c.leader()
             await c.put("a", b"1")
             for _ in range(20):
                 assert await leader.linearizable_read(lambda sm: sm.get("a")) == b"1"
-        finally:
-            await c.stop_all()
 
     run(main())
 
 
 def test_fsync_failure_stops_the_node_and_cluster_continues(tmp_path, monkeypatch):
     async def main():
-        c = Cluster(tmp_path)
-        await c.start_all()
-        try:
+        async with Cluster(tmp_path) as c:
             leader = await c.leader()
             await c.put("a", b"1")
             victim = leader.id
@@ -406,8 +383,6 @@ def test_fsync_failure_stops_the_node_and_cluster_continues(tmp_path, monkeypatc
             assert new.id != victim
             await new.read_index()
             assert new.state_machine.get("a") == b"1" and new.state_machine.get("c") == b"3"
-        finally:
-            await c.stop_all()
 
     run(main())
 
