@@ -91,6 +91,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # contract for leases); False is a negative control.
     catch_up_ticks: bool = True
     lin_timeout: float = 20.0
+    profile: str = "ci"  # what generate() drew this configuration for (replay hints)
 
     @property
     def election_max_s(self) -> float:
@@ -132,6 +133,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
             op_deadline=r.uniform(4.0, 10.0),
             read_ratio=r.uniform(0.2, 0.5),
             buggify=buggify,
+            profile=profile,
         )
 
 
@@ -140,6 +142,7 @@ class SimResult(msgspec.Struct, kw_only=True):
 
     seed: int
     ok: bool
+    profile: str = "ci"
     violation: str | None = None
     detail: str = ""
     trace: list[str] = []
@@ -160,7 +163,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     lin_outcome: str = ""
 
     def replay_hint(self) -> str:
-        return f"python -m kvmesh.replog.sim --seed {self.seed} -v"
+        return f"python -m kvmesh.replog.sim --seed {self.seed} --profile {self.profile} -v"
 
 
 # ==========================================================================================
@@ -572,7 +575,7 @@ class SimClient:
         self.req_id += 1
         node = self.target
         if node is None or node not in sim.nodes or sim.nodes[node].removed:
-            node = self.rng.choice(sim.member_ids())
+            node = self.rng.choice(sim.client_targets())
         sim.client_send(node, self, self.req_id, self.op)
         sim.schedule(sim.cfg.client_timeout, self.on_timeout, self.req_id)
 
@@ -736,6 +739,18 @@ class Simulator:
     def member_ids(self) -> list[int]:
         return [i for i, n in self.nodes.items() if not n.removed]
 
+    def client_targets(self) -> list[int]:
+        """Nodes a client may contact: those in some live node's configuration. A node whose
+        ADD_LEARNER entry was truncated by a new leader is never contacted by the cluster;
+        a client that kept choosing it would only ever be told "no leader known"."""
+        conf: set[int] = set()
+        for n in self.nodes.values():
+            if n.alive and not n.removed:
+                conf.update(n.core.voters)
+                conf.update(n.core.learners)
+        ids = [i for i in self.member_ids() if i in conf]
+        return ids or self.member_ids()
+
     def leader_id(self) -> int | None:
         """The live leader with the highest term, if any."""
         best = None
@@ -813,7 +828,7 @@ class Simulator:
 
         t0 = time.perf_counter()
         cfg = self.cfg
-        res = SimResult(seed=cfg.seed, ok=True)
+        res = SimResult(seed=cfg.seed, ok=True, profile=cfg.profile)
         try:
             self.schedule(1.0, self._reference_tick)
             self.start_clients()
