@@ -274,11 +274,11 @@ class Child:
     """
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, cwd: str | None = None) -> None:
         full = dict(os.environ)
         full.update(env or {})
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=full)
+                                     text=True, env=full, cwd=cwd)
         self.pid = self.proc.pid
         self.info = self._read(timeout)
 
