@@ -569,6 +569,7 @@ class RaftCore:
         if self.term != term:
             self.term = term
             self.vote = NONE
+            self._drop_stale_messages(term)
         self.lead = NONE
         self.election_elapsed = 0
         self.heartbeat_elapsed = 0
@@ -583,6 +584,16 @@ class RaftCore:
         self._need_flush = False
         self._commit_dirty = False
         self._lease_revoked = False
+
+    def _drop_stale_messages(self, term: int) -> None:
+        # Queued messages of an older term are void, and acknowledgements among them may
+        # promise entries that a newer leader's Append truncates before the next fsync:
+        # sent after that fsync they would claim indexes that are not durable (soak seed
+        # 700022). Dropping a message is always safe.
+        if self.msgs_now:
+            self.msgs_now = [m for m in self.msgs_now if m.term >= term]
+        if self.msgs_after:
+            self.msgs_after = [m for m in self.msgs_after if m.term >= term]
 
     def _become_follower(self, term: int, lead: int) -> None:
         self._reset(term)

@@ -38,7 +38,9 @@ def test_seed(seed: int) -> None:
 # Seeds that once failed (notes §5.3 C3: every failing seed joins a corpus CI replays).
 # 500216/soak: a learner whose ADD entry a new leader truncated stayed in the simulator's
 # member list; the end-of-run probe kept choosing it and never found the leader.
-REGRESSION_SEEDS = [(500216, "soak")]
+# 700022/soak: a follower's queued term-2 acks left after a term-3 Append truncated its log
+# (persist-before-ack); queued messages of older terms are now dropped on a term change.
+REGRESSION_SEEDS = [(500216, "soak"), (700022, "soak")]
 
 
 @pytest.mark.parametrize("seed,profile", REGRESSION_SEEDS)
