@@ -38,6 +38,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -273,7 +274,11 @@ class RaftNode:
             gc.freeze()
         self._applied = self._snap_index = snap.meta.index
         self.restore_s = time.perf_counter() - t0
-        self.core = RaftCore(self.id, self.storage, cfg.raft, self._rng, applied=self._applied)
+        # Election timeouts come from OS randomness unless a caller (a test) passes a seeded
+        # RNG: the core's default, Random(node_id), would repeat the same timeout sequence
+        # on every restart and keep colliding with a peer that does the same.
+        rng = self._rng if self._rng is not None else random.Random(os.urandom(16))
+        self.core = RaftCore(self.id, self.storage, cfg.raft, rng, applied=self._applied)
         self._term = self.core.term
         listen = cfg.peers[self.id]
         self.transport = Transport(

@@ -431,3 +431,20 @@ def test_membership_add_learner_promote_and_remove(tmp_path):
             await c.stop_all()
 
     run(main())
+
+
+def test_election_timeouts_differ_across_restarts(tmp_path):
+    """Defect 7: a restarted node must not draw the same election-timeout sequence again
+    (the driver seeds the core's RNG from the OS)."""
+
+    async def main():
+        cl = Cluster(tmp_path, n=1, durability="memory")
+        draws = []
+        for _ in range(3):
+            node = await cl.start(1)
+            draws.append([node.core.rng.randrange(*FAST.election_range) for _ in range(16)])
+            await cl.stop(1)
+        return draws
+
+    draws = run(main())
+    assert len({tuple(d) for d in draws}) == 3, draws
