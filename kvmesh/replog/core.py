@@ -86,7 +86,27 @@ from .types import (
     encode_conf_change,
 )
 
-__all__ = ["RaftCore"]
+__all__ = ["RaftCore", "next_conf_state"]
+
+
+def next_conf_state(cs: ConfState, cc: ConfChange) -> ConfState:
+    """The configuration after applying ``cc`` to ``cs`` (the one rule the core and drivers
+    share: a driver tracks the configuration entry by entry as it applies, so that a
+    snapshot records the configuration at exactly its index)."""
+    voters = set(cs.voters)
+    learners = set(cs.learners)
+    n, t = cc.node_id, cc.type
+    if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
+        learners.discard(n)
+        voters.add(n)
+    elif t == ConfChangeType.ADD_LEARNER:
+        if n not in voters:
+            learners.add(n)
+    elif t == ConfChangeType.REMOVE_NODE:
+        if voters - {n}:
+            voters.discard(n)
+        learners.discard(n)
+    return ConfState(tuple(sorted(voters)), tuple(sorted(learners)))
 
 FOLLOWER = Role.FOLLOWER
 PRE_CANDIDATE = Role.PRE_CANDIDATE
@@ -995,21 +1015,8 @@ class RaftCore:
             raise ConfChangeError(f"unknown configuration change type {t}")
 
     def _apply_conf_change_to_sets(self, cc: ConfChange) -> None:
-        voters = set(self.voters)
-        learners = set(self.learners)
-        n, t = cc.node_id, cc.type
-        if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
-            learners.discard(n)
-            voters.add(n)
-        elif t == ConfChangeType.ADD_LEARNER:
-            if n not in voters:
-                learners.add(n)
-        elif t == ConfChangeType.REMOVE_NODE:
-            if voters - {n}:
-                voters.discard(n)
-            learners.discard(n)
-        self.voters = tuple(sorted(voters))
-        self.learners = tuple(sorted(learners))
+        cs = next_conf_state(ConfState(self.voters, self.learners), cc)
+        self.voters, self.learners = cs.voters, cs.learners
 
     def _apply_conf_change(self, cc: ConfChange) -> None:
         self._apply_conf_change_to_sets(cc)

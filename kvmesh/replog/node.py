@@ -47,7 +47,7 @@ from typing import Any, Literal
 import msgspec
 
 from . import snapfile
-from .core import RaftCore
+from .core import RaftCore, next_conf_state
 from .diskstorage import DiskStorage, remove_files
 from .memstorage import MemoryStorage
 from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
@@ -56,6 +56,7 @@ from .types import (
     NONE,
     ConfChange,
     ConfChangeType,
+    ConfState,
     EntryKind,
     NotLeader,
     ProposalDropped,
@@ -223,6 +224,10 @@ class RaftNode:
         self._leader = NONE
         self._term = 0
         self._applied = 0
+        # The configuration as of ``_applied``, updated entry by entry as the driver
+        # applies: the core learns membership changes only in advance(), and a snapshot
+        # taken between two apply slices must record the configuration at its own index.
+        self._applied_conf = ConfState()
         self._snap_index = 0
         self._snapshotting = False
         self._running = False
@@ -279,6 +284,7 @@ class RaftNode:
         # on every restart and keep colliding with a peer that does the same.
         rng = self._rng if self._rng is not None else random.Random(os.urandom(16))
         self.core = RaftCore(self.id, self.storage, cfg.raft, rng, applied=self._applied)
+        self._applied_conf = self.core.conf_state
         self._term = self.core.term
         listen = cfg.peers[self.id]
         self.transport = Transport(
@@ -773,6 +779,7 @@ class RaftNode:
     def _install(self, snap: Snapshot) -> None:
         self.sm.restore(snap.data)
         self._applied = self._snap_index = snap.meta.index
+        self._applied_conf = snap.meta.conf_state
         self.metrics["snapshots_installed"] += 1
         # Pending proposals at or below the snapshot: their fate is unknown here.
         for idx in [i for i in self._pending if i <= snap.meta.index]:
@@ -790,7 +797,9 @@ class RaftNode:
             idx = e.index
             p = pending.pop(idx, None) if pending else None
             if e.kind == EntryKind.CONF_CHANGE:
-                self._conf_change(decode_conf_change(e.data))
+                cc = decode_conf_change(e.data)
+                self._applied_conf = next_conf_state(self._applied_conf, cc)
+                self._conf_change(cc)
                 result: Any = None
                 err: BaseException | None = None
             elif not e.data:
@@ -883,11 +892,12 @@ class RaftNode:
             core = self._core()
             storage = self.storage
             assert storage is not None
-            # Capture at one instant between Readies: applied index, configuration (the
-            # core applies membership changes on advance) and a shallow image.
+            # Capture at one instant: applied index, the configuration at that index and a
+            # shallow image (all three move together, entry by entry, in _apply; the
+            # core's conf_state lags behind until advance()).
             await self._ready_idle.wait()
             index = self._applied
-            conf = core.conf_state
+            conf = self._applied_conf
             chunks_fn = getattr(self.sm, "snapshot_chunks", None)
             chunks = chunks_fn() if chunks_fn is not None else iter((self.sm.snapshot(),))
             t0 = time.perf_counter()
