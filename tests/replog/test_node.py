@@ -464,18 +464,16 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(nodemod, "_APPLY_SLICE", 4)  # yield between slices of 4 entries
     taken: list = []
-    for cls, meth in ((MemoryStorage, "create_snapshot"), (DiskStorage, "commit_snapshot"), (DiskStorage, "create_snapshot")):
-        orig = getattr(cls, meth)
+    for cls in (MemoryStorage, DiskStorage):
+        orig = cls.commit_local_snapshot
 
-        def spy(self, *a, _orig=orig, _meth=meth, **kw):
-            out = _orig(self, *a, **kw)
-            if _meth == "commit_snapshot":
-                taken.append((self, a[0].meta.index, a[0].meta.conf_state))
-            elif _meth == "create_snapshot" and isinstance(self, MemoryStorage):
-                taken.append((self, a[0], a[1]))
-            return out
+        def spy(self, meta, staged, _orig=orig):
+            ok = _orig(self, meta, staged)
+            if ok:
+                taken.append((self, meta.index, meta.conf_state))
+            return ok
 
-        monkeypatch.setattr(cls, meth, spy)
+        monkeypatch.setattr(cls, "commit_local_snapshot", spy)
     # About a dozen small entries per Ready: a chain of commit-only Readies when catching up.
     raft = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=800)
 

@@ -1,5 +1,20 @@
 """Random fault schedule: fault periods (1-2 faults at once, biased towards the leader)
-alternating with stable periods of at least 3 x the maximum election timeout."""
+alternating with stable periods of at least 3 x the maximum election timeout.
+
+Besides generic faults, three schedules aim at situations that random faults reach only
+rarely, so that the CI seeds exercise them (and the mutation suite can show they matter):
+
+* ``stale_snapshot``: a follower is cut off while the leader snapshots and compacts, so it
+  is caught up by InstallSnapshot; the network then delivers a delayed duplicate of that
+  snapshot after the follower has moved on (and taken a snapshot of its own): the follower
+  must refuse it.
+* ``figure8``: the leader's appends reach one follower whose acknowledgements are lost,
+  then the leader is isolated: the next leader holds entries of an older term that the
+  others lack and must not commit them by counting replicas (paper Figure 8).
+* ``vote_suppression``: the leader and one follower cannot hear each other while both hear
+  the rest: the follower campaigns, and voters that hear a live leader must ignore it
+  (thesis §4.2.3; with leases, a new leader while the old lease is valid is a violation).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +22,7 @@ import random
 from collections.abc import Callable
 
 from ..memstorage import MemoryStorage
-from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped
+from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped, Role
 from .network import NetParams
 
 __all__ = ["FAULTS", "Nemesis"]
@@ -30,6 +45,9 @@ FAULTS: dict[str, int] = {
     "membership": 2,
     "transfer": 1,
     "snapshot": 1,
+    "stale_snapshot": 2,
+    "figure8": 2,
+    "vote_suppression": 2,
 }
 
 Undo = Callable[[], None]
@@ -296,6 +314,70 @@ class Nemesis:
 
     def _f_snapshot(self) -> None:
         node = self.sim.nodes[self.rng.choice(self._members())]
-        if node.alive and not node.busy:
+        # Also between two apply slices of a Ready (the path's applied point is consistent).
+        if node.alive and not node.paused:
             node.take_snapshot()
         return None
+
+    def _f_stale_snapshot(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        followers = [m for m in self._members() if m != lid and sim.nodes[m].alive]
+        if lid is None or not followers:
+            return self._cut([])
+        f = self.rng.choice(followers)
+        undo_cut = self._isolate(f)
+        leader = sim.nodes[lid]
+
+        def compact() -> None:
+            # The leader snapshots and compacts past what the follower has.
+            if leader.alive and not leader.paused and leader.core.role == Role.LEADER:
+                leader.take_snapshot()
+
+        leader.take_snapshot()
+        sim.schedule(self.rng.uniform(0.3, 0.8), compact)
+        sim.replay_snapshots[f] = self.rng.uniform(0.5, 2.5)
+
+        def undo() -> None:
+            undo_cut()
+            # Keep replaying for a while after the heal: that is when the snapshot is sent.
+            sim.schedule(3.0, sim.replay_snapshots.pop, f, None)
+
+        return undo
+
+    def _f_figure8(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        others = [m for m in self._members() if m != lid]
+        if lid is None or len(others) < 2:
+            return self._cut([])
+        f1 = self.rng.choice(others)
+        # Phase 1: only f1 gets the leader's appends, and its answers are lost: entries of
+        # this term pile up on the leader and f1, uncommitted.
+        pairs = [(f1, lid)] + [(lid, m) for m in self._all_ids() if m not in (lid, f1)]
+        undo1 = self._cut(pairs)
+        undos = [undo1]
+
+        def phase2() -> None:
+            if self.stopped or undos[0] is not undo1:
+                return
+            undo1()
+            undos[0] = self._isolate(lid)  # f1 wins the next election with those entries
+
+        sim.schedule(self.rng.uniform(0.5, 1.5), phase2)
+
+        def undo() -> None:
+            u = undos[0]
+            undos[0] = None  # type: ignore[assignment]
+            u()
+
+        return undo
+
+    def _f_vote_suppression(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        others = [m for m in self._members() if m != lid]
+        if lid is None or not others:
+            return self._cut([])
+        f = self.rng.choice(others)
+        return self._cut([(lid, f), (f, lid)])
