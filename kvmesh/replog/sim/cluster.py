@@ -198,6 +198,7 @@ class SimNode:
         self.removed = False
         self.incarnation = 0
         self.drift = 1.0
+        self.fsync_factor = 1.0  # a slow disk (nemesis)
         self.inbox: list = []
         self.deferred = False
         self.core: RaftCore
@@ -232,6 +233,7 @@ class SimNode:
         self.read_waits: list[tuple[int, SimClient, int, str]] = []
         self.read_ctr = 0
         self.prev_commit = self.core.log.committed
+        self.step_commit = self.prev_commit
         self.alive = True
         self._schedule_tick()
         self.pump()
@@ -282,6 +284,7 @@ class SimNode:
                 self.on_request(*item)
             else:
                 self.core.step(item)
+                self._stepped()
         self.pump()
 
     # -- events ------------------------------------------------------------------------------
@@ -309,7 +312,17 @@ class SimNode:
         if (t is Vote or t is PreVote) and not m.transfer and m.term > self.core.term and self.core.lead:
             self.sim.contested_votes += 1  # a campaign reaching a node that follows a leader
         self.core.step(m)
+        self._stepped()
         self.pump()
+
+    def _stepped(self) -> None:
+        core = self.core
+        if core.role == Role.LEADER:
+            # A leader moves its commit index while stepping answers: check each move then,
+            # not only at the next Ready (a later move onto its own term would hide it).
+            self.step_commit = self.sim.inv.leader_stepped(self.id, core, self.step_commit)
+        else:
+            self.step_commit = core.log.committed
 
     def on_request(self, client: "SimClient", req_id: int, op: tuple) -> None:
         if not self.alive:
@@ -380,7 +393,7 @@ class SimNode:
                 if mode == "memory":
                     continue
                 mark = self.disk.fsync_mark()
-                lat = sim.fsync_latency()
+                lat = sim.fsync_latency() * self.fsync_factor
                 if mode == "ack_before_fsync":
                     # Negative control: a driver that does not wait for its fsync.
                     sim.schedule(lat, self._fsync_only, self.incarnation, mark)
@@ -388,6 +401,8 @@ class SimNode:
                 sim.schedule(lat, self._fsync_done, self.incarnation, mark)
                 return
             if eff is YIELD:
+                if sim.buggify and sim.cfg.snapshot_every and sim.rng.random() < 0.2:
+                    self.take_snapshot()  # BUGGIFY: a snapshot between two apply slices
                 sim.schedule(0.0, self._resume, self.incarnation)
                 return
             result = eff()  # blocking I/O: instantaneous here
@@ -484,7 +499,9 @@ class SimNode:
         ss = rd.soft_state
         self.prev_commit = inv.commit_progress(self.id, core, self.prev_commit)
         if ss is not None:
-            if ss.role == Role.LEADER:
+            # A soft state reports what the core was when the Ready was made; after a slow
+            # fsync the node may have stepped down (into a later term) since.
+            if ss.role == Role.LEADER and core.role == Role.LEADER:
                 sim.elections += 1
                 inv.became_leader(self.id, core)
                 sim.check_lease_overlap(self.id)
@@ -574,7 +591,7 @@ class SimClient:
         r = self.rng
         key = "k%d" % r.randrange(sim.cfg.n_keys)
         x = r.random()
-        if x < sim.cfg.read_ratio:
+        if x < sim.cfg.read_ratio or sim.quiet:
             return self._build("get", key)
         x = r.random()
         if x < 0.7:
@@ -756,6 +773,7 @@ class Simulator:
         # node -> delay: InstallSnapshot messages to it arrive once more that much later
         # (the nemesis' stale-snapshot schedule).
         self.replay_snapshots: dict[int, float] = {}
+        self.quiet = False  # clients only read (the nemesis' vote-suppression schedule)
         # Coverage of the situations the targeted schedules aim at (reported per run).
         self.stale_snapshots = 0
         self.contested_votes = 0
@@ -838,10 +856,11 @@ class Simulator:
             self.schedule(d, node.deliver, m)
         late = self.replay_snapshots.get(m.to) if type(m) is InstallSnapshot else None
         if late is not None:
-            # A delayed duplicate; just before it lands the follower snapshots too, so the
-            # stale one is older than its compacted log as well as its commit index.
+            # A delayed duplicate. Half the time the follower snapshots just before it lands,
+            # so the stale one is older than its compacted log as well as its commit index.
             self.stale_snapshots += 1
-            self.schedule(max(delays) + late - 0.001, node.take_snapshot)
+            if self.rng.random() < 0.5:
+                self.schedule(max(delays) + late - 0.001, node.take_snapshot)
             self.schedule(max(delays) + late, node.deliver, m)
 
     def client_send(self, node_id: int, client: SimClient, req_id: int, op: tuple) -> None:
@@ -981,6 +1000,7 @@ class Simulator:
         self.net.heal()
         for n in self.nodes.values():
             n.drift = 1.0
+            n.fsync_factor = 1.0
             if n.paused:
                 n.resume()
         for i, n in list(self.nodes.items()):

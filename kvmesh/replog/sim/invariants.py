@@ -200,16 +200,27 @@ class Invariants:
         self.verified_commit = committed
 
     def leader_commit(self, node: int, core: RaftCore, durables: dict[int, MemoryStorage]) -> None:
-        if core.role == Role.LEADER and self.enabled:
-            # Coverage: a quorum holds an entry above the commit index whose term is older
-            # than the leader's (paper Figure 8: counting it would be unsafe).
-            log = core.log
-            matches = [log.persisted if v == node else core.prs[v].match for v in core.voters if v == node or v in core.prs]
-            ci = committed_index(matches)
-            if ci > log.committed and log.zero_term(ci) != core.term:
-                self.figure8 += 1
         if self.durable_checks and core.log.committed > self.verified_commit:
             self.commit_seen(node, core.voters, core.log.committed, core.log.term, durables)
+
+    def leader_stepped(self, node: int, core: RaftCore, prev_commit: int) -> int:
+        """After a leader stepped a message: Figure 8. A leader moves its commit index only
+        onto an entry of its own term; and (coverage) count the moments a quorum holds an
+        entry above the commit index whose term is older than the leader's."""
+        log = core.log
+        c = log.committed
+        if not self.enabled:
+            return c
+        if c > prev_commit and log.zero_term(c) != core.term:
+            raise SimViolation(
+                "commit-current-term",
+                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} by counting",
+            )
+        matches = [log.persisted if v == node else core.prs[v].match for v in core.voters if v == node or v in core.prs]
+        ci = committed_index(matches)
+        if ci > c and log.zero_term(ci) != core.term:
+            self.figure8 += 1
+        return c
 
     def entry_applied(self, node: int, e: Entry, voters: tuple[int, ...], durables: dict[int, MemoryStorage]) -> None:
         if not self.enabled:

@@ -8,12 +8,14 @@ rarely, so that the CI seeds exercise them (and the mutation suite can show they
   is caught up by InstallSnapshot; the network then delivers a delayed duplicate of that
   snapshot after the follower has moved on (and taken a snapshot of its own): the follower
   must refuse it.
-* ``figure8``: the leader's appends reach one follower whose acknowledgements are lost,
-  then the leader is isolated: the next leader holds entries of an older term that the
-  others lack and must not commit them by counting replicas (paper Figure 8).
+* ``figure8``: no acknowledgement reaches the leader, so its entries stay uncommitted
+  until it steps down, and the next leader's disk is slow: a quorum then holds entries of
+  an older term but not yet the new leader's no-op, and they must not be committed by
+  counting replicas (paper Figure 8).
 * ``vote_suppression``: the leader and one follower cannot hear each other while both hear
-  the rest: the follower campaigns, and voters that hear a live leader must ignore it
-  (thesis §4.2.3; with leases, a new leader while the old lease is valid is a violation).
+  the rest, and clients only read (so the follower's log stays up to date): the follower
+  campaigns, and voters that hear a live leader must ignore it (thesis §4.2.3; with
+  leases, a new leader while the old lease is valid is a violation).
 """
 
 from __future__ import annotations
@@ -351,25 +353,22 @@ class Nemesis:
         others = [m for m in self._members() if m != lid]
         if lid is None or len(others) < 2:
             return self._cut([])
-        f1 = self.rng.choice(others)
-        # Phase 1: only f1 gets the leader's appends, and its answers are lost: entries of
-        # this term pile up on the leader and f1, uncommitted.
-        pairs = [(f1, lid)] + [(lid, m) for m in self._all_ids() if m not in (lid, f1)]
-        undo1 = self._cut(pairs)
-        undos = [undo1]
-
-        def phase2() -> None:
-            if self.stopped or undos[0] is not undo1:
-                return
-            undo1()
-            undos[0] = self._isolate(lid)  # f1 wins the next election with those entries
-
-        sim.schedule(self.rng.uniform(0.5, 1.5), phase2)
+        # The leader's appends reach everyone but no answer reaches it: entries of its term
+        # pile up uncommitted on every replica until it steps down (check-quorum). All but
+        # one of the others get a slow disk: when one of them wins the election, its own
+        # no-op is not yet durable when the fast follower acknowledges it, so a quorum holds
+        # the older-term entries only (paper Figure 8: they must not be committed by
+        # counting; the no-op commits them).
+        fast = self.rng.choice(others)
+        slow = [sim.nodes[m] for m in others if m != fast]
+        for n in slow:
+            n.fsync_factor = 30.0
+        undo_cut = self._cut([(m, lid) for m in self._all_ids() if m != lid])
 
         def undo() -> None:
-            u = undos[0]
-            undos[0] = None  # type: ignore[assignment]
-            u()
+            undo_cut()
+            for n in slow:
+                n.fsync_factor = 1.0
 
         return undo
 
@@ -379,5 +378,15 @@ class Nemesis:
         others = [m for m in self._members() if m != lid]
         if lid is None or not others:
             return self._cut([])
+        # A quiet cluster (clients only read), so the cut-off follower's log stays as
+        # up to date as everyone's: only vote suppression keeps it from winning while the
+        # leader is alive and reachable by the others.
         f = self.rng.choice(others)
-        return self._cut([(lid, f), (f, lid)])
+        sim.quiet = True
+        undo_cut = self._cut([(lid, f), (f, lid)])
+
+        def undo() -> None:
+            undo_cut()
+            sim.quiet = False
+
+        return undo
