@@ -196,10 +196,12 @@ class _Pending:
 class RaftNode:
     """One replica. Create, ``await start()``, use, ``await stop()``.
 
-    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (optionally
-    ``snapshot_chunks()`` for non-blocking snapshots and ``result_type`` for typed cached
-    results); the node wraps it for exactly-once sessions. ``state_machine`` must be fresh:
-    the node restores it from the newest snapshot on start.
+    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (the whole
+    contract: ``snapshot_chunks()`` makes snapshots non-blocking, ``result_type`` types
+    cached results, ``query`` serves the replica server's reads;
+    :class:`~kvmesh.replog.types.StateMachineBase` has defaults); the node wraps it for
+    exactly-once sessions. ``state_machine`` must be fresh: the node restores it from the
+    newest snapshot on start.
     """
 
     def __init__(self, config: NodeConfig, state_machine: StateMachine, *, rng: random.Random | None = None) -> None:
@@ -870,8 +872,7 @@ class RaftNode:
             # index (the path tracks it slice by slice; the core's lags until advance) and a
             # shallow image. Any await point lies between two apply slices.
             index, conf = path.snapshot_point()
-            chunks_fn = getattr(self.sm, "snapshot_chunks", None)
-            chunks = chunks_fn() if chunks_fn is not None else iter((self.sm.snapshot(),))
+            chunks = self.sm.snapshot_chunks()
             t0 = time.perf_counter()
             parts = []
             for c in chunks:
