@@ -117,6 +117,35 @@ def test_a_acks_before_fsync_in_the_driver_path(monkeypatch):
     check_caught(monkeypatch, "acks_before_fsync", [0, 1], ("persist-before-ack", "vote-durability"))
 
 
+def test_a_the_node_runs_the_same_path(monkeypatch, tmp_path):
+    """The path planted above is the one the asyncio driver runs (no copy of the Ready loop
+    in node.py): a real replica's Readies all go through ReadyPath.run."""
+    import asyncio
+
+    from kvmesh.replog.kvsm import KvPut, encode_command
+
+    from .test_node import Cluster
+
+    calls = []
+    orig = ReadyPath.run
+
+    def spy(self, rd):
+        calls.append(rd)
+        return orig(self, rd)
+
+    monkeypatch.setattr(ReadyPath, "run", spy)
+
+    async def main():
+        async with Cluster(tmp_path, n=1, durability="disk") as c:
+            leader = await c.leader()
+            n0 = leader.metrics["readies"]
+            await leader.propose(encode_command(KvPut("k", b"v")))
+            return leader.metrics["readies"] - n0
+
+    readies = asyncio.run(asyncio.wait_for(main(), 60))
+    assert readies > 0 and len(calls) >= readies
+
+
 def test_b_snapshot_older_than_commit_index(monkeypatch):
     """The stale_snapshot schedule delivers delayed duplicate InstallSnapshots; installing
     one at or below the commit index rewinds the follower (its storage refuses a snapshot
