@@ -19,9 +19,11 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 * Both handshake sides may send a small opaque ``info`` blob (<= 1 KiB) covered by the MACs;
   ``peer_info`` holds the other side's after success. The MACs also cover both nonces and
   both ids (see :mod:`.handshake` for the exact transcript).
-* ``run_server(sock, hs, deadline)`` / ``run_client`` (and ``arun_server`` / ``arun_client``)
-  drive a core object the caller built, for callers that need ``peer_info`` or a custom nonce;
-  ``server_handshake``/``client_handshake`` are thin wrappers returning the peer id.
+* ``run_server(sock, hs, deadline) -> peer_id`` / ``run_client`` (and ``arun_server`` /
+  ``arun_client``) drive a core object the caller built, for callers that need ``peer_info``;
+  ``server_handshake``/``client_handshake`` are thin wrappers over them.
+* ``ClientHandshake(..., expect_server_id=...)`` refuses a server with another id (code
+  ``identity``), e.g. a replog node reconnecting to a known peer.
 * ``AuthFailed`` derives from ``HandshakeError`` (protocol violations: wrong service or
   version, undecodable handshake frame), whose ``code`` is the refusal code and whose
   ``reply`` is the ``Refused`` frame a server sends before closing.

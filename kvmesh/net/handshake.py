@@ -32,11 +32,13 @@ The core objects do no I/O and read no clock: :class:`ServerHandshake` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
 import socket
-from typing import Annotated
+from collections.abc import Coroutine, Iterator
+from typing import Annotated, Any
 
 import msgspec
 
@@ -328,54 +330,49 @@ class ClientHandshake:
 # --- blocking-socket driver -----------------------------------------------------------------
 
 
-def _timeout(exc: BaseException) -> HandshakeTimeout:
-    return HandshakeTimeout(f"handshake did not complete in time ({exc})")
-
-
-def run_server(sock: socket.socket, hs: ServerHandshake, deadline: Deadline) -> None:
-    """Drive ``hs`` over a blocking socket within ``deadline`` (restores the socket's timeout)."""
+@contextlib.contextmanager
+def _blocking_step(sock: socket.socket) -> Iterator[None]:
+    """Timeouts become :class:`HandshakeTimeout`; the socket's own timeout is restored."""
     old = sock.gettimeout()
     try:
+        yield
+    except TimeoutError as exc:  # DeadlineExceeded and socket.timeout alike
+        if isinstance(exc, HandshakeTimeout):
+            raise
+        raise HandshakeTimeout(f"handshake did not complete in time ({exc})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(old)
+
+
+def run_server(sock: socket.socket, hs: ServerHandshake, deadline: Deadline) -> str:
+    """Drive ``hs`` over a blocking socket within ``deadline``; returns the client's id.
+
+    On refusal the ``Refused`` frame is sent (best effort) before the error propagates. The
+    socket's own timeout is restored afterwards.
+    """
+    with _blocking_step(sock):
         send_frame(sock, hs.start(), deadline)
         body = read_frame(sock, PREAUTH_MAX_FRAME, deadline)
         try:
             reply = hs.receive(body)
         except HandshakeError as exc:
             if exc.reply is not None:
-                try:
+                with contextlib.suppress(OSError, DeadlineExceeded):
                     send_frame(sock, exc.reply, deadline)
-                except (OSError, DeadlineExceeded):
-                    pass
             raise
         send_frame(sock, reply, deadline)
-    except (TimeoutError, DeadlineExceeded) as exc:
-        if isinstance(exc, HandshakeTimeout):
-            raise
-        raise _timeout(exc) from None
-    finally:
-        try:
-            sock.settimeout(old)
-        except OSError:
-            pass
+    return hs.peer_id  # type: ignore[return-value]  # set by a successful receive()
 
 
-def run_client(sock: socket.socket, hs: ClientHandshake, deadline: Deadline) -> None:
-    """Drive ``hs`` over a blocking socket within ``deadline``."""
-    old = sock.gettimeout()
-    try:
+def run_client(sock: socket.socket, hs: ClientHandshake, deadline: Deadline) -> str:
+    """Drive ``hs`` over a blocking socket within ``deadline``; returns the server's id."""
+    with _blocking_step(sock):
         while not hs.done:
             out = hs.receive(read_frame(sock, PREAUTH_MAX_FRAME, deadline))
             if out is not None:
                 send_frame(sock, out, deadline)
-    except (TimeoutError, DeadlineExceeded) as exc:
-        if isinstance(exc, HandshakeTimeout):
-            raise
-        raise _timeout(exc) from None
-    finally:
-        try:
-            sock.settimeout(old)
-        except OSError:
-            pass
+    return hs.peer_id  # type: ignore[return-value]
 
 
 def server_handshake(
@@ -388,10 +385,9 @@ def server_handshake(
     info: bytes = b"",
 ) -> str:
     """Authenticate the client on ``sock``; returns its (proven) id."""
-    hs = ServerHandshake(sec, service, server_id, info=info)
-    run_server(sock, hs, Deadline(deadline_s))
-    assert hs.peer_id is not None
-    return hs.peer_id
+    return run_server(
+        sock, ServerHandshake(sec, service, server_id, info=info), Deadline(deadline_s)
+    )
 
 
 def client_handshake(
@@ -404,13 +400,21 @@ def client_handshake(
     info: bytes = b"",
 ) -> str:
     """Authenticate to the server on ``sock``; returns its (proven) id."""
-    hs = ClientHandshake(sec, service, client_id, info=info)
-    run_client(sock, hs, Deadline(deadline_s))
-    assert hs.peer_id is not None
-    return hs.peer_id
+    return run_client(
+        sock, ClientHandshake(sec, service, client_id, info=info), Deadline(deadline_s)
+    )
 
 
 # --- asyncio driver -------------------------------------------------------------------------
+
+
+async def _awithin(coro: Coroutine[Any, Any, None], deadline_s: float) -> None:
+    try:
+        await asyncio.wait_for(coro, deadline_s)
+    except TimeoutError as exc:
+        if isinstance(exc, HandshakeTimeout):
+            raise
+        raise HandshakeTimeout(f"handshake did not complete within {deadline_s:g} s") from None
 
 
 async def arun_server(
@@ -418,7 +422,9 @@ async def arun_server(
     writer: asyncio.StreamWriter,
     hs: ServerHandshake,
     deadline_s: float = DEFAULT_DEADLINE_S,
-) -> None:
+) -> str:
+    """asyncio twin of :func:`run_server` (one deadline for the whole exchange)."""
+
     async def run() -> None:
         writer.write(hs.start())
         await writer.drain()
@@ -428,18 +434,14 @@ async def arun_server(
         except HandshakeError as exc:
             if exc.reply is not None:
                 writer.write(exc.reply)
-                try:
+                with contextlib.suppress(OSError):
                     await writer.drain()
-                except OSError:
-                    pass
             raise
         writer.write(reply)
         await writer.drain()
 
-    try:
-        await asyncio.wait_for(run(), deadline_s)
-    except TimeoutError as exc:
-        raise _timeout(exc) from None
+    await _awithin(run(), deadline_s)
+    return hs.peer_id  # type: ignore[return-value]
 
 
 async def arun_client(
@@ -447,7 +449,9 @@ async def arun_client(
     writer: asyncio.StreamWriter,
     hs: ClientHandshake,
     deadline_s: float = DEFAULT_DEADLINE_S,
-) -> None:
+) -> str:
+    """asyncio twin of :func:`run_client`."""
+
     async def run() -> None:
         while not hs.done:
             out = hs.receive(await aread_frame(reader, PREAUTH_MAX_FRAME))
@@ -455,10 +459,8 @@ async def arun_client(
                 writer.write(out)
                 await writer.drain()
 
-    try:
-        await asyncio.wait_for(run(), deadline_s)
-    except TimeoutError as exc:
-        raise _timeout(exc) from None
+    await _awithin(run(), deadline_s)
+    return hs.peer_id  # type: ignore[return-value]
 
 
 async def aserver_handshake(
@@ -473,9 +475,7 @@ async def aserver_handshake(
 ) -> str:
     """asyncio twin of :func:`server_handshake`."""
     hs = ServerHandshake(sec, service, server_id, info=info)
-    await arun_server(reader, writer, hs, deadline_s)
-    assert hs.peer_id is not None
-    return hs.peer_id
+    return await arun_server(reader, writer, hs, deadline_s)
 
 
 async def aclient_handshake(
@@ -490,6 +490,4 @@ async def aclient_handshake(
 ) -> str:
     """asyncio twin of :func:`client_handshake`."""
     hs = ClientHandshake(sec, service, client_id, info=info)
-    await arun_client(reader, writer, hs, deadline_s)
-    assert hs.peer_id is not None
-    return hs.peer_id
+    return await arun_client(reader, writer, hs, deadline_s)
