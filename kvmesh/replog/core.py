@@ -329,10 +329,13 @@ class RaftCore:
         otherwise let one message push every term arbitrarily high)."""
         return m.transfer and self.lead != NONE and m.term == self.term + 1
 
-    def snapshot_needed(self, snap: Snapshot) -> bool:
-        """Whether stepping an InstallSnapshot carrying ``snap`` would replace the log
-        (drivers validate the image - restore it into a fresh state machine - only then)."""
-        meta = snap.meta
+    def snapshot_needed(self, m: InstallSnapshot) -> bool:
+        """Whether stepping ``m`` would make this node install its snapshot (replace the
+        log). Drivers prove the image - restore it into a fresh state machine - before
+        stepping such a message, so that only a usable snapshot is ever persisted."""
+        if m.to != self.id or m.frm == self.id or m.term < self.term or not self._valid_snapshot(m):
+            return False
+        meta = m.snapshot.meta
         return meta.index > self.log.committed and not self.log.match_term(meta.index, meta.term)
 
     def propose(self, data: bytes) -> int:

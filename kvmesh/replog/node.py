@@ -60,6 +60,7 @@ from .types import (
     ProposalDropped,
     RaftConfig,
     ReplogError,
+    InstallSnapshot,
     Role,
     Snapshot,
     SnapshotMeta,
@@ -196,14 +197,30 @@ class RaftNode:
     ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (optionally
     ``snapshot_chunks()`` for non-blocking snapshots and ``result_type`` for typed cached
     results); the node wraps it for exactly-once sessions. ``state_machine`` must be fresh:
-    the node restores it from the newest snapshot on start.
+    the node restores it from the newest snapshot on start. A snapshot received from the
+    leader is restored into a new machine from ``state_machine_factory`` (default: the
+    machine's class called without arguments) before it is persisted, and replaces the
+    current one only once that succeeded: read the machine through :attr:`state_machine`
+    rather than keeping a reference to it.
     """
 
-    def __init__(self, config: NodeConfig, state_machine: StateMachine, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        state_machine: StateMachine,
+        *,
+        rng: random.Random | None = None,
+        state_machine_factory: Callable[[], StateMachine] | None = None,
+    ) -> None:
         self.cfg = config
         self.id = config.node_id
         self.user_sm = state_machine
         self.sm = SessionStateMachine(state_machine)
+        # A snapshot from the leader is restored into a fresh machine (made here) before it
+        # is persisted; the current one stays in use until the new one is proven.
+        self._sm_factory: Callable[[], StateMachine] = state_machine_factory or type(state_machine)
+        self._snap_check: asyncio.Task | None = None
+        self._proven: tuple[int, int, SessionStateMachine] | None = None
         self._rng = rng
         self.storage: DiskStorage | MemoryStorage | None = None
         self.core: RaftCore | None = None
@@ -240,6 +257,7 @@ class RaftNode:
             "proposals": 0,
             "snapshots_taken": 0,
             "snapshots_installed": 0,
+            "snapshots_rejected": 0,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -377,7 +395,8 @@ class RaftNode:
 
     @property
     def state_machine(self) -> StateMachine:
-        """The application's state machine (read it after :meth:`read_index`)."""
+        """The application's state machine (read it after :meth:`read_index`); a snapshot
+        installed from the leader replaces it with a new instance."""
         return self.user_sm
 
     def address_of(self, node_id: int | None) -> str | None:
@@ -612,11 +631,46 @@ class RaftNode:
         # message is stepped: a leader answering a follower's ReadIndex from a lease it
         # measured in stale ticks would serve a stale read (simulator scenario E3).
         self._catch_up_ticks()
+        if type(msg) is InstallSnapshot and self.core.snapshot_needed(msg):
+            proven = self._proven
+            meta = msg.snapshot.meta
+            if proven is None or proven[:2] != (meta.index, meta.term):
+                self._check_snapshot(msg)
+                return
         try:
             self.core.step(msg)
         except Exception:  # noqa: BLE001 - one bad message must not kill the transport
             log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
         self._wake.set()
+
+    def _check_snapshot(self, msg: InstallSnapshot) -> None:
+        """Restore ``msg``'s image into a fresh state machine (in a worker thread); step the
+        message into the core only if that succeeds. One check at a time: the leader
+        re-sends a snapshot that got no answer, so dropping extra copies is safe."""
+        if self._snap_check is not None and not self._snap_check.done():
+            return
+        self._snap_check = asyncio.get_running_loop().create_task(
+            self._prove_snapshot(msg), name=f"replog-{self.id}-snapcheck"
+        )
+
+    async def _prove_snapshot(self, msg: InstallSnapshot) -> None:
+        meta = msg.snapshot.meta
+        try:
+            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
+            await asyncio.to_thread(fresh.restore, msg.snapshot.data)
+        except Exception as e:  # noqa: BLE001 - a peer's bytes must never stop the node
+            self.metrics["snapshots_rejected"] += 1
+            n = self.metrics["snapshots_rejected"]
+            if n <= 10 or n % 100 == 0:  # bounded logging under a flood
+                log.warning(
+                    "replog node %d: rejected snapshot at index %d term %d from node %d (%d so far): %s",
+                    self.id, meta.index, meta.term, msg.frm, n, str(e)[:200],
+                )  # fmt: skip
+            return
+        if self.core is None or not self._running:
+            return
+        self._proven = (meta.index, meta.term, fresh)
+        self._on_message(msg)
 
     def _on_unreachable(self, peer: int) -> None:
         if self.core is not None and self._running:
@@ -766,7 +820,14 @@ class RaftNode:
             asyncio.get_running_loop().create_task(self._snapshot_task())
 
     def _install(self, snap: Snapshot) -> None:
-        self.sm.restore(snap.data)
+        proven, self._proven = self._proven, None
+        if proven is not None and proven[:2] == (snap.meta.index, snap.meta.term):
+            self.sm = proven[2]
+        else:  # not reached: the core installs only snapshots stepped after their proof
+            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
+            fresh.restore(snap.data)
+            self.sm = fresh
+        self.user_sm = self.sm.inner
         self._applied = self._snap_index = snap.meta.index
         self.metrics["snapshots_installed"] += 1
         # Pending proposals at or below the snapshot: their fate is unknown here.

@@ -8,6 +8,7 @@ import random
 
 from kvmesh.replog.sim.harness import Network
 from kvmesh.replog.types import (
+    MESSAGE_TYPES,
     Append,
     AppendResp,
     ConfState,
@@ -17,7 +18,6 @@ from kvmesh.replog.types import (
     HeartbeatResp,
     InstallSnapshot,
     InstallSnapshotResp,
-    MESSAGE_TYPES,
     PreVote,
     PreVoteResp,
     RaftConfig,
