@@ -39,28 +39,49 @@ import inspect
 import itertools
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
+from ..net import SecurityConfig
 from . import snapfile
 from .core import RaftCore
 from .diskstorage import DiskStorage, remove_files
+from .errors import (
+    CommandError,
+    NodeStopped,
+    NotLeaderError,
+    ProposalLost,
+    ProposalTimeout,
+    ReadTimeout,
+    SessionDenied,
+    SessionExpiredError,
+)
 from .memstorage import MemoryStorage
-from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
+from .protocol import SESSION_TOKEN_BYTES
+from .session import (
+    Command,
+    Expire,
+    Plain,
+    Register,
+    SessionRejected,
+    SessionStateMachine,
+    SessionTracker,
+    encode_envelope,
+)
 from .transport import Transport, TransportConfig
 from .types import (
     NONE,
     ConfChange,
     ConfChangeType,
     EntryKind,
+    InstallSnapshot,
     NotLeader,
-    ProposalDropped,
     RaftConfig,
     ReplogError,
-    InstallSnapshot,
     Role,
     Snapshot,
     SnapshotMeta,
@@ -70,17 +91,17 @@ from .types import (
 )
 
 __all__ = [
-    "NodeConfig",
-    "RaftNode",
+    "DEFAULT_RAFT",
+    "CommandError",
     "LeaderChange",
+    "NodeConfig",
+    "NodeStopped",
     "NotLeaderError",
     "ProposalLost",
     "ProposalTimeout",
+    "RaftNode",
     "ReadTimeout",
-    "NodeStopped",
     "SessionExpiredError",
-    "CommandError",
-    "DEFAULT_RAFT",
     "parse_peers",
 ]
 
@@ -93,46 +114,6 @@ DEFAULT_RAFT = RaftConfig(
 
 
 _APPLY_SLICE = 1000
-
-
-class NotLeaderError(NotLeader):
-    """This replica is not the leader. ``leader_id`` (or None) and ``leader_addr`` (the
-    address clients should use, or None) tell where to go."""
-
-    def __init__(self, leader_id: int | None, leader_addr: str | None) -> None:
-        self.leader_id = leader_id
-        self.leader_addr = leader_addr
-        where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
-        super().__init__(leader_id, f"not the leader ({where})")
-
-
-class ProposalLost(ProposalDropped):
-    """A different entry was committed at the proposal's index: it was definitely not
-    applied (retry it, ideally with the same session sequence number)."""
-
-
-class ProposalTimeout(ReplogError, TimeoutError):
-    """No result in time; the command may or may not be applied. Retry with the same
-    ``(client_id, seq)`` to get its result exactly once."""
-
-
-class ReadTimeout(ReplogError, TimeoutError):
-    """A read index could not be confirmed in time (no quorum, leader change)."""
-
-
-class NodeStopped(ReplogError):
-    """The node stopped (shutdown or a fatal storage error) before answering."""
-
-
-class SessionExpiredError(ReplogError):
-    """The client session is unknown (expired or never registered) or the sequence number
-    is below its acknowledged floor: the command was *not* applied now, and whether an
-    earlier attempt was applied cannot be known any more."""
-
-
-class CommandError(ReplogError):
-    """The state machine raised while applying the command (deterministically, on every
-    replica); the message is the exception's."""
 
 
 class LeaderChange(msgspec.Struct, frozen=True):
@@ -152,6 +133,8 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
       :class:`NotLeaderError` redirects (default: the raft address).
     * ``durability``: ``"disk"`` (WAL + fsync, needs ``data_dir``) or ``"memory"``.
     * ``join``: start without bootstrapping (a member being added to a running cluster).
+    * ``security``: the cluster token and optional TLS files; replica connections
+      authenticate with it (:mod:`kvmesh.net`, service ``"replog-peer"``).
     """
 
     node_id: int
@@ -169,6 +152,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
     session_ttl_s: float = 0.0  # 0: sessions never expire
     wal_segment_bytes: int = 64 << 20
     transport: TransportConfig = TransportConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.node_id not in self.peers:
@@ -184,7 +168,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("term", "fut")
+    __slots__ = ("fut", "term")
 
     def __init__(self, term: int, fut: asyncio.Future) -> None:
         self.term = term
@@ -302,6 +286,7 @@ class RaftNode:
             on_unreachable=self._on_unreachable,
             on_snapshot_status=self._on_snapshot_status,
             config=cfg.transport,
+            security=cfg.security,
         )
         try:
             await self.transport.start()
@@ -467,16 +452,18 @@ class RaftNode:
         seq: int | None = None,
         ack: int = 0,
         timeout: float | None = None,
+        token: bytes = b"",
     ) -> asyncio.Future:
         """:meth:`propose` without a coroutine: appends now (raising NotLeaderError etc.
         immediately) and returns a future of the result (for RPC layers that answer from a
-        done-callback instead of spawning a task per request)."""
+        done-callback instead of spawning a task per request). ``token``: the session's,
+        from :meth:`open_session` (a wrong one fails with SessionDenied, nothing applied)."""
         if client_id is None:
             data = encode_envelope(Plain(cmd))
         else:
             if seq is None or seq <= 0:
                 raise ValueError("seq must be a positive int with client_id")
-            data = encode_envelope(Command(client_id, seq, cmd, ack))
+            data = encode_envelope(Command(client_id, seq, cmd, ack, token))
             if self.tracker is not None and self.is_leader:
                 self.tracker.touch(client_id, time.monotonic())
         return self._submit(data, timeout)
@@ -501,11 +488,25 @@ class RaftNode:
         return list(await asyncio.gather(*futs, return_exceptions=True))
 
     async def register_session(self, timeout: float | None = None) -> int:
-        """Open an exactly-once session; returns the client id to use with :meth:`propose`."""
+        """Open an exactly-once session without a token (in-process callers); returns the
+        client id to use with :meth:`propose`."""
         cid = await self._propose_data(encode_envelope(Register()), timeout)
         if self.tracker is not None:
             self.tracker.touch(cid, time.monotonic())
         return cid
+
+    async def open_session(self, timeout: float | None = None) -> tuple[int, bytes]:
+        """Open a session protected by a fresh random token (for sessions of remote
+        clients): returns ``(client_id, token)``; every command must carry the token."""
+        token = secrets.token_bytes(SESSION_TOKEN_BYTES)
+        cid = await self._propose_data(encode_envelope(Register(token)), timeout)
+        if self.tracker is not None:
+            self.tracker.touch(cid, time.monotonic())
+        return cid, token
+
+    def session_token(self, client_id: int) -> bytes | None:
+        """The token of an applied session (None if not known on this replica yet)."""
+        return self.sm.session_token(client_id)
 
     async def _propose_data(self, data: bytes, timeout: float | None) -> Any:
         return await self._submit(data, timeout)
@@ -566,7 +567,7 @@ class RaftNode:
         deadline = time.monotonic() + t
         try:
             index = await asyncio.wait_for(fut, t)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"read index not confirmed within {t}s") from None
         finally:
             self._reads.pop(ctx, None)
@@ -586,7 +587,7 @@ class RaftNode:
         self._apply_waiters.append((index, fut))
         try:
             await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"index {index} not applied in time (applied {self._applied})") from None
 
     async def transfer_leadership(self, to: int, timeout: float = 5.0) -> None:
@@ -639,7 +640,7 @@ class RaftNode:
                 return
         try:
             self.core.step(msg)
-        except Exception:  # noqa: BLE001 - one bad message must not kill the transport
+        except Exception:
             log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
         self._wake.set()
 
@@ -710,8 +711,7 @@ class RaftNode:
             # calls) that elections and leases must absorb.
             lag = max(0.0, time.monotonic() - nxt)
             self._lags.append(lag)
-            if lag > self._lag_max:
-                self._lag_max = lag
+            self._lag_max = max(self._lag_max, lag)
             self._catch_up_ticks()
             if self._deadlines:
                 self._expire_proposals(time.monotonic())
@@ -866,7 +866,8 @@ class RaftNode:
             elif err is not None:
                 p.fut.set_exception(err)
             elif type(result) is SessionRejected:
-                p.fut.set_exception(SessionExpiredError(f"client {result.client_id} seq {result.seq}: {result.reason}"))
+                cls = SessionDenied if result.reason == "bad_token" else SessionExpiredError
+                p.fut.set_exception(cls(f"client {result.client_id} seq {result.seq}: {result.reason}"))
             else:
                 p.fut.set_result(result)
         self.metrics["entries_applied"] += len(ents)
@@ -919,7 +920,7 @@ class RaftNode:
                 r = cb(change)
                 if inspect.isawaitable(r):
                     asyncio.ensure_future(r)
-            except Exception:  # noqa: BLE001 - a callback must not break the loop
+            except Exception:
                 log.exception("replog node %d: leader-change callback failed", self.id)
 
     # ------------------------------------------------------------------ snapshots
