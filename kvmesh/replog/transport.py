@@ -112,10 +112,13 @@ async def read_frames(
     dec: FrameDecoder,
     idle_timeout_s: float,
     frame_timeout_s: float,
+    on_buffered: Callable[[int], None] | None = None,
 ) -> list[bytes]:
     """The next complete frame bodies from ``reader``: waits at most ``idle_timeout_s`` for
     a frame to start and ``frame_timeout_s`` for a started one to complete (raises
-    ``asyncio.TimeoutError``; ``asyncio.IncompleteReadError`` at EOF, ``FrameTooLarge``)."""
+    ``asyncio.TimeoutError``; ``asyncio.IncompleteReadError`` at EOF, ``FrameTooLarge``).
+    ``on_buffered(n)`` is told how many bytes of an incomplete frame the decoder holds after
+    each read (it may raise to refuse them: a server-wide budget)."""
     loop = asyncio.get_running_loop()
     started = 0.0
     while True:
@@ -137,6 +140,8 @@ async def read_frames(
         out = dec.feed(data)
         if out:
             return out
+        if on_buffered is not None:
+            on_buffered(dec.buffered)
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
