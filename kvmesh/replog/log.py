@@ -16,14 +16,7 @@ Indices tracked here:
 from __future__ import annotations
 
 from .memstorage import limit_size
-from .types import (
-    ENTRY_OVERHEAD,
-    Entry,
-    LogCompacted,
-    LogStorage,
-    LogUnavailable,
-    Snapshot,
-)
+from .types import ENTRY_OVERHEAD, Entry, LogCompacted, LogStorage, LogUnavailable, Snapshot
 
 __all__ = ["RaftLog"]
 

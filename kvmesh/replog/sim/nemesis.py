@@ -7,14 +7,7 @@ import random
 from collections.abc import Callable
 
 from ..memstorage import MemoryStorage
-from ..types import (
-    ConfChange,
-    ConfChangeError,
-    ConfChangeType,
-    LeaderTransferError,
-    NotLeader,
-    ProposalDropped,
-)
+from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped
 from .network import NetParams
 
 __all__ = ["FAULTS", "Nemesis"]
