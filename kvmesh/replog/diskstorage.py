@@ -40,6 +40,7 @@ from typing import Any, Union
 import msgspec
 
 from . import snapfile
+from .errors import StorageCorruptionError, StorageLockedError
 from .memstorage import EntryLog, ReadyWriter
 from .snapfile import SnapshotCorruptionError
 from .types import (
@@ -71,14 +72,6 @@ def remove_files(dirpath: str, paths: list[str]) -> None:
             pass
     if n:
         fsync_dir(dirpath)
-
-
-class StorageCorruptionError(StorageError):
-    """The data directory is inconsistent or damaged; the node must not start on it."""
-
-
-class StorageLockedError(StorageError):
-    """Another process holds this data directory."""
 
 
 class _WEntries(msgspec.Struct, tag=1, array_like=True):

@@ -41,25 +41,47 @@ import itertools
 import logging
 import os
 import random
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
+from ..net import SecurityConfig
 from .core import RaftCore
 from .diskstorage import DiskStorage
+from .errors import (
+    CommandError,
+    NodeStopped,
+    NotLeaderError,
+    ProposalLost,
+    ProposalTimeout,
+    ReadTimeout,
+    SessionDenied,
+    SessionExpiredError,
+)
 from .memstorage import MemoryStorage
+from .protocol import SESSION_TOKEN_BYTES
 from .readypath import SYNC, YIELD, ReadyPath
-from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
+from .session import (
+    Command,
+    Expire,
+    Plain,
+    Register,
+    SessionRejected,
+    SessionStateMachine,
+    SessionTracker,
+    encode_envelope,
+)
 from .transport import Transport, TransportConfig
 from .types import (
     NONE,
     ConfChange,
     ConfChangeType,
     EntryKind,
+    InstallSnapshot,
     NotLeader,
-    ProposalDropped,
     RaftConfig,
     Ready,
     ReplogError,
@@ -72,17 +94,17 @@ from .types import (
 )
 
 __all__ = [
-    "NodeConfig",
-    "RaftNode",
+    "DEFAULT_RAFT",
+    "CommandError",
     "LeaderChange",
+    "NodeConfig",
+    "NodeStopped",
     "NotLeaderError",
     "ProposalLost",
     "ProposalTimeout",
+    "RaftNode",
     "ReadTimeout",
-    "NodeStopped",
     "SessionExpiredError",
-    "CommandError",
-    "DEFAULT_RAFT",
     "parse_peers",
 ]
 
@@ -95,46 +117,6 @@ DEFAULT_RAFT = RaftConfig(
 
 
 _APPLY_SLICE = 1000
-
-
-class NotLeaderError(NotLeader):
-    """This replica is not the leader. ``leader_id`` (or None) and ``leader_addr`` (the
-    address clients should use, or None) tell where to go."""
-
-    def __init__(self, leader_id: int | None, leader_addr: str | None) -> None:
-        self.leader_id = leader_id
-        self.leader_addr = leader_addr
-        where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
-        super().__init__(leader_id, f"not the leader ({where})")
-
-
-class ProposalLost(ProposalDropped):
-    """A different entry was committed at the proposal's index: it was definitely not
-    applied (retry it, ideally with the same session sequence number)."""
-
-
-class ProposalTimeout(ReplogError, TimeoutError):
-    """No result in time; the command may or may not be applied. Retry with the same
-    ``(client_id, seq)`` to get its result exactly once."""
-
-
-class ReadTimeout(ReplogError, TimeoutError):
-    """A read index could not be confirmed in time (no quorum, leader change)."""
-
-
-class NodeStopped(ReplogError):
-    """The node stopped (shutdown or a fatal storage error) before answering."""
-
-
-class SessionExpiredError(ReplogError):
-    """The client session is unknown (expired or never registered) or the sequence number
-    is below its acknowledged floor: the command was *not* applied now, and whether an
-    earlier attempt was applied cannot be known any more."""
-
-
-class CommandError(ReplogError):
-    """The state machine raised while applying the command (deterministically, on every
-    replica); the message is the exception's."""
 
 
 class LeaderChange(msgspec.Struct, frozen=True):
@@ -154,6 +136,8 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
       :class:`NotLeaderError` redirects (default: the raft address).
     * ``durability``: ``"disk"`` (WAL + fsync, needs ``data_dir``) or ``"memory"``.
     * ``join``: start without bootstrapping (a member being added to a running cluster).
+    * ``security``: the cluster token and optional TLS files; replica connections
+      authenticate with it (:mod:`kvmesh.net`, service ``"replog-peer"``).
     """
 
     node_id: int
@@ -171,6 +155,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
     session_ttl_s: float = 0.0  # 0: sessions never expire
     wal_segment_bytes: int = 64 << 20
     transport: TransportConfig = TransportConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.node_id not in self.peers:
@@ -186,7 +171,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("term", "fut")
+    __slots__ = ("fut", "term")
 
     def __init__(self, term: int, fut: asyncio.Future) -> None:
         self.term = term
@@ -201,14 +186,30 @@ class RaftNode:
     cached results, ``query`` serves the replica server's reads;
     :class:`~kvmesh.replog.types.StateMachineBase` has defaults); the node wraps it for
     exactly-once sessions. ``state_machine`` must be fresh: the node restores it from the
-    newest snapshot on start.
+    newest snapshot on start. A snapshot received from the leader is restored into a new
+    machine from ``state_machine_factory`` (default: the machine's class called without
+    arguments) before it is persisted, and replaces the current one only once that
+    succeeded: read the machine through :attr:`state_machine` rather than keeping a
+    reference to it.
     """
 
-    def __init__(self, config: NodeConfig, state_machine: StateMachine, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        state_machine: StateMachine,
+        *,
+        rng: random.Random | None = None,
+        state_machine_factory: Callable[[], StateMachine] | None = None,
+    ) -> None:
         self.cfg = config
         self.id = config.node_id
         self.user_sm = state_machine
         self.sm = SessionStateMachine(state_machine)
+        # A snapshot from the leader is restored into a fresh machine (made here) before it
+        # is persisted; the current one stays in use until the new one is proven.
+        self._sm_factory: Callable[[], StateMachine] = state_machine_factory or type(state_machine)
+        self._snap_check: asyncio.Task | None = None
+        self._proven: tuple[int, int, SessionStateMachine] | None = None
         self._rng = rng
         self.storage: DiskStorage | MemoryStorage | None = None
         self.core: RaftCore | None = None
@@ -244,6 +245,7 @@ class RaftNode:
             "proposals": 0,
             "snapshots_taken": 0,
             "snapshots_installed": 0,
+            "snapshots_rejected": 0,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -293,6 +295,7 @@ class RaftNode:
             on_unreachable=self._on_unreachable,
             on_snapshot_status=self._on_snapshot_status,
             config=cfg.transport,
+            security=cfg.security,
         )
         try:
             await self.transport.start()
@@ -385,7 +388,8 @@ class RaftNode:
 
     @property
     def state_machine(self) -> StateMachine:
-        """The application's state machine (read it after :meth:`read_index`)."""
+        """The application's state machine (read it after :meth:`read_index`); a snapshot
+        installed from the leader replaces it with a new instance."""
         return self.user_sm
 
     def address_of(self, node_id: int | None) -> str | None:
@@ -456,16 +460,18 @@ class RaftNode:
         seq: int | None = None,
         ack: int = 0,
         timeout: float | None = None,
+        token: bytes = b"",
     ) -> asyncio.Future:
         """:meth:`propose` without a coroutine: appends now (raising NotLeaderError etc.
         immediately) and returns a future of the result (for RPC layers that answer from a
-        done-callback instead of spawning a task per request)."""
+        done-callback instead of spawning a task per request). ``token``: the session's,
+        from :meth:`open_session` (a wrong one fails with SessionDenied, nothing applied)."""
         if client_id is None:
             data = encode_envelope(Plain(cmd))
         else:
             if seq is None or seq <= 0:
                 raise ValueError("seq must be a positive int with client_id")
-            data = encode_envelope(Command(client_id, seq, cmd, ack))
+            data = encode_envelope(Command(client_id, seq, cmd, ack, token))
             if self.tracker is not None and self.is_leader:
                 self.tracker.touch(client_id, time.monotonic())
         return self._submit(data, timeout)
@@ -490,11 +496,25 @@ class RaftNode:
         return list(await asyncio.gather(*futs, return_exceptions=True))
 
     async def register_session(self, timeout: float | None = None) -> int:
-        """Open an exactly-once session; returns the client id to use with :meth:`propose`."""
+        """Open an exactly-once session without a token (in-process callers); returns the
+        client id to use with :meth:`propose`."""
         cid = await self._propose_data(encode_envelope(Register()), timeout)
         if self.tracker is not None:
             self.tracker.touch(cid, time.monotonic())
         return cid
+
+    async def open_session(self, timeout: float | None = None) -> tuple[int, bytes]:
+        """Open a session protected by a fresh random token (for sessions of remote
+        clients): returns ``(client_id, token)``; every command must carry the token."""
+        token = secrets.token_bytes(SESSION_TOKEN_BYTES)
+        cid = await self._propose_data(encode_envelope(Register(token)), timeout)
+        if self.tracker is not None:
+            self.tracker.touch(cid, time.monotonic())
+        return cid, token
+
+    def session_token(self, client_id: int) -> bytes | None:
+        """The token of an applied session (None if not known on this replica yet)."""
+        return self.sm.session_token(client_id)
 
     async def _propose_data(self, data: bytes, timeout: float | None) -> Any:
         return await self._submit(data, timeout)
@@ -555,7 +575,7 @@ class RaftNode:
         deadline = time.monotonic() + t
         try:
             index = await asyncio.wait_for(fut, t)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"read index not confirmed within {t}s") from None
         finally:
             self._reads.pop(ctx, None)
@@ -575,7 +595,7 @@ class RaftNode:
         self._apply_waiters.append((index, fut))
         try:
             await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"index {index} not applied in time (applied {self._applied})") from None
 
     async def transfer_leadership(self, to: int, timeout: float = 5.0) -> None:
@@ -620,11 +640,46 @@ class RaftNode:
         # message is stepped: a leader answering a follower's ReadIndex from a lease it
         # measured in stale ticks would serve a stale read (simulator scenario E3).
         self._catch_up_ticks()
+        if type(msg) is InstallSnapshot and self.core.snapshot_needed(msg):
+            proven = self._proven
+            meta = msg.snapshot.meta
+            if proven is None or proven[:2] != (meta.index, meta.term):
+                self._check_snapshot(msg)
+                return
         try:
             self.core.step(msg)
-        except Exception:  # noqa: BLE001 - one bad message must not kill the transport
+        except Exception:
             log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
         self._wake.set()
+
+    def _check_snapshot(self, msg: InstallSnapshot) -> None:
+        """Restore ``msg``'s image into a fresh state machine (in a worker thread); step the
+        message into the core only if that succeeds. One check at a time: the leader
+        re-sends a snapshot that got no answer, so dropping extra copies is safe."""
+        if self._snap_check is not None and not self._snap_check.done():
+            return
+        self._snap_check = asyncio.get_running_loop().create_task(
+            self._prove_snapshot(msg), name=f"replog-{self.id}-snapcheck"
+        )
+
+    async def _prove_snapshot(self, msg: InstallSnapshot) -> None:
+        meta = msg.snapshot.meta
+        try:
+            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
+            await asyncio.to_thread(fresh.restore, msg.snapshot.data)
+        except Exception as e:  # noqa: BLE001 - a peer's bytes must never stop the node
+            self.metrics["snapshots_rejected"] += 1
+            n = self.metrics["snapshots_rejected"]
+            if n <= 10 or n % 100 == 0:  # bounded logging under a flood
+                log.warning(
+                    "replog node %d: rejected snapshot at index %d term %d from node %d (%d so far): %s",
+                    self.id, meta.index, meta.term, msg.frm, n, str(e)[:200],
+                )  # fmt: skip
+            return
+        if self.core is None or not self._running:
+            return
+        self._proven = (meta.index, meta.term, fresh)
+        self._on_message(msg)
 
     def _on_unreachable(self, peer: int) -> None:
         if self.core is not None and self._running:
@@ -664,8 +719,7 @@ class RaftNode:
             # calls) that elections and leases must absorb.
             lag = max(0.0, time.monotonic() - nxt)
             self._lags.append(lag)
-            if lag > self._lag_max:
-                self._lag_max = lag
+            self._lag_max = max(self._lag_max, lag)
             self._catch_up_ticks()
             if self._deadlines:
                 self._expire_proposals(time.monotonic())
@@ -755,7 +809,14 @@ class RaftNode:
         self._notify_applied()
 
     def _install(self, snap: Snapshot) -> None:
-        self.sm.restore(snap.data)
+        proven, self._proven = self._proven, None
+        if proven is not None and proven[:2] == (snap.meta.index, snap.meta.term):
+            self.sm = proven[2]
+        else:  # not reached: the core installs only snapshots stepped after their proof
+            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
+            fresh.restore(snap.data)
+            self.sm = fresh
+        self.user_sm = self.sm.inner
         self._applied = self._snap_index = snap.meta.index
         self.metrics["snapshots_installed"] += 1
         # Pending proposals at or below the snapshot: their fate is unknown here.
@@ -794,7 +855,8 @@ class RaftNode:
             elif err is not None:
                 p.fut.set_exception(err)
             elif type(result) is SessionRejected:
-                p.fut.set_exception(SessionExpiredError(f"client {result.client_id} seq {result.seq}: {result.reason}"))
+                cls = SessionDenied if result.reason == "bad_token" else SessionExpiredError
+                p.fut.set_exception(cls(f"client {result.client_id} seq {result.seq}: {result.reason}"))
             else:
                 p.fut.set_result(result)
         self.metrics["entries_applied"] += len(ents)
@@ -847,7 +909,7 @@ class RaftNode:
                 r = cb(change)
                 if inspect.isawaitable(r):
                     asyncio.ensure_future(r)
-            except Exception:  # noqa: BLE001 - a callback must not break the loop
+            except Exception:
                 log.exception("replog node %d: leader-change callback failed", self.id)
 
     # ------------------------------------------------------------------ snapshots

@@ -34,7 +34,8 @@ Change log
 * v1: initial contract.
 * v1.1: ``LeaderTransferError``; ``RaftConfig.lease_ticks`` subtracts one tick of
   granularity (see its docstring).
-* v1.2: :class:`StateMachine` declares the whole contract (``snapshot_chunks``, ``query``,
+* v1.2: the error classes live in ``errors.py`` (with wire codes) and are re-exported here.
+* v1.3: :class:`StateMachine` declares the whole contract (``snapshot_chunks``, ``query``,
   ``result_type``, used before but undeclared); :class:`StateMachineBase` gives defaults.
 """
 
@@ -46,6 +47,20 @@ from collections.abc import Iterator
 from typing import Any, Protocol, Union, runtime_checkable
 
 import msgspec
+
+from .errors import (
+    ConfChangeError,
+    LeaderTransferError,
+    LogCompacted,
+    LogUnavailable,
+    NotLeader,
+    ProposalDropped,
+    ProposalTooLarge,
+    ReadyContractError,
+    ReplogError,
+    SnapshotTemporarilyUnavailable,
+    StorageError,
+)
 
 __all__ = [
     "NONE",
@@ -631,58 +646,3 @@ def snapshot_chunks_of(sm: Any) -> Iterator[bytes]:
     implements the minimal apply/snapshot/restore part of the contract."""
     fn = getattr(sm, "snapshot_chunks", None)
     return fn() if fn is not None else iter((sm.snapshot(),))
-
-
-# --------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------
-
-
-class ReplogError(Exception):
-    """Base of all replicated-log errors."""
-
-
-class NotLeader(ReplogError):
-    """This node cannot serve the request; ``leader_hint`` is the leader it knows of, or
-    None."""
-
-    def __init__(self, leader_hint: int | None, message: str | None = None) -> None:
-        self.leader_hint = leader_hint
-        super().__init__(message or f"not the leader (leader hint: {leader_hint})")
-
-
-class ProposalDropped(ReplogError):
-    """The leader refused a proposal for a transient reason; retrying later (on the same or
-    another node) is safe."""
-
-
-class ProposalTooLarge(ProposalDropped):
-    """The entry would exceed ``max_size_per_msg``; retrying will not help."""
-
-
-class ConfChangeError(ReplogError):
-    """A membership change is invalid for the current configuration."""
-
-
-class LeaderTransferError(ReplogError):
-    """A leadership transfer target is invalid (not a voter of the current configuration)."""
-
-
-class ReadyContractError(ReplogError):
-    """The Ready/advance protocol was misused (e.g. ``ready()`` before ``advance()``)."""
-
-
-class StorageError(ReplogError):
-    """Base of storage errors the core understands."""
-
-
-class LogCompacted(StorageError):
-    """The requested index was compacted into a snapshot."""
-
-
-class LogUnavailable(StorageError):
-    """The requested index is beyond the last index."""
-
-
-class SnapshotTemporarilyUnavailable(StorageError):
-    """The storage is building a snapshot; ask again later."""
