@@ -1,4 +1,4 @@
-"""kvmesh.transfer.nixl_agent: two processes on loopback, real NIXL/UCX transfers.
+"""kvmesh.transfer.nixl (the NIXL agent wrapper): two processes on loopback, real NIXL/UCX transfers.
 
 The peer process (``_peer_main``) owns a registered buffer and answers small commands over a
 multiprocessing pipe (test harness only); every transfer is verified byte for byte.
@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.transfer import nixl_agent as na
+from kvmesh.transfer import nixl as na
+from kvmesh.transfer.nixl import loader, patch
 from kvmesh.transfer.errors import (
     EngineClosed,
     InvalidArgument,
@@ -42,7 +43,7 @@ def _pattern(size: int, seed: int) -> np.ndarray:
 
 def _peer_main(conn, name: str, size: int, opts: dict, seed: int) -> None:
     """Child process: one agent, one registered buffer, commands from the parent."""
-    from kvmesh.transfer.nixl_agent import NixlAgent, NixlOptions
+    from kvmesh.transfer.nixl import NixlAgent, NixlOptions
 
     buf = _pattern(size, seed)
     agent = NixlAgent(name, NixlOptions(**opts))
@@ -163,7 +164,7 @@ def test_environment_defaults():
 def test_unavailable_is_clean():
     code = (
         "import os; os.environ['KVMESH_NIXL_MODULE'] = 'no_such_nixl_module'\n"
-        "from kvmesh.transfer import nixl_agent as na\n"
+        "from kvmesh.transfer import nixl as na\n"
         "from kvmesh.transfer.errors import TransportUnavailable\n"
         "assert na.available() is False\n"
         "assert 'no_such_nixl_module' in na.unavailable_reason()\n"
@@ -182,7 +183,7 @@ def test_process_exit_is_clean():
     """A process that moved bytes with NIXL exits with status 0 (no libnl destructor crash)."""
     code = (
         "import numpy as np\n"
-        "from kvmesh.transfer.nixl_agent import NixlAgent, NixlOptions\n"
+        "from kvmesh.transfer.nixl import NixlAgent, NixlOptions\n"
         "a = NixlAgent('exit-a', NixlOptions(ucx_devices='lo'))\n"
         "b = NixlAgent('exit-b', NixlOptions(ucx_devices='lo'))\n"
         "x = np.arange(1 << 20, dtype=np.uint8); y = np.zeros_like(x)\n"
@@ -476,7 +477,7 @@ def test_idle_cpu(progress):
 
 def test_patch_fallbacks(monkeypatch):
     # A wrapper version the patch was not checked against: no patch, a pump thread instead.
-    loaded = na._require()
+    loaded = loader.require()
     monkeypatch.setattr(loaded, "patchable", False)
     a = na.NixlAgent(f"fb1-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
     try:
@@ -485,7 +486,7 @@ def test_patch_fallbacks(monkeypatch):
         a.close()
     monkeypatch.setattr(loaded, "patchable", True)
     # The patch did not reach the config (wrapper internals changed): caught and replaced.
-    monkeypatch.setattr(na._ConfigPatch, "verified", lambda self: False)
+    monkeypatch.setattr(patch.ConfigPatch, "verified", lambda self: False)
     b = na.NixlAgent(f"fb2-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
     try:
         assert b.progress_mode == "pump" and "did not reach" in b.patch_note
@@ -529,7 +530,7 @@ def test_prepared_list_cache_is_bounded_and_reposting_works():
             assert x.prepared
             for o in offs[:3].tolist():
                 assert (dst[o : o + page] == src[o : o + page]).all()
-            assert a._cached_rows <= 300 + 2 * 256, a._cached_rows
+            assert a.cached_rows() <= 300 + 2 * 256, a.cached_rows()
         # a 2 KiB granule would need 512 rows per region: explicit descriptors instead
         x = a.transfer("READ", rd, [2048], a.name, rs.remote(), [6144], [2048], timeout=30)
         assert not x.prepared and (dst[2048:4096] == src[6144:8192]).all()

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from .. import nixl_agent as na
+from .. import nixl as na
 from ..errors import (
     InvalidArgument,
     NotRegistered,
@@ -164,7 +164,7 @@ def _cuda_ok() -> bool:
 
 
 class NixlTransport(Transport):
-    """Engine transport over :class:`~kvmesh.transfer.nixl_agent.NixlAgent`."""
+    """Engine transport over :class:`~kvmesh.transfer.nixl.NixlAgent`."""
 
     kind = TransportKind.NIXL
     # cma copies run inside the posting call: small jobs run in the submitting thread.
