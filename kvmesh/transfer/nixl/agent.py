@@ -11,7 +11,6 @@ descriptors), :mod:`.prepped` (the prepared-list cache), :mod:`.xfer` (transfer 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +39,10 @@ log = logging.getLogger("kvmesh.transfer.nixl")
 
 _BACKEND = "UCX"
 _BACKENDS = [_BACKEND]
+
+
+def _has_key(engine_config: list[str], key: str) -> bool:
+    return any(kv.split("=", 1)[0].strip().upper() == key for kv in engine_config)
 
 
 class NixlAgent:
@@ -139,9 +142,15 @@ class NixlAgent:
             "ucx_error_handling_mode": opts.error_handling,
             "num_workers": str(max(1, opts.num_workers)),
         }
+        extra = [kv.strip() for kv in opts.engine_config.split(",") if kv.strip()]
         if opts.ucx_devices is not None:
             params["ucx_devices"] = opts.ucx_devices
-        extra = [kv.strip() for kv in opts.engine_config.split(",") if kv.strip()]
+            devices = opts.ucx_devices.strip()
+            # NIXL's ucx_devices parameter alone leaves UCX's TCP transport listening on every
+            # interface; NET_DEVICES in the agent's UCX configuration confines it. A list
+            # cannot go through the comma-separated engine_config (UCX_NET_DEVICES can).
+            if devices and "," not in devices and not _has_key(extra, "NET_DEVICES"):
+                extra.append(f"NET_DEVICES={devices}")
         if opts.ucx_tls is not None:
             tls = opts.ucx_tls.strip()
             if not tls:
@@ -196,8 +205,7 @@ class NixlAgent:
 
     def _failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
         """The kvmesh error for a failed transfer with ``peer``; remembers a dead peer."""
-        err = exc if isinstance(exc, TransferError) else translate(self._loaded.errors, exc,
-                                                                     what)
+        err = exc if isinstance(exc, TransferError) else translate(self._loaded.errors, exc, what)
         if isinstance(err, PeerDeadError):
             self._mark_dead(peer, str(err))
         return err
@@ -242,8 +250,9 @@ class NixlAgent:
         try:
             ag.register_memory(reg, backends=_BACKENDS)
         except Exception as exc:
-            err = translate(self._loaded.errors, exc,
-                            f"registering {size} bytes of {kind} at {addr:#x}")
+            err = translate(
+                self._loaded.errors, exc, f"registering {size} bytes of {kind} at {addr:#x}"
+            )
             if kind == "VRAM":
                 raise TransportUnavailable(
                     f"{err} (VRAM registration needs CUDA and a CUDA-enabled UCX)"
@@ -261,12 +270,14 @@ class NixlAgent:
                 return
             region._live = False
             self._regions.discard(region)
-            self._prepped.drop(lambda key: key[0] == "" and key[1] == region.addr
-                               and key[2] == region.size)
+            self._prepped.drop(
+                lambda key: key[0] == "" and key[1] == region.addr and key[2] == region.size
+            )
         if self._closed:
             return
-        self._call("deregistering memory", self._ag.deregister_memory, region._reg,
-                   backends=_BACKENDS)
+        self._call(
+            "deregistering memory", self._ag.deregister_memory, region._reg, backends=_BACKENDS
+        )
 
     # --- metadata -------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -295,10 +306,15 @@ class NixlAgent:
         bind = self._loaded.bind
         seg = bind.DRAM_SEG if kind == "DRAM" else bind.VRAM_SEG
         descs = bind.nixlRegDList(seg, [(r.addr, r.size, r.device, "") for r in regions])
-        return bytes(self._call(
-            "reading partial metadata", self._ag.get_partial_agent_metadata, descs,
-            include_connection, backends=_BACKENDS,
-        ))
+        return bytes(
+            self._call(
+                "reading partial metadata",
+                self._ag.get_partial_agent_metadata,
+                descs,
+                include_connection,
+                backends=_BACKENDS,
+            )
+        )
 
     def add_remote(self, metadata: bytes, connect: bool = True) -> str:
         """Load a peer's (full or partial) metadata; returns its agent name as ``str``."""
@@ -318,8 +334,9 @@ class NixlAgent:
     def connect(self, peer: str) -> None:
         """Set up the endpoint now, not on the first transfer (10x faster first transfer)."""
         self._check_open()
-        self._call(f"connecting to NIXL agent {peer!r}", self._ag.make_connection, peer,
-                   backends=_BACKENDS)
+        self._call(
+            f"connecting to NIXL agent {peer!r}", self._ag.make_connection, peer, backends=_BACKENDS
+        )
         with self._lock:
             self._remotes[peer] = True
 
@@ -345,13 +362,18 @@ class NixlAgent:
             log.debug("NIXL: removing peer %r: %s", peer, exc)
 
     # --- prepared descriptor lists ----------------------------------------------------------
-    def _prepare_list(self, peer: str, addr: int, size: int, kind: str, device: int,
-                      granule: int) -> tuple[Any, int]:
+    def _prepare_list(
+        self, peer: str, addr: int, size: int, kind: str, device: int, granule: int
+    ) -> tuple[Any, int]:
         table = granule_table(addr, size, granule, device)
         target = "NIXL_INIT_AGENT" if peer == "" else peer
         handle = self._call(
             f"preparing {len(table)} descriptors for {peer or 'local'} memory at {addr:#x}",
-            self._ag.prep_xfer_dlist, target, table, kind, backends=_BACKENDS,
+            self._ag.prep_xfer_dlist,
+            target,
+            table,
+            kind,
+            backends=_BACKENDS,
         )
         return handle, len(table)
 
@@ -404,43 +426,59 @@ class NixlAgent:
                 f"unknown NIXL peer agent {peer!r}: load its metadata with add_remote() first"
             )
         opts = self.options
-        plan = plan_request(local_offsets, remote_offsets, lengths, local.size, remote.size,
-                            trusted=trusted, max_table_rows=opts.max_table_rows,
-                            max_expansion=opts.max_expansion)
+        plan = plan_request(
+            local_offsets,
+            remote_offsets,
+            lengths,
+            local.size,
+            remote.size,
+            trusted=trusted,
+            max_table_rows=opts.max_table_rows,
+            max_expansion=opts.max_expansion,
+        )
         if plan.prepared:
             return self._make_prepped(opu, local, peer, remote, plan, notif)
         return self._make_direct(opu, local, peer, remote, plan, notif)
 
-    def _make_prepped(self, op: str, local: NixlRegion, peer: str, remote: RemoteRegion,
-                      plan: Plan, notif: bytes) -> NixlXfer:
+    def _make_prepped(
+        self, op: str, local: NixlRegion, peer: str, remote: RemoteRegion, plan: Plan, notif: bytes
+    ) -> NixlXfer:
         granule = plan.granule
         with self._lock:
             self._check_open()
             lp = self._prepped.get("", local.addr, local.size, local.kind, local.device, granule)
             try:
-                rp = self._prepped.get(peer, remote.addr, remote.size, remote.kind,
-                                       remote.device, granule)
+                rp = self._prepped.get(
+                    peer, remote.addr, remote.size, remote.kind, remote.device, granule
+                )
             except BaseException:
                 self._prepped.unuse((lp,))
                 raise
         try:
-            handle = self._ag.make_prepped_xfer(op, lp.handle, plan.local_idx, rp.handle,
-                                                plan.remote_idx, notif, backends=_BACKENDS)
+            handle = self._ag.make_prepped_xfer(
+                op, lp.handle, plan.local_idx, rp.handle, plan.remote_idx, notif, backends=_BACKENDS
+            )
         except BaseException as exc:
             self._prepped.unuse((lp, rp))
             raise self._failed(exc, f"NIXL {op} with {peer!r}", peer) from None
         return NixlXfer(self, handle, (lp, rp), op, peer, plan.nbytes, plan.count, True)
 
-    def _make_direct(self, op: str, local: NixlRegion, peer: str, remote: RemoteRegion,
-                     plan: Plan, notif: bytes) -> NixlXfer:
+    def _make_direct(
+        self, op: str, local: NixlRegion, peer: str, remote: RemoteRegion, plan: Plan, notif: bytes
+    ) -> NixlXfer:
         ltab = descriptor_table(plan.lo, plan.ln, local.addr, local.device)
         rtab = descriptor_table(plan.ro, plan.ln, remote.addr, remote.device)
         ag = self._ag
         try:
             handle = self._call(
-                f"NIXL {op} with {peer!r}", ag.initialize_xfer, op,
-                ag.get_xfer_descs(ltab, local.kind), ag.get_xfer_descs(rtab, remote.kind),
-                peer, notif, backends=_BACKENDS,
+                f"NIXL {op} with {peer!r}",
+                ag.initialize_xfer,
+                op,
+                ag.get_xfer_descs(ltab, local.kind),
+                ag.get_xfer_descs(rtab, remote.kind),
+                peer,
+                notif,
+                backends=_BACKENDS,
             )
         except PeerDeadError as exc:
             self._mark_dead(peer, str(exc))
@@ -460,8 +498,9 @@ class NixlAgent:
         notif: bytes = b"",
     ) -> NixlXfer:
         """Build, post and wait for one transfer; the handle is always released."""
-        xfer = self.make_xfer(op, local, local_offsets, peer, remote, remote_offsets, lengths,
-                              notif)
+        xfer = self.make_xfer(
+            op, local, local_offsets, peer, remote, remote_offsets, lengths, notif
+        )
         try:
             if not xfer.post():
                 xfer.wait(timeout)

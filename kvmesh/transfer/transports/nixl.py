@@ -128,6 +128,14 @@ def _is_loopback(listen: str) -> bool:
         return False
 
 
+def _devices_chosen(opts: na.NixlOptions) -> bool:
+    """Whether the user picked UCX's network devices (option, agent config or environment)."""
+    if opts.ucx_devices is not None or "UCX_NET_DEVICES" in os.environ:
+        return True
+    return any(kv.split("=", 1)[0].strip().upper() == "NET_DEVICES"
+               for kv in opts.engine_config.split(","))
+
+
 def get_is_emulated(tls: str | None, same_host: bool, rdma: bool) -> bool:
     """Whether UCX would serve a GET by software emulation (TCP-only lanes)."""
     if tls:
@@ -187,10 +195,9 @@ class NixlTransport(Transport):
             raise InvalidArgument(f"NIXL network must be auto|nixl|tcp, not {network!r}")
         self.network = network
         opts = na.NixlOptions.from_dict(raw)
-        if opts.ucx_devices is None and "UCX_NET_DEVICES" not in os.environ and _is_loopback(
-            ctx.config.listen
-        ):
-            # A loopback-only engine: keep UCX's TCP lanes off the other interfaces.
+        if _is_loopback(ctx.config.listen) and not _devices_chosen(opts):
+            # A loopback-only engine: keep UCX's TCP lanes and its listening socket (which
+            # kvmesh's token does not cover) off the other interfaces too.
             opts = msgspec.structs.replace(opts, ucx_devices="lo")
         self.options = opts
         self.agent_name = f"kvmesh-{ctx.node_id}-{ctx.engine_id}"
