@@ -149,8 +149,12 @@ def validate_requests(
         )
     if remote.stale_reason is not None:
         raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
-    return check_ranges(op.value, ln, (lo, local.size, ("local", local)),
-                        (ro, remote.desc.size, ("remote segment", remote.name)))
+    return check_ranges(
+        op.value,
+        ln,
+        (lo, local.size, ("local", local)),
+        (ro, remote.desc.size, ("remote segment", remote.name)),
+    )
 
 
 class Batch:
@@ -185,7 +189,7 @@ class Batch:
     def __len__(self) -> int:
         return self._n
 
-    def __enter__(self) -> "Batch":
+    def __enter__(self) -> Batch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -198,11 +202,13 @@ class Batch:
         op = as_op(op)
         if not isinstance(local, MemoryRegion):
             raise NotRegistered(
-                f"local memory must be a MemoryRegion from engine.register(), got {type(local).__name__}"
+                "local memory must be a MemoryRegion from engine.register(), got "
+                f"{type(local).__name__}"
             )
         if not isinstance(remote, RemoteSegment):
             raise InvalidArgument(
-                f"remote must be a RemoteSegment from engine.open_segment(), got {type(remote).__name__}"
+                "remote must be a RemoteSegment from engine.open_segment(), got "
+                f"{type(remote).__name__}"
             )
         key = (op, id(local), id(remote))
         g = self._groups.get(key)
@@ -260,7 +266,7 @@ class Batch:
             return range(start, self._n)
 
     # --- submission -----------------------------------------------------------------------
-    def submit(self, timeout: float | None = None, *, _sync: bool = False) -> "Batch":
+    def submit(self, timeout: float | None = None, *, _sync: bool = False) -> Batch:
         """Check every request, pick transports, start moving bytes; returns at once.
 
         ``timeout`` (default: the engine's ``transfer_timeout``) is the batch deadline: a job
@@ -321,7 +327,9 @@ class Batch:
                 # Parts only pay off when the copies release the GIL most of the time: CPU-copy
                 # transports with small pages would just pass the GIL around between threads.
                 small = handle.transport.inline_ok and nbytes < n * _SPLIT_MIN_PAGE
-                if nbytes <= split or n == 1 or small or not handle.transport.split_ok:  # the common case: one job, no slicing
+                if (
+                    nbytes <= split or n == 1 or small or not handle.transport.split_ok
+                ):  # the common case: one job, no slicing
                     if not handle.acquire():
                         raise g.remote.gone_error()
                     try:
@@ -332,14 +340,26 @@ class Batch:
                     held.append((g.local, handle))
                     i0 = int(idx[0])
                     index: object = slice(i0, i0 + n) if int(idx[-1]) - i0 + 1 == n else idx
-                    job = TransferJob(g.op, g.local, g.remote.desc, handle.route, lo.view(np.uint64),
-                                      ro.view(np.uint64), ln.view(np.uint64), nbytes, self._deadline,
-                                      g.remote.peer.liveness)
+                    job = TransferJob(
+                        g.op,
+                        g.local,
+                        g.remote.desc,
+                        handle.route,
+                        lo.view(np.uint64),
+                        ro.view(np.uint64),
+                        ln.view(np.uint64),
+                        nbytes,
+                        self._deadline,
+                        g.remote.peer.liveness,
+                    )
                     tasks.append(Task(job, handle.transport, index, handle, self._on_done))
                     continue
                 parts = [(0, n)]
                 if n > 1:
-                    cut = np.searchsorted(np.cumsum(ln), np.arange(split, nbytes, split), side="left") + 1
+                    cut = (
+                        np.searchsorted(np.cumsum(ln), np.arange(split, nbytes, split), side="left")
+                        + 1
+                    )
                     edges = [0] + sorted(set(int(c) for c in cut if 0 < c < len(ln))) + [len(ln)]
                     parts = list(zip(edges[:-1], edges[1:]))
                 for a, b in parts:
@@ -351,16 +371,27 @@ class Batch:
                         handle.release()
                         raise
                     held.append((g.local, handle))
-                    plo, pro, pln = (lo[a:b].view(np.uint64), ro[a:b].view(np.uint64), ln[a:b].view(np.uint64))
+                    plo, pro, pln = (
+                        lo[a:b].view(np.uint64),
+                        ro[a:b].view(np.uint64),
+                        ln[a:b].view(np.uint64),
+                    )
                     pidx = idx[a:b]
                     if len(pidx) and int(pidx[-1]) - int(pidx[0]) + 1 == len(pidx):
                         index = slice(int(pidx[0]), int(pidx[-1]) + 1)
                     else:
                         index = pidx
                     job = TransferJob(
-                        g.op, g.local, g.remote.desc, handle.route, plo, pro, pln,
+                        g.op,
+                        g.local,
+                        g.remote.desc,
+                        handle.route,
+                        plo,
+                        pro,
+                        pln,
                         nbytes if len(parts) == 1 else int(pln.sum()),
-                        self._deadline, g.remote.peer.liveness,
+                        self._deadline,
+                        g.remote.peer.liveness,
                     )
                     tasks.append(Task(job, handle.transport, index, handle, self._on_done))
         except BaseException:
@@ -378,7 +409,8 @@ class Batch:
         task.handle.release()  # type: ignore[attr-defined]
         if exc is not None and not isinstance(exc, TransferError):
             err = TransferError(
-                f"{task.transport.kind.value} transport failed on segment {job.remote.name!r}: {exc!r}"
+                f"{task.transport.kind.value} transport failed on segment "
+                f"{job.remote.name!r}: {exc!r}"
             )
             err.__cause__ = exc
             exc = err
@@ -439,9 +471,13 @@ class Batch:
                 requests=self._n,
                 nbytes=self._nbytes,
                 failed=failed,
-                transports=list(self._served) if len(self._served) < 2 else sorted(self._served, key=lambda k: k.value),
+                transports=list(self._served)
+                if len(self._served) < 2
+                else sorted(self._served, key=lambda k: k.value),
                 elapsed_s=max(0.0, end - self._t0) if self._t0 else 0.0,
-                error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
+                error=None
+                if self._error is None
+                else f"{type(self._error).__name__}: {self._error}",
             )
 
     @property
@@ -464,7 +500,11 @@ class Batch:
             for t in self._tasks:  # steal our own queued jobs: no thread hand-off
                 if t.claim():
                     t.run()
-            limit = timeout if timeout is not None else max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE
+            limit = (
+                timeout
+                if timeout is not None
+                else max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE
+            )
             if not self._block(limit):
                 if timeout is None:  # a transport ignored its deadline: give up on it
                     self.cancel()

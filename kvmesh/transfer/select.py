@@ -29,8 +29,10 @@ def route(
     unavailable: dict[str, str | None],
 ) -> RouteHandle:
     """The cached or newly opened route for ``local``'s memory kind to ``remote``."""
-    return remote.route_for(local, lambda: open_route(transports, local, remote, host_id=host_id,
-                                                      unavailable=unavailable))
+    return remote.route_for(
+        local,
+        lambda: open_route(transports, local, remote, host_id=host_id, unavailable=unavailable),
+    )
 
 
 def open_route(
@@ -51,8 +53,9 @@ def open_route(
         except TransportUnavailable as exc:
             refused.append(f"{t.kind.value}: {exc}")
             continue
-        log.debug("segment %s from %s memory: transport %s", remote.name, local.kind.value,
-                  t.kind.value)
+        log.debug(
+            "segment %s from %s memory: transport %s", remote.name, local.kind.value, t.kind.value
+        )
         return RouteHandle(t, opened)
     off = {k: v for k, v in unavailable.items() if v}
     raise TransportUnavailable(

@@ -54,8 +54,11 @@ def test_plans_match_the_reference(n, uniform):
         for max_rows in (1 << 20, 1 << 12):
             want = _reference(lo, ro, ln, size, size, max_rows, 16)
             for arrays in (False, True):
-                args = (np.array(lo, np.uint64), np.array(ro, np.uint64),
-                        np.array(ln, np.uint64)) if arrays else (lo, ro, ln)
+                args = (
+                    (np.array(lo, np.uint64), np.array(ro, np.uint64), np.array(ln, np.uint64))
+                    if arrays
+                    else (lo, ro, ln)
+                )
                 plan = plan_request(*args, size, size, max_table_rows=max_rows)
                 assert plan.nbytes == sum(ln)
                 assert plan.prepared == want[0], (granule, max_rows, plan)
@@ -146,8 +149,11 @@ def test_tables():
     t = descriptor_table(np.array([0, 100], np.uint64), np.array([10, 20], np.uint64), 1000, 3)
     assert t.dtype == np.uint64 and t.tolist() == [[1000, 10, 3], [1100, 20, 3]]
     g = granule_table(1 << 30, 4096 * 3 + 100, 4096, 0)  # partial last granule: no row
-    assert g.tolist() == [[1 << 30, 4096, 0], [(1 << 30) + 4096, 4096, 0],
-                          [(1 << 30) + 8192, 4096, 0]]
+    assert g.tolist() == [
+        [1 << 30, 4096, 0],
+        [(1 << 30) + 4096, 4096, 0],
+        [(1 << 30) + 8192, 4096, 0],
+    ]
 
 
 def test_planning_never_imports_nixl():

@@ -52,8 +52,9 @@ def error_map(bind: Any) -> dict[type, type[TransferError]]:
     return out
 
 
-def translate(errors: dict[type, type[TransferError]], exc: BaseException,
-              what: str) -> TransferError:
+def translate(
+    errors: dict[type, type[TransferError]], exc: BaseException, what: str
+) -> TransferError:
     """The kvmesh error for ``exc`` raised by NIXL while doing ``what``."""
     cls = errors.get(type(exc))
     if cls is None:

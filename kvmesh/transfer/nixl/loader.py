@@ -121,7 +121,7 @@ def _dist_version(module: str) -> str | None:
 
 
 def load() -> Loaded | None:
-    """Import NIXL once per process (``None`` when it cannot load; see :func:`unavailable_reason`)."""
+    """Import NIXL once per process; ``None`` when it cannot (:func:`unavailable_reason`)."""
     global _loaded, _load_error, _load_tried
     if _load_tried:
         return _loaded

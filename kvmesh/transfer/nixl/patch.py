@@ -60,5 +60,6 @@ class ConfigPatch:
 
     def verified(self) -> bool:
         """Whether exactly one patched config was built and kept the new delay."""
-        return (len(self.configs) == 1
-                and getattr(self.configs[0], "pthrDelay", None) == self.delay_us)
+        return (
+            len(self.configs) == 1 and getattr(self.configs[0], "pthrDelay", None) == self.delay_us
+        )

@@ -39,12 +39,29 @@ class Plan:
     for explicit descriptors and ``count`` is the number of pieces.
     """
 
-    __slots__ = ("prepared", "granule", "nbytes", "count", "local_idx", "remote_idx", "lo",
-                 "ro", "ln")
+    __slots__ = (
+        "prepared",
+        "granule",
+        "nbytes",
+        "count",
+        "local_idx",
+        "remote_idx",
+        "lo",
+        "ro",
+        "ln",
+    )
 
-    def __init__(self, prepared: bool, granule: int, nbytes: int, lo: np.ndarray,
-                 ro: np.ndarray, ln: np.ndarray, local_idx: np.ndarray | None = None,
-                 remote_idx: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        prepared: bool,
+        granule: int,
+        nbytes: int,
+        lo: np.ndarray,
+        ro: np.ndarray,
+        ln: np.ndarray,
+        local_idx: np.ndarray | None = None,
+        remote_idx: np.ndarray | None = None,
+    ) -> None:
         self.prepared = prepared
         self.granule = granule
         self.nbytes = nbytes
@@ -105,8 +122,12 @@ def plan_request(
         sln = as_int64("lengths", lengths, 1, copy=False)
         if len(sln) == 0:
             raise InvalidLength("a transfer needs at least one piece")
-        check_ranges("NIXL piece", sln, (slo, local_size, "the local region"),
-                     (sro, remote_size, "the remote region"))
+        check_ranges(
+            "NIXL piece",
+            sln,
+            (slo, local_size, "the local region"),
+            (sro, remote_size, "the remote region"),
+        )
         lo, ro, ln = slo.view(np.uint64), sro.view(np.uint64), sln.view(np.uint64)
     n = len(ln)
     li = ri = None
@@ -146,8 +167,9 @@ def plan_request(
     return Plan(True, granule, nbytes, lo, ro, ln, li, ri)
 
 
-def descriptor_table(offsets: np.ndarray, lengths: np.ndarray, addr: int,
-                     device: int) -> np.ndarray:
+def descriptor_table(
+    offsets: np.ndarray, lengths: np.ndarray, addr: int, device: int
+) -> np.ndarray:
     """``(n, 3)`` ``uint64`` rows ``(addr + offset, length, device)`` (explicit descriptors)."""
     table = np.empty((len(lengths), 3), dtype=np.uint64)
     table[:, 0] = offsets + np.uint64(addr)

@@ -50,8 +50,12 @@ class PreppedCache:
     ``(handle, rows)``.
     """
 
-    def __init__(self, prepare: Callable[[str, int, int, str, int, int], tuple[Any, int]],
-                 max_rows: int, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        prepare: Callable[[str, int, int, str, int, int], tuple[Any, int]],
+        max_rows: int,
+        lock: threading.RLock,
+    ) -> None:
         self._prepare = prepare
         self._max_rows = max_rows
         self._lock = lock
@@ -62,8 +66,7 @@ class PreppedCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, peer: str, addr: int, size: int, kind: str, device: int,
-            granule: int) -> Prepped:
+    def get(self, peer: str, addr: int, size: int, kind: str, device: int, granule: int) -> Prepped:
         """The list for (peer, region, granule), with one more user (:meth:`unuse` it).
 
         Counting the user before anything else is prepared keeps the eviction of the next

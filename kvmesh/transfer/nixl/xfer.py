@@ -33,8 +33,17 @@ class NixlXfer:
     to repeat the same transfer.
     """
 
-    __slots__ = ("_agent", "_handle", "_prepped", "op", "peer", "nbytes", "count", "prepared",
-                 "_state")
+    __slots__ = (
+        "_agent",
+        "_handle",
+        "_prepped",
+        "op",
+        "peer",
+        "nbytes",
+        "count",
+        "prepared",
+        "_state",
+    )
 
     def __init__(
         self,
@@ -62,8 +71,9 @@ class NixlXfer:
         return self._state == "done"
 
     def _what(self) -> str:
-        return (f"NIXL {self.op} of {self.nbytes} bytes ({self.count} descriptors) with "
-                f"{self.peer!r}")
+        return (
+            f"NIXL {self.op} of {self.nbytes} bytes ({self.count} descriptors) with {self.peer!r}"
+        )
 
     def _fail(self, exc: BaseException) -> TransferError:
         self._state = "failed"
