@@ -4,7 +4,7 @@ The engine wires the pieces together and owns every thread: the control server (
 one thread per connection), the monitor (peer liveness), and the worker pool. All of them
 block when idle. Transports are created once, in the preference order of
 ``transports.REGISTRY`` filtered by configuration, and chosen per (local memory kind,
-remote segment) on first use (design.md §1).
+remote segment) on first use (docs/transfer.md, "Transport selection").
 
 Use :func:`get_engine` / :func:`init_engine` for the process-wide shared engine (the store
 client and both SGLang plugins must share one).

@@ -1,6 +1,6 @@
 """NIXL transport: one-sided READ/WRITE through a NIXL agent with a UCX backend.
 
-Serves (design.md §1) host memory of another process on this host that is not in a shared
+Serves (docs/transfer.md, "Transport selection") host memory of another process on this host that is not in a shared
 segment (UCX picks ``cma``: process_vm_readv/writev), segments on other hosts (UCX: RDMA where
 present, else TCP), and GPU memory when CUDA is present (UCX cuda transports).
 
@@ -13,10 +13,11 @@ progress thread):
   region on the first request) and loads it: 423 bytes, connection info included;
 * a local region is registered with our agent the first time a job uses it.
 
-Over TCP-only UCX a NIXL READ is a software-emulated GET (0.3-0.6 GB/s against 1.2-2 GB/s for
-a WRITE, nixl-notes §5). When the GET would be emulated (``UCX_TLS``/``ucx_tls`` is TCP only, or
-the owner is on another host and this host has no RDMA device), a READ is served as a push
-by the owner instead; ``read_mode`` (``KVMESH_NIXL=read_mode=...``) picks how:
+Over TCP-only UCX a NIXL READ is a software-emulated GET (0.42-0.54 GB/s, about half of an
+owner push; docs/nixl.md, "READ over TCP-only UCX"). When the GET would be emulated
+(``UCX_TLS``/``ucx_tls`` is TCP only, or the owner is on another host and this host has no RDMA
+device), a READ is served as a push by the owner instead; ``read_mode``
+(``KVMESH_NIXL=read_mode=...``) picks how:
 
 * ``socket`` (default when emulated): the owner pushes the pages over the engine's plain TCP
   data path, received with ``recv_into`` straight into local memory;
