@@ -24,7 +24,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,7 +34,6 @@ from .errors import (
     AuthError,
     EngineClosed,
     InvalidLength,
-    OutOfBounds,
     PeerDeadError,
     ProtocolError,
     SegmentNotFound,
@@ -391,7 +391,8 @@ class PeerClient:
             nonce = secrets.token_bytes(16)
             P.send_msg(
                 sock,
-                P.Hello(self._me.node_id, self._me.engine_id, nonce, P.mac(token, ch.nonce, self._me.engine_id), watch=watch),
+                P.Hello(self._me.node_id, self._me.engine_id, nonce,
+                        P.mac(token, ch.nonce, self._me.engine_id), watch=watch),
             )
             welcome = _expect(conn.reply(timeout), P.Welcome)
             if not P.mac_ok(token, nonce, ch.engine_id, welcome.mac):
@@ -489,7 +490,9 @@ class PeerClient:
         with self.connection(timeout) as conn:
             resp = _expect(conn.request(req, timeout), P.ReadResp)
             if resp.total != total:
-                raise ProtocolError(f"peer {self.address} answered {resp.total} bytes for a {total} byte read")
+                raise ProtocolError(
+                    f"peer {self.address} answered {resp.total} bytes for a {total} byte read"
+                )
             try:
                 P.recv_into_views(conn.sock, views)
             except OSError as exc:

@@ -35,7 +35,6 @@ from .errors import (
     InvalidArgument,
     InvalidLength,
     NotRegistered,
-    OutOfBounds,
     SegmentNotFound,
     TensorMismatch,
     TransferError,
@@ -94,10 +93,12 @@ def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
     raise InvalidArgument(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
 
 
-def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return (as_int64("local_offset", (local_offset,), copy=False),
-            as_int64("remote_offset", (remote_offset,), copy=False),
-            as_int64("length", (length,), copy=False))
+def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, ...]:
+    return (
+        as_int64("local_offset", (local_offset,), copy=False),
+        as_int64("remote_offset", (remote_offset,), copy=False),
+        as_int64("length", (length,), copy=False),
+    )
 
 
 class TransferEngine:

@@ -1,8 +1,9 @@
 """NIXL transport: one-sided READ/WRITE through a NIXL agent with a UCX backend.
 
-Serves (docs/transfer.md, "Transport selection") host memory of another process on this host that is not in a shared
-segment (UCX picks ``cma``: process_vm_readv/writev), segments on other hosts (UCX: RDMA where
-present, else TCP), and GPU memory when CUDA is present (UCX cuda transports).
+Serves (docs/transfer.md, "Transport selection") host memory of another process on this host
+that is not in a shared segment (UCX picks ``cma``: process_vm_readv/writev), segments on other
+hosts (UCX: RDMA where present, else TCP), and GPU memory when CUDA is present (UCX cuda
+transports).
 
 Everything is lazy, so an engine that never needs NIXL pays nothing (no import, no agent, no
 progress thread):
