@@ -20,6 +20,7 @@ __all__ = ["as_int64", "as_op", "check_ranges"]
 # Below this many pieces Python ints beat a handful of numpy reductions (latency path).
 _SMALL = 8
 _I63 = 1 << 63
+_INT64 = np.dtype(np.int64)
 
 
 def as_op(op: Any) -> Op:
@@ -42,12 +43,16 @@ def as_int64(name: str, value: Any, n: int | None = None, *, copy: bool = True) 
     """
     if type(value) is np.ndarray:
         arr = value
+        if arr.dtype is _INT64 and arr.ndim == 1:  # the common case, checked first
+            return arr.copy() if copy else arr
     else:
         try:
             arr = np.asarray(value)
         except (OverflowError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"{name} must be integers ({exc})") from None
-        copy = False  # asarray of a Python sequence is a fresh array already
+        if arr.dtype is _INT64 and arr.ndim == 1:  # Python ints below 2**63: a fresh array
+            return arr
+        copy = False
     if arr.dtype.kind not in "iu" and (arr.size or arr.dtype.kind != "f"):  # [] is float64
         if arr is not value and _all_ints(value):
             # Python ints that no int64/uint64 array holds (numpy made floats or objects).
@@ -92,14 +97,23 @@ def check_ranges(what: str, lengths: np.ndarray, *sides: tuple[np.ndarray, int, 
             )
     if n == 0:
         return 0
+    if n == 1:  # the latency path: one range
+        c = lengths.tolist()[0]
+        if c <= 0:
+            raise InvalidLength(f"{what} #0: length {c} is not positive")
+        for offsets, size, name in sides:
+            o = offsets.tolist()[0]
+            if o < 0 or o > size or c > size - o:
+                raise _out_of_bounds(what, 0, o, c, size, name)
+        return c
     if n <= _SMALL:
         lens = lengths.tolist()
-        cols = [(offsets.tolist(), size, name) for offsets, size, name in sides]
         for i, c in enumerate(lens):
             if c <= 0:
                 raise InvalidLength(f"{what} #{i}: length {c} is not positive")
-            for offs, size, name in cols:
-                o = offs[i]
+        for offsets, size, name in sides:
+            for i, o in enumerate(offsets.tolist()):
+                c = lens[i]
                 if o < 0 or o > size or c > size - o:
                     raise _out_of_bounds(what, i, o, c, size, name)
         return sum(lens)

@@ -135,8 +135,10 @@ class RemoteSegment:
                 for (k, d), h in self._routes.items()
             }
 
-    def route_for(self, local: MemoryRegion, open_route: Callable[[], RouteHandle]) -> RouteHandle:
-        """The route cached for ``local``'s (memory kind, device), else ``open_route()``'s.
+    def route_for(
+        self, local: MemoryRegion, open_route: Callable[[MemoryRegion, RemoteSegment], RouteHandle]
+    ) -> RouteHandle:
+        """The route cached for ``local``'s (memory kind, device), else ``open_route``'s.
 
         ``open_route`` runs under this segment's lock, so concurrent first users open one
         route, not one each; its error (``TransportUnavailable``) propagates and caches nothing.
@@ -148,7 +150,7 @@ class RemoteSegment:
         with self._lock:
             h = self._routes.get(key)
             if h is None:
-                h = self._routes[key] = open_route()
+                h = self._routes[key] = open_route(local, self)
             return h
 
     def gone_error(self) -> Exception:

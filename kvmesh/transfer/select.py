@@ -20,21 +20,6 @@ from .transports.base import Transport
 log = logging.getLogger("kvmesh.transfer")
 
 
-def route(
-    transports: Sequence[Transport],
-    local: MemoryRegion,
-    remote: RemoteSegment,
-    *,
-    host_id: str,
-    unavailable: dict[str, str | None],
-) -> RouteHandle:
-    """The cached or newly opened route for ``local``'s memory kind to ``remote``."""
-    return remote.route_for(
-        local,
-        lambda: open_route(transports, local, remote, host_id=host_id, unavailable=unavailable),
-    )
-
-
 def open_route(
     transports: Sequence[Transport],
     local: MemoryRegion,
@@ -43,7 +28,11 @@ def open_route(
     host_id: str,
     unavailable: dict[str, str | None],
 ) -> RouteHandle:
-    """Open a route through the first transport that accepts and opens (no caching)."""
+    """Open a route through the first transport that accepts and opens.
+
+    The engine passes this (bound to its transports) to ``RemoteSegment.route_for``, which
+    caches the result per local (memory kind, device).
+    """
     refused = []
     for t in transports:
         if not t.can_serve(local, remote.desc):

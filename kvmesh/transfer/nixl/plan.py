@@ -29,6 +29,8 @@ from ..ranges import as_int64, check_ranges
 __all__ = ["Plan", "descriptor_table", "granule_table", "plan_request"]
 
 _SMALL = 8  # pieces up to which Python ints beat numpy reductions (the latency path)
+_UINT64 = np.dtype(np.uint64)
+_INT64 = np.dtype(np.int64)
 
 
 class Plan:
@@ -80,10 +82,11 @@ class Plan:
 def _trusted(values: Any, name: str) -> np.ndarray:
     """Arrays a caller already validated (non-negative integers): no checks, no copies."""
     if type(values) is np.ndarray and values.ndim == 1:
-        if values.dtype == np.uint64:
+        dtype = values.dtype
+        if dtype is _UINT64:
             return values
-        if values.dtype == np.int64:
-            return values.view(np.uint64)
+        if dtype is _INT64:
+            return values.view(_UINT64)
     return as_int64(name, values, copy=False).view(np.uint64)
 
 
@@ -134,12 +137,11 @@ def plan_request(
     if n <= _SMALL:
         L, R, N = lo.tolist(), ro.tolist(), ln.tolist()
         acc = 0
-        for i in range(n):
-            acc |= L[i] | R[i] | N[i]
+        for a, b, c in zip(L, R, N):
+            acc |= a | b | c
         nbytes = sum(N)
         granule = acc & -acc
-        uniform = all(c == granule for c in N)
-        if uniform:
+        if N.count(granule) == n:  # uniform
             li = np.array([a // granule for a in L], dtype=np.int32)
             ri = np.array([b // granule for b in R], dtype=np.int32)
     else:
