@@ -90,7 +90,7 @@ class NixlAgent:
                 )
         ag = None
         if mode == "thread":
-            patch = ConfigPatch(loaded, opts.progress_delay_us)
+            patch = ConfigPatch(loaded.api, loaded.bind, opts.progress_delay_us)
             with patch:
                 ag = self._new_agent(prog_thread=True)
             if not patch.verified():

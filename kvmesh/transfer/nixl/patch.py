@@ -11,10 +11,7 @@ that the patched config really reached the agent.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .loader import Loaded
+from typing import Any
 
 __all__ = ["PATCH_TESTED_VERSIONS", "ConfigPatch"]
 
@@ -24,19 +21,22 @@ PATCH_TESTED_VERSIONS = frozenset({"1.5.1"})
 
 
 class ConfigPatch:
-    """``with ConfigPatch(loaded, 1000): agent = api.nixl_agent(...)``, then ``verified()``."""
+    """``with ConfigPatch(api, bind, 1000): agent = api.nixl_agent(...)``, then ``verified()``.
+
+    ``api`` and ``bind`` are the loaded package's ``_api`` and ``_bindings`` modules.
+    """
 
     _lock = threading.Lock()
 
-    def __init__(self, loaded: Loaded, delay_us: int) -> None:
-        self.loaded = loaded
+    def __init__(self, api: Any, bind: Any, delay_us: int) -> None:
+        self.api = api
+        self.bind = bind
         self.delay_us = max(1, int(delay_us))
         self.configs: list[Any] = []
 
     def __enter__(self) -> ConfigPatch:
         self._lock.acquire()
-        bind = self.loaded.bind
-        base = bind.nixlAgentConfig
+        base = self.bind.nixlAgentConfig
         delay = self.delay_us
         made = self.configs
 
@@ -49,12 +49,12 @@ class ConfigPatch:
                 super().__setattr__(key, delay if key == "pthrDelay" else value)
 
         self._orig = base
-        self.loaded.api.nixlBind.nixlAgentConfig = _Cfg
+        self.api.nixlBind.nixlAgentConfig = _Cfg
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.loaded.api.nixlBind.nixlAgentConfig = self._orig
+            self.api.nixlBind.nixlAgentConfig = self._orig
         finally:
             self._lock.release()
 

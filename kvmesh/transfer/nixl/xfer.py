@@ -12,17 +12,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import TransferError, TransferTimeout
+from .prepped import Prepped, PreppedCache
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .agent import NixlAgent
-    from .prepped import Prepped
-
-__all__ = ["NixlXfer"]
+__all__ = ["NixlXfer", "XferOwner"]
 
 log = logging.getLogger("kvmesh.transfer.nixl")
+
+
+class XferOwner(Protocol):
+    """What a transfer handle needs from the agent that made it (``NixlAgent``)."""
+
+    _ag: Any  # the NIXL agent object: transfer(), check_xfer_state()
+    _prepped: PreppedCache
+
+    def _check_open(self) -> None:
+        """Raise ``EngineClosed`` once the agent is closed."""
+
+    def _failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
+        """The kvmesh error for a failed transfer with ``peer`` (remembers a dead peer)."""
+        ...
+
+    def _leak(self, handle: Any) -> None:
+        """Keep a handle NIXL refused to release, to retry when the agent closes."""
 
 
 class NixlXfer:
@@ -47,7 +61,7 @@ class NixlXfer:
 
     def __init__(
         self,
-        agent: NixlAgent,
+        agent: XferOwner,
         handle: Any,
         prepped: tuple[Prepped, ...],
         op: str,
