@@ -38,7 +38,7 @@ from .segment import RemoteSegment, RouteHandle
 from .transports.base import TransferJob
 from .types import BatchState, EngineConfig, Op, RequestStatus, TransportKind
 
-_WAIT_GRACE = 5.0
+_WAIT_GRACE = 5.0  # seconds past the batch deadline before wait() gives up on a stuck job
 _SPLIT_MIN_PAGE = 64 << 10  # mean request size below which CPU-copy jobs are not split
 # RequestStatus values as plain ints: enum attribute access costs microseconds on hot paths.
 _DONE = int(RequestStatus.DONE)

@@ -94,12 +94,6 @@ def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
 
 
 def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, ...]:
-    if type(local_offset) is int and type(remote_offset) is int and type(length) is int:
-        try:  # the latency path: three plain ints, no dtype probing
-            return (np.array((local_offset,), np.int64), np.array((remote_offset,), np.int64),
-                    np.array((length,), np.int64))
-        except OverflowError:
-            pass  # as_int64 says which one and raises OutOfBounds
     return (
         as_int64("local_offset", (local_offset,), copy=False),
         as_int64("remote_offset", (remote_offset,), copy=False),
