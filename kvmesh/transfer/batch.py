@@ -24,7 +24,6 @@ from .errors import (
     BatchStateError,
     Cancelled,
     InvalidArgument,
-    InvalidLength,
     NotRegistered,
     PeerDeadError,
     SegmentNotFound,
@@ -33,7 +32,7 @@ from .errors import (
 )
 from .executor import Task
 from .memory import MemoryRegion
-from .ranges import as_int64, as_op, check_ranges
+from .ranges import as_int64, as_op, as_requests, check_ranges
 from .segment import RemoteSegment, RouteHandle
 from .transports.base import TransferJob
 from .types import BatchState, EngineConfig, Op, RequestStatus, TransportKind
@@ -252,14 +251,7 @@ class Batch:
         Returns the range of their request indices. The arrays are copied (as int64), so the
         caller may reuse them right away.
         """
-        lo = as_int64("local_offsets", local_offsets)
-        ro = as_int64("remote_offsets", remote_offsets)
-        ln = as_int64("lengths", lengths, len(lo))
-        if not (len(lo) == len(ro) == len(ln)):
-            raise InvalidLength(
-                f"add_many needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, "
-                f"{len(ln)} lengths"
-            )
+        lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
         with self._lock:
             g = self._group(op, local, remote)
             start = self._n

@@ -51,7 +51,7 @@ from .memory import (
     shared_buffer_at,
     sweep_dead_shared,
 )
-from .ranges import as_int64, as_op
+from .ranges import as_int64, as_op, as_requests
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import Transport, TransportContext, TransferJob
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
@@ -501,13 +501,7 @@ class TransferEngine:
         The calling thread does the copy or the socket I/O itself (no thread hand-off); a
         batch larger than ``split_bytes`` is cut into parts that the worker threads share.
         """
-        lo = as_int64("local_offsets", local_offsets)
-        ro = as_int64("remote_offsets", remote_offsets)
-        ln = as_int64("lengths", lengths, len(lo))
-        if not (len(lo) == len(ro) == len(ln)):
-            raise InvalidLength(
-                f"transfer needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, {len(ln)} lengths"
-            )
+        lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
         return self._sync(as_op(op), local, remote, lo, ro, ln, timeout)
 
     def read(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
@@ -537,11 +531,7 @@ class TransferEngine:
         resolved and grouped with vectorised lookups, then moved as one batch.
         """
         op = as_op(op)
-        lp = as_int64("local_ptrs", local_ptrs)
-        rp = as_int64("remote_ptrs", remote_ptrs)
-        ln = as_int64("lengths", lengths, len(lp))
-        if not (len(lp) == len(rp) == len(ln)):
-            raise InvalidLength(f"{len(lp)} local addresses, {len(rp)} remote addresses, {len(ln)} lengths")
+        lp, rp, ln = as_requests(local_ptrs, remote_ptrs, lengths, names=("local_ptrs", "remote_ptrs"))
         if len(ln) == 0:
             return BatchResult(state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0)
         if int(ln.min()) <= 0:

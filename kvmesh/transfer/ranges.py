@@ -15,7 +15,7 @@ import numpy as np
 from .errors import InvalidArgument, InvalidLength, OutOfBounds
 from .types import Op
 
-__all__ = ["as_int64", "as_op", "check_ranges"]
+__all__ = ["as_int64", "as_op", "as_requests", "check_ranges"]
 
 # Below this many pieces Python ints beat a handful of numpy reductions (latency path).
 _SMALL = 8
@@ -67,6 +67,30 @@ def as_int64(name: str, value: Any, n: int | None = None, *, copy: bool = True) 
     if arr.dtype == np.int64:
         return arr.copy() if copy else arr
     return arr.astype(np.int64)
+
+
+def as_requests(
+    local: Any,
+    remote: Any,
+    lengths: Any,
+    *,
+    names: tuple[str, str] = ("local_offsets", "remote_offsets"),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A caller's three request arrays as fresh ``int64`` arrays of one count.
+
+    ``lengths`` may be one integer for every request. Coerced by :func:`as_int64`;
+    ``InvalidLength`` when the counts differ. The ranges are checked later, against the
+    regions, by :func:`check_ranges`.
+    """
+    lo = as_int64(names[0], local)
+    ro = as_int64(names[1], remote)
+    ln = as_int64("lengths", lengths, len(lo))
+    if not (len(lo) == len(ro) == len(ln)):
+        raise InvalidLength(
+            f"requests need equal counts: {len(lo)} {names[0]}, {len(ro)} {names[1]}, "
+            f"{len(ln)} lengths"
+        )
+    return lo, ro, ln
 
 
 def _all_ints(value: Any) -> bool:

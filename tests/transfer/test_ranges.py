@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvmesh.transfer import InvalidArgument, InvalidLength, Op, OutOfBounds
-from kvmesh.transfer.ranges import as_int64, as_op, check_ranges
+from kvmesh.transfer.ranges import as_int64, as_op, as_requests, check_ranges
 
 
 def _u(*v):
@@ -96,3 +96,13 @@ def test_as_op():
     assert as_op("write") is Op.WRITE
     with pytest.raises(InvalidArgument):
         as_op("copy")
+
+
+def test_as_requests():
+    lo, ro, ln = as_requests([0, 4096], np.array([8, 16], np.uint32), 4096)
+    assert [a.dtype for a in (lo, ro, ln)] == [np.int64] * 3
+    assert ln.tolist() == [4096, 4096] and ro.tolist() == [8, 16]
+    with pytest.raises(InvalidLength, match="2 local_ptrs, 1 remote_ptrs"):
+        as_requests([1, 2], [3], [4, 5], names=("local_ptrs", "remote_ptrs"))
+    with pytest.raises(InvalidLength):
+        as_requests([1, 2], [3, 4], [5])
