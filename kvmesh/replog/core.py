@@ -88,7 +88,27 @@ from .types import (
     encode_conf_change,
 )
 
-__all__ = ["RaftCore"]
+__all__ = ["RaftCore", "next_conf_state"]
+
+
+def next_conf_state(cs: ConfState, cc: ConfChange) -> ConfState:
+    """The configuration after applying ``cc`` to ``cs`` (the one rule the core and drivers
+    share: a driver tracks the configuration entry by entry as it applies, so that a
+    snapshot records the configuration at exactly its index)."""
+    voters = set(cs.voters)
+    learners = set(cs.learners)
+    n, t = cc.node_id, cc.type
+    if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
+        learners.discard(n)
+        voters.add(n)
+    elif t == ConfChangeType.ADD_LEARNER:
+        if n not in voters:
+            learners.add(n)
+    elif t == ConfChangeType.REMOVE_NODE:
+        if voters - {n}:
+            voters.discard(n)
+        learners.discard(n)
+    return ConfState(tuple(sorted(voters)), tuple(sorted(learners)))
 
 FOLLOWER = Role.FOLLOWER
 PRE_CANDIDATE = Role.PRE_CANDIDATE
@@ -665,6 +685,7 @@ class RaftCore:
         if self.term != term:
             self.term = term
             self.vote = NONE
+            self._drop_stale_messages(term)
         self.lead = NONE
         self.election_elapsed = 0
         self.heartbeat_elapsed = 0
@@ -679,6 +700,16 @@ class RaftCore:
         self._need_flush = False
         self._commit_dirty = False
         self._lease_revoked = False
+
+    def _drop_stale_messages(self, term: int) -> None:
+        # Queued messages of an older term are void, and acknowledgements among them may
+        # promise entries that a newer leader's Append truncates before the next fsync:
+        # sent after that fsync they would claim indexes that are not durable (soak seed
+        # 700022). Dropping a message is always safe.
+        if self.msgs_now:
+            self.msgs_now = [m for m in self.msgs_now if m.term >= term]
+        if self.msgs_after:
+            self.msgs_after = [m for m in self.msgs_after if m.term >= term]
 
     def _become_follower(self, term: int, lead: int) -> None:
         self._reset(term)
@@ -1080,21 +1111,8 @@ class RaftCore:
             raise ConfChangeError(f"unknown configuration change type {t}")
 
     def _apply_conf_change_to_sets(self, cc: ConfChange) -> None:
-        voters = set(self.voters)
-        learners = set(self.learners)
-        n, t = cc.node_id, cc.type
-        if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
-            learners.discard(n)
-            voters.add(n)
-        elif t == ConfChangeType.ADD_LEARNER:
-            if n not in voters:
-                learners.add(n)
-        elif t == ConfChangeType.REMOVE_NODE:
-            if voters - {n}:
-                voters.discard(n)
-            learners.discard(n)
-        self.voters = tuple(sorted(voters))
-        self.learners = tuple(sorted(learners))
+        cs = next_conf_state(ConfState(self.voters, self.learners), cc)
+        self.voters, self.learners = cs.voters, cs.learners
 
     def _apply_conf_change(self, cc: ConfChange) -> None:
         self._apply_conf_change_to_sets(cc)

@@ -5,7 +5,8 @@ One event loop per replica. The driver:
 
 * turns ``time.monotonic()`` into ``core.tick()`` (missed ticks after a stall are caught
   up, so tick-based leases never outlive real time);
-* runs the Ready loop: write the snapshot/entries/hard state (page cache) -> send
+* runs the Ready loop through :class:`~kvmesh.replog.readypath.ReadyPath` (the ordering the
+  simulator runs too): write the snapshot/entries/hard state (page cache) -> send
   ``send_now`` -> **one** fdatasync in a worker thread (group commit; messages and
   proposals keep being stepped in meanwhile and form the next batch) -> send
   ``send_after_persist`` -> restore/apply -> ``advance``;
@@ -38,6 +39,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import os
 import random
 import secrets
 import time
@@ -47,9 +49,8 @@ from typing import Any, Literal
 import msgspec
 
 from ..net import SecurityConfig
-from . import snapfile
 from .core import RaftCore
-from .diskstorage import DiskStorage, remove_files
+from .diskstorage import DiskStorage
 from .errors import (
     CommandError,
     NodeStopped,
@@ -62,6 +63,7 @@ from .errors import (
 )
 from .memstorage import MemoryStorage
 from .protocol import SESSION_TOKEN_BYTES
+from .readypath import SYNC, YIELD, ReadyPath
 from .session import (
     Command,
     Expire,
@@ -81,6 +83,7 @@ from .types import (
     InstallSnapshot,
     NotLeader,
     RaftConfig,
+    Ready,
     ReplogError,
     Role,
     Snapshot,
@@ -178,14 +181,16 @@ class _Pending:
 class RaftNode:
     """One replica. Create, ``await start()``, use, ``await stop()``.
 
-    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (optionally
-    ``snapshot_chunks()`` for non-blocking snapshots and ``result_type`` for typed cached
-    results); the node wraps it for exactly-once sessions. ``state_machine`` must be fresh:
-    the node restores it from the newest snapshot on start. A snapshot received from the
-    leader is restored into a new machine from ``state_machine_factory`` (default: the
-    machine's class called without arguments) before it is persisted, and replaces the
-    current one only once that succeeded: read the machine through :attr:`state_machine`
-    rather than keeping a reference to it.
+    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (the whole
+    contract: ``snapshot_chunks()`` makes snapshots non-blocking, ``result_type`` types
+    cached results, ``query`` serves the replica server's reads;
+    :class:`~kvmesh.replog.types.StateMachineBase` has defaults); the node wraps it for
+    exactly-once sessions. ``state_machine`` must be fresh: the node restores it from the
+    newest snapshot on start. A snapshot received from the leader is restored into a new
+    machine from ``state_machine_factory`` (default: the machine's class called without
+    arguments) before it is persisted, and replaces the current one only once that
+    succeeded: read the machine through :attr:`state_machine` rather than keeping a
+    reference to it.
     """
 
     def __init__(
@@ -208,10 +213,9 @@ class RaftNode:
         self._rng = rng
         self.storage: DiskStorage | MemoryStorage | None = None
         self.core: RaftCore | None = None
+        self._path: ReadyPath | None = None
         self.transport: Transport | None = None
         self._wake = asyncio.Event()
-        self._ready_idle = asyncio.Event()
-        self._ready_idle.set()
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
         self._deadline_seq = itertools.count()
@@ -275,7 +279,12 @@ class RaftNode:
             gc.freeze()
         self._applied = self._snap_index = snap.meta.index
         self.restore_s = time.perf_counter() - t0
-        self.core = RaftCore(self.id, self.storage, cfg.raft, self._rng, applied=self._applied)
+        # Election timeouts come from OS randomness unless a caller (a test) passes a seeded
+        # RNG: the core's default, Random(node_id), would repeat the same timeout sequence
+        # on every restart and keep colliding with a peer that does the same.
+        rng = self._rng if self._rng is not None else random.Random(os.urandom(16))
+        self.core = RaftCore(self.id, self.storage, cfg.raft, rng, applied=self._applied)
+        self._path = ReadyPath(self.core, self.storage, self, _APPLY_SLICE)
         self._term = self.core.term
         listen = cfg.peers[self.id]
         self.transport = Transport(
@@ -292,8 +301,7 @@ class RaftNode:
             await self.transport.start()
         except BaseException:
             # E.g. the address is in use: release the data directory before failing.
-            if isinstance(self.storage, DiskStorage):
-                self.storage.close()
+            self.storage.close()
             self.storage = None
             raise
         self._running = True
@@ -327,7 +335,7 @@ class RaftNode:
         if self.transport is not None:
             await self.transport.stop()
         self._fail_all(NodeStopped(f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")))
-        if isinstance(self.storage, DiskStorage):
+        if self.storage is not None:
             try:
                 # A WAL that failed an fsync refuses to sync again and just closes.
                 self.storage.close()
@@ -753,76 +761,57 @@ class RaftNode:
         except BaseException as e:  # noqa: BLE001 - storage/apply failures are fatal
             self._fatal(e)
 
-    async def _handle_ready(self, rd: Any) -> None:
-        self._ready_idle.clear()
-        try:
-            await self._process_ready(rd)
-        finally:
-            self._ready_idle.set()
-
-    async def _process_ready(self, rd: Any) -> None:
-        core = self.core
+    async def _handle_ready(self, rd: Ready) -> None:
+        """Run the shared Ready path, performing its effects with asyncio: the fsync and
+        file writes in worker threads (the loop keeps stepping messages meanwhile)."""
+        path = self._path
         storage = self.storage
-        tr = self.transport
-        assert core is not None and storage is not None and tr is not None
+        assert path is not None and storage is not None
         self.metrics["readies"] += 1
-        snap = rd.snapshot_to_install
-        disk = isinstance(storage, DiskStorage)
-        # 1. Write (page cache only).
-        if disk:
-            path = None
-            if snap is not None:
-                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, snap)
-            need_sync = storage.write(rd, path)
-        else:
-            if snap is not None:
-                storage.apply_snapshot(snap)
-            if rd.entries_to_append:
-                storage.append(rd.entries_to_append)
-            if rd.hard_state is not None:
-                storage.set_hard_state(rd.hard_state)
-            need_sync = False
         self.metrics["entries_persisted"] += len(rd.entries_to_append)
-        # 2. Messages that do not depend on this write (leader appends, heartbeats).
-        if rd.send_now:
-            tr.send(rd.send_now)
-        # 3. One fsync for the whole batch; the loop keeps stepping messages meanwhile.
-        if need_sync:
-            await asyncio.to_thread(storage.sync)
-            self.metrics["fsyncs"] += 1
-        # 4. Messages that promise durability (votes, append acks).
-        if rd.send_after_persist:
-            tr.send(rd.send_after_persist)
-        # 5. State machine.
-        if snap is not None:
-            self._install(snap)
-        if rd.committed_entries:
-            ents = rd.committed_entries
-            # Long batches (a follower catching up) are applied in slices so that
-            # heartbeats, votes and client requests keep being served in between.
-            for lo in range(0, len(ents), _APPLY_SLICE):
-                if lo:
-                    await asyncio.sleep(0)
-                self._apply(ents[lo : lo + _APPLY_SLICE])
+        gen = path.run(rd)
+        result: Any = None
+        while True:
+            try:
+                eff = gen.send(result)
+            except StopIteration:
+                break
+            result = None
+            if eff is SYNC:
+                await asyncio.to_thread(storage.sync)
+                self.metrics["fsyncs"] += 1
+            elif eff is YIELD:
+                await asyncio.sleep(0)
+            else:
+                result = await asyncio.to_thread(eff)
+        if not self._snapshotting and self._applied - self._snap_index >= self.cfg.snapshot_threshold:
+            self._snapshotting = True
+            asyncio.get_running_loop().create_task(self._snapshot_task())
+
+    # ReadyHost: what the shared path calls back.
+
+    def send(self, msgs: list, after_persist: bool) -> None:
+        assert self.transport is not None
+        self.transport.send(msgs)
+
+    def install(self, snap: Snapshot) -> None:
+        self._install(snap)
+
+    def apply(self, entries: list) -> None:
+        self._apply(entries)
+
+    def before_advance(self, rd: Ready) -> None:
         if rd.soft_state is not None:
             self._soft_state(rd.soft_state)
         for rs in rd.read_states:
             f = self._reads.get(rs.context)
             if f is not None and not f.done():
                 f.set_result(rs.index)
-        self._term = core.term
-        core.advance(rd)
+        assert self.core is not None
+        self._term = self.core.term
+
+    def after_advance(self, rd: Ready) -> None:
         self._notify_applied()
-        if snap is not None and disk:
-            doomed = storage.obsolete_snapshot_files()
-            if doomed:
-                await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
-        if (
-            not self._snapshotting
-            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
-        ):
-            self._snapshotting = True
-            asyncio.get_running_loop().create_task(self._snapshot_task())
 
     def _install(self, snap: Snapshot) -> None:
         proven, self._proven = self._proven, None
@@ -942,16 +931,15 @@ class RaftNode:
     async def _take_snapshot(self) -> int:
         self._snapshotting = True
         try:
-            core = self._core()
+            self._core()
             storage = self.storage
-            assert storage is not None
-            # Capture at one instant between Readies: applied index, configuration (the
-            # core applies membership changes on advance) and a shallow image.
-            await self._ready_idle.wait()
-            index = self._applied
-            conf = core.conf_state
-            chunks_fn = getattr(self.sm, "snapshot_chunks", None)
-            chunks = chunks_fn() if chunks_fn is not None else iter((self.sm.snapshot(),))
+            path = self._path
+            assert storage is not None and path is not None
+            # Capture at one instant: the applied index, the configuration at exactly that
+            # index (the path tracks it slice by slice; the core's lags until advance) and a
+            # shallow image. Any await point lies between two apply slices.
+            index, conf = path.snapshot_point()
+            chunks = self.sm.snapshot_chunks()
             t0 = time.perf_counter()
             parts = []
             for c in chunks:
@@ -963,23 +951,13 @@ class RaftNode:
             except StorageError:
                 return 0  # a snapshot from the leader replaced the log meanwhile
             meta = SnapshotMeta(index, term, conf)
-            if isinstance(storage, DiskStorage):
-                # The pieces go to the file as they are (no big join under the GIL); the
-                # image is read back from the file only if a follower needs it.
-                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, Snapshot(meta), 1 << 20, parts)
-                if self.storage is not storage:
-                    return 0
-                storage.commit_snapshot(Snapshot(meta), path, keep_data=False)
-                # Deleting an old 60 MB file can take a while: not on the loop.
-                doomed = storage.obsolete_snapshot_files()
-                if doomed:
-                    await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
-            else:
-                if index <= storage.snapshot().meta.index:
-                    return 0
-                storage.create_snapshot(index, conf, b"".join(parts))
-            if storage.snapshot().meta.index != index:
+            staged = await asyncio.to_thread(storage.stage_local_snapshot, meta, parts)
+            if self.storage is not storage or not storage.commit_local_snapshot(meta, staged):
                 return 0
+            # Deleting an old 60 MB file can take a while: not on the loop.
+            doomed = storage.obsolete_snapshot_files()
+            if doomed:
+                await asyncio.to_thread(storage.remove_snapshot_files, doomed)
             self._snap_index = index
             compact_to = index - self.cfg.trailing_logs
             if compact_to >= storage.first_index():

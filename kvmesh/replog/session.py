@@ -29,7 +29,7 @@ import crc32c
 import msgspec
 
 from .snapfile import SnapshotCorruptionError, pack_chunk
-from .types import StateMachine
+from .types import StateMachine, snapshot_chunks_of
 
 __all__ = [
     "MAX_RESULTS_PER_SESSION",
@@ -132,7 +132,8 @@ class SessionStateMachine:
         self.max_results = max_results_per_session
         self.sessions: dict[int, _Session] = {}
         self.duplicates = 0  # commands answered from the cache (observability/tests)
-        self._res_dec = msgspec.msgpack.Decoder(getattr(inner, "result_type", Any))
+        self.result_type: Any = getattr(inner, "result_type", Any)
+        self._res_dec = msgspec.msgpack.Decoder(self.result_type)
 
     def apply(self, index: int, data: bytes) -> Any:
         env = _env_dec.decode(data)
@@ -191,8 +192,7 @@ class SessionStateMachine:
     def snapshot_chunks(self) -> Iterator[bytes]:
         """Session table first (small: encoded now), then the inner machine's image."""
         table = pack_chunk(_enc.encode(_Table(self.sessions)))
-        inner_chunks = getattr(self.inner, "snapshot_chunks", None)
-        rest = inner_chunks() if inner_chunks is not None else iter((self.inner.snapshot(),))
+        rest = snapshot_chunks_of(self.inner)
 
         def gen() -> Iterator[bytes]:
             yield table
@@ -202,6 +202,10 @@ class SessionStateMachine:
 
     def snapshot(self) -> bytes:
         return b"".join(self.snapshot_chunks())
+
+    def query(self, data: bytes) -> Any:
+        """Read-only requests go to the inner machine (sessions have no queries)."""
+        return self.inner.query(data)
 
     def restore(self, data: bytes) -> None:
         mv = memoryview(data)

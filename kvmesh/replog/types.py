@@ -35,12 +35,15 @@ Change log
 * v1.1: ``LeaderTransferError``; ``RaftConfig.lease_ticks`` subtracts one tick of
   granularity (see its docstring).
 * v1.2: the error classes live in ``errors.py`` (with wire codes) and are re-exported here.
+* v1.3: :class:`StateMachine` declares the whole contract (``snapshot_chunks``, ``query``,
+  ``result_type``, used before but undeclared); :class:`StateMachineBase` gives defaults.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from typing import Any, Protocol, Union, runtime_checkable
 
 import msgspec
@@ -102,6 +105,8 @@ __all__ = [
     "Status",
     "LogStorage",
     "StateMachine",
+    "StateMachineBase",
+    "snapshot_chunks_of",
     "ReplogError",
     "NotLeader",
     "ProposalDropped",
@@ -587,11 +592,57 @@ class LogStorage(Protocol):
 
 @runtime_checkable
 class StateMachine(Protocol):
-    """The application's deterministic state machine. ``apply`` must not read clocks,
-    randomness or the environment; its result must be msgpack-encodable."""
+    """The application's deterministic state machine: the whole contract the replicated log
+    (driver, session layer, replica server, client) relies on.
+
+    * ``apply(index, data)``: apply one committed command; must not read clocks, randomness
+      or the environment; the result must be msgpack-encodable (it is cached for duplicate
+      commands and sent to clients).
+    * ``snapshot()`` / ``restore(data)``: the whole state as bytes and back.
+    * ``snapshot_chunks()``: the same image as an iterator of byte strings. The image must be
+      captured when the method is called (e.g. a shallow copy) and only *encoded* lazily:
+      the driver calls it at one applied index and pulls a chunk per event-loop iteration
+      while applying goes on (``b"".join(chunks)`` must equal ``snapshot()``).
+    * ``query(data)``: a read-only request, answered from the local state after a
+      linearizable read-index barrier (the replica server's read path); must not modify
+      the state.
+    * ``result_type``: the msgspec type of ``apply``'s results (``Any`` if untyped): cached
+      results of duplicates and client-side results are decoded with it.
+
+    :class:`StateMachineBase` supplies the last three for machines that do not need them.
+    """
+
+    result_type: Any
 
     def apply(self, index: int, data: bytes) -> Any: ...
 
     def snapshot(self) -> bytes: ...
 
     def restore(self, data: bytes) -> None: ...
+
+    def snapshot_chunks(self) -> Iterator[bytes]: ...
+
+    def query(self, data: bytes) -> Any: ...
+
+
+class StateMachineBase:
+    """Defaults for :class:`StateMachine`'s optional parts: untyped results, a snapshot in
+    one chunk, no queries."""
+
+    result_type: Any = Any
+
+    def snapshot(self) -> bytes:  # pragma: no cover - subclasses implement it
+        raise NotImplementedError
+
+    def snapshot_chunks(self) -> Iterator[bytes]:
+        return iter((self.snapshot(),))
+
+    def query(self, data: bytes) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} serves no queries")
+
+
+def snapshot_chunks_of(sm: Any) -> Iterator[bytes]:
+    """``sm.snapshot_chunks()``, or ``sm.snapshot()`` in one chunk for a machine that only
+    implements the minimal apply/snapshot/restore part of the contract."""
+    fn = getattr(sm, "snapshot_chunks", None)
+    return fn() if fn is not None else iter((sm.snapshot(),))
