@@ -78,7 +78,7 @@ async def statuses(cluster, digest=False):
             if cluster.alive(i):
                 try:
                     out[i] = await c.status(cluster.client_addrs[i], digest=digest)
-                except (OSError, asyncio.TimeoutError, ConnectionError):
+                except (TimeoutError, OSError, ConnectionError):
                     pass
     return out
 
@@ -239,7 +239,7 @@ def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and
                 t = term if i != lid else term + 1
                 meta = SnapshotMeta(st[i]["commit"] + 5000, t, ConfState(tuple(cluster.ids)))
                 bad = InstallSnapshot(frm, i, t, Snapshot(meta, b"\x00not a snapshot image" * 100))
-                r, w = await peer_as(cluster.peers[i], frm)
+                _r, w = await peer_as(cluster.peers[i], frm)
                 w.write(msg_frames(bad))
                 await w.drain()
                 w.close()
@@ -273,14 +273,14 @@ def test_gap_append_forged_votes_and_timeout_now_change_nothing(cluster):
             term = st[lid]["term"]
             f1, f2 = [i for i in cluster.ids if i != lid]
             last = st[f1]["last_index"]
-            r, w = await peer_as(cluster.peers[f1], lid)
+            _r, w = await peer_as(cluster.peers[f1], lid)
             w.write(msg_frames(Append(lid, f1, term, last, term, last, [Entry(term, last + 5, 0, b"gap")])))
             w.write(msg_frames(TimeoutNow(lid, f1, term + 7)))
             await w.drain()
-            r2, w2 = await peer_as(cluster.peers[f1], f2)
+            _r2, w2 = await peer_as(cluster.peers[f1], f2)
             w2.write(msg_frames(Vote(f2, f1, term + 1000, 10**9, term + 1000, True), TimeoutNow(f2, f1, term)))
             await w2.drain()
-            r3, w3 = await peer_as(cluster.peers[lid], f2)
+            _r3, w3 = await peer_as(cluster.peers[lid], f2)
             w3.write(msg_frames(Vote(f2, lid, term + 1000, 10**9, term + 1000, True)))
             await w3.drain()
             await asyncio.sleep(1.5)
@@ -487,11 +487,11 @@ def test_one_bad_connection_never_stops_the_server(cluster):
     every replica keeps serving."""
 
     async def main():
-        lid, _ = await leader_status(cluster)
+        _lid, _ = await leader_status(cluster)
         garbage = [b"\xff" * 64, struct.pack("<I", 0xFFFFFFFF) + b"x", b"GET / HTTP/1.1\r\n\r\n", b""]
         for addr in [*cluster.peers.values(), *cluster.client_addrs.values()]:
             for g in garbage:
-                r, w = await open_raw(addr)
+                _r, w = await open_raw(addr)
                 w.write(g)
                 await w.drain()
                 w.transport.abort()
