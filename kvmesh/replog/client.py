@@ -64,7 +64,7 @@ from .protocol import (
 )
 from .transport import parse_addr
 
-__all__ = ["ReplogClient", "KvClient", "ClusterUnavailable"]
+__all__ = ["ClusterUnavailable", "KvClient", "ReplogClient"]
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class ReplogClient:
         for c in self._conns.values():
             await c.close()
 
-    async def __aenter__(self) -> "ReplogClient":
+    async def __aenter__(self) -> ReplogClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -251,7 +251,7 @@ class ReplogClient:
                 conn = self._conn(addr)
                 try:
                     resp = await conn.call(make_req(next(self._rid)), min(self.attempt_timeout, deadline - now))
-                except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                except (TimeoutError, OSError, ConnectionError) as e:
                     last_err = f"{addr}: {type(e).__name__} {e}"
                     if self._leader == addr:
                         self._leader = None

@@ -421,6 +421,11 @@ class RaftNode:
             "loop_lag_max_s": self._lag_max,
             "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
             "durability": self.cfg.durability,
+            # Hostile-input counters: messages the core refused, forged senders and bad
+            # frames/connections the transport dropped.
+            "core_dropped_msgs": core.dropped_msgs,
+            "forged_msgs": self.transport.forged_msgs if self.transport is not None else 0,
+            "peer_bad_frames": self.transport.bad_frames if self.transport is not None else 0,
             **self.metrics,
         }
 

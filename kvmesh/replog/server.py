@@ -74,12 +74,12 @@ from .transport import TransportConfig, parse_addr, read_frames
 from .types import RaftConfig, ReadOnlyOption, StateMachine
 
 __all__ = [
+    "LocalCluster",
     "ReplicaServer",
     "ServerLimits",
-    "LocalCluster",
+    "error_response",
     "free_ports",
     "main",
-    "error_response",
 ]
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class ReplicaServer(Generic[SM]):
                     bodies = await read_frames(
                         reader, dec, lim.idle_timeout_s, lim.frame_timeout_s, functools.partial(self._charge, c)
                     )
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if dec.buffered == 0 and c.inflight > 0:
                         continue  # waiting for answers is not idleness
                     raise
@@ -241,7 +241,7 @@ class ReplicaServer(Generic[SM]):
                     await writer.drain()  # a client that stops reading must not grow our buffer
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
-        except (FrameTooLarge, asyncio.TimeoutError, NetError) as e:
+        except (TimeoutError, FrameTooLarge, NetError) as e:
             self.stats["closed_bad_frames"] += 1
             log.info("closing client connection: %s", clip(str(e)))
         finally:
@@ -342,7 +342,7 @@ class ReplicaServer(Generic[SM]):
             else:  # pragma: no cover - the decoder admits only the union
                 raise BadRequest(f"unknown request {t.__name__}")
             resp = Response(req.rid, True, encode_result(result))
-        except (ReplogError, asyncio.TimeoutError) as e:
+        except (TimeoutError, ReplogError) as e:
             resp = error_response(req.rid, e)
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
             log.warning("request %s failed: %s", t.__name__, clip(repr(e)))
@@ -700,7 +700,7 @@ class LocalCluster:
                 p.stdout.close()
         self.procs.clear()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

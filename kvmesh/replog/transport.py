@@ -238,7 +238,7 @@ class _Peer:
             parts: list[bytes] = []
             big: tuple[bytes, bool] | None = None
             while self.queue:
-                data, is_snap = self.queue[0]
+                data, _is_snap = self.queue[0]
                 if len(data) > frag:
                     if parts:
                         break
