@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from . import fence
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
@@ -308,12 +309,20 @@ class TransferEngine:
         return region
 
     def unregister(self, region: MemoryRegion, *, timeout: float = 10.0) -> None:
-        """Unpublish and unregister ``region``; waits (bounded) for jobs still using it."""
+        """Unpublish and unregister ``region``; waits (bounded) for jobs still using it.
+
+        When this returns no job of this or any same-host peer process touches the memory
+        any more ("Memory lifetime" in docs/transfer.md). ``TransferTimeout`` means some job
+        still may: the region stays registered (closed to new jobs) and its memory must not
+        be reused; calling again waits again.
+        """
         if region not in self._regions:
             raise NotRegistered(f"{region!r} is not registered with this engine")
         for name in self._table.names_of(region):
             self.unpublish(name)
+        end = time.monotonic() + timeout
         region.close(timeout)
+        fence.revoke(region.region_id, max(0.0, end - time.monotonic()))
         self._regions.remove(region)
         for t in self._transports:
             try:
@@ -360,6 +369,7 @@ class TransferEngine:
             shm_name=shm.name if shm is not None else None,
             shm_offset=region.shm_offset,
             shm_size=shm.size if shm is not None else 0,
+            fence=fence.publish(region.region_id),
             meta=dict(meta or {}),
         )
         fields: dict[str, Any] = {}

@@ -87,6 +87,7 @@ class SegmentDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     shm_name: str | None = None  # file name under /dev/shm when kind is SHM
     shm_offset: int = 0  # where the segment starts inside that file
     shm_size: int = 0  # size of the whole file (peers map it once for all its segments)
+    fence: str | None = None  # the owner's fence file under /dev/shm (kvmesh/transfer/fence.py)
     cuda_ipc: bytes | None = None  # cudaIpcMemHandle_t of the allocation holding the segment
     cuda_ipc_offset: int = 0  # segment start minus the allocation base
     nixl_agent: str | None = None

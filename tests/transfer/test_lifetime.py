@@ -1,0 +1,66 @@
+"""Memory lifetime: no peer byte lands in a region after its owner's ``unregister`` returned.
+
+A live owner process publishes a 256 MiB segment; this process WRITEs it again and again (one
+request of 256 MiB per batch, which the transports cut into chunks). The owner waits for our
+bytes to show up, unregisters the segment, at once fills the memory with a marker (reusing it)
+and watches it: a single changed byte is a WRITE that landed after ``unregister`` returned.
+The batch that was in flight must fail with ``SegmentNotFound``, never report done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvmesh.transfer import TransferError, TransportKind, nixl_agent
+
+SIZE = 256 << 20
+
+CASES = [
+    pytest.param("shm", "shm", id="alloc_shared-shm"),
+    pytest.param("subrange", "shm", id="subrange-shm"),
+    pytest.param("dram", "nixl", id="private-nixl-cma"),
+]
+
+
+@pytest.mark.parametrize("kind,transport", CASES)
+def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, transport):
+    if transport == "nixl" and not nixl_agent.available():
+        pytest.skip("NIXL is not installed")
+    owner = make_peer("--kind", kind, "--size", str(SIZE), "--name", "pool")
+    eng = make_engine(transport=transport)
+    src = eng.register(np.full(SIZE, 0xC3, np.uint8))
+    seg = eng.open_segment(owner.address, "pool")
+    # 4 KiB first: the route is open (NIXL agents up) and served by the transport under test.
+    assert eng.write(src, 0, seg, 0, 4096).transports == [TransportKind(transport)]
+    outcomes: list[tuple[float, float, str]] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                eng.write(src, 0, seg, 0, SIZE, timeout=60)
+            except TransferError as exc:
+                outcomes.append((t0, time.monotonic(), type(exc).__name__))
+                return
+            outcomes.append((t0, time.monotonic(), "done"))
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    try:
+        rep = owner.cmd("unregister_reuse", watch=0.5, timeout=10.0)
+    finally:
+        stop.set()
+        th.join(60)
+    assert not th.is_alive()
+    assert rep["unregister_error"] is None, rep
+    assert rep["changed"] == 0, f"{rep['changed']} bytes changed after unregister returned ({rep})"
+    assert outcomes and outcomes[-1][2] == "SegmentNotFound", outcomes[-3:]
+    # No batch that began after unregister returned reports done, and the one that failed was
+    # running (or starting) while the owner unregistered: it stopped part-way.
+    assert not [o for o in outcomes if o[2] == "done" and o[0] > rep["t1"]], outcomes[-3:]
+    assert outcomes[-1][0] < rep["t1"], (outcomes[-3:], rep)
