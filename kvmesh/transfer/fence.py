@@ -10,9 +10,9 @@ kernel keeps consistent between processes and drops when a process dies:
   ``r`` (ids are unique per process and never reused) has two bytes in it: ``GATE(r)`` and
   ``USE(r)``.
 * A peer job holds a read lock on ``USE(r)`` while it copies (one lock per peer process,
-  counted between its threads) and tests ``GATE(r)`` before it starts and between chunks of at
-  most ``transports.base.CHUNK_BYTES``; a write lock on ``GATE(r)`` means "removed": the job stops with
-  ``SegmentNotFound``. A read lock on ``USE(r)`` that cannot be taken means the same.
+  counted between its threads) and tests ``GATE(r)`` between chunks of at most
+  ``transports.base.CHUNK_BYTES``; a write lock on ``GATE(r)`` means "removed": the job stops
+  with ``SegmentNotFound``. A read lock on ``USE(r)`` that cannot be taken means the same.
 * ``revoke(r)`` (from ``unregister``) write-locks ``GATE(r)`` (never contended), then waits
   until it can write-lock ``USE(r)``: from then on no peer copies into ``r`` and none can start.
   Both locks stay held for the life of the process. A peer that dies drops its locks; a peer
@@ -23,6 +23,8 @@ kernel keeps consistent between processes and drops when a process dies:
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import os
 import threading
 import time
@@ -103,33 +105,58 @@ def revoke(region_id: int, timeout: float) -> None:
 
 # --- peer side -----------------------------------------------------------------------------
 class FenceClient:
-    """A peer's open handle on an owner's fence file, shared by the routes of this process."""
+    """A peer's open handle on an owner's fence file, shared by the routes of this process.
 
-    __slots__ = ("_fd", "_held", "_lock", "_routes", "name")
+    On the per-job path (4 KiB copies take ~10 µs) every microsecond shows: the lock requests
+    are packed once per region and passed to ``fcntl`` directly.
+    """
+
+    __slots__ = ("_fd", "_held", "_lock", "_packed", "_routes", "name")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._fd, _ = shmfile.open_peer(name, write=False)
         self._lock = threading.Lock()
         self._held: dict[int, int] = {}  # region id -> jobs of this process inside it
+        self._packed: dict[int, tuple[bytes, bytes, bytes]] = {}
         self._routes = 0
 
+    def _requests(self, region_id: int) -> tuple[bytes, bytes, bytes]:
+        """(read-lock USE, unlock USE, query GATE) for ``region_id``, packed."""
+        req = self._packed.get(region_id)
+        if req is None:
+            if len(self._packed) > 4096:  # bounded: regions come and go
+                self._packed.clear()
+            use, gate = _use(region_id), _gate(region_id)
+            req = self._packed[region_id] = (
+                shmfile.flock_request(fcntl.F_RDLCK, use),
+                shmfile.flock_request(fcntl.F_UNLCK, use),
+                shmfile.flock_request(fcntl.F_RDLCK, gate),
+            )
+        return req
+
     def enter(self, region_id: int, segment: str) -> None:
-        """Start copying into ``region_id``; ``SegmentNotFound`` if its owner removed it."""
+        """Start a job on ``region_id``; ``SegmentNotFound`` if its owner removed it.
+
+        One lock request when no other job of this process is inside. The gate is not tested
+        here: a job that starts while the owner waits only delays it by one job, and the
+        owner's removal notice stops new jobs (``validate_requests``) within milliseconds.
+        """
         with self._lock:
             n = self._held.get(region_id, 0)
-            if n == 0 and not shmfile.try_lock(self._fd, _use(region_id), write=False):
-                raise SegmentNotFound(f"segment {segment!r} was unregistered by its owner")
+            if n == 0:
+                try:
+                    fcntl.fcntl(self._fd, shmfile.F_OFD_SETLK, self._requests(region_id)[0])
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    raise SegmentNotFound(f"segment {segment!r} was unregistered by its owner") from None
             self._held[region_id] = n + 1
-        try:
-            self.check(region_id, segment)
-        except BaseException:
-            self.leave(region_id)
-            raise
 
     def check(self, region_id: int, segment: str) -> None:
         """Raise ``SegmentNotFound`` once the owner started removing ``region_id``."""
-        if shmfile.write_locked(self._fd, _gate(region_id)):
+        res = fcntl.fcntl(self._fd, shmfile.F_OFD_GETLK, self._requests(region_id)[2])
+        if shmfile.flock_type(res) != fcntl.F_UNLCK:
             raise SegmentNotFound(f"segment {segment!r} was unregistered by its owner")
 
     def leave(self, region_id: int) -> None:
@@ -139,7 +166,7 @@ class FenceClient:
                 self._held[region_id] = n
                 return
             del self._held[region_id]
-            shmfile.unlock(self._fd, _use(region_id))
+            fcntl.fcntl(self._fd, shmfile.F_OFD_SETLK, self._requests(region_id)[1])
 
 
 _clients: dict[str, FenceClient] = {}

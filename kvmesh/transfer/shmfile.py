@@ -35,8 +35,8 @@ SHM_PREFIX = "kvmesh-"
 _NAME = re.compile(r"kvmesh-[0-9]{1,10}-[0-9a-f]{12}\Z")
 LIVE_BYTE = 0  # the owner's liveness lock
 
-_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
-_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid (0 for OFD)
 
 
@@ -52,29 +52,25 @@ def check_name(name: object) -> str:
     return name
 
 
-def _flock(kind: int, start: int, length: int) -> bytes:
+def flock_request(kind: int, start: int, length: int = 1) -> bytes:
+    """A packed ``struct flock`` for ``fcntl(fd, F_OFD_*, ...)``."""
     return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
+
+
+def flock_type(packed: bytes) -> int:
+    """The lock type in an ``F_OFD_GETLK`` answer (``F_UNLCK``: nothing conflicts)."""
+    return struct.unpack(_FLOCK, packed)[0]
 
 
 def try_lock(fd: int, start: int, *, write: bool, length: int = 1) -> bool:
     """Take an OFD lock on ``[start, start + length)`` without waiting; False if held."""
     try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, _flock(fcntl.F_WRLCK if write else fcntl.F_RDLCK, start, length))
+        fcntl.fcntl(fd, F_OFD_SETLK, flock_request(fcntl.F_WRLCK if write else fcntl.F_RDLCK, start, length))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
         raise
     return True
-
-
-def unlock(fd: int, start: int, length: int = 1) -> None:
-    fcntl.fcntl(fd, _F_OFD_SETLK, _flock(fcntl.F_UNLCK, start, length))
-
-
-def write_locked(fd: int, start: int, length: int = 1) -> bool:
-    """Whether another open of the file holds a write lock overlapping the range."""
-    res = fcntl.fcntl(fd, _F_OFD_GETLK, _flock(fcntl.F_RDLCK, start, length))
-    return struct.unpack(_FLOCK, res)[0] != fcntl.F_UNLCK
 
 
 def create(size: int) -> tuple[str, int]:

@@ -9,13 +9,16 @@ The batch that was in flight must fail with ``SegmentNotFound``, never report do
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvmesh.transfer import TransferError, TransportKind, nixl_agent
+from kvmesh.transfer import TransferError, TransferTimeout, TransportKind, nixl_agent
 
 SIZE = 256 << 20
 
@@ -64,3 +67,56 @@ def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, t
     # running (or starting) while the owner unregistered: it stopped part-way.
     assert not [o for o in outcomes if o[2] == "done" and o[0] > rep["t1"]], outcomes[-3:]
     assert outcomes[-1][0] < rep["t1"], (outcomes[-3:], rep)
+
+
+def _start_write(writer, address: str) -> None:
+    # Sent without waiting: the writer answers when its 256 MiB WRITE ends.
+    writer.proc.stdin.write(json.dumps({"cmd": "write_to", "address": address, "name": "pool",
+                                        "local": 0, "remote": 0, "length": SIZE}) + "\n")
+    writer.proc.stdin.flush()
+
+
+def _wait_landing(view: np.ndarray) -> None:
+    end = time.monotonic() + 30
+    while not view[: 1 << 20].any():
+        assert time.monotonic() < end, "the peer's write never landed"
+        time.sleep(0.0005)
+
+
+def test_a_stopped_peer_makes_unregister_time_out_and_keep_the_memory(make_engine, make_peer):
+    eng = make_engine()
+    region = eng.alloc_shared(SIZE, name="pool")
+    view = region.array()
+    view.fill(0)
+    writer = make_peer("--kind", "dram", "--size", str(SIZE), "--transport", "shm")
+    _start_write(writer, eng.address)
+    _wait_landing(view)
+    os.kill(writer.pid, signal.SIGSTOP)  # frozen inside a chunk, holding the fence
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="not handed back"):
+            eng.unregister(region, timeout=0.5)
+        assert time.monotonic() - t0 < 5
+        # Nothing was handed back: still registered (closed to new jobs), still mapped.
+        assert region in eng.regions() and not region.shm.closed
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    # Resumed, the writer stops at its next chunk: the segment is gone, not written.
+    with pytest.raises(RuntimeError, match="SegmentNotFound"):  # the driver raises its error
+        writer._read(30)
+    eng.unregister(region, timeout=5)  # now it completes
+    assert region not in eng.regions() and region.shm.closed
+
+
+def test_a_peer_killed_mid_write_does_not_block_unregister(make_engine, make_peer):
+    eng = make_engine()
+    region = eng.alloc_shared(SIZE, name="pool")
+    view = region.array()
+    view.fill(0)
+    writer = make_peer("--kind", "dram", "--size", str(SIZE), "--transport", "shm")
+    _start_write(writer, eng.address)
+    _wait_landing(view)
+    writer.kill()  # the kernel drops its fence lock with it
+    t0 = time.monotonic()
+    eng.unregister(region, timeout=10)
+    assert time.monotonic() - t0 < 2
