@@ -73,3 +73,13 @@ def test_forged_file_names_are_refused(owner, make_engine, tmp_path, field, how)
     finally:
         for name in made:
             os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_a_forged_offset_outside_the_file_is_refused(owner, make_engine):
+    # A negative offset would aim our copy below the mapping, into our own memory.
+    assert owner.cmd("forge", name="pool", fields={"shm_offset": -(1 << 20), "seg_id": 9})["ok"]
+    eng = make_engine(transport="shm")
+    src = eng.register(np.full(SIZE, 0xC3, np.uint8))
+    seg = eng.open_segment(owner.address, "pool")
+    with pytest.raises(TransportUnavailable, match="holds"):
+        eng.write(src, 0, seg, 0, SIZE)

@@ -79,7 +79,7 @@ class ShmTransport(Transport):
                     raise TransportUnavailable(f"cannot map shared segment {name!r}: {exc}") from None
                 entry = (buf, 0)
             buf, n = entry
-            if remote.shm_offset + remote.size > buf.size:
+            if remote.shm_offset < 0 or remote.size <= 0 or remote.shm_offset + remote.size > buf.size:
                 if n == 0:
                     buf.close()
                 raise TransportUnavailable(
