@@ -58,11 +58,11 @@ def test_bench_quick_tiny(tmp_path):
     for r in lat:
         assert 0 < r["p50_us"] <= r["p99_us"] and r["page_bytes"] == 4096 and r["gbps"] is None
     # Idle engines block in the kernel: docs/transfer.md's target is < 5 % of a core per engine
-    # (2-3 % with a NIXL agent polling at 1 ms). The bound leaves room for the 10 ms tick over
-    # a 0.5 s window and a loaded 2-core box, yet one spinning or busy-polling thread (~100 %)
-    # fails it: the peer runs one engine, this process one per transport.
+    # (2-3 % with a NIXL agent polling at 1 ms). Both processes measured 2 % here (one 10 ms
+    # tick in the 0.5 s window), also at load average 13 on 2 cores; 12 % leaves room for a
+    # few ticks more, while busy-polling threads fail it even on that box (peer 13-17 %, this
+    # process 51-99 % with the workers planted to spin on their queue).
     idle = {r["path"].split(" (")[0]: r["cpu_pct"] for r in recs if r["case"] == "idle"}
     assert set(idle) == {"peer engine", "this process"}, idle
-    assert 0 <= idle["peer engine"] < 25, idle
-    assert 0 <= idle["this process"] < 10 * len(labels), idle
+    assert 0 <= idle["peer engine"] < 12 and 0 <= idle["this process"] < 12, idle
     assert data["targets"] and all("met" in t for t in data["targets"])
