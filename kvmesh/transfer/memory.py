@@ -29,7 +29,6 @@ from .errors import EngineClosed, InvalidArgument, InvalidLength, NotRegistered,
 from .shmfile import SHM_DIR, SHM_PREFIX
 from .types import MemoryKind
 
-__all__ = ["SHM_DIR", "SHM_PREFIX"]  # re-exported: callers know them from here
 _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
