@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.transfer import TransferError, TransferTimeout, TransportKind, nixl_agent
+from kvmesh.transfer import TransferError, TransferTimeout, TransportKind, nixl
 
 SIZE = 256 << 20
 
@@ -31,7 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize("kind,transport", CASES)
 def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, transport):
-    if transport == "nixl" and not nixl_agent.available():
+    if transport == "nixl" and not nixl.available():
         pytest.skip("NIXL is not installed")
     owner = make_peer("--kind", kind, "--size", str(SIZE), "--name", "pool")
     eng = make_engine(transport=transport)
