@@ -1,7 +1,7 @@
 """Memory lifetime: no peer byte lands in a region after its owner's ``unregister`` returned.
 
 A live owner process publishes a 256 MiB segment; this process WRITEs it again and again (one
-request of 256 MiB per batch, which the transports cut into chunks). The owner waits for our
+request of 256 MiB, which the transports cut into chunks, or a batch of 64 x 4 MiB). The owner waits for our
 bytes to show up, unregisters the segment, at once fills the memory with a marker (reusing it)
 and watches it: a single changed byte is a WRITE that landed after ``unregister`` returned.
 The batch that was in flight must fail with ``SegmentNotFound``, never report done.
@@ -18,19 +18,30 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.transfer import TransferError, TransferTimeout, TransportKind, nixl
+from kvmesh.transfer import (
+    BatchState,
+    Op,
+    RequestStatus,
+    TransferError,
+    TransferTimeout,
+    TransportKind,
+    nixl,
+)
 
 SIZE = 256 << 20
 
 CASES = [
-    pytest.param("shm", "shm", id="alloc_shared-shm"),
-    pytest.param("subrange", "shm", id="subrange-shm"),
-    pytest.param("dram", "nixl", id="private-nixl-cma"),
+    pytest.param("shm", "shm", "request", id="alloc_shared-shm-request"),
+    pytest.param("shm", "shm", "batch", id="alloc_shared-shm-batch"),
+    pytest.param("subrange", "shm", "batch", id="subrange-shm-batch"),
+    pytest.param("dram", "nixl", "request", id="private-nixl-cma-request"),
+    pytest.param("dram", "nixl", "batch", id="private-nixl-cma-batch"),
 ]
+PAGE = 4 << 20  # "batch": 64 requests of 4 MiB (the shm path splits them among the workers)
 
 
-@pytest.mark.parametrize("kind,transport", CASES)
-def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, transport):
+@pytest.mark.parametrize("kind,transport,mode", CASES)
+def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, transport, mode):
     if transport == "nixl" and not nixl.available():
         pytest.skip("NIXL is not installed")
     owner = make_peer("--kind", kind, "--size", str(SIZE), "--name", "pool")
@@ -39,18 +50,33 @@ def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, t
     seg = eng.open_segment(owner.address, "pool")
     # 4 KiB first: the route is open (NIXL agents up) and served by the transport under test.
     assert eng.write(src, 0, seg, 0, 4096).transports == [TransportKind(transport)]
-    outcomes: list[tuple[float, float, str]] = []
+    offsets = np.arange(SIZE // PAGE) * PAGE
+    outcomes: list[tuple[float, float, str, int]] = []  # (start, end, outcome, failed requests)
     stop = threading.Event()
+
+    def write_once() -> tuple[str, int]:
+        if mode == "request":
+            try:
+                eng.write(src, 0, seg, 0, SIZE, timeout=60)
+            except TransferError as exc:
+                return type(exc).__name__, 1
+            return "done", 0
+        with eng.batch() as b:
+            b.add_many(Op.WRITE, src, offsets, seg, offsets, PAGE)
+            b.submit(timeout=60)
+            res = b.wait(raise_on_error=False)
+            failed = int(np.count_nonzero(b.status() == int(RequestStatus.FAILED)))
+        if res.state is BatchState.DONE:
+            return "done", failed
+        return (res.error or "?").split(":")[0], failed
 
     def writer() -> None:
         while not stop.is_set():
             t0 = time.monotonic()
-            try:
-                eng.write(src, 0, seg, 0, SIZE, timeout=60)
-            except TransferError as exc:
-                outcomes.append((t0, time.monotonic(), type(exc).__name__))
+            outcome, failed = write_once()
+            outcomes.append((t0, time.monotonic(), outcome, failed))
+            if outcome != "done":
                 return
-            outcomes.append((t0, time.monotonic(), "done"))
 
     th = threading.Thread(target=writer, daemon=True)
     th.start()
@@ -62,11 +88,13 @@ def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, t
     assert not th.is_alive()
     assert rep["unregister_error"] is None, rep
     assert rep["changed"] == 0, f"{rep['changed']} bytes changed after unregister returned ({rep})"
-    assert outcomes and outcomes[-1][2] == "SegmentNotFound", outcomes[-3:]
+    # The batch in flight failed with SegmentNotFound for the requests it could not finish.
+    last = outcomes[-1] if outcomes else None
+    assert last is not None and last[2] == "SegmentNotFound" and last[3] > 0, outcomes[-3:]
     # No batch that began after unregister returned reports done, and the one that failed was
     # running (or starting) while the owner unregistered: it stopped part-way.
     assert not [o for o in outcomes if o[2] == "done" and o[0] > rep["t1"]], outcomes[-3:]
-    assert outcomes[-1][0] < rep["t1"], (outcomes[-3:], rep)
+    assert last[0] < rep["t1"], (outcomes[-3:], rep)
 
 
 def _start_write(writer, address: str) -> None:
