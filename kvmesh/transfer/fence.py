@@ -25,12 +25,15 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
 
 from . import shmfile
 from .errors import SegmentNotFound, TransferTimeout
+
+log = logging.getLogger("kvmesh.transfer")
 
 _BASE = 1 << 40  # lock bytes live far past byte 0, the file's liveness lock
 
@@ -55,12 +58,28 @@ _owner: _OwnerFence | None = None
 _owner_lock = threading.Lock()
 
 
-def publish(region_id: int) -> str:
-    """Name of this process's fence file (created on first use); ``region_id`` gets fenced."""
-    global _owner
+_no_fence: str | None = None  # why this process has no fence file (no usable /dev/shm)
+
+
+def publish(region_id: int) -> str | None:
+    """Name of this process's fence file (created on first use); ``region_id`` gets fenced.
+
+    ``None`` when no fence file can be made here: same-host peers then cannot copy directly
+    (``shm``, ``nixl`` refuse a segment without a fence) and use the ``tcp`` path, where we
+    copy ourselves.
+    """
+    global _owner, _no_fence
     with _owner_lock:
         if _owner is None:
-            _owner = _OwnerFence()
+            if _no_fence is not None:
+                return None
+            try:
+                _owner = _OwnerFence()
+            except OSError as exc:
+                _no_fence = str(exc)
+                log.warning("no fence file in %s (%s): same-host peers will use tcp",
+                            shmfile.SHM_DIR, exc)
+                return None
         _owner.published.add(region_id)
         return _owner.name
 
@@ -150,7 +169,9 @@ class FenceClient:
                 except OSError as exc:
                     if exc.errno not in (errno.EAGAIN, errno.EACCES):
                         raise
-                    raise SegmentNotFound(f"segment {segment!r} was unregistered by its owner") from None
+                    raise SegmentNotFound(
+                        f"segment {segment!r} was unregistered by its owner"
+                    ) from None
             self._held[region_id] = n + 1
 
     def check(self, region_id: int, segment: str) -> None:

@@ -65,7 +65,8 @@ def flock_type(packed: bytes) -> int:
 def try_lock(fd: int, start: int, *, write: bool, length: int = 1) -> bool:
     """Take an OFD lock on ``[start, start + length)`` without waiting; False if held."""
     try:
-        fcntl.fcntl(fd, F_OFD_SETLK, flock_request(fcntl.F_WRLCK if write else fcntl.F_RDLCK, start, length))
+        kind = fcntl.F_WRLCK if write else fcntl.F_RDLCK
+        fcntl.fcntl(fd, F_OFD_SETLK, flock_request(kind, start, length))
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False

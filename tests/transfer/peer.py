@@ -36,7 +36,16 @@ def main() -> None:
     ap.add_argument("--token")
     ap.add_argument("--node-id", default="peer")
     ap.add_argument("--listen", default=None)
+    ap.add_argument("--no-fence", action="store_true",
+                    help="act as a host whose /dev/shm refuses new files (no fence file)")
     args = ap.parse_args()
+    if args.no_fence:
+        from kvmesh.transfer import shmfile
+
+        def refuse(size: int) -> tuple[str, int]:
+            raise PermissionError(13, "no new files in /dev/shm here (--no-fence)")
+
+        shmfile.create = refuse
 
     cfg = EngineConfig.from_env(
         node_id=args.node_id,
@@ -104,7 +113,8 @@ def main() -> None:
             elif cmd == "forge":
                 # A hostile owner: publish a descriptor whose fields lie (tests of the peer side).
                 desc, reg = eng._table.lookup(msg["name"])
-                eng._table._by_name[msg["name"]] = (msgspec.structs.replace(desc, **msg["fields"]), reg)
+                forged = msgspec.structs.replace(desc, **msg["fields"])
+                eng._table._by_name[msg["name"]] = (forged, reg)
                 say(ok=True)
             else:
                 say(error=f"unknown command {cmd!r}")

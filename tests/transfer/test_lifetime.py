@@ -1,10 +1,10 @@
 """Memory lifetime: no peer byte lands in a region after its owner's ``unregister`` returned.
 
 A live owner process publishes a 256 MiB segment; this process WRITEs it again and again (one
-request of 256 MiB, which the transports cut into chunks, or a batch of 64 x 4 MiB). The owner waits for our
-bytes to show up, unregisters the segment, at once fills the memory with a marker (reusing it)
-and watches it: a single changed byte is a WRITE that landed after ``unregister`` returned.
-The batch that was in flight must fail with ``SegmentNotFound``, never report done.
+request of 256 MiB, which the transports cut into chunks, or a batch of 64 x 4 MiB). The owner
+waits for our bytes to show up, unregisters the segment, at once fills the memory with a marker
+(reusing it) and watches it: a single changed byte is a WRITE that landed after ``unregister``
+returned. The batch that was in flight must fail with ``SegmentNotFound``, never report done.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from kvmesh.transfer import (
     TransportKind,
     nixl,
 )
+
+from .util import sha
 
 SIZE = 256 << 20
 
@@ -148,3 +150,15 @@ def test_a_peer_killed_mid_write_does_not_block_unregister(make_engine, make_pee
     t0 = time.monotonic()
     eng.unregister(region, timeout=10)
     assert time.monotonic() - t0 < 2
+
+
+def test_an_owner_without_a_fence_is_reached_over_tcp(make_engine, make_peer):
+    # No fence file (say /dev/shm is read-only): same-host peers must not copy into the
+    # owner's memory themselves; the tcp path, where the owner copies, serves them.
+    owner = make_peer("--kind", "dram", "--size", str(1 << 20), "--no-fence")
+    eng = make_engine()
+    seg = eng.open_segment(owner.address, "pool")
+    assert seg.desc.fence is None
+    src = eng.register(np.full(1 << 20, 7, np.uint8))
+    assert eng.write(src, 0, seg, 0, 1 << 20).transports == [TransportKind.TCP]
+    assert owner.cmd("sha", offset=0, length=1 << 20)["sha"] == sha(src.array())

@@ -13,7 +13,7 @@ from ..errors import SegmentNotFound, TransportUnavailable
 from ..fastcopy import copy_ranges
 from ..memory import MemoryRegion
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import CHUNK_BYTES, Transport, TransferJob, cut
+from .base import CHUNK_BYTES, TransferJob, Transport, cut
 
 
 def _cuda_usable() -> bool:
@@ -60,7 +60,9 @@ class LocalTransport(Transport):
                 def check() -> None:
                     job.check()
                     if region.closed:  # unregister() is waiting for us: stop between chunks
-                        raise SegmentNotFound(f"segment {job.remote.name!r} was unregistered by its owner")
+                        raise SegmentNotFound(
+                            f"segment {job.remote.name!r} was unregistered by its owner"
+                        )
             if job.op is Op.WRITE:
                 dst, dst_off, src, src_off = region.ptr, ro, job.local.ptr, lo
             else:

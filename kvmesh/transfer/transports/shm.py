@@ -21,7 +21,7 @@ from ..errors import InvalidArgument, TransportUnavailable
 from ..fastcopy import copy_ranges
 from ..memory import MemoryRegion, SharedBuffer
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import CHUNK_BYTES, Transport, TransferJob, cut
+from .base import CHUNK_BYTES, TransferJob, Transport, cut
 
 
 class _Route:
@@ -60,7 +60,9 @@ class ShmTransport(Transport):
         try:
             fc = fence.attach(remote.fence)
         except (OSError, InvalidArgument) as exc:
-            raise TransportUnavailable(f"cannot open the fence of segment {remote.name!r}: {exc}") from None
+            raise TransportUnavailable(
+                f"cannot open the fence of segment {remote.name!r}: {exc}"
+            ) from None
         try:
             return self._map(remote, name, fc)
         except BaseException:
@@ -79,7 +81,8 @@ class ShmTransport(Transport):
                     raise TransportUnavailable(f"cannot map shared segment {name!r}: {exc}") from None
                 entry = (buf, 0)
             buf, n = entry
-            if remote.shm_offset < 0 or remote.size <= 0 or remote.shm_offset + remote.size > buf.size:
+            off, size = remote.shm_offset, remote.size
+            if off < 0 or size <= 0 or off + size > buf.size:
                 if n == 0:
                     buf.close()
                 raise TransportUnavailable(
