@@ -54,6 +54,7 @@ from .memory import (
 )
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import Transport, TransportContext, TransferJob
+from .transports.tcp import TcpServer
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
 log = logging.getLogger("kvmesh.transfer")
@@ -161,6 +162,7 @@ class TransferEngine:
         self._start_transports()
         self._executor = Executor(cfg.workers)
         try:
+            tcp_server = TcpServer(self._table.lookup, cfg)  # the TCP data path's owner side
             self._server = ControlServer(
                 cfg.listen,
                 Identity(self.node_id, self.engine_id, self.host_id),
@@ -168,6 +170,8 @@ class TransferEngine:
                 lookup=self._table.lookup,
                 list_segments=self._table.list,
                 call=self._handle_call,
+                handlers=tcp_server.handlers(),
+                max_frame=tcp_server.max_frame,
             )
         except BaseException:
             self._executor.close()
@@ -313,6 +317,7 @@ class TransferEngine:
             raise NotRegistered(f"{region!r} is not registered with this engine")
         for name in self._table.names_of(region):
             self.unpublish(name)
+        self._server.end_users_of(region)  # a stalled peer's request must not pin it
         region.close(timeout)
         self._regions.remove(region)
         for t in self._transports:
@@ -675,7 +680,9 @@ class TransferEngine:
         except ValueError:
             t = None
         if t is None:
-            raise TransportUnavailable(f"transport {kind!r} is not enabled on {self.node_id}")
+            raise TransportUnavailable(f"transport {kind[:64]!r} is not enabled on {self.node_id}")
+        if type(t).handle_call is Transport.handle_call:
+            raise TransportUnavailable(f"transport {kind!r} takes no peer calls")
         return t.handle_call(payload)
 
     def _on_segment_removed(self, peer: PeerClient, name: str, seg_id: int) -> None:

@@ -1,18 +1,221 @@
-"""Plain-TCP transport: the network path when NIXL is absent, or when forced by configuration.
+"""Plain-TCP transport, both halves: the network path when NIXL is absent or not preferred.
 
 Both directions are *pushes* (a pulled stream over TCP is 3x slower, nixl-notes §9): a WRITE
 sends the pages after a ``WriteReq`` header and the owner receives them with ``recv_into``
 straight into the segment; a READ sends a ``ReadReq`` and the owner pushes the pages, which
 land with ``recv_into`` straight in local memory. Adjacent pages travel as one range.
+
+* Client half: :class:`TcpTransport` (and :func:`client_write` / :func:`client_read`, which the
+  NIXL transport's owner-push READs use through ``PeerClient.read``). A job is cut into
+  requests of at most ``max_request_pieces`` pieces and ``max_request_bytes`` bytes.
+* Server half: :class:`TcpServer`, whose ``serve_write``/``serve_read`` the engine installs in
+  its control server. Every request is checked (pieces, bytes, ranges, segment id) before a
+  byte lands; each runs under the connection's request deadline; and the region it touches
+  is registered with the connection, so ``unregister`` can end it.
+
+Per-piece bookkeeping stays in numpy arrays: memoryviews exist only for a window of
+:data:`WINDOW` pieces at a time, so a request of millions of small pieces costs its arrays,
+not a Python object per piece.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import socket
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from kvmesh.net import Deadline
+
+from .. import protocol as P
+from ..control import _expect, check_ranges
+from ..errors import (
+    InvalidLength,
+    PeerDeadError,
+    ProtocolError,
+    RequestTooLarge,
+    SegmentNotFound,
+    TransferError,
+    TransportUnavailable,
+)
 from ..memory import MemoryRegion
-from ..types import Op, SegmentDescriptor, TransportKind
+from ..types import EngineConfig, Op, SegmentDescriptor, TransportKind
 from .base import Transport, TransferJob
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..control import PeerClient, Served
+
+# iovecs per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux). A receive returns what
+# has arrived (often 64-256 KiB on loopback) and CPython acquires every buffer of the list on
+# each call, so receives take fewer at a time than sends.
+_IOV_SEND = 256
+_IOV_RECV = 64
+_SMALL_PIECE = 64 << 10  # below this, scatter many pieces per syscall
+WINDOW = 1024  # pieces with live memoryviews at a time
+
+
+# --- socket helpers (both halves) ------------------------------------------------------------
+
+
+def _arm(sock: socket.socket, deadline: Deadline | None) -> None:
+    if deadline is not None:
+        sock.settimeout(deadline.check("request"))
+
+
+def send_views(sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None) -> None:
+    """Send every byte of ``views`` in order, gathering many buffers per syscall."""
+    i = 0
+    n = len(views)
+    while i < n:
+        chunk = views[i : i + _IOV_SEND]
+        _arm(sock, deadline)
+        sent = sock.sendmsg(chunk)
+        # Skip fully sent buffers; keep the unsent tail of a partially sent one.
+        for v in chunk:
+            lv = len(v)
+            if sent >= lv:
+                sent -= lv
+                i += 1
+            else:
+                if sent:
+                    views[i] = v[sent:]
+                break
+
+
+def recv_into_views(sock: socket.socket, views: list[memoryview],
+                    deadline: Deadline | None = None) -> None:
+    """Fill every buffer of ``views`` in order, straight from the socket (no staging copy)."""
+    i = 0
+    n = len(views)
+    while i < n:
+        cur = views[i]
+        _arm(sock, deadline)
+        if len(cur) >= _SMALL_PIECE:
+            got = sock.recv_into(cur)
+            if got == 0:
+                raise PeerDeadError("peer closed the connection mid-transfer")
+            if got == len(cur):
+                i += 1
+            else:
+                views[i] = cur[got:]
+            continue
+        chunk = views[i : i + _IOV_RECV]
+        got = sock.recvmsg_into(chunk)[0]
+        if got == 0:
+            raise PeerDeadError("peer closed the connection mid-transfer")
+        for v in chunk:
+            lv = len(v)
+            if got >= lv:
+                got -= lv
+                i += 1
+            else:
+                if got:
+                    views[i] = v[got:]
+                break
+
+
+def _windows(base: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[list[memoryview]]:
+    for i in range(0, len(lengths), WINDOW):
+        offs = offsets[i : i + WINDOW].tolist()
+        lens = lengths[i : i + WINDOW].tolist()
+        yield [base[o : o + n] for o, n in zip(offs, lens)]
+
+
+def send_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, lengths: np.ndarray,
+                head: bytes = b"", deadline: Deadline | None = None) -> None:
+    """Send ``head`` then the ranges ``base[offsets[i] : offsets[i] + lengths[i]]`` in order."""
+    first = [memoryview(head)] if head else []
+    for views in _windows(base, offsets, lengths):
+        send_views(sock, first + views, deadline)
+        first = []
+    if first:
+        send_views(sock, first, deadline)
+
+
+def recv_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, lengths: np.ndarray,
+                deadline: Deadline | None = None) -> None:
+    """Receive straight into the ranges of ``base``, in order."""
+    for views in _windows(base, offsets, lengths):
+        recv_into_views(sock, views, deadline)
+
+
+def drain(sock: socket.socket, nbytes: int, deadline: Deadline | None = None) -> None:
+    """Read and discard ``nbytes`` (payload of a refused request), keeping the stream in sync."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes > 0:
+        _arm(sock, deadline)
+        got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
+        if got == 0:
+            raise PeerDeadError("peer closed the connection mid-transfer")
+        nbytes -= got
+
+
+def request_chunks(
+    lo: np.ndarray, ro: np.ndarray, ln: np.ndarray, max_pieces: int, max_bytes: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Cut (local offsets, remote offsets, lengths) into requests within the owner's limits.
+
+    Pieces longer than ``max_bytes`` are split first; then consecutive pieces are grouped
+    while both the piece count and the byte count stay within the limits. Vectorised.
+    """
+    lo = lo.astype(np.uint64, copy=False)
+    ro = ro.astype(np.uint64, copy=False)
+    ln = ln.astype(np.uint64, copy=False)
+    mb = np.uint64(max_bytes)
+    if len(ln) and int(ln.max()) > max_bytes:
+        counts = ((ln + mb - np.uint64(1)) // mb).astype(np.int64)
+        idx = np.repeat(np.arange(len(ln)), counts)
+        starts = np.cumsum(counts) - counts
+        within = (np.arange(int(counts.sum())) - np.repeat(starts, counts)).astype(np.uint64) * mb
+        lo, ro = lo[idx] + within, ro[idx] + within
+        ln = np.minimum(ln[idx] - within, mb)
+    n = len(ln)
+    if n <= max_pieces and int(ln.sum()) <= max_bytes:
+        yield lo, ro, ln
+        return
+    csum = np.cumsum(ln, dtype=np.uint64)
+    start = 0
+    while start < n:
+        before = int(csum[start - 1]) if start else 0
+        end = int(np.searchsorted(csum, np.uint64(before + max_bytes), side="right"))
+        end = max(start + 1, min(end, start + max_pieces, n))
+        yield lo[start:end], ro[start:end], ln[start:end]
+        start = end
+
+
+# --- client half -----------------------------------------------------------------------------
+
+
+def _u64(a: np.ndarray) -> bytes:
+    return a.astype("<u8", copy=False).tobytes()
+
+
+def client_write(peer: PeerClient, desc: SegmentDescriptor, ro: np.ndarray, ln: np.ndarray,
+                 total: int, timeout: float, send: Callable[[socket.socket, bytes], None]) -> None:
+    """One WRITE request: ``send(sock, header)`` pushes header and payload; waits for the Ack."""
+    req = P.WriteReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
+    with peer.connection(timeout) as conn:
+        conn.sock.settimeout(timeout)
+        try:
+            send(conn.sock, P.encode(req))
+        except OSError as exc:
+            raise P.io_error(exc, f"writing to {peer.address}") from None
+        _expect(conn.reply(timeout), P.Ack)
+
+
+def client_read(peer: PeerClient, desc: SegmentDescriptor, ro: np.ndarray, ln: np.ndarray,
+                total: int, timeout: float, receive: Callable[[socket.socket], None]) -> None:
+    """One READ request: the owner answers ``ReadResp`` and pushes; ``receive(sock)`` lands it."""
+    req = P.ReadReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
+    with peer.connection(timeout) as conn:
+        resp = _expect(conn.request(req, timeout), P.ReadResp)
+        if resp.total != total:
+            raise ProtocolError(f"peer {peer.address} answered {resp.total} bytes for a {total} byte read")
+        try:
+            receive(conn.sock)
+        except OSError as exc:
+            raise P.io_error(exc, f"reading from {peer.address}") from None
 
 
 class TcpTransport(Transport):
@@ -28,10 +231,97 @@ class TcpTransport(Transport):
 
     def execute(self, job: TransferJob) -> None:
         job.check()
-        lo, ro, ln = job.coalesced()
-        mv = memoryview(job.local.array())
-        views = [mv[o : o + n] for o, n in zip(lo.tolist(), ln.tolist())]
-        if job.op is Op.WRITE:
-            job.route.write(job.remote, ro, ln, views, job.nbytes, job.remaining())
-        else:
-            job.route.read(job.remote, ro, ln, views, job.nbytes, job.remaining())
+        cfg = self.ctx.config
+        base = memoryview(job.local.array())
+        peer = job.route
+        for lo, ro, ln in request_chunks(*job.coalesced(), cfg.max_request_pieces, cfg.max_request_bytes):
+            total = int(ln.sum())
+            if job.op is Op.WRITE:
+                client_write(peer, job.remote, ro, ln, total, job.remaining(),
+                             lambda sock, head, lo=lo, ln=ln: send_ranges(sock, base, lo, ln, head))
+            else:
+                client_read(peer, job.remote, ro, ln, total, job.remaining(),
+                            lambda sock, lo=lo, ln=ln: recv_ranges(sock, base, lo, ln))
+
+
+# --- server half -----------------------------------------------------------------------------
+
+Lookup = Callable[[str], "tuple[SegmentDescriptor, MemoryRegion]"]
+
+
+class CloseConnection(Exception):
+    """The request cannot be answered in-stream (its payload cannot be skipped): close."""
+
+
+class TcpServer:
+    """Server half: answers ``WriteReq``/``ReadReq`` on this engine's control connections."""
+
+    def __init__(self, lookup: Lookup, config: EngineConfig) -> None:
+        self._lookup = lookup
+        self.max_pieces = config.max_request_pieces
+        self.max_bytes = config.max_request_bytes
+        # The request frame carries two uint64 arrays; anything bigger is refused unread.
+        self.max_frame = 16 * self.max_pieces + 2 * P.MAX_NAME + 256
+
+    def handlers(self) -> dict[type, Callable[[Served, Any], None]]:
+        return {P.WriteReq: self.serve_write, P.ReadReq: self.serve_read}
+
+    def _arrays(self, req: P.WriteReq | P.ReadReq) -> tuple[np.ndarray, np.ndarray]:
+        if req.total > self.max_bytes:
+            raise RequestTooLarge(f"request of {req.total} bytes exceeds this engine's limit of "
+                                  f"{self.max_bytes} bytes per request")
+        if len(req.offsets) % 8 or len(req.lengths) % 8:
+            raise InvalidLength("offsets and lengths must be packed uint64 arrays")
+        n = len(req.lengths) // 8
+        if len(req.offsets) // 8 != n:
+            raise InvalidLength(f"{len(req.offsets) // 8} offsets but {n} lengths")
+        if n > self.max_pieces:
+            raise RequestTooLarge(f"request of {n} pieces exceeds this engine's limit of "
+                                  f"{self.max_pieces} pieces per request")
+        return np.frombuffer(req.offsets, "<u8"), np.frombuffer(req.lengths, "<u8")
+
+    def _resolve(self, req: P.WriteReq | P.ReadReq, offsets: np.ndarray,
+                 lengths: np.ndarray) -> MemoryRegion:
+        desc, region = self._lookup(req.segment)
+        if desc.seg_id != req.seg_id:
+            raise SegmentNotFound(f"segment {req.segment!r} was replaced (descriptor {req.seg_id} is stale)")
+        if not desc.kind.is_host:
+            raise TransportUnavailable(f"segment {req.segment!r} is GPU memory; the TCP path moves host memory only")
+        check_ranges(desc.size, offsets, lengths, f"segment {req.segment!r}")
+        if int(lengths.sum()) != req.total:
+            raise InvalidLength(f"payload size {req.total} does not match the request lengths")
+        return region
+
+    def serve_write(self, conn: Served, req: P.WriteReq) -> None:
+        sock = conn.sock
+        try:
+            offsets, lengths = self._arrays(req)
+            region = self._resolve(req, offsets, lengths)
+            conn.hold(region)
+        except TransferError as exc:
+            if req.total > self.max_bytes:
+                P.send_msg(sock, P.error_reply(exc))
+                raise CloseConnection(str(exc)) from None
+            drain(sock, req.total, conn.deadline)  # keep the stream in sync, then refuse
+            P.send_msg(sock, P.error_reply(exc))
+            return
+        try:
+            recv_ranges(sock, memoryview(region.array()), offsets, lengths, conn.deadline)
+        finally:
+            conn.unhold(region)
+        P.send_msg(sock, P.Ack(req.total))
+
+    def serve_read(self, conn: Served, req: P.ReadReq) -> None:
+        sock = conn.sock
+        try:
+            offsets, lengths = self._arrays(req)
+            region = self._resolve(req, offsets, lengths)
+            conn.hold(region)
+        except TransferError as exc:
+            P.send_msg(sock, P.error_reply(exc))
+            return
+        try:
+            send_ranges(sock, memoryview(region.array()), offsets, lengths,
+                        P.encode(P.ReadResp(req.total)), conn.deadline)
+        finally:
+            conn.unhold(region)
