@@ -2,7 +2,7 @@
 
 Prints one JSON line with its address, then answers JSON-line commands on stdin
 (``sha``, ``fill``, ``expose``, ``tensor_sha``, ``read_from``, ``write_to``, ``unpublish``,
-``exit``). Every answer is one JSON line on stdout.
+``unregister``, ``exit``). Every answer is one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -31,7 +32,12 @@ def main() -> None:
     ap.add_argument("--token")
     ap.add_argument("--node-id", default="peer")
     ap.add_argument("--listen", default=None)
+    ap.add_argument("--stderr", help="send this process's stderr (its log) to this file")
     args = ap.parse_args()
+    if args.stderr:
+        fd = os.open(args.stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     cfg = EngineConfig.from_env(
         node_id=args.node_id,
@@ -90,6 +96,10 @@ def main() -> None:
             elif cmd == "unpublish":
                 eng.unpublish(msg["name"])
                 say(ok=True)
+            elif cmd == "unregister":  # the pool region, while peers may be using it
+                t0 = time.monotonic()
+                eng.unregister(region, timeout=msg["wait"])
+                say(ok=True, elapsed=time.monotonic() - t0)
             else:
                 say(error=f"unknown command {cmd!r}")
         except Exception as exc:  # reported to the test, which decides
