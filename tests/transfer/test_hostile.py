@@ -323,25 +323,34 @@ def test_request_deadline_and_idle_timeout_close_served_connections(client):
 # --- defect 9: bounded pre-auth fields, proper error codes, bounded logs ---------------------------
 
 
-def test_negative_total_and_serverless_calls_get_error_replies(client, tmp_path):
+def test_call_for_a_transport_without_a_server_side_is_refused_quietly(client, tmp_path):
     log = tmp_path / "owner.log"
     with Peer("--size", str(4 * MiB), "--stderr", str(log)) as peer:
         eng = client()
-        seg = eng.open_segment(peer.address, "pool")
         sock = _authed_socket(eng, peer)
-        sock.sendall(P.encode(P.Call("tcp", b"x")))
-        msg = P.recv_msg(sock)
-        assert isinstance(msg, P.Error) and msg.code == "transport_unavailable", msg
         for _ in range(20):
             sock.sendall(P.encode(P.Call("tcp", b"x")))
-            assert P.recv_msg(sock).code == "transport_unavailable"
-        sock.sendall(P.encode(P.WriteReq("pool", seg.desc.seg_id, b"", b"", -1)))
-        msg = P.recv_msg(sock)
-        assert isinstance(msg, P.Error) and msg.code in ("invalid_argument", "invalid_length"), msg
+            msg = P.recv_msg(sock)
+            assert isinstance(msg, P.Error) and msg.code == "transport_unavailable", msg
         sock.close()
         _honest_roundtrip(eng, peer)
         text = log.read_text()
         assert "Traceback" not in text, text[-2000:]
+
+
+def test_negative_total_gets_an_error_reply(client, tmp_path):
+    log = tmp_path / "owner.log"
+    with Peer("--size", str(4 * MiB), "--stderr", str(log)) as peer:
+        eng = client()
+        seg = eng.open_segment(peer.address, "pool")
+        for op in (P.WriteReq, P.ReadReq):
+            sock = _authed_socket(eng, peer)
+            sock.sendall(P.encode(op("pool", seg.desc.seg_id, b"", b"", -1)))
+            msg = P.recv_msg(sock)
+            assert isinstance(msg, P.Error) and msg.code in ("invalid_argument", "invalid_length"), msg
+            sock.close()
+        _honest_roundtrip(eng, peer)
+        assert "Traceback" not in log.read_text()
 
 
 def test_preauth_fields_are_not_echoed_or_logged(client, tmp_path):
