@@ -39,6 +39,7 @@ from kvmesh.net import (
     ClientHandshake,
     ConnectionLimiter,
     Deadline,
+    FrameDecoder,
     FrameTooLarge,
     HandshakeError,
     NetError,
@@ -47,12 +48,14 @@ from kvmesh.net import (
     ServerHandshake,
     Slot,
     check_bind,
-    read_frame,
     run_client,
     run_server,
 )
 
+from kvmesh.net.framing import CHUNK
+
 from . import protocol as P
+from . import sockio
 from .errors import (
     AuthError,
     EngineClosed,
@@ -229,7 +232,7 @@ class ControlServer:
         self._call = call
         self._handlers = dict(handlers or {})
         # Requests are small apart from the data path's offset arrays (its handler's limit).
-        self._max_frame = max(max_frame, 64 << 10)
+        self._max_frame = max(max_frame, CHUNK)
         self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
         self._throttle = _Throttle()
         self._info = P.encode_info(P.ServerInfo(identity.node_id, identity.host_id))
@@ -347,22 +350,14 @@ class ControlServer:
     def _requests(self, conn: Served) -> None:
         sock = conn.sock
         cfg = self.config
+        # Blocking mode with a kernel timeout tick (sockio.py): requests cost no more
+        # syscalls than without deadlines, and deadlines and the idle timeout hold to a tick.
+        sockio.kernel_timeouts(sock, max(0.05, min(cfg.request_timeout, cfg.idle_timeout) / 4))
+        head = bytearray(4)
         while True:
-            # Wait for the next request (idle connections cost no CPU), then give the whole
-            # request -- frame, payload, reply -- one deadline.
-            sock.settimeout(cfg.idle_timeout)
-            try:
-                if not sock.recv(1, socket.MSG_PEEK):
-                    return
-            except TimeoutError:
-                return  # idle too long: the client's pool opens a new one when needed
-            conn.deadline = Deadline(cfg.request_timeout)
-            try:
-                body = read_frame(sock, self._max_frame, conn.deadline)
-            except FrameTooLarge as exc:
-                with contextlib.suppress(OSError):
-                    P.send_msg(sock, P.error_reply(RequestTooLarge(str(exc))))
-                raise
+            body = self._next_frame(conn, head)
+            if body is None:
+                return
             try:
                 msg = P.decode_request(body)
             except TransferError as exc:
@@ -372,6 +367,42 @@ class ControlServer:
                     P.send_msg(sock, P.error_reply(exc))
                 raise
             self._dispatch(conn, msg)
+
+    def _next_frame(self, conn: Served, head: bytearray) -> bytes | None:
+        """Wait (up to the idle timeout) for the next request; read its frame under a new
+        request deadline. None when the client closed or stayed idle too long."""
+        sock = conn.sock
+        idle_until = time.monotonic() + self.config.idle_timeout
+        while True:
+            try:
+                got = sock.recv_into(head)
+                break
+            except BlockingIOError:  # a tick of the idle wait
+                if time.monotonic() >= idle_until:
+                    return None  # the client's pool opens a new connection when needed
+        if not got:
+            return None
+        conn.deadline = deadline = Deadline(self.config.request_timeout)
+        if got < 4:
+            sockio.recv_exact(sock, memoryview(head)[got:], deadline)
+        size = int.from_bytes(head, "little")
+        if size <= CHUNK:  # the common case (every limit is above CHUNK): one exact buffer
+            body = bytearray(size)
+            sockio.recv_exact(sock, memoryview(body), deadline)
+            return body
+        dec = FrameDecoder(self._max_frame)  # big frames: buffers grow only as bytes arrive
+        try:
+            frames = dec.feed(head)  # refuses an announced size above the limit, unread
+        except FrameTooLarge as exc:
+            with contextlib.suppress(OSError):
+                P.send_msg(sock, P.error_reply(RequestTooLarge(str(exc))))
+            raise
+        scratch = memoryview(bytearray(CHUNK))
+        while not frames:
+            n = min(size - dec.buffered, CHUNK)
+            sockio.recv_exact(sock, scratch[:n], deadline)  # never past the frame's end
+            frames = dec.feed(scratch[:n])
+        return frames[0]
 
     def _dispatch(self, conn: Served, msg: P.Message) -> None:
         sock = conn.sock
@@ -485,9 +516,16 @@ class Connection:
         return msg
 
     def stale(self, max_idle: float) -> bool:
-        """Idle too long, or closed (or written to) by the server while it sat in the pool."""
-        if time.monotonic() - self.last_used > max_idle:
+        """Idle too long, or closed (or written to) by the server while it sat in the pool.
+
+        Checked only after a second in the pool: a server closes idle connections after its
+        idle timeout, and a connection used a moment ago costs no extra syscall.
+        """
+        idle = time.monotonic() - self.last_used
+        if idle > max_idle:
             return True
+        if idle < 1.0:
+            return False
         try:
             p = select.poll()
             p.register(self.sock, select.POLLIN)

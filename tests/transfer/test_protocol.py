@@ -13,6 +13,7 @@ import pytest
 from kvmesh.transfer import InvalidLength, OutOfBounds, PeerDeadError, ProtocolError
 from kvmesh.transfer import protocol as P
 from kvmesh.transfer.control import check_ranges
+from kvmesh.transfer import sockio
 from kvmesh.transfer.transports import tcp
 
 
@@ -36,9 +37,9 @@ def test_scatter_gather_survives_partial_sends_and_receives():
         views_s.append(smv[pos : pos + n])
         views_d.append(dmv[pos : pos + n])
         pos += n
-    t = threading.Thread(target=tcp.send_views, args=(a, views_s))
+    t = threading.Thread(target=sockio.send_views, args=(a, views_s))
     t.start()
-    tcp.recv_into_views(b, views_d)
+    sockio.recv_into_views(b, views_d)
     t.join()
     assert (src == dst).all()
     a.close()

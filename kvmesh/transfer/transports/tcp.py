@@ -40,82 +40,20 @@ from ..errors import (
     TransportUnavailable,
 )
 from ..memory import MemoryRegion
+from ..sockio import drain, recv_into_views, send_views
 from ..types import EngineConfig, Op, SegmentDescriptor, TransportKind
 from .base import Transport, TransferJob
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..control import PeerClient, Served
 
-# iovecs per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux). A receive returns what
-# has arrived (often 64-256 KiB on loopback) and CPython acquires every buffer of the list on
-# each call, so receives take fewer at a time than sends.
-_IOV_SEND = 256
-_IOV_RECV = 64
-_SMALL_PIECE = 64 << 10  # below this, scatter many pieces per syscall
 WINDOW = 1024  # pieces with live memoryviews at a time
 
 
-# --- socket helpers (both halves) ------------------------------------------------------------
-
-
-def _arm(sock: socket.socket, deadline: Deadline | None) -> None:
-    if deadline is not None:
-        sock.settimeout(deadline.check("request"))
-
-
-def send_views(sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None) -> None:
-    """Send every byte of ``views`` in order, gathering many buffers per syscall."""
-    i = 0
-    n = len(views)
-    while i < n:
-        chunk = views[i : i + _IOV_SEND]
-        _arm(sock, deadline)
-        sent = sock.sendmsg(chunk)
-        # Skip fully sent buffers; keep the unsent tail of a partially sent one.
-        for v in chunk:
-            lv = len(v)
-            if sent >= lv:
-                sent -= lv
-                i += 1
-            else:
-                if sent:
-                    views[i] = v[sent:]
-                break
-
-
-def recv_into_views(sock: socket.socket, views: list[memoryview],
-                    deadline: Deadline | None = None) -> None:
-    """Fill every buffer of ``views`` in order, straight from the socket (no staging copy)."""
-    i = 0
-    n = len(views)
-    while i < n:
-        cur = views[i]
-        _arm(sock, deadline)
-        if len(cur) >= _SMALL_PIECE:
-            got = sock.recv_into(cur)
-            if got == 0:
-                raise PeerDeadError("peer closed the connection mid-transfer")
-            if got == len(cur):
-                i += 1
-            else:
-                views[i] = cur[got:]
-            continue
-        chunk = views[i : i + _IOV_RECV]
-        got = sock.recvmsg_into(chunk)[0]
-        if got == 0:
-            raise PeerDeadError("peer closed the connection mid-transfer")
-        for v in chunk:
-            lv = len(v)
-            if got >= lv:
-                got -= lv
-                i += 1
-            else:
-                if got:
-                    views[i] = v[got:]
-                break
-
-
 def _windows(base: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[list[memoryview]]:
+    if len(lengths) <= WINDOW:  # most requests: one window, no slicing
+        yield [base[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
+        return
     for i in range(0, len(lengths), WINDOW):
         offs = offsets[i : i + WINDOW].tolist()
         lens = lengths[i : i + WINDOW].tolist()
@@ -127,8 +65,10 @@ def send_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, leng
     """Send ``head`` then the ranges ``base[offsets[i] : offsets[i] + lengths[i]]`` in order."""
     first = [memoryview(head)] if head else []
     for views in _windows(base, offsets, lengths):
-        send_views(sock, first + views, deadline)
-        first = []
+        if first:
+            views[:0] = first
+            first = []
+        send_views(sock, views, deadline)
     if first:
         send_views(sock, first, deadline)
 
@@ -138,17 +78,6 @@ def recv_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, leng
     """Receive straight into the ranges of ``base``, in order."""
     for views in _windows(base, offsets, lengths):
         recv_into_views(sock, views, deadline)
-
-
-def drain(sock: socket.socket, nbytes: int, deadline: Deadline | None = None) -> None:
-    """Read and discard ``nbytes`` (payload of a refused request), keeping the stream in sync."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
-    while nbytes > 0:
-        _arm(sock, deadline)
-        got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
-        if got == 0:
-            raise PeerDeadError("peer closed the connection mid-transfer")
-        nbytes -= got
 
 
 def request_chunks(
@@ -234,8 +163,13 @@ class TcpTransport(Transport):
         cfg = self.ctx.config
         base = memoryview(job.local.array())
         peer = job.route
-        for lo, ro, ln in request_chunks(*job.coalesced(), cfg.max_request_pieces, cfg.max_request_bytes):
-            total = int(ln.sum())
+        lo, ro, ln = job.coalesced()
+        if len(ln) <= cfg.max_request_pieces and job.nbytes <= cfg.max_request_bytes:
+            parts: Any = ((lo, ro, ln, job.nbytes),)  # the common case: one request
+        else:
+            parts = ((a, b, c, int(c.sum())) for a, b, c in
+                     request_chunks(lo, ro, ln, cfg.max_request_pieces, cfg.max_request_bytes))
+        for lo, ro, ln, total in parts:
             if job.op is Op.WRITE:
                 client_write(peer, job.remote, ro, ln, total, job.remaining(),
                              lambda sock, head, lo=lo, ln=ln: send_ranges(sock, base, lo, ln, head))
@@ -249,7 +183,7 @@ class TcpTransport(Transport):
 Lookup = Callable[[str], "tuple[SegmentDescriptor, MemoryRegion]"]
 
 
-class CloseConnection(Exception):
+class CloseConnection(TransferError):
     """The request cannot be answered in-stream (its payload cannot be skipped): close."""
 
 
