@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from kvmesh.net import (
@@ -51,7 +50,6 @@ from kvmesh.net import (
     run_client,
     run_server,
 )
-
 from kvmesh.net.framing import CHUNK
 
 from . import protocol as P
@@ -67,7 +65,6 @@ from .errors import (
     RequestTooLarge,
     TransferError,
     TransferTimeout,
-    TransportUnavailable,
     error_from_code,
 )
 from .transports.base import PeerLiveness
@@ -266,7 +263,8 @@ class ControlServer:
                 if self._closed:
                     return
                 # EMFILE/ENFILE and the like: back off a moment so closing connections free fds.
-                self._throttle.log(logging.WARNING, "accept", "control server: accept failed: %r", exc)
+                self._throttle.log(logging.WARNING, "accept",
+                                   "control server: accept failed: %r", exc)
                 time.sleep(0.05)
                 continue
             try:
@@ -274,16 +272,15 @@ class ControlServer:
             except Exception as exc:
                 with contextlib.suppress(OSError):
                     sock.close()
-                self._throttle.log(logging.WARNING, "admit",
-                                   "control server: dropped a connection it could not serve: %r", exc)
+                self._throttle.log(logging.WARNING, "admit", "control server: dropped a "
+                                   "connection it could not serve: %r", exc)
 
     def _admit(self, sock: socket.socket) -> None:
         slot = self._limiter.try_acquire()
         if slot is None:
             sock.close()
-            self._throttle.log(logging.WARNING, "limit",
-                               "control server: connection limit reached (%r); closing new connections",
-                               self._limiter)
+            self._throttle.log(logging.WARNING, "limit", "control server: connection limit "
+                               "reached (%r); closing new connections", self._limiter)
             return
         conn = Served(sock)
         t = threading.Thread(target=self._serve, args=(conn, slot), name="kvmesh-conn", daemon=True)
@@ -343,9 +340,10 @@ class ControlServer:
             raise
         info = P.decode_info(hs.peer_info, P.ClientInfo)
         if info.version != P.PROTOCOL_VERSION:
-            P.send_msg(conn.sock, P.Error("protocol", f"transfer protocol {info.version} != {P.PROTOCOL_VERSION}"))
+            why = f"transfer protocol {info.version} != {P.PROTOCOL_VERSION}"
+            P.send_msg(conn.sock, P.Error("protocol", why))
             raise ProtocolError("peer speaks another transfer protocol version")
-        return info  # type: ignore[return-value]
+        return info
 
     def _requests(self, conn: Served) -> None:
         sock = conn.sock
@@ -428,12 +426,14 @@ class ControlServer:
             except Exception as exc:  # a transport bug must not kill the connection silently
                 self._throttle.log(logging.ERROR, "call", "transport call %r failed", msg.kind[:64],
                                    exc_info=True)
-                P.send_msg(sock, P.Error("transfer", f"{msg.kind[:64]} call failed: {exc!r}"[:1000]))
+                why = f"{msg.kind[:64]} call failed: {exc!r}"[:1000]
+                P.send_msg(sock, P.Error("transfer", why))
             else:
                 P.send_msg(sock, P.CallReply(reply))
         else:
-            P.send_msg(sock, P.Error("protocol", f"unexpected {type(msg).__name__} on a control connection"))
-            raise ProtocolError(f"unexpected {type(msg).__name__} on a control connection")
+            why = f"unexpected {type(msg).__name__} on a control connection"
+            P.send_msg(sock, P.Error("protocol", why))
+            raise ProtocolError(why)
 
     def end_users_of(self, region: object) -> int:
         """End the served connections whose current request holds ``region``; how many.
@@ -580,21 +580,25 @@ class PeerClient:
                                  info=P.encode_info(P.ClientInfo(me.node_id, watch)),
                                  expect_server_id=self.engine_id or None)
             try:
-                run_client(sock, hs, deadline)
+                engine_id = run_client(sock, hs, deadline)
             except AuthFailed as exc:
                 raise AuthError(f"peer {self.address}: {exc}") from None
             except HandshakeError as exc:
                 if exc.code == "identity":
-                    raise PeerDeadError(f"peer {self.address} restarted (engine {self.engine_id} is gone)") from None
+                    raise PeerDeadError(
+                        f"peer {self.address} restarted (engine {self.engine_id} is gone)"
+                    ) from None
                 raise ProtocolError(f"peer {self.address}: {exc}") from None
             except PeerClosed:
-                raise PeerDeadError(f"peer {self.address} closed the connection during the handshake") from None
+                raise PeerDeadError(
+                    f"peer {self.address} closed the connection during the handshake"
+                ) from None
             except (OSError, NetError) as exc:
                 raise P.io_error(exc, f"authenticating with peer {self.address}") from None
             info = P.decode_info(hs.peer_info, P.ServerInfo)
             if info.version != P.PROTOCOL_VERSION:
                 raise ProtocolError(f"peer {self.address} speaks transfer protocol {info.version}")
-            self.node_id, self.engine_id, self.host_id = info.node_id, hs.peer_id, info.host_id  # type: ignore[assignment]
+            self.node_id, self.engine_id, self.host_id = info.node_id, engine_id, info.host_id
             sock.settimeout(None)
             return Connection(sock)
         except BaseException:

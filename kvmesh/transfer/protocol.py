@@ -21,11 +21,18 @@ setting (pieces and bytes per request), checked by the server before any work.
 from __future__ import annotations
 
 import socket
-from typing import Annotated, Union
+from typing import Annotated, TypeVar, Union
 
 import msgspec
 
-from kvmesh.net import Deadline, DeadlineExceeded, FrameTooLarge, PeerClosed, encode_frame, read_frame
+from kvmesh.net import (
+    Deadline,
+    DeadlineExceeded,
+    FrameTooLarge,
+    PeerClosed,
+    encode_frame,
+    read_frame,
+)
 from kvmesh.net.errors import clip
 
 from .errors import InvalidArgument, PeerDeadError, ProtocolError, TransferTimeout
@@ -153,8 +160,6 @@ Message = Union[
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-_server_info = msgspec.msgpack.Decoder(ServerInfo)
-_client_info = msgspec.msgpack.Decoder(ClientInfo)
 
 
 def encode(msg: Message) -> bytes:
@@ -165,9 +170,13 @@ def encode_info(info: ServerInfo | ClientInfo) -> bytes:
     return _encoder.encode(info)
 
 
-def decode_info(raw: bytes, cls: type[ServerInfo] | type[ClientInfo]) -> ServerInfo | ClientInfo:
+_Info = TypeVar("_Info", ServerInfo, ClientInfo)
+
+
+def decode_info(raw: bytes, cls: type[_Info]) -> _Info:
+    """The handshake ``info`` blob of the other side."""
     try:
-        return (_server_info if cls is ServerInfo else _client_info).decode(raw)
+        return msgspec.msgpack.decode(raw, type=cls)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"bad handshake info from peer: {clip(str(exc))}") from None
 
@@ -210,7 +219,9 @@ def decode_request(body: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"undecodable frame from peer: {clip(str(exc))}") from None
 
 
-def recv_msg(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: Deadline | None = None) -> Message:
+def recv_msg(
+    sock: socket.socket, max_frame: int = MAX_FRAME, deadline: Deadline | None = None
+) -> Message:
     """Read and decode one frame (within ``deadline``, else the socket's timeout)."""
     try:
         body = read_frame(sock, max_frame, deadline)

@@ -50,7 +50,9 @@ def _gone() -> PeerDeadError:
     return PeerDeadError("peer closed the connection mid-transfer")
 
 
-def send_views(sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None) -> None:
+def send_views(
+    sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None
+) -> None:
     """Send every byte of ``views`` in order, gathering many buffers per syscall."""
     i = 0
     n = len(views)
@@ -75,8 +77,9 @@ def send_views(sock: socket.socket, views: list[memoryview], deadline: Deadline 
                 break
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview],
-                    deadline: Deadline | None = None) -> None:
+def recv_into_views(
+    sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None
+) -> None:
     """Fill every buffer of ``views`` in order, straight from the socket (no staging copy)."""
     i = 0
     n = len(views)

@@ -211,7 +211,7 @@ def test_accept_loop_survives_failing_thread_start(client, monkeypatch, caplog):
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in caplog.records]
 
 
-# --- defect 6: one request costs the server ~0.9 GB ------------------------------------------------
+# --- defect 6: one request costs the server ~0.9 GB ----------------------------------------------
 
 
 def test_four_million_piece_request_is_refused_quickly_without_memory(client):
@@ -320,7 +320,7 @@ def test_request_deadline_and_idle_timeout_close_served_connections(client):
         assert peer.cmd("unregister", wait=3)["ok"]
 
 
-# --- defect 9: bounded pre-auth fields, proper error codes, bounded logs ---------------------------
+# --- defect 9: bounded pre-auth fields, proper error codes, bounded logs -------------------------
 
 
 def test_call_for_a_transport_without_a_server_side_is_refused_quietly(client, tmp_path):
@@ -347,7 +347,10 @@ def test_negative_total_gets_an_error_reply(client, tmp_path):
             sock = _authed_socket(eng, peer)
             sock.sendall(P.encode(op("pool", seg.desc.seg_id, b"", b"", -1)))
             msg = P.recv_msg(sock)
-            assert isinstance(msg, P.Error) and msg.code in ("invalid_argument", "invalid_length"), msg
+            assert isinstance(msg, P.Error) and msg.code in (
+                "invalid_argument",
+                "invalid_length",
+            ), msg
             sock.close()
         _honest_roundtrip(eng, peer)
         assert "Traceback" not in log.read_text()
@@ -358,8 +361,15 @@ def test_preauth_fields_are_not_echoed_or_logged(client, tmp_path):
     with Peer("--size", str(4 * MiB), "--token", "right", "--stderr", str(log)) as peer:
         big = "A" * MiB
         # A hello carrying both generations' field names, with a 1 MiB node id and no valid MAC.
-        hello = {"type": "hello", "node_id": big, "engine_id": big, "nonce": b"n" * 16,
-                 "mac": b"m" * 32, "client_id": big, "client_nonce": b"n" * 32}
+        hello = {
+            "type": "hello",
+            "node_id": big,
+            "engine_id": big,
+            "nonce": b"n" * 16,
+            "mac": b"m" * 32,
+            "client_id": big,
+            "client_nonce": b"n" * 32,
+        }
         body = msgspec.msgpack.encode(hello)
         received = 0
         for _ in range(4):

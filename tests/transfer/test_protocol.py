@@ -10,10 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvmesh.transfer import InvalidLength, OutOfBounds, PeerDeadError, ProtocolError
+from kvmesh.transfer import InvalidLength, OutOfBounds, PeerDeadError, ProtocolError, sockio
 from kvmesh.transfer import protocol as P
 from kvmesh.transfer.control import check_ranges
-from kvmesh.transfer import sockio
 from kvmesh.transfer.transports import tcp
 
 

@@ -32,7 +32,6 @@ from .. import protocol as P
 from ..control import _expect, check_ranges
 from ..errors import (
     InvalidLength,
-    PeerDeadError,
     ProtocolError,
     RequestTooLarge,
     SegmentNotFound,
@@ -42,7 +41,7 @@ from ..errors import (
 from ..memory import MemoryRegion
 from ..sockio import drain, recv_into_views, send_views
 from ..types import EngineConfig, Op, SegmentDescriptor, TransportKind
-from .base import Transport, TransferJob
+from .base import TransferJob, Transport
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..control import PeerClient, Served
@@ -50,7 +49,9 @@ if TYPE_CHECKING:  # pragma: no cover
 WINDOW = 1024  # pieces with live memoryviews at a time
 
 
-def _windows(base: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[list[memoryview]]:
+def _windows(
+    base: memoryview, offsets: np.ndarray, lengths: np.ndarray
+) -> Iterator[list[memoryview]]:
     if len(lengths) <= WINDOW:  # most requests: one window, no slicing
         yield [base[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
         return
@@ -60,8 +61,14 @@ def _windows(base: memoryview, offsets: np.ndarray, lengths: np.ndarray) -> Iter
         yield [base[o : o + n] for o, n in zip(offs, lens)]
 
 
-def send_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, lengths: np.ndarray,
-                head: bytes = b"", deadline: Deadline | None = None) -> None:
+def send_ranges(
+    sock: socket.socket,
+    base: memoryview,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    head: bytes = b"",
+    deadline: Deadline | None = None,
+) -> None:
     """Send ``head`` then the ranges ``base[offsets[i] : offsets[i] + lengths[i]]`` in order."""
     first = [memoryview(head)] if head else []
     for views in _windows(base, offsets, lengths):
@@ -73,8 +80,13 @@ def send_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, leng
         send_views(sock, first, deadline)
 
 
-def recv_ranges(sock: socket.socket, base: memoryview, offsets: np.ndarray, lengths: np.ndarray,
-                deadline: Deadline | None = None) -> None:
+def recv_ranges(
+    sock: socket.socket,
+    base: memoryview,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    deadline: Deadline | None = None,
+) -> None:
     """Receive straight into the ranges of ``base``, in order."""
     for views in _windows(base, offsets, lengths):
         recv_into_views(sock, views, deadline)
@@ -120,8 +132,15 @@ def _u64(a: np.ndarray) -> bytes:
     return a.astype("<u8", copy=False).tobytes()
 
 
-def client_write(peer: PeerClient, desc: SegmentDescriptor, ro: np.ndarray, ln: np.ndarray,
-                 total: int, timeout: float, send: Callable[[socket.socket, bytes], None]) -> None:
+def client_write(
+    peer: PeerClient,
+    desc: SegmentDescriptor,
+    ro: np.ndarray,
+    ln: np.ndarray,
+    total: int,
+    timeout: float,
+    send: Callable[[socket.socket, bytes], None],
+) -> None:
     """One WRITE request: ``send(sock, header)`` pushes header and payload; waits for the Ack."""
     req = P.WriteReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
     with peer.connection(timeout) as conn:
@@ -133,14 +152,23 @@ def client_write(peer: PeerClient, desc: SegmentDescriptor, ro: np.ndarray, ln: 
         _expect(conn.reply(timeout), P.Ack)
 
 
-def client_read(peer: PeerClient, desc: SegmentDescriptor, ro: np.ndarray, ln: np.ndarray,
-                total: int, timeout: float, receive: Callable[[socket.socket], None]) -> None:
+def client_read(
+    peer: PeerClient,
+    desc: SegmentDescriptor,
+    ro: np.ndarray,
+    ln: np.ndarray,
+    total: int,
+    timeout: float,
+    receive: Callable[[socket.socket], None],
+) -> None:
     """One READ request: the owner answers ``ReadResp`` and pushes; ``receive(sock)`` lands it."""
     req = P.ReadReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
     with peer.connection(timeout) as conn:
         resp = _expect(conn.request(req, timeout), P.ReadResp)
         if resp.total != total:
-            raise ProtocolError(f"peer {peer.address} answered {resp.total} bytes for a {total} byte read")
+            raise ProtocolError(
+                f"peer {peer.address} answered {resp.total} bytes for a {total} byte read"
+            )
         try:
             receive(conn.sock)
         except OSError as exc:
@@ -167,15 +195,33 @@ class TcpTransport(Transport):
         if len(ln) <= cfg.max_request_pieces and job.nbytes <= cfg.max_request_bytes:
             parts: Any = ((lo, ro, ln, job.nbytes),)  # the common case: one request
         else:
-            parts = ((a, b, c, int(c.sum())) for a, b, c in
-                     request_chunks(lo, ro, ln, cfg.max_request_pieces, cfg.max_request_bytes))
+            parts = (
+                (a, b, c, int(c.sum()))
+                for a, b, c in request_chunks(
+                    lo, ro, ln, cfg.max_request_pieces, cfg.max_request_bytes
+                )
+            )
         for lo, ro, ln, total in parts:
             if job.op is Op.WRITE:
-                client_write(peer, job.remote, ro, ln, total, job.remaining(),
-                             lambda sock, head, lo=lo, ln=ln: send_ranges(sock, base, lo, ln, head))
+                client_write(
+                    peer,
+                    job.remote,
+                    ro,
+                    ln,
+                    total,
+                    job.remaining(),
+                    lambda sock, head, lo=lo, ln=ln: send_ranges(sock, base, lo, ln, head),
+                )
             else:
-                client_read(peer, job.remote, ro, ln, total, job.remaining(),
-                            lambda sock, lo=lo, ln=ln: recv_ranges(sock, base, lo, ln))
+                client_read(
+                    peer,
+                    job.remote,
+                    ro,
+                    ln,
+                    total,
+                    job.remaining(),
+                    lambda sock, lo=lo, ln=ln: recv_ranges(sock, base, lo, ln),
+                )
 
 
 # --- server half -----------------------------------------------------------------------------
@@ -202,36 +248,52 @@ class TcpServer:
 
     def _arrays(self, req: P.WriteReq | P.ReadReq) -> tuple[np.ndarray, np.ndarray]:
         if req.total > self.max_bytes:
-            raise RequestTooLarge(f"request of {req.total} bytes exceeds this engine's limit of "
-                                  f"{self.max_bytes} bytes per request")
+            raise RequestTooLarge(
+                f"request of {req.total} bytes exceeds this engine's limit of "
+                f"{self.max_bytes} bytes per request"
+            )
         if len(req.offsets) % 8 or len(req.lengths) % 8:
             raise InvalidLength("offsets and lengths must be packed uint64 arrays")
         n = len(req.lengths) // 8
         if len(req.offsets) // 8 != n:
             raise InvalidLength(f"{len(req.offsets) // 8} offsets but {n} lengths")
         if n > self.max_pieces:
-            raise RequestTooLarge(f"request of {n} pieces exceeds this engine's limit of "
-                                  f"{self.max_pieces} pieces per request")
+            raise RequestTooLarge(
+                f"request of {n} pieces exceeds this engine's limit of "
+                f"{self.max_pieces} pieces per request"
+            )
         return np.frombuffer(req.offsets, "<u8"), np.frombuffer(req.lengths, "<u8")
 
-    def _resolve(self, req: P.WriteReq | P.ReadReq, offsets: np.ndarray,
-                 lengths: np.ndarray) -> MemoryRegion:
+    def _resolve(
+        self, req: P.WriteReq | P.ReadReq, offsets: np.ndarray, lengths: np.ndarray
+    ) -> MemoryRegion:
         desc, region = self._lookup(req.segment)
         if desc.seg_id != req.seg_id:
-            raise SegmentNotFound(f"segment {req.segment!r} was replaced (descriptor {req.seg_id} is stale)")
+            raise SegmentNotFound(
+                f"segment {req.segment!r} was replaced (descriptor {req.seg_id} is stale)"
+            )
         if not desc.kind.is_host:
-            raise TransportUnavailable(f"segment {req.segment!r} is GPU memory; the TCP path moves host memory only")
+            raise TransportUnavailable(
+                f"segment {req.segment!r} is GPU memory; the TCP path moves host memory only"
+            )
         check_ranges(desc.size, offsets, lengths, f"segment {req.segment!r}")
         if int(lengths.sum()) != req.total:
             raise InvalidLength(f"payload size {req.total} does not match the request lengths")
         return region
 
+    def _prepare(
+        self, conn: Served, req: P.WriteReq | P.ReadReq
+    ) -> tuple[MemoryRegion, np.ndarray, np.ndarray]:
+        """Check the request and hold its region for this connection (or raise)."""
+        offsets, lengths = self._arrays(req)
+        region = self._resolve(req, offsets, lengths)
+        conn.hold(region)
+        return region, offsets, lengths
+
     def serve_write(self, conn: Served, req: P.WriteReq) -> None:
         sock = conn.sock
         try:
-            offsets, lengths = self._arrays(req)
-            region = self._resolve(req, offsets, lengths)
-            conn.hold(region)
+            region, offsets, lengths = self._prepare(conn, req)
         except TransferError as exc:
             if req.total > self.max_bytes:
                 P.send_msg(sock, P.error_reply(exc))
@@ -248,14 +310,18 @@ class TcpServer:
     def serve_read(self, conn: Served, req: P.ReadReq) -> None:
         sock = conn.sock
         try:
-            offsets, lengths = self._arrays(req)
-            region = self._resolve(req, offsets, lengths)
-            conn.hold(region)
+            region, offsets, lengths = self._prepare(conn, req)
         except TransferError as exc:
             P.send_msg(sock, P.error_reply(exc))
             return
         try:
-            send_ranges(sock, memoryview(region.array()), offsets, lengths,
-                        P.encode(P.ReadResp(req.total)), conn.deadline)
+            send_ranges(
+                sock,
+                memoryview(region.array()),
+                offsets,
+                lengths,
+                P.encode(P.ReadResp(req.total)),
+                conn.deadline,
+            )
         finally:
             conn.unhold(region)
