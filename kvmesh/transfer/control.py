@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -58,8 +58,6 @@ from .errors import (
     AuthError,
     EngineClosed,
     InvalidArgument,
-    InvalidLength,
-    OutOfBounds,
     PeerDeadError,
     ProtocolError,
     RequestTooLarge,
@@ -122,33 +120,6 @@ def primary_ip() -> str:
             return "127.0.0.1"
     finally:
         probe.close()
-
-
-def check_ranges(size: int, offsets: np.ndarray, lengths: np.ndarray, what: str) -> None:
-    """Raise unless every ``[offset, offset + length)`` is non-empty and inside ``size``."""
-    if len(offsets) != len(lengths):
-        raise InvalidLength(f"{what}: {len(offsets)} offsets but {len(lengths)} lengths")
-    n = len(lengths)
-    if n == 0:
-        return
-    if n <= 8:
-        for i, (o, ln) in enumerate(zip(offsets.tolist(), lengths.tolist())):
-            if ln == 0:
-                raise InvalidLength(f"{what}: request {i} has length 0")
-            if o > size or ln > size - o:
-                raise OutOfBounds(f"{what}: request {i} [{o}, +{ln}) exceeds its size of {size} bytes")
-        return
-    if not (lengths > 0).all():
-        bad = int(np.flatnonzero(lengths == 0)[0])
-        raise InvalidLength(f"{what}: request {bad} has length 0")
-    # offsets <= size and length <= size - offset: no uint64 wrap-around possible.
-    over = (offsets > size) | (lengths > size - np.minimum(offsets, size))
-    if over.any():
-        bad = int(np.flatnonzero(over)[0])
-        raise OutOfBounds(
-            f"{what}: request {bad} [{int(offsets[bad])}, +{int(lengths[bad])}) exceeds its "
-            f"size of {size} bytes"
-        )
 
 
 class _Throttle:
@@ -538,7 +509,10 @@ class Connection:
             self.sock.close()
 
 
-def _expect(msg: P.Message, cls: type) -> Any:
+M = TypeVar("M", bound=P.Message)
+
+
+def _expect(msg: P.Message, cls: type[M]) -> M:
     if not isinstance(msg, cls):
         raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
     return msg
@@ -565,13 +539,16 @@ class PeerClient:
     # --- connections ----------------------------------------------------------------------
     def _connect(self, watch: bool, timeout: float | None = None) -> Connection:
         host, port = P.split_host_port(self.address)
-        timeout = self._config.connect_timeout if timeout is None else min(timeout, self._config.connect_timeout)
+        limit = self._config.connect_timeout
+        timeout = limit if timeout is None else min(timeout, limit)
         deadline = Deadline(timeout)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             if isinstance(exc, TimeoutError):
-                raise TransferTimeout(f"connecting to peer {self.address}: timed out after {timeout}s") from None
+                raise TransferTimeout(
+                    f"connecting to peer {self.address}: timed out after {timeout}s"
+                ) from None
             raise PeerDeadError(f"cannot connect to peer {self.address}: {exc}") from None
         try:
             _tune(sock, self._config.tcp_keepalive)

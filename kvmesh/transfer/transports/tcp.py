@@ -1,9 +1,10 @@
 """Plain-TCP transport, both halves: the network path when NIXL is absent or not preferred.
 
-Both directions are *pushes* (a pulled stream over TCP is 3x slower, nixl-notes §9): a WRITE
-sends the pages after a ``WriteReq`` header and the owner receives them with ``recv_into``
-straight into the segment; a READ sends a ``ReadReq`` and the owner pushes the pages, which
-land with ``recv_into`` straight in local memory. Adjacent pages travel as one range.
+Both directions are *pushes* (a pulled stream over blocking sockets measured ~3x slower: 1.2
+vs 3.6 GB/s for 1 MiB messages): a WRITE sends the pages after a ``WriteReq`` header and the
+owner receives them with ``recv_into`` straight into the segment; a READ sends a ``ReadReq``
+and the owner pushes the pages, which land with ``recv_into`` straight in local memory.
+Adjacent pages travel as one range.
 
 * Client half: :class:`TcpTransport` (and :func:`client_write` / :func:`client_read`, which the
   NIXL transport's owner-push READs use through ``PeerClient.read``). A job is cut into
@@ -29,7 +30,7 @@ import numpy as np
 from kvmesh.net import Deadline
 
 from .. import protocol as P
-from ..control import _expect, check_ranges
+from ..control import _expect
 from ..errors import (
     InvalidLength,
     ProtocolError,
@@ -39,6 +40,7 @@ from ..errors import (
     TransportUnavailable,
 )
 from ..memory import MemoryRegion
+from ..ranges import check_ranges
 from ..sockio import drain, recv_into_views, send_views
 from ..types import EngineConfig, Op, SegmentDescriptor, TransportKind
 from .base import TransferJob, Transport
@@ -276,8 +278,8 @@ class TcpServer:
             raise TransportUnavailable(
                 f"segment {req.segment!r} is GPU memory; the TCP path moves host memory only"
             )
-        check_ranges(desc.size, offsets, lengths, f"segment {req.segment!r}")
-        if int(lengths.sum()) != req.total:
+        side = (offsets, desc.size, f"segment {req.segment!r}")
+        if check_ranges(f"request on segment {req.segment!r}", lengths, side) != req.total:
             raise InvalidLength(f"payload size {req.total} does not match the request lengths")
         return region
 
