@@ -21,7 +21,7 @@ setting (pieces and bytes per request), checked by the server before any work.
 from __future__ import annotations
 
 import socket
-from typing import Annotated, TypeVar, Union
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -132,31 +132,31 @@ class CallReply(msgspec.Struct, tag="call_reply"):
 
 
 class SegmentRemoved(msgspec.Struct, tag="segment_removed"):
-    name: str
+    name: _Name
     seg_id: int
 
 
 class Bye(msgspec.Struct, tag="bye"):
-    reason: str
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE)]
 
 
-Message = Union[
-    Error,
-    GetSegment,
-    SegmentInfo,
-    ListSegments,
-    SegmentList,
-    Ping,
-    Pong,
-    WriteReq,
-    Ack,
-    ReadReq,
-    ReadResp,
-    Call,
-    CallReply,
-    SegmentRemoved,
-    Bye,
-]
+Message = (
+    Error
+    | GetSegment
+    | SegmentInfo
+    | ListSegments
+    | SegmentList
+    | Ping
+    | Pong
+    | WriteReq
+    | Ack
+    | ReadReq
+    | ReadResp
+    | Call
+    | CallReply
+    | SegmentRemoved
+    | Bye
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
