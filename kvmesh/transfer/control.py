@@ -134,7 +134,7 @@ class _Throttle:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
             if now - self._last.get(kind, -1e9) < self._interval:
@@ -144,7 +144,7 @@ class _Throttle:
             held = self._held.pop(kind, 0)
         if held:
             msg += f" (and {held} more like it in the last {self._interval:g} s)"
-        log.log(level, msg, *args)
+        log.log(level, msg, *args, exc_info=exc_info)
 
 
 class Served:

@@ -445,3 +445,26 @@ def test_wrong_or_missing_token_is_refused(client):
     # And a client with a token refuses an owner without one.
     with Peer("--size", str(4 * MiB)) as peer, pytest.raises(AuthError):
         client(token="right").open_segment(peer.address, "pool")
+
+
+def test_a_failing_transport_call_costs_one_reply_and_one_log_line(client, monkeypatch, caplog):
+    # A bug in a transport's handle_call (not a TransferError) is answered and logged with its
+    # traceback once per interval, not once per call, and the connection stays usable.
+    from kvmesh.transfer.transports.base import Transport
+
+    owner = client(transport=None, transports_disable=["nixl"])
+    shm = owner.transport("shm")
+
+    def broken(self, payload):
+        raise RuntimeError("transport bug")
+
+    monkeypatch.setattr(type(shm), "handle_call", broken)
+    assert type(shm).handle_call is not Transport.handle_call
+    other = client()
+    with caplog.at_level(logging.ERROR, logger="kvmesh.transfer"):
+        for _ in range(5):
+            with pytest.raises(Exception, match="transport bug"):
+                other.peer(owner.address).call("shm", b"x")
+        assert other.ping(owner.address) < 5
+    lines = [r for r in caplog.records if "call" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is not None
