@@ -248,6 +248,17 @@ def test_four_million_piece_request_is_refused_quickly_without_memory(client):
         assert took < 5.0, took
         assert grew < 32, f"owner RSS grew by {grew:.0f} MiB"
         _honest_roundtrip(eng, peer)
+        # Within the limits, a many-piece request (a 160 KB frame: buffers grown as it
+        # arrives) is served piece by piece in windows.
+        n = 10_000
+        src = pattern(11, 0, n * 16)
+        local = eng.register(src.copy())
+        remote = np.arange(n)[::-1] * 32 + 5
+        eng.transfer(Op.WRITE, local, np.arange(n) * 16, seg, remote, 16)
+        back = eng.register(np.zeros(n * 16, np.uint8))
+        eng.transfer(Op.READ, back, np.arange(n) * 16, seg, remote, 16)
+        assert (back.array() == src).all()
+        assert peer.cmd("sha", offset=5, length=16)["sha"] == sha(src[-16:])
 
 
 def test_request_limits_are_enforced_by_the_owner_and_honoured_by_clients(client):
@@ -424,6 +435,14 @@ def test_garbage_truncated_and_huge_frames_before_and_after_auth(client):
             s.sendall(payload)
             post.append(s)
         post[2].shutdown(socket.SHUT_WR)
+        # A request whose header arrives in pieces is still one request.
+        split = _authed_socket(eng, peer)
+        ping = P.encode(P.Ping(77))
+        split.sendall(ping[:2])
+        time.sleep(0.2)
+        split.sendall(ping[2:])
+        assert P.recv_msg(split) == P.Pong(77)
+        split.close()
         # An honest client is served while these are handled.
         _honest_roundtrip(eng, peer)
         for s in post[:2]:
@@ -434,6 +453,30 @@ def test_garbage_truncated_and_huge_frames_before_and_after_auth(client):
             s.close()
         assert rss_mib(peer.pid) - rss0 < 16
         _honest_roundtrip(eng, peer, seed=6)
+
+
+def test_accept_loop_survives_accept_errors(client, monkeypatch):
+    # EMFILE from accept() (out of file descriptors): back off, keep accepting.
+    owner = client(transport=None)
+    real_accept = socket.socket.accept
+    errors = []
+
+    def failing_accept(self):
+        if len(errors) < 3:
+            errors.append(1)
+            raise OSError(24, "Too many open files")
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", failing_accept)
+    # The accept thread sits in the real accept(): one connection wakes it, then it meets
+    # the failing one three times.
+    client(connect_timeout=5.0).ping(owner.address)
+    t0 = time.monotonic()
+    while len(errors) < 3 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert len(errors) == 3
+    # A new connection after the errors is still served.
+    assert client(connect_timeout=3.0).ping(owner.address) < 3.0
 
 
 def test_wrong_or_missing_token_is_refused(client):
