@@ -2,7 +2,7 @@
 
 Prints one JSON line with its address, then answers JSON-line commands on stdin
 (``sha``, ``fill``, ``expose``, ``tensor_sha``, ``read_from``, ``write_to``, ``unpublish``,
-``unregister_reuse``, ``forge``, ``exit``). Every answer is one JSON line on stdout.
+``unregister``, ``unregister_reuse``, ``forge``, ``exit``). Every answer is one JSON line on stdout.
 
 ``--kind`` picks the memory behind the pool segment: ``shm`` (``alloc_shared``), ``dram``
 (private memory: NIXL/cma) or ``subrange`` (a range inside a shared buffer the driver owns).
@@ -38,7 +38,12 @@ def main() -> None:
     ap.add_argument("--listen", default=None)
     ap.add_argument("--no-fence", action="store_true",
                     help="act as a host whose /dev/shm refuses new files (no fence file)")
+    ap.add_argument("--stderr", help="send this process's stderr (its log) to this file")
     args = ap.parse_args()
+    if args.stderr:
+        fd = os.open(args.stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
     if args.no_fence:
         from kvmesh.transfer import shmfile
 
@@ -116,6 +121,10 @@ def main() -> None:
                 forged = msgspec.structs.replace(desc, **msg["fields"])
                 eng._table._by_name[msg["name"]] = (forged, reg)
                 say(ok=True)
+            elif cmd == "unregister":  # the pool region, while peers may be using it
+                t0 = time.monotonic()
+                eng.unregister(region, timeout=msg["wait"])
+                say(ok=True, elapsed=time.monotonic() - t0)
             else:
                 say(error=f"unknown command {cmd!r}")
         except Exception as exc:  # reported to the test, which decides
