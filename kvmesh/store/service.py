@@ -1,0 +1,692 @@
+"""The store master: one replica of a 1/3/5-replica group.
+
+A replica is a :class:`~kvmesh.replog.RaftNode` (durable data directory, or memory mode)
+running :class:`~kvmesh.store.master.state.StoreStateMachine`, plus an asyncio RPC server
+(:mod:`kvmesh.store.protocol` over :mod:`kvmesh.net` frames and handshake) and, while this
+replica leads, a ticker that proposes the time-driven commands (reclaim of stale PROCESSING
+objects, expiry of silent storage nodes, eviction) with the leader's ``now``.
+
+Who decides what:
+
+* the pure core (``kvmesh.store.master``) decides everything about objects, segments and
+  allocation inside ``apply`` -- this module only builds commands and proposes them;
+* leases, access statistics and node heartbeats are leader soft state (``master.leases``):
+  reads are served by the leader after a read-index barrier, without a log entry, and grant
+  leases there; Remove and Evict consult the leases *before* proposing, and keys with a
+  removal in flight get no new leases. A new leader treats everything as leased for one
+  lease period (``on_leader_change``), because the old leader's leases are unknown to it;
+* every mutating request is one RPC and one log entry, proposed under the client's
+  exactly-once session (``client_id``/``seq``): a retried request returns the first result.
+
+Server hardening: the handshake runs before anything is allocated for a connection
+(connection limiter with a separate cap on unauthenticated connections, pre-auth frames of
+a few KiB), then frames are capped at ``max_frame``, batches at ``max_batch_keys`` keys,
+requests in flight per connection at ``max_inflight``, and an idle connection is closed after
+``idle_timeout_s``. A connection that sends junk is closed; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any, Literal
+
+import msgspec
+
+from ..net import framing as _framing
+from ..net.errors import NetError
+from ..net.handshake import aserver_handshake
+from ..net.limits import ConnectionLimiter
+from ..net.security import SecurityConfig, check_bind
+from ..replog import (
+    CommandError,
+    NodeConfig,
+    NodeStopped,
+    NotLeaderError,
+    ProposalTimeout,
+    RaftConfig,
+    RaftNode,
+    ReadOnlyOption,
+    ReadTimeout,
+    ReplogError,
+    SessionExpiredError,
+)
+from ..replog.session import SessionRejected
+from ..replog.transport import parse_addr
+from . import errors as E
+from . import protocol as P
+from .master import commands as C
+from .master.leases import HeartbeatTable, LeaseTable, choose_victims
+from .master.state import StoreStateMachine
+
+__all__ = ["MasterConfig", "MasterService", "run_master", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class MasterConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """One master replica.
+
+    ``peers``: raft address of every replica (this one included); ``addrs``: store RPC
+    address of every replica (the ones clients and redirects use). A single replica needs
+    neither: ``MasterConfig(listen="127.0.0.1:0", durability="memory")``.
+    """
+
+    node_id: int = 1
+    peers: dict[int, str] = {}
+    addrs: dict[int, str] = {}
+    listen: str | None = None  # default: addrs[node_id]
+    data_dir: str | None = None
+    durability: Literal["disk", "memory"] = "disk"
+    tick_s: float = 0.1
+    election_ticks: int = 10
+    lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
+    snapshot_threshold: int = 50_000
+    session_ttl_s: float = 0.0
+    # store policy (leader soft state and ticker)
+    lease_ttl_s: float = 5.0
+    put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
+    node_ttl_s: float = 10.0  # storage nodes silent for this long are unmounted
+    ticker_s: float = 0.25
+    high_watermark: float = 0.90
+    evict_ratio: float = 0.05
+    # server limits
+    max_frame: int = 8 << 20
+    max_batch_keys: int = 8192
+    max_connections: int = 1024
+    max_unauthenticated: int = 64
+    max_inflight: int = 64
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 600.0
+    request_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
+            raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
+        if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
+            raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
+        if self.max_batch_keys <= 0 or self.max_frame < 4096:
+            raise ValueError("max_batch_keys must be positive and max_frame at least 4096")
+
+
+def _raft_config(cfg: MasterConfig) -> RaftConfig:
+    return RaftConfig(
+        election_tick=cfg.election_ticks,
+        max_election_tick=2 * cfg.election_ticks,
+        heartbeat_tick=1,
+        check_quorum=True,
+        read_only_option=ReadOnlyOption.LEASE_BASED if cfg.lease_reads else ReadOnlyOption.SAFE,
+        max_committed_size_per_ready=8 << 20,
+    )
+
+
+class _Echoed(msgspec.Struct, array_like=True, frozen=True):
+    """What the log applies for a request: the core command plus an opaque ``extra`` that the
+    driver needs back with the result (e.g. which keys a Remove skipped as leased). Because
+    the session table caches the whole result, a retried request gets the *original* extra
+    and the reply is rebuilt exactly as the first time."""
+
+    extra: bytes
+    body: bytes
+
+
+class _EchoResult(msgspec.Struct, array_like=True, frozen=True):
+    extra: bytes
+    result: Any
+
+
+_echo_enc = msgspec.msgpack.Encoder()
+_echo_dec = msgspec.msgpack.Decoder(_Echoed)
+
+
+class _EchoMachine:
+    """Thin wrapper between the replog's session machine and the pure core: unwraps
+    :class:`_Echoed` and returns :class:`_EchoResult`. Snapshots are the core's own."""
+
+    def __init__(self, inner: StoreStateMachine) -> None:
+        self.inner = inner
+        inner_rt = getattr(inner, "result_type", Any)
+        self.result_type = _make_result_type(inner_rt)
+
+    def apply(self, index: int, data: bytes) -> Any:
+        env = _echo_dec.decode(data)
+        return _EchoResult(env.extra, self.inner.apply(index, env.body))
+
+    def snapshot(self) -> bytes:
+        return self.inner.snapshot()
+
+    def snapshot_chunks(self) -> Any:
+        chunks = getattr(self.inner, "snapshot_chunks", None)
+        return chunks() if chunks is not None else iter((self.inner.snapshot(),))
+
+    def restore(self, data: bytes) -> None:
+        self.inner.restore(data)
+
+
+def _make_result_type(inner_rt: Any) -> Any:
+    if inner_rt is Any:
+        return _EchoResult
+    return msgspec.defstruct(
+        "EchoResultT", [("extra", bytes), ("result", inner_rt)], array_like=True, frozen=True
+    )
+
+
+def _now() -> float:
+    """The leader's clock for commands: wall time, so that a successor leader on another
+    host compares PROCESSING ages against the same scale."""
+    return time.time()
+
+
+class MasterService:
+    """One master replica: create, ``await start()``, serve, ``await stop()``."""
+
+    def __init__(self, config: MasterConfig, security: SecurityConfig | None = None) -> None:
+        self.cfg = config
+        self.sec = security if security is not None else SecurityConfig.from_env()
+        listen = config.listen or config.addrs.get(config.node_id)
+        if not listen:
+            raise ValueError("MasterConfig needs listen or addrs[node_id]")
+        host, _ = parse_addr(listen)
+        check_bind(host, self.sec)
+        self._listen = listen
+        self.sm = StoreStateMachine()
+        self._machine = _EchoMachine(self.sm)
+        self.node: RaftNode | None = None
+        self.address = ""
+        self.server_id = f"store-master-{config.node_id}-{secrets.token_hex(4)}"
+        self._server: asyncio.base_events.Server | None = None
+        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
+        self._conns: set[asyncio.Task] = set()
+        self._ticker: asyncio.Task | None = None
+        mono = time.monotonic()
+        self.leases = LeaseTable(start=mono, grace=config.lease_ttl_s)
+        self.heartbeats = HeartbeatTable()
+        self._removing: dict[str, int] = {}  # key -> removals in flight (no new leases)
+        self._remove_masks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.counters: dict[str, int] = {}
+        self.hits = 0
+        self.misses = 0
+
+    # ---------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        host, port = parse_addr(self._listen)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, reuse_address=True, limit=1 << 16, backlog=256
+        )
+        sock = self._server.sockets[0]
+        bound = sock.getsockname()
+        self.address = f"{host}:{bound[1]}"
+        peers = dict(cfg.peers) or {cfg.node_id: _free_addr(host)}
+        addrs = dict(cfg.addrs)
+        addrs[cfg.node_id] = self.address
+        ncfg = NodeConfig(
+            node_id=cfg.node_id,
+            peers=peers,
+            client_addrs=addrs,
+            data_dir=cfg.data_dir,
+            durability=cfg.durability,
+            tick_s=cfg.tick_s,
+            raft=_raft_config(cfg),
+            snapshot_threshold=cfg.snapshot_threshold,
+            session_ttl_s=cfg.session_ttl_s,
+            proposal_timeout_s=cfg.request_timeout_s,
+            read_timeout_s=min(cfg.request_timeout_s, cfg.lease_ttl_s),
+        )
+        self.node = RaftNode(ncfg, self._machine)
+        self.node.on_leader_change(self._on_leader_change)
+        try:
+            await self.node.start()
+        except BaseException:
+            self._server.close()
+            raise
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="store-ticker")
+        log.info("store master %d serving %s (raft %s, %s)", cfg.node_id, self.address,
+                 peers[cfg.node_id], cfg.durability)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ticker
+        for t in list(self._conns):
+            t.cancel()
+        for t in list(self._conns):
+            with contextlib.suppress(BaseException):
+                await t
+        if self.node is not None:
+            await self.node.stop()
+
+    # ---------------------------------------------------------------- leader soft state
+
+    def _on_leader_change(self, ch: Any) -> None:
+        if ch.is_self:
+            now = time.monotonic()
+            # The previous leader's leases are unknown here: everything counts as leased for
+            # one lease period; nodes get a full heartbeat TTL from now. (A lone replica
+            # holding no object can have no earlier leases: it skips the grace.)
+            alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
+            self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
+            self.heartbeats = HeartbeatTable()
+            for node_id in self.sm.node_ids():
+                self.heartbeats.beat(node_id, now)
+            self._removing.clear()
+            self._remove_masks.clear()
+
+    async def _tick_loop(self) -> None:
+        cfg = self.cfg
+        last_reclaim = 0.0
+        while True:
+            await asyncio.sleep(cfg.ticker_s)
+            node = self.node
+            if node is None or not node.is_leader:
+                continue
+            try:
+                mono = time.monotonic()
+                dead = self.heartbeats.expired(mono, cfg.node_ttl_s)
+                if dead:
+                    log.warning("store master: storage nodes %s missed heartbeats; unmounting", dead)
+                    await self._propose_plain(C.ExpireNodes(node_ids=sorted(dead), now=_now()))
+                    for n in dead:
+                        self.heartbeats.forget(n)
+                if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 5.0):
+                    last_reclaim = mono
+                    if self.sm.has_processing():
+                        await self._propose_plain(C.Reclaim(now=_now(), timeout=cfg.put_timeout_s))
+                await self._maybe_evict(mono)
+            except (ReplogError, asyncio.TimeoutError) as e:
+                log.debug("store ticker: %s", e)
+            except Exception:  # noqa: BLE001 - the ticker must survive any single failure
+                log.exception("store ticker failed")
+
+    async def _maybe_evict(self, mono: float) -> list[str]:
+        cfg = self.cfg
+        victims = choose_victims(self.sm, self.leases, mono, cfg.high_watermark, cfg.evict_ratio)
+        victims = [k for k in victims if k not in self._removing]
+        if not victims:
+            return []
+        self._mark_removing(victims, +1)
+        try:
+            await self._propose_plain(C.Evict(keys=victims))
+        finally:
+            self._mark_removing(victims, -1)
+        self.counters["evicted"] = self.counters.get("evicted", 0) + len(victims)
+        return victims
+
+    def _mark_removing(self, keys: list[str], d: int) -> None:
+        rm = self._removing
+        for k in keys:
+            n = rm.get(k, 0) + d
+            if n > 0:
+                rm[k] = n
+            else:
+                rm.pop(k, None)
+
+    async def _propose_plain(self, cmd: Any) -> Any:
+        assert self.node is not None
+        data = _echo_enc.encode(_Echoed(b"", C.encode_command(cmd)))
+        return (await self.node.propose(data)).result
+
+    # ------------------------------------------------------------------------- server
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        token = self._limiter.try_acquire()
+        if token is None:
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        inflight: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(self.cfg.max_inflight)
+        try:
+            try:
+                await aserver_handshake(
+                    reader, writer, self.sec, P.SERVICE, self.server_id, self.cfg.handshake_timeout_s
+                )
+            except (NetError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                log.info("store master: handshake from %s refused: %s",
+                         writer.get_extra_info("peername"), str(e)[:200])
+                return
+            self._limiter.authenticated(token)
+            while True:
+                try:
+                    body = await asyncio.wait_for(
+                        _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
+                    )
+                except asyncio.TimeoutError:
+                    return  # idle connection
+                try:
+                    req = P.decode_request(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.info("store master: undecodable request; closing: %s", str(e)[:200])
+                    return
+                await slots.acquire()
+                t = asyncio.get_running_loop().create_task(self._handle(req, writer))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+                t.add_done_callback(lambda _t: slots.release())
+        except (NetError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.debug("store master: connection ended: %s", str(e)[:200])
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for t in inflight:
+                t.cancel()
+            self._limiter.release(token)
+            self._conns.discard(task)
+            writer.close()
+
+    async def _handle(self, req: Any, writer: asyncio.StreamWriter) -> None:
+        try:
+            resp = await self._dispatch(req)
+        except NotLeaderError as e:
+            resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
+        except (ProposalTimeout, ReadTimeout, asyncio.TimeoutError) as e:
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"timeout: {e}", retry=True)
+        except SessionExpiredError as e:
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
+        except CommandError as e:
+            resp = P.ErrorResp(req.rid, E.StoreError.code, f"command failed: {e}", retry=False)
+        except NodeStopped as e:
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+        except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True)
+        except E.StoreError as e:
+            resp = P.ErrorResp(req.rid, e.code, str(e), retry=False)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            log.warning("store master: request %s failed: %r", type(req).__name__, e)
+            resp = P.ErrorResp(req.rid, E.StoreError.code, f"{type(e).__name__}: {e}"[:500])
+        if writer.is_closing():
+            return
+        try:
+            writer.write(_framing.encode_frame(P.encode(resp)))
+            if writer.transport.get_write_buffer_size() > (4 << 20):
+                await writer.drain()  # a client that stops reading must not grow our buffer
+        except (ConnectionError, OSError):
+            pass
+
+    def _leader(self) -> RaftNode:
+        node = self.node
+        if node is None:
+            raise NodeStopped("not started")
+        if not node.is_leader:
+            lid = node.leader_id
+            raise NotLeaderError(lid, node.address_of(lid))
+        return node
+
+    def _check_keys(self, req: Any) -> None:
+        keys = P.request_keys(req)
+        if len(keys) > self.cfg.max_batch_keys:
+            raise E.InvalidArgument(f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}")
+
+    async def _dispatch(self, req: Any) -> Any:
+        t = type(req)
+        self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
+        if t is P.StatusReq:
+            return P.StatusResp(req.rid, self.status())
+        self._check_keys(req)
+        node = self._leader()
+        if t is P.GetReplicasReq:
+            return await self._get_replicas(node, req)
+        if t is P.ExistsReq:
+            await node.read_index()
+            self._leader()
+            return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
+        if t is P.GetSizeReq:
+            await node.read_index()
+            self._leader()
+            codes, sizes = self.sm.get_size(req.keys)
+            return P.SizesResp(req.rid, list(codes), list(sizes))
+        if t is P.HeartbeatReq:
+            known = req.node_id in self.sm.node_ids()
+            if known:
+                self.heartbeats.beat(req.node_id, time.monotonic())
+            return P.CodesResp(req.rid, [0 if known else E.SegmentNotFound.code])
+        if t is P.RegisterReq:
+            return P.RegisterResp(req.rid, await node.register_session())
+        if t is P.RemoveReq:
+            return await self._remove(node, req)
+        if t is P.RemoveAllReq:
+            return await self._remove_all(node, req)
+        # The other mutations: one command, one log entry, under the client's session.
+        if t is P.PutStartReq:
+            if len(req.sizes) != len(req.keys):
+                raise E.InvalidArgument(f"{len(req.keys)} keys but {len(req.sizes)} sizes")
+            cmd: Any = (C.Upsert if req.upsert else C.PutStart)(
+                keys=req.keys, sizes=req.sizes, config=req.config, now=_now()
+            )
+            res = await self._propose(node, req.session, cmd)
+            return P.PutStartResp(req.rid, list(res.codes), list(res.replicas))
+        if t is P.PutEndReq:
+            res = await self._propose(node, req.session, C.PutEnd(keys=req.keys))
+            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.PutRevokeReq:
+            res = await self._propose(node, req.session, C.PutRevoke(keys=req.keys))
+            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.MountReq:
+            cmd = C.Mount(node_id=req.node_id, segment=req.segment, endpoint=req.endpoint,
+                          host_id=req.host_id, size=req.size, now=_now())
+            res = await self._propose(node, req.session, cmd)
+            if _code_of(res) == 0:
+                self.heartbeats.beat(req.node_id, time.monotonic())
+            return P.CodesResp(req.rid, [_code_of(res)])
+        if t is P.UnmountReq:
+            res = await self._propose(node, req.session, C.Unmount(node_id=req.node_id, segment=req.segment, now=_now()))
+            return P.CodesResp(req.rid, [_code_of(res)])
+        raise E.InvalidArgument(f"unsupported request {t.__name__}")
+
+    async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any, extra: bytes = b"") -> Any:
+        return (await self._propose_echo(node, sess, cmd, extra)).result
+
+    async def _propose_echo(self, node: RaftNode, sess: P.Session, cmd: Any, extra: bytes) -> Any:
+        data = _echo_enc.encode(_Echoed(extra, C.encode_command(cmd)))
+        res = await node.propose(data, sess.client_id, sess.seq, sess.ack)
+        if isinstance(res, SessionRejected):
+            raise SessionExpiredError(f"session {res.client_id} seq {res.seq}: {res.reason}")
+        return res
+
+    async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
+        await node.read_index()
+        self._leader()
+        mono = time.monotonic()
+        ttl = self.cfg.lease_ttl_s
+        keys = req.keys
+        codes, sizes, replicas = self.sm.lookup(keys)
+        codes = list(codes)
+        granted = []
+        removing = self._removing
+        for i, k in enumerate(keys):
+            if codes[i] != 0:
+                continue
+            if k in removing:
+                # A removal of this key is in flight: no new lease on memory about to be freed.
+                codes[i] = E.ObjectNotFound.code
+                replicas[i] = None
+                continue
+            granted.append(k)
+        self.leases.grant(granted, mono, ttl)
+        self.hits += len(granted)
+        self.misses += len(keys) - len(granted)
+        return P.ReplicasResp(req.rid, codes, list(sizes), list(replicas), int(ttl * 1000))
+
+    async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
+        keys = req.keys
+        key_ = (req.session.client_id, req.session.seq)
+        mask = self._remove_masks.get(key_)
+        if mask is None:
+            mono = time.monotonic()
+            if req.force:
+                mask = bytes(len(keys))
+            else:
+                live = self.sm.exists(keys)
+                mask = bytes(1 if e and self.leases.leased(k, mono) else 0 for k, e in zip(keys, live))
+            self._remove_masks[key_] = mask
+            while len(self._remove_masks) > 4096:
+                self._remove_masks.popitem(last=False)
+        todo = [k for k, m in zip(keys, mask) if not m]
+        self._mark_removing(todo, +1)
+        try:
+            res = await self._propose_echo(node, req.session, C.Remove(keys=todo, force=req.force), mask)
+        finally:
+            self._mark_removing(todo, -1)
+        # The mask that was applied (the session cache returns the first attempt's).
+        mask = res.extra
+        inner = list(res.result.codes)
+        out = []
+        it = iter(inner)
+        for m in mask:
+            out.append(E.ObjectHasLease.code if m else next(it, E.StoreError.code))
+        if len(out) != len(keys):
+            raise E.InvalidArgument("a retried remove named different keys than the first attempt")
+        return P.CodesResp(req.rid, out)
+
+    async def _remove_all(self, node: RaftNode, req: P.RemoveAllReq) -> P.CountResp:
+        mono = time.monotonic()
+        keep = [] if req.force else [k for k in self.sm.keys() if self.leases.leased(k, mono)]
+        res = await self._propose(node, req.session, C.RemoveAll(force=req.force, keep=keep))
+        return P.CountResp(req.rid, int(res.count))
+
+    # ------------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        node = self.node
+        st: dict[str, Any] = {"node_id": self.cfg.node_id, "address": self.address}
+        if node is not None:
+            with contextlib.suppress(ReplogError):
+                rs = node.status()
+                st.update({k: rs[k] for k in ("role", "term", "leader", "commit", "applied", "voters", "durability")})
+                st["leader_addr"] = node.address_of(node.leader_id) or ""
+        st["addrs"] = {str(k): v for k, v in (self.cfg.addrs or {self.cfg.node_id: self.address}).items()}
+        st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
+        st["usage"] = msgspec.to_builtins(self.sm.usage())
+        st["objects"] = self.sm.object_count()
+        st["leases"] = self.leases.count(time.monotonic())
+        st["hits"] = self.hits
+        st["misses"] = self.misses
+        st["requests"] = dict(self.counters)
+        return st
+
+
+def _code_of(res: Any) -> int:
+    codes = getattr(res, "codes", None)
+    if codes is not None:
+        return int(codes[0]) if codes else 0
+    return int(getattr(res, "code", 0))
+
+
+def _free_addr(host: str) -> str:
+    from ..replog.server import free_ports
+
+    return f"{host}:{free_ports(1, host)[0]}"
+
+
+# --------------------------------------------------------------------------- process
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def run_master(cfg: MasterConfig, sec: SecurityConfig | None = None) -> int:
+    """Run one replica until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3)."""
+    import signal
+
+    svc = MasterService(cfg, sec)
+    await svc.start()
+    assert svc.node is not None
+    print(f"READY {cfg.node_id} {svc.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = loop.create_task(stop.wait())
+    dead = loop.create_task(svc.node.wait_stopped())
+    await asyncio.wait([waiter, dead], return_when=asyncio.FIRST_COMPLETED)
+    fatal = svc.node.fatal_error
+    await svc.stop()
+    waiter.cancel()
+    return 3 if fatal is not None else 0
+
+
+def build_arg_parser() -> Any:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="kvmesh master", description="one replica of the store master group")
+    p.add_argument("--id", type=int, default=1)
+    p.add_argument("--peers", default="", help="ID=HOST:PORT,... raft addresses of all replicas")
+    p.add_argument("--addrs", default="", help="ID=HOST:PORT,... store RPC addresses of all replicas")
+    p.add_argument("--listen", default=None, help="store RPC address (default: this id in --addrs)")
+    p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
+    p.add_argument("--durability", choices=["disk", "memory"], default="disk")
+    p.add_argument("--tick-ms", type=float, default=100.0)
+    p.add_argument("--election-ticks", type=int, default=10)
+    p.add_argument("--lease-ttl-s", type=float, default=5.0)
+    p.add_argument("--put-timeout-s", type=float, default=60.0)
+    p.add_argument("--node-ttl-s", type=float, default=10.0)
+    p.add_argument("--high-watermark", type=float, default=0.90)
+    p.add_argument("--evict-ratio", type=float, default=0.05)
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(a: Any) -> MasterConfig:
+    from ..replog.node import parse_peers
+
+    return MasterConfig(
+        node_id=a.id,
+        peers=parse_peers(a.peers) if a.peers else {},
+        addrs=parse_peers(a.addrs) if a.addrs else {},
+        listen=a.listen,
+        data_dir=a.dir,
+        durability=a.durability,
+        tick_s=a.tick_ms / 1000.0,
+        election_ticks=a.election_ticks,
+        lease_ttl_s=a.lease_ttl_s,
+        put_timeout_s=a.put_timeout_s,
+        node_ttl_s=a.node_ttl_s,
+        high_watermark=a.high_watermark,
+        evict_ratio=a.evict_ratio,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    a = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.WARNING),
+                        format=f"%(asctime)s master{a.id} %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        cfg = config_from_args(a)
+        if cfg.durability == "disk" and not cfg.data_dir:
+            raise ValueError("--durability disk needs --dir")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.data_dir:
+        os.makedirs(cfg.data_dir, exist_ok=True)
+    _install_uvloop()
+    try:
+        return asyncio.run(run_master(cfg))
+    except OSError as e:
+        print(f"error: master {cfg.node_id} cannot start: {e}", file=sys.stderr)
+        return 5
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
