@@ -638,6 +638,9 @@ def build_arg_parser() -> Any:
     p.add_argument("--node-ttl-s", type=float, default=10.0)
     p.add_argument("--high-watermark", type=float, default=0.90)
     p.add_argument("--evict-ratio", type=float, default=0.05)
+    p.add_argument("--handshake-timeout-s", type=float, default=5.0)
+    p.add_argument("--idle-timeout-s", type=float, default=600.0)
+    p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -659,6 +662,9 @@ def config_from_args(a: Any) -> MasterConfig:
         node_ttl_s=a.node_ttl_s,
         high_watermark=a.high_watermark,
         evict_ratio=a.evict_ratio,
+        handshake_timeout_s=a.handshake_timeout_s,
+        idle_timeout_s=a.idle_timeout_s,
+        max_unauthenticated=a.max_unauthenticated,
     )
 
 
