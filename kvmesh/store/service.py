@@ -424,9 +424,16 @@ class MasterService:
         return node
 
     def _check_keys(self, req: Any) -> None:
+        # Conforming clients validate keys before sending; a request with a bad one comes
+        # from a broken or hostile peer and is refused whole, before any work.
         keys = P.request_keys(req)
         if len(keys) > self.cfg.max_batch_keys:
             raise E.InvalidArgument(f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}")
+        for k in keys:
+            E.check_key(k)
+        sizes = getattr(req, "sizes", None)
+        if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
+            raise E.InvalidArgument("sizes must be positive, one per key")
 
     async def _dispatch(self, req: Any) -> Any:
         t = type(req)
@@ -459,8 +466,6 @@ class MasterService:
             return await self._remove_all(node, req)
         # The other mutations: one command, one log entry, under the client's session.
         if t is P.PutStartReq:
-            if len(req.sizes) != len(req.keys):
-                raise E.InvalidArgument(f"{len(req.keys)} keys but {len(req.sizes)} sizes")
             cmd: Any = (C.Upsert if req.upsert else C.PutStart)(
                 keys=req.keys, sizes=req.sizes, config=req.config, now=_now()
             )
