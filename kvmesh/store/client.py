@@ -40,7 +40,7 @@ from . import errors as E
 from . import protocol as P
 from .node import StorageNode
 from .rpc import MasterClient
-from .types import ObjectReplica, ReplicateConfig
+from .types import ObjectReplica, ReplicateConfig, key_error
 
 __all__ = ["StoreClient", "BatchResults"]
 
@@ -70,13 +70,8 @@ class BatchResults(list):
 
 
 def _key_error(key: Any) -> E.StoreError | None:
-    if not isinstance(key, str):
-        return E.InvalidKey(f"keys are str, got {type(key).__name__}")
-    try:
-        E.check_key(key)
-    except E.StoreError as e:
-        return e
-    return None
+    why = key_error(key)
+    return None if why is None else E.InvalidKey(f"{why}: {str(key)[:100]!r}")
 
 
 class _Staging:
@@ -217,7 +212,7 @@ class StoreClient:
         torch tensor, bytearray, or a raw address with ``size``. Register once, reuse."""
         if isinstance(buffer, int):
             if size is None:
-                raise E.InvalidArgument("a raw address needs a size")
+                raise E.InvalidParams("a raw address needs a size")
             region = self.engine.register_raw(buffer, size)
         else:
             region = self.engine.register(buffer)
@@ -357,7 +352,7 @@ class StoreClient:
             if err is None and isinstance(bufs[i], E.StoreError):
                 err = bufs[i]  # type: ignore[assignment]
             if err is None and (not isinstance(sizes[i], int) or sizes[i] <= 0):
-                err = E.InvalidArgument(f"size of {k!r} must be a positive int, got {sizes[i]!r}")
+                err = E.InvalidParams(f"size of {k!r} must be a positive int, got {sizes[i]!r}")
             if err is not None:
                 out[i] = err
             else:
@@ -378,6 +373,7 @@ class StoreClient:
             for i in part:
                 out[i] = err
             return []
+        versions = resp.versions
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
@@ -397,15 +393,17 @@ class StoreClient:
         bad = [j for j in started if j in failed]
         if bad:
             bkeys = [pkeys[j] for j in bad]
+            bvers = [versions[j] for j in bad]
             try:
-                self.rpc.mutate(lambda rid, s: P.PutRevokeReq(rid, s, bkeys))
+                self.rpc.mutate(lambda rid, s: P.PutRevokeReq(rid, s, bkeys, bvers))
             except E.StoreError as e:  # the master reclaims them after its put timeout
                 log.warning("store: put_revoke failed: %s", e)
             for j in bad:
                 out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
         if ok:
             okeys = [pkeys[j] for j in ok]
-            r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys))
+            overs = [versions[j] for j in ok]
+            r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
             if type(r2) is P.CodesResp:
                 for j, code in zip(ok, r2.codes):
                     out[part[j]] = None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
@@ -441,17 +439,17 @@ class StoreClient:
         szs = _per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
         if len(bufl) != n:
-            raise E.InvalidArgument(f"{n} keys but {len(bufl)} buffers")
+            raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         for i in range(n):
             try:
                 sz = szs[i]
                 if sz is None:
-                    raise E.InvalidArgument("a size is required")
+                    raise E.InvalidParams("a size is required")
                 region, base = self._region_of(bufl[i], sz)
                 off = base + int(offs[i])
                 if offs[i] < 0 or off + sz > region.size:
-                    raise E.InvalidArgument(
+                    raise E.InvalidParams(
                         f"range [{off}, {off + sz}) is outside the registered buffer of {region.size} bytes")
                 bufs.append((region, off))
             except E.StoreError as e:
@@ -470,13 +468,13 @@ class StoreClient:
         ks, batch = self._listify(keys)
         vals = list(values) if batch else [values]
         if len(vals) != len(ks):
-            raise E.InvalidArgument(f"{len(ks)} keys but {len(vals)} values")
+            raise E.InvalidParams(f"{len(ks)} keys but {len(vals)} values")
         views = []
         for v in vals:
             try:
                 views.append(memoryview(v).cast("B"))
             except TypeError:
-                raise E.InvalidArgument(f"values must be bytes-like, got {type(v).__name__}") from None
+                raise E.InvalidParams(f"values must be bytes-like, got {type(v).__name__}") from None
         total = sum(len(v) for v in views)
         stage = self._staging.acquire(max(1, total))
         try:
@@ -500,10 +498,11 @@ class StoreClient:
         sizes: list[int] = []
         reps: list[Any] = []
         deadline = float("inf")
+        host = self.engine.host_id
         for start in range(0, len(keys), MAX_KEYS_PER_RPC):
             part = keys[start : start + MAX_KEYS_PER_RPC]
             t0 = time.monotonic()
-            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, part))
+            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, part, host))
             if type(resp) is not P.ReplicasResp:
                 err = _whole_error(resp)
                 codes += [err.code] * len(part)
@@ -546,7 +545,7 @@ class StoreClient:
             if codes[j] != 0:
                 out[i] = E.error_for(codes[j], f"get of {keys[i]!r}")
             elif sizes[j] > caps[i]:
-                out[i] = E.InvalidArgument(f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}")
+                out[i] = E.BufferOverflow(f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}")
             elif not reps[j]:
                 out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
             else:
@@ -588,7 +587,7 @@ class StoreClient:
         caps_in = _per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
         if len(bufl) != n:
-            raise E.InvalidArgument(f"{n} keys but {len(bufl)} buffers")
+            raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         caps: list[int] = []
         for i in range(n):
@@ -597,7 +596,7 @@ class StoreClient:
                 off = base + int(offs[i])
                 cap = caps_in[i] if caps_in[i] is not None else region.size - off
                 if offs[i] < 0 or cap <= 0 or off + cap > region.size:
-                    raise E.InvalidArgument(
+                    raise E.InvalidParams(
                         f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer of {region.size} bytes")
                 bufs.append((region, off))
                 caps.append(cap)
@@ -736,7 +735,7 @@ class StoreClient:
         memory, else through staging). Shape/dtype are the caller's to remember."""
         t = tensor.detach()
         if not t.is_contiguous():
-            raise E.InvalidArgument("put_tensor needs a contiguous tensor")
+            raise E.InvalidParams("put_tensor needs a contiguous tensor")
         nbytes = t.numel() * t.element_size()
         try:
             self._region_of(t.data_ptr(), nbytes)
@@ -749,14 +748,14 @@ class StoreClient:
         """Read an object into ``into`` (a contiguous CPU tensor of at least its size);
         returns ``into``."""
         if not into.is_contiguous():
-            raise E.InvalidArgument("get_tensor needs a contiguous tensor")
+            raise E.InvalidParams("get_tensor needs a contiguous tensor")
         nbytes = into.numel() * into.element_size()
         try:
             self._region_of(into.data_ptr(), nbytes)
         except E.NotRegistered:
             data = self.get(key)
             if len(data) > nbytes:
-                raise E.InvalidArgument(f"object {key!r} has {len(data)} bytes; the tensor holds {nbytes}") from None
+                raise E.BufferOverflow(f"object {key!r} has {len(data)} bytes; the tensor holds {nbytes}") from None
             into.view(-1).numpy().view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
             return into
         self.get_into(key, into.data_ptr(), 0, nbytes)
@@ -767,7 +766,7 @@ def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
     if batch and isinstance(value, (list, tuple, np.ndarray)):
         vals = list(value)
         if len(vals) != n:
-            raise E.InvalidArgument(f"{n} keys but {len(vals)} {what}")
+            raise E.InvalidParams(f"{n} keys but {len(vals)} {what}")
         return [None if v is None else int(v) for v in vals]
     return [None if value is None else int(value)] * n
 

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from ..net.security import SecurityConfig
-from .service import MasterConfig, MasterService
+from .service import ServiceConfig, MasterService
 
 __all__ = ["EmbeddedMaster", "acquire_embedded", "release_embedded", "embedded"]
 
@@ -27,8 +27,8 @@ __all__ = ["EmbeddedMaster", "acquire_embedded", "release_embedded", "embedded"]
 class EmbeddedMaster:
     """A :class:`MasterService` running on a private event loop in a daemon thread."""
 
-    def __init__(self, config: MasterConfig | None = None, security: SecurityConfig | None = None) -> None:
-        self.config = config or MasterConfig(listen="127.0.0.1:0", durability="memory", tick_s=0.05)
+    def __init__(self, config: ServiceConfig | None = None, security: SecurityConfig | None = None) -> None:
+        self.config = config or ServiceConfig(listen="127.0.0.1:0", durability="memory", tick_s=0.05)
         self.security = security or SecurityConfig(token=secrets.token_hex(16))
         self.address = ""
         self.service: MasterService | None = None

@@ -90,20 +90,23 @@ class StorageNode:
             except Exception:  # noqa: BLE001 - the heartbeat thread must keep going
                 log.exception("store node %s: heartbeat failed", self.node_id)
 
-    def close(self, grace_s: float = 0.0) -> None:
-        """Unmount (the master drops this segment's replicas), wait ``grace_s`` for readers
-        that still hold leases on it, then free the memory."""
+    def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
+        """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
+        copies at once; else they stay readable (no new allocations) for ``grace_s`` while
+        the memory is kept, plus ``lease_s`` (the master's lease TTL) for readers that were
+        granted a lease just before the end. Readers still copying when the memory goes get
+        a per-key error, never other bytes: the segment is unpublished, not reused."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.region is None:
             return
         try:
-            self.master.mutate(lambda rid, s: P.UnmountReq(rid, s, self.node_id, self.segment), timeout=5.0)
+            self.master.mutate(lambda rid, s: P.UnmountReq(rid, s, self.node_id, self.segment, grace_s), timeout=5.0)
         except E.StoreError as e:
             log.warning("store node %s: unmount failed (the master expires it later): %s", self.node_id, e)
         if grace_s > 0:
-            time.sleep(grace_s)
+            time.sleep(grace_s + lease_s)
         region, self.region = self.region, None
         try:
             self.engine.unregister(region)

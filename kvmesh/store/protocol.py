@@ -95,11 +95,14 @@ class PutStartReq(msgspec.Struct, tag="put_start", array_like=True, frozen=True)
 
 
 class PutEndReq(msgspec.Struct, tag="put_end", array_like=True, frozen=True):
-    """Mark the writer's PROCESSING replicas of ``keys`` COMPLETE; reply :class:`CodesResp`."""
+    """Mark the writer's PROCESSING replicas of ``keys`` COMPLETE; ``versions``: those
+    :class:`PutStartResp` returned (a reclaimed and re-put key then answers InvalidWrite
+    instead of completing someone else's put). Reply :class:`CodesResp`."""
 
     rid: int
     session: Session
     keys: list[str]
+    versions: list[int] = []
 
 
 class PutRevokeReq(msgspec.Struct, tag="put_revoke", array_like=True, frozen=True):
@@ -108,14 +111,17 @@ class PutRevokeReq(msgspec.Struct, tag="put_revoke", array_like=True, frozen=Tru
     rid: int
     session: Session
     keys: list[str]
+    versions: list[int] = []
 
 
 class GetReplicasReq(msgspec.Struct, tag="get_replicas", array_like=True, frozen=True):
     """COMPLETE replicas of ``keys`` under a read lease; reply :class:`ReplicasResp`.
-    Served by the leader after a read-index barrier, without a log entry."""
+    Served by the leader after a read-index barrier, without a log entry. ``host``: the
+    reader's host id (copies on that host come first)."""
 
     rid: int
     keys: list[str]
+    host: str = ""
 
 
 class ExistsReq(msgspec.Struct, tag="exists", array_like=True, frozen=True):
@@ -163,17 +169,19 @@ class MountReq(msgspec.Struct, tag="mount", array_like=True, frozen=True):
 
 
 class UnmountReq(msgspec.Struct, tag="unmount", array_like=True, frozen=True):
-    """Take a segment out of the pool (its replicas are dropped). :class:`CodesResp`."""
+    """Take a segment out of the pool. ``grace`` 0: its replicas are dropped now; else no
+    new allocations and its copies stay readable for ``grace`` seconds. :class:`CodesResp`."""
 
     rid: int
     session: Session
     node_id: str
     segment: str
+    grace: float = 0.0
 
 
 class HeartbeatReq(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     """A storage node is alive (leader soft state, no log entry). :class:`CodesResp` with one
-    code: 0, or SegmentNotFound when the master no longer knows the node (it must re-mount)."""
+    code: 0, or NodeNotFound when the master no longer knows the node (it must re-mount)."""
 
     rid: int
     node_id: str
@@ -218,6 +226,7 @@ class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=Tr
     rid: int
     codes: list[int]
     replicas: list[list[ObjectReplica] | None]
+    versions: list[int]
 
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):

@@ -61,20 +61,23 @@ from ..replog.transport import parse_addr
 from . import errors as E
 from . import protocol as P
 from .master import commands as C
-from .master.leases import HeartbeatTable, LeaseTable, choose_victims
+from .master.eviction import choose_victims
+from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.state import StoreStateMachine
+from .types import MAX_BATCH_KEYS, key_error
 
-__all__ = ["MasterConfig", "MasterService", "run_master", "main"]
+__all__ = ["ServiceConfig", "MasterService", "run_master", "main"]
 
 log = logging.getLogger(__name__)
 
 
-class MasterConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """One master replica.
+class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """One master replica (driver settings; the replicated core has its own
+    :class:`~kvmesh.store.master.state.MasterConfig`).
 
     ``peers``: raft address of every replica (this one included); ``addrs``: store RPC
     address of every replica (the ones clients and redirects use). A single replica needs
-    neither: ``MasterConfig(listen="127.0.0.1:0", durability="memory")``.
+    neither: ``ServiceConfig(listen="127.0.0.1:0", durability="memory")``.
     """
 
     node_id: int = 1
@@ -110,11 +113,11 @@ class MasterConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
         if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
             raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
-        if self.max_batch_keys <= 0 or self.max_frame < 4096:
-            raise ValueError("max_batch_keys must be positive and max_frame at least 4096")
+        if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
+            raise ValueError(f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096")
 
 
-def _raft_config(cfg: MasterConfig) -> RaftConfig:
+def _raft_config(cfg: ServiceConfig) -> RaftConfig:
     return RaftConfig(
         election_tick=cfg.election_ticks,
         max_election_tick=2 * cfg.election_ticks,
@@ -185,12 +188,12 @@ def _now() -> float:
 class MasterService:
     """One master replica: create, ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: MasterConfig, security: SecurityConfig | None = None) -> None:
+    def __init__(self, config: ServiceConfig, security: SecurityConfig | None = None) -> None:
         self.cfg = config
         self.sec = security if security is not None else SecurityConfig.from_env()
         listen = config.listen or config.addrs.get(config.node_id)
         if not listen:
-            raise ValueError("MasterConfig needs listen or addrs[node_id]")
+            raise ValueError("ServiceConfig needs listen or addrs[node_id]")
         host, _ = parse_addr(listen)
         check_bind(host, self.sec)
         self._listen = listen
@@ -203,11 +206,14 @@ class MasterService:
         self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
         self._conns: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
-        mono = time.monotonic()
-        self.leases = LeaseTable(start=mono, grace=config.lease_ttl_s)
+        # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
+        # this process's monotonic clock; commands carry wall time (_now).
+        self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
         self.heartbeats = HeartbeatTable()
-        self._removing: dict[str, int] = {}  # key -> removals in flight (no new leases)
-        self._remove_masks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self.stats = AccessStats()
+        self._held_seen: dict[int, float] = {}
+        self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        self._masks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self.counters: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
@@ -220,8 +226,7 @@ class MasterService:
         self._server = await asyncio.start_server(
             self._serve, host, port, reuse_address=True, limit=1 << 16, backlog=256
         )
-        sock = self._server.sockets[0]
-        bound = sock.getsockname()
+        bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"
         peers = dict(cfg.peers) or {cfg.node_id: _free_addr(host)}
         addrs = dict(cfg.addrs)
@@ -268,18 +273,20 @@ class MasterService:
     # ---------------------------------------------------------------- leader soft state
 
     def _on_leader_change(self, ch: Any) -> None:
-        if ch.is_self:
-            now = time.monotonic()
-            # The previous leader's leases are unknown here: everything counts as leased for
-            # one lease period; nodes get a full heartbeat TTL from now. (A lone replica
-            # holding no object can have no earlier leases: it skips the grace.)
-            alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
-            self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
-            self.heartbeats = HeartbeatTable()
-            for node_id in self.sm.node_ids():
-                self.heartbeats.beat(node_id, now)
-            self._removing.clear()
-            self._remove_masks.clear()
+        if not ch.is_self:
+            return
+        now = time.monotonic()
+        # The previous leader's leases are unknown here: every key counts as leased for one
+        # lease period; nodes get a full heartbeat TTL from now. (A lone replica holding no
+        # object can have no earlier leases: it skips the blanket period.)
+        alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
+        self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
+        self.heartbeats = HeartbeatTable()
+        self.heartbeats.reset(self.sm.nodes(), now)
+        self.stats = AccessStats()
+        self.stats.reset(self.sm.keys())
+        self._held_seen = {}
+        self._masks.clear()
 
     async def _tick_loop(self) -> None:
         cfg = self.cfg
@@ -293,42 +300,62 @@ class MasterService:
                 mono = time.monotonic()
                 dead = self.heartbeats.expired(mono, cfg.node_ttl_s)
                 if dead:
-                    log.warning("store master: storage nodes %s missed heartbeats; unmounting", dead)
-                    await self._propose_plain(C.ExpireNodes(node_ids=sorted(dead), now=_now()))
-                    for n in dead:
-                        self.heartbeats.forget(n)
-                if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 5.0):
+                    log.warning("store master: storage nodes %s missed heartbeats; expiring them", dead)
+                    await self._propose_plain(C.ExpireNodes(node_ids=dead, now=_now()))
+                    self.heartbeats.forget(dead)
+                if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
                     last_reclaim = mono
-                    if self.sm.has_processing():
-                        await self._propose_plain(C.Reclaim(now=_now(), timeout=cfg.put_timeout_s))
-                await self._maybe_evict(mono)
+                    draining = any(s.state != "mounted" for s in self.sm.segments())
+                    if draining or self.sm.processing_keys():
+                        await self._propose_plain(C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s))
+                await self._release_held(mono)
+                await self._evict(mono)
+                self.leases.purge(mono)
             except (ReplogError, asyncio.TimeoutError) as e:
                 log.debug("store ticker: %s", e)
             except Exception:  # noqa: BLE001 - the ticker must survive any single failure
                 log.exception("store ticker failed")
 
-    async def _maybe_evict(self, mono: float) -> list[str]:
-        cfg = self.cfg
-        victims = choose_victims(self.sm, self.leases, mono, cfg.high_watermark, cfg.evict_ratio)
-        victims = [k for k in victims if k not in self._removing]
-        if not victims:
-            return []
-        self._mark_removing(victims, +1)
-        try:
-            await self._propose_plain(C.Evict(keys=victims))
-        finally:
-            self._mark_removing(victims, -1)
-        self.counters["evicted"] = self.counters.get("evicted", 0) + len(victims)
-        return victims
+    async def _release_held(self, mono: float) -> None:
+        """Bytes of forced removes stay held while readers may copy them: every lease on
+        them was granted before the remove and ends within one lease period after the
+        leader first saw the hold (a new leader sees it at the start of its blanket)."""
+        tags = self.sm.held_tags()
+        if not tags:
+            self._held_seen.clear()
+            return
+        seen = self._held_seen
+        ready = []
+        for t in tags:
+            first = seen.setdefault(t, mono)
+            if mono - first > self.cfg.lease_ttl_s:
+                ready.append(t)
+        if ready:
+            await self._propose_plain(C.Release(tags=ready))
+            for t in ready:
+                seen.pop(t, None)
 
-    def _mark_removing(self, keys: list[str], d: int) -> None:
-        rm = self._removing
-        for k in keys:
-            n = rm.get(k, 0) + d
-            if n > 0:
-                rm[k] = n
-            else:
-                rm.pop(k, None)
+    async def _evict(self, mono: float, need: int = 0) -> int:
+        """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
+        Leases are judged on the monotonic clock; soft pins then look live (their expiry is
+        wall time), which only makes the choice more conservative -- ``apply`` re-checks
+        pins against the command's wall-clock ``now``."""
+        cfg = self.cfg
+        plan = choose_victims(self.sm, self.leases, self.stats, mono, cfg.high_watermark,
+                              cfg.evict_ratio, need=need)
+        if not plan.keys:
+            return 0
+        self.leases.block(plan.keys)
+        try:
+            res = await self._propose_plain(
+                C.Evict(keys=plan.keys, versions=plan.versions, now=_now(), allow_soft=plan.allow_soft)
+            )
+        finally:
+            self.leases.unblock(plan.keys)
+        gone = [k for k, c in zip(plan.keys, res.codes) if c == 0]
+        self.stats.forget(gone)
+        self.counters["evicted"] = self.counters.get("evicted", 0) + len(gone)
+        return int(res.freed)
 
     async def _propose_plain(self, cmd: Any) -> Any:
         assert self.node is not None
@@ -363,7 +390,7 @@ class MasterService:
                         _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
                     )
                 except asyncio.TimeoutError:
-                    return  # idle connection
+                    return  # idle (or a frame that never completes)
                 try:
                     req = P.decode_request(body)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -391,20 +418,20 @@ class MasterService:
         except NotLeaderError as e:
             resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
         except (ProposalTimeout, ReadTimeout, asyncio.TimeoutError) as e:
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"timeout: {e}", retry=True)
+            resp = P.ErrorResp(req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True)
         except SessionExpiredError as e:
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
         except CommandError as e:
-            resp = P.ErrorResp(req.rid, E.StoreError.code, f"command failed: {e}", retry=False)
+            resp = P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True)
         except E.StoreError as e:
-            resp = P.ErrorResp(req.rid, e.code, str(e), retry=False)
+            resp = P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             log.warning("store master: request %s failed: %r", type(req).__name__, e)
-            resp = P.ErrorResp(req.rid, E.StoreError.code, f"{type(e).__name__}: {e}"[:500])
+            resp = P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
         if writer.is_closing():
             return
         try:
@@ -423,24 +450,30 @@ class MasterService:
             raise NotLeaderError(lid, node.address_of(lid))
         return node
 
-    def _check_keys(self, req: Any) -> None:
-        # Conforming clients validate keys before sending; a request with a bad one comes
-        # from a broken or hostile peer and is refused whole, before any work.
+    def _check(self, req: Any) -> None:
+        # Conforming clients validate before sending; a request with a bad field comes from
+        # a broken or hostile peer and is refused whole, before any work.
         keys = P.request_keys(req)
         if len(keys) > self.cfg.max_batch_keys:
-            raise E.InvalidArgument(f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}")
+            raise E.InvalidParams(f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}")
         for k in keys:
-            E.check_key(k)
+            why = key_error(k)
+            if why is not None:
+                raise E.InvalidKey(why)
+        for name in ("sizes", "versions"):
+            vals = getattr(req, name, None)
+            if vals and len(vals) != len(keys):
+                raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
         sizes = getattr(req, "sizes", None)
         if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
-            raise E.InvalidArgument("sizes must be positive, one per key")
+            raise E.InvalidParams("sizes must be positive, one per key")
 
     async def _dispatch(self, req: Any) -> Any:
         t = type(req)
         self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
         if t is P.StatusReq:
             return P.StatusResp(req.rid, self.status())
-        self._check_keys(req)
+        self._check(req)
         node = self._leader()
         if t is P.GetReplicasReq:
             return await self._get_replicas(node, req)
@@ -451,43 +484,43 @@ class MasterService:
         if t is P.GetSizeReq:
             await node.read_index()
             self._leader()
-            codes, sizes = self.sm.get_size(req.keys)
-            return P.SizesResp(req.rid, list(codes), list(sizes))
+            sizes = self.sm.get_size(req.keys)
+            return P.SizesResp(req.rid, [0 if s >= 0 else s for s in sizes], [max(s, 0) for s in sizes])
         if t is P.HeartbeatReq:
-            known = req.node_id in self.sm.node_ids()
+            known = req.node_id in self.sm.nodes()
             if known:
                 self.heartbeats.beat(req.node_id, time.monotonic())
-            return P.CodesResp(req.rid, [0 if known else E.SegmentNotFound.code])
+            return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
         if t is P.RegisterReq:
             return P.RegisterResp(req.rid, await node.register_session())
+        if t is P.PutStartReq:
+            return await self._put_start(node, req)
         if t is P.RemoveReq:
             return await self._remove(node, req)
         if t is P.RemoveAllReq:
             return await self._remove_all(node, req)
-        # The other mutations: one command, one log entry, under the client's session.
-        if t is P.PutStartReq:
-            cmd: Any = (C.Upsert if req.upsert else C.PutStart)(
-                keys=req.keys, sizes=req.sizes, config=req.config, now=_now()
-            )
-            res = await self._propose(node, req.session, cmd)
-            return P.PutStartResp(req.rid, list(res.codes), list(res.replicas))
         if t is P.PutEndReq:
-            res = await self._propose(node, req.session, C.PutEnd(keys=req.keys))
+            res = await self._propose(node, req.session, C.PutEnd(keys=req.keys, versions=req.versions))
+            self.stats.touch(k for k, c in zip(req.keys, res.codes) if c == 0)
             return P.CodesResp(req.rid, list(res.codes))
         if t is P.PutRevokeReq:
-            res = await self._propose(node, req.session, C.PutRevoke(keys=req.keys))
+            res = await self._propose(node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions))
             return P.CodesResp(req.rid, list(res.codes))
         if t is P.MountReq:
+            if req.size <= 0:
+                raise E.InvalidParams("segment size must be positive")
             cmd = C.Mount(node_id=req.node_id, segment=req.segment, endpoint=req.endpoint,
                           host_id=req.host_id, size=req.size, now=_now())
-            res = await self._propose(node, req.session, cmd)
-            if _code_of(res) == 0:
+            code = _code_of(await self._propose(node, req.session, cmd))
+            if code == 0:
                 self.heartbeats.beat(req.node_id, time.monotonic())
-            return P.CodesResp(req.rid, [_code_of(res)])
+            return P.CodesResp(req.rid, [code])
         if t is P.UnmountReq:
-            res = await self._propose(node, req.session, C.Unmount(node_id=req.node_id, segment=req.segment, now=_now()))
-            return P.CodesResp(req.rid, [_code_of(res)])
-        raise E.InvalidArgument(f"unsupported request {t.__name__}")
+            if not 0.0 <= req.grace <= 3600.0:
+                raise E.InvalidParams("grace must be within 0..3600 s")
+            cmd = C.Unmount(node_id=req.node_id, segment=req.segment, now=_now(), grace=req.grace)
+            return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
+        raise E.InvalidParams(f"unsupported request {t.__name__}")
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any, extra: bytes = b"") -> Any:
         return (await self._propose_echo(node, sess, cmd, extra)).result
@@ -499,66 +532,129 @@ class MasterService:
             raise SessionExpiredError(f"session {res.client_id} seq {res.seq}: {res.reason}")
         return res
 
+    def _lease_mask(self, sess: P.Session, keys: list[str]) -> bytes:
+        """Which of ``keys`` are COMPLETE and leased now (1) -- fixed per request: a retry of
+        the same ``(client, seq)`` reuses the first attempt's mask (and the log's cached
+        result carries it back after a failover)."""
+        k = (sess.client_id, sess.seq)
+        mask = self._masks.get(k)
+        if mask is None:
+            mono = time.monotonic()
+            live = self.sm.exists(keys)
+            mask = bytes(1 if e and self.leases.leased(key, mono) else 0 for key, e in zip(keys, live))
+            self._masks[k] = mask
+            while len(self._masks) > 4096:
+                self._masks.popitem(last=False)
+        return mask
+
     async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
         await node.read_index()
         self._leader()
-        mono = time.monotonic()
+        mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys
-        codes, sizes, replicas = self.sm.lookup(keys)
-        codes = list(codes)
+        found = self.sm.lookup(keys, req.host or None)
+        codes = [f.code for f in found]
+        ok = [i for i, c in enumerate(codes) if c == 0]
+        if self._removing_all:
+            until = [0.0] * len(ok)
+        else:
+            until = self.leases.grant([keys[i] for i in ok], mono, ttl)
+        replicas: list[Any] = [None] * len(keys)
+        sizes = [0] * len(keys)
         granted = []
-        removing = self._removing
-        for i, k in enumerate(keys):
-            if codes[i] != 0:
-                continue
-            if k in removing:
-                # A removal of this key is in flight: no new lease on memory about to be freed.
+        for i, u in zip(ok, until):
+            if u == 0.0:
+                # A removal of this key is in flight: no lease on memory about to be freed.
                 codes[i] = E.ObjectNotFound.code
-                replicas[i] = None
                 continue
-            granted.append(k)
-        self.leases.grant(granted, mono, ttl)
+            replicas[i] = found[i].replicas
+            sizes[i] = found[i].size
+            granted.append(keys[i])
+        self.stats.touch(granted)
         self.hits += len(granted)
         self.misses += len(keys) - len(granted)
-        return P.ReplicasResp(req.rid, codes, list(sizes), list(replicas), int(ttl * 1000))
+        return P.ReplicasResp(req.rid, codes, sizes, replicas, int(ttl * 1000))
+
+    async def _put_start(self, node: RaftNode, req: P.PutStartReq) -> P.PutStartResp:
+        keys = req.keys
+        n = len(keys)
+        mask = self._lease_mask(req.session, keys) if req.upsert else bytes(n)
+        todo = [i for i in range(n) if not mask[i]]
+        tk = [keys[i] for i in todo]
+        ts = [req.sizes[i] for i in todo]
+        # Make room first when the pool is short: a put reports NoSpace only when nothing
+        # is evictable (the put itself stays one entry under the client's session).
+        need = sum(ts) * max(1, req.config.replica_num)
+        usage = self.sm.usage()
+        if usage.capacity and usage.capacity - usage.used < need:
+            await self._evict(time.monotonic(), need=need - (usage.capacity - usage.used))
+        cls = C.Upsert if req.upsert else C.PutStart
+        if req.upsert:
+            self.leases.block(tk)
+        try:
+            res = await self._propose_echo(
+                node, req.session, cls(keys=tk, sizes=ts, config=req.config, now=_now()), mask
+            )
+        finally:
+            if req.upsert:
+                self.leases.unblock(tk)
+        mask, r = res.extra, res.result
+        codes = [E.ObjectHasLease.code] * n
+        replicas: list[Any] = [None] * n
+        versions = [0] * n
+        j = 0
+        for i in range(n):
+            if mask[i]:
+                continue
+            codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
+            j += 1
+        return P.PutStartResp(req.rid, codes, replicas, versions)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
         keys = req.keys
-        key_ = (req.session.client_id, req.session.seq)
-        mask = self._remove_masks.get(key_)
-        if mask is None:
+        if req.force:
+            # Forced: remove leased keys too, but hold their bytes until the leases are over
+            # (the ticker releases them), so a reader never sees reused memory.
             mono = time.monotonic()
-            if req.force:
-                mask = bytes(len(keys))
-            else:
-                live = self.sm.exists(keys)
-                mask = bytes(1 if e and self.leases.leased(k, mono) else 0 for k, e in zip(keys, live))
-            self._remove_masks[key_] = mask
-            while len(self._remove_masks) > 4096:
-                self._remove_masks.popitem(last=False)
+            hold = any(self.leases.leased(k, mono) for k in keys)
+            self.leases.block(keys)
+            try:
+                res = await self._propose(node, req.session, C.Remove(keys=keys, force=True, hold=hold))
+            finally:
+                self.leases.unblock(keys)
+            self.stats.forget(keys)
+            return P.CodesResp(req.rid, list(res.codes))
+        mask = self._lease_mask(req.session, keys)
         todo = [k for k, m in zip(keys, mask) if not m]
-        self._mark_removing(todo, +1)
+        self.leases.block(todo)
         try:
-            res = await self._propose_echo(node, req.session, C.Remove(keys=todo, force=req.force), mask)
+            res = await self._propose_echo(node, req.session, C.Remove(keys=todo), mask)
         finally:
-            self._mark_removing(todo, -1)
-        # The mask that was applied (the session cache returns the first attempt's).
-        mask = res.extra
-        inner = list(res.result.codes)
-        out = []
-        it = iter(inner)
-        for m in mask:
-            out.append(E.ObjectHasLease.code if m else next(it, E.StoreError.code))
+            self.leases.unblock(todo)
+        mask = res.extra  # the applied mask (a retry gets the first attempt's)
+        it = iter(res.result.codes)
+        out = [E.ObjectHasLease.code if m else next(it, E.InternalError.code) for m in mask]
         if len(out) != len(keys):
-            raise E.InvalidArgument("a retried remove named different keys than the first attempt")
+            raise E.InvalidParams("a retried remove named different keys than the first attempt")
+        self.stats.forget(k for k, c in zip(keys, out) if c == 0)
         return P.CodesResp(req.rid, out)
 
     async def _remove_all(self, node: RaftNode, req: P.RemoveAllReq) -> P.CountResp:
         mono = time.monotonic()
-        keep = [] if req.force else [k for k in self.sm.keys() if self.leases.leased(k, mono)]
-        res = await self._propose(node, req.session, C.RemoveAll(force=req.force, keep=keep))
-        return P.CountResp(req.rid, int(res.count))
+        self._removing_all += 1
+        try:
+            if req.force:
+                hold = bool(self.leases.all_leased(mono)) or mono < self.leases.blanket_until
+                cmd = C.RemoveAll(force=True, hold=hold)
+            elif mono < self.leases.blanket_until:
+                cmd = C.RemoveAll(skip=list(self.sm.keys()))
+            else:
+                cmd = C.RemoveAll(skip=self.leases.all_leased(mono))
+            res = await self._propose(node, req.session, cmd)
+        finally:
+            self._removing_all -= 1
+        return P.CountResp(req.rid, int(res.removed))
 
     # ------------------------------------------------------------------------- status
 
@@ -574,7 +670,7 @@ class MasterService:
         st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
         st["usage"] = msgspec.to_builtins(self.sm.usage())
         st["objects"] = self.sm.object_count()
-        st["leases"] = self.leases.count(time.monotonic())
+        st["leases"] = len(self.leases.all_leased(time.monotonic()))
         st["hits"] = self.hits
         st["misses"] = self.misses
         st["requests"] = dict(self.counters)
@@ -605,7 +701,7 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def run_master(cfg: MasterConfig, sec: SecurityConfig | None = None) -> int:
+async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> int:
     """Run one replica until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3)."""
     import signal
 
@@ -650,10 +746,10 @@ def build_arg_parser() -> Any:
     return p
 
 
-def config_from_args(a: Any) -> MasterConfig:
+def config_from_args(a: Any) -> ServiceConfig:
     from ..replog.node import parse_peers
 
-    return MasterConfig(
+    return ServiceConfig(
         node_id=a.id,
         peers=parse_peers(a.peers) if a.peers else {},
         addrs=parse_peers(a.addrs) if a.addrs else {},

@@ -15,6 +15,7 @@ import pytest
 from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store.cluster import StoreCluster
+from kvmesh.store.types import MAX_KEY_BYTES
 
 from .e2e_util import TOKEN, Peer
 from .store_peer import value_of
@@ -57,6 +58,9 @@ def test_single_put_get_across_processes(env):
     with pytest.raises(E.ObjectExists):
         c.put("single-a", b"other")
     assert c.get("single-a") == data  # never silently overwritten
+    with pytest.raises(E.ObjectHasLease):
+        c.upsert("single-a", b"replaced")  # the get above holds a read lease
+    time.sleep(LEASE_S + 0.2)
     c.upsert("single-a", b"replaced")
     assert c.get("single-a") == b"replaced"
 
@@ -131,11 +135,11 @@ def test_lease_expired_before_copy_finished(env, monkeypatch):
 
 def test_bad_keys_are_per_key_errors(env):
     cl, peer, c = env
-    bad = ["", "\udc80bad", "k" * (E.MAX_KEY_BYTES + 1)]
-    res = c.put(bad + ["good-key"], [b"1", b"2", b"3", b"4"])
-    assert all(isinstance(r, E.InvalidKey) for r in res[:3])
-    assert res[3] is None
-    assert c.get("good-key") == b"4"
+    bad = ["", "\udc80bad", "k" * (MAX_KEY_BYTES + 1), "nul\0key"]
+    res = c.put(bad + ["good-key"], [b"1", b"2", b"3", b"4", b"5"])
+    assert all(isinstance(r, E.InvalidKey) for r in res[:4])
+    assert res[4] is None
+    assert c.get("good-key") == b"5"
     for k in bad:
         with pytest.raises(E.InvalidKey):
             c.put(k, b"z")
@@ -154,12 +158,12 @@ def test_size_mismatches_and_unregistered_buffers(env):
     c.put("size-a", b"q" * 10_000)
     buf = np.full(20_000, 0xEE, np.uint8)
     c.register_buffer(buf)
-    with pytest.raises(E.InvalidArgument):
+    with pytest.raises(E.BufferOverflow):
         c.get_into("size-a", buf, 0, 5000)  # object is bigger than the room given
     assert (buf == 0xEE).all()  # nothing was written
-    with pytest.raises(E.InvalidArgument):
+    with pytest.raises(E.InvalidParams):
         c.put_from("size-b", buf, 15_000, 10_000)  # reaches past the registered buffer
-    with pytest.raises(E.InvalidArgument):
+    with pytest.raises(E.InvalidParams):
         c.put_from(["size-c", "size-d"], buf, [0, 10], [5])  # sizes list of the wrong length
     assert c.get_into("size-a", buf, 100, 10_000) == 10_000
     assert bytes(buf[100:10_100]) == b"q" * 10_000

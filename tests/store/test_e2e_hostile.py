@@ -140,7 +140,7 @@ def test_forged_and_oversized_requests_get_errors_not_crashes(master):
     big = P.ExistsReq(8, ["k"] * 100_000)
     s.sendall(framing.encode_frame(P.encode(big)))
     r = P.decode_response(framing.read_frame(s, 1 << 20, 5.0))
-    assert type(r) is P.ErrorResp and r.code == E.InvalidArgument.code
+    assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code
     # Mismatched list lengths, negative sizes, invalid keys.
     for rid, req in enumerate([
         P.PutStartReq(9, P.Session(1, 1, 0), ["a", "b"], [1], client.config),
