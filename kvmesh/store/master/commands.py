@@ -15,7 +15,8 @@ command               effect (per key unless noted)                             
                       ``grace>0``: stop allocating in it, keep its copies readable
                       until ``now+grace``, then a later ``Reclaim`` drops it
 ``ExpireNodes``       drop every segment of each node and every copy in them       ``ExpireResult``
-``PutStart``          allocate PROCESSING copies (``ObjectExists`` if present,     ``PutStartResult``
+``PutStart``          allocate PROCESSING copies (``ObjectExists`` if COMPLETE,    ``PutStartResult``
+                      ``ReplicaNotReady`` if another put of the key is in flight,
                       ``NoSpace`` if no room)
 ``PutEnd``            PROCESSING -> COMPLETE (only the put named by ``versions``)   ``Codes``
 ``PutRevoke``         free a PROCESSING put                                         ``Codes``

@@ -740,10 +740,10 @@ class StoreStateMachine:
                             self._register(key, copies)
                             objs[key] = o
                             self.processing[key] = None
+                elif old.state != _C:
+                    code = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
                 elif not upsert:
                     code = int(Code.OBJECT_ALREADY_EXISTS)
-                elif old.state != _C:
-                    code = int(Code.REPLICA_IS_NOT_READY)
                 elif (
                     old.size == size
                     and len(old.layout) // (12 * n_slices(size, self.config.slice_limit))
