@@ -63,6 +63,8 @@ from . import protocol as P
 from .master import commands as C
 from .master.eviction import choose_victims
 from .master.leases import AccessStats, HeartbeatTable, LeaseTable
+from .master.objects import State
+from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
 from .types import MAX_BATCH_KEYS, key_error
 
@@ -129,17 +131,21 @@ def _raft_config(cfg: ServiceConfig) -> RaftConfig:
 
 
 class _Echoed(msgspec.Struct, array_like=True, frozen=True):
-    """What the log applies for a request: the core command plus an opaque ``extra`` that the
-    driver needs back with the result (e.g. which keys a Remove skipped as leased). Because
-    the session table caches the whole result, a retried request gets the *original* extra
-    and the reply is rebuilt exactly as the first time."""
+    """What the log applies for a request: the core command plus what the driver decided
+    before proposing it (``codes``: per-key answers given without the log, e.g.
+    ObjectHasLease; ``release_at``/``proposer``: when the bytes held by a forced remove may
+    be released, on the proposing leader's clock). The session table caches the whole
+    result, so a retried request gets the *first* attempt's decisions back and its reply is
+    rebuilt exactly as the first time."""
 
-    extra: bytes
     body: bytes
+    codes: list[int] = []
+    release_at: float = 0.0
+    proposer: str = ""
 
 
 class _EchoResult(msgspec.Struct, array_like=True, frozen=True):
-    extra: bytes
+    codes: list[int]
     result: Any
 
 
@@ -149,16 +155,20 @@ _echo_dec = msgspec.msgpack.Decoder(_Echoed)
 
 class _EchoMachine:
     """Thin wrapper between the replog's session machine and the pure core: unwraps
-    :class:`_Echoed` and returns :class:`_EchoResult`. Snapshots are the core's own."""
+    :class:`_Echoed`, returns :class:`_EchoResult`, and reports hold removes (their log
+    index is the hold's tag) to ``on_hold``. Snapshots are the core's own."""
 
     def __init__(self, inner: StoreStateMachine) -> None:
         self.inner = inner
-        inner_rt = getattr(inner, "result_type", Any)
-        self.result_type = _make_result_type(inner_rt)
+        self.result_type = _make_result_type(getattr(inner, "result_type", Any))
+        self.on_hold: Any = None
 
     def apply(self, index: int, data: bytes) -> Any:
         env = _echo_dec.decode(data)
-        return _EchoResult(env.extra, self.inner.apply(index, env.body))
+        res = self.inner.apply(index, env.body)
+        if env.release_at and self.on_hold is not None:
+            self.on_hold(index, env.release_at, env.proposer)
+        return _EchoResult(env.codes, res)
 
     def snapshot(self) -> bytes:
         return self.inner.snapshot()
@@ -175,7 +185,7 @@ def _make_result_type(inner_rt: Any) -> Any:
     if inner_rt is Any:
         return _EchoResult
     return msgspec.defstruct(
-        "EchoResultT", [("extra", bytes), ("result", inner_rt)], array_like=True, frozen=True
+        "EchoResultT", [("codes", list[int]), ("result", inner_rt)], array_like=True, frozen=True
     )
 
 
@@ -211,9 +221,12 @@ class MasterService:
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
-        self._held_seen: dict[int, float] = {}
+        self.holds = HoldTracker()
+        self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
-        self._masks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        # Per-key answers decided before proposing, per (client, seq): a retry reaching this
+        # leader again reuses them (after a failover the log's cached result carries them).
+        self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
         self.counters: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
@@ -285,8 +298,15 @@ class MasterService:
         self.heartbeats.reset(self.sm.nodes(), now)
         self.stats = AccessStats()
         self.stats.reset(self.sm.keys())
-        self._held_seen = {}
-        self._masks.clear()
+        # Holds noted by an earlier leadership are judged by the blanket period instead.
+        self.holds = HoldTracker()
+        self._plans.clear()
+
+    def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
+        # Called inside apply (before the proposer's future resolves, so the ticker can never
+        # see the tag unnoted). Only this process's own proposals carry a time on its clock.
+        if proposer == self.server_id:
+            self.holds.note(index, release_at)
 
     async def _tick_loop(self) -> None:
         cfg = self.cfg
@@ -317,23 +337,15 @@ class MasterService:
                 log.exception("store ticker failed")
 
     async def _release_held(self, mono: float) -> None:
-        """Bytes of forced removes stay held while readers may copy them: every lease on
-        them was granted before the remove and ends within one lease period after the
-        leader first saw the hold (a new leader sees it at the start of its blanket)."""
+        """Release the bytes of forced removes once every lease on them is over
+        (:class:`~kvmesh.store.master.policy.HoldTracker` decides)."""
         tags = self.sm.held_tags()
         if not tags:
-            self._held_seen.clear()
             return
-        seen = self._held_seen
-        ready = []
-        for t in tags:
-            first = seen.setdefault(t, mono)
-            if mono - first > self.cfg.lease_ttl_s:
-                ready.append(t)
-        if ready:
-            await self._propose_plain(C.Release(tags=ready))
-            for t in ready:
-                seen.pop(t, None)
+        rel = self.holds.due(tags, self.leases, mono)
+        if rel is not None:
+            await self._propose_plain(rel)
+            self.holds.forget(rel.tags)
 
     async def _evict(self, mono: float, need: int = 0) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
@@ -359,7 +371,7 @@ class MasterService:
 
     async def _propose_plain(self, cmd: Any) -> Any:
         assert self.node is not None
-        data = _echo_enc.encode(_Echoed(b"", C.encode_command(cmd)))
+        data = _echo_enc.encode(_Echoed(C.encode_command(cmd)))
         return (await self.node.propose(data)).result
 
     # ------------------------------------------------------------------------- server
@@ -522,30 +534,32 @@ class MasterService:
             return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
         raise E.InvalidParams(f"unsupported request {t.__name__}")
 
-    async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any, extra: bytes = b"") -> Any:
-        return (await self._propose_echo(node, sess, cmd, extra)).result
+    async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
+        return (await self._propose_echo(node, sess, _Echoed(C.encode_command(cmd)))).result
 
-    async def _propose_echo(self, node: RaftNode, sess: P.Session, cmd: Any, extra: bytes) -> Any:
-        data = _echo_enc.encode(_Echoed(extra, C.encode_command(cmd)))
-        res = await node.propose(data, sess.client_id, sess.seq, sess.ack)
+    async def _propose_echo(self, node: RaftNode, sess: P.Session, env: _Echoed) -> Any:
+        res = await node.propose(_echo_enc.encode(env), sess.client_id, sess.seq, sess.ack)
         if isinstance(res, SessionRejected):
             raise SessionExpiredError(f"session {res.client_id} seq {res.seq}: {res.reason}")
         return res
 
-    def _lease_mask(self, sess: P.Session, keys: list[str]) -> bytes:
-        """Which of ``keys`` are COMPLETE and leased now (1) -- fixed per request: a retry of
-        the same ``(client, seq)`` reuses the first attempt's mask (and the log's cached
-        result carries it back after a failover)."""
+    def _planned(self, sess: P.Session, make: Any) -> tuple[list[int], float]:
+        """The per-key answers (and hold release time) planned for this request: computed by
+        ``make()`` the first time, reused for a retry of the same ``(client, seq)``."""
         k = (sess.client_id, sess.seq)
-        mask = self._masks.get(k)
-        if mask is None:
-            mono = time.monotonic()
-            live = self.sm.exists(keys)
-            mask = bytes(1 if e and self.leases.leased(key, mono) else 0 for key, e in zip(keys, live))
-            self._masks[k] = mask
-            while len(self._masks) > 4096:
-                self._masks.popitem(last=False)
-        return mask
+        plan = self._plans.get(k)
+        if plan is None:
+            plan = self._plans[k] = make()
+            while len(self._plans) > 4096:
+                self._plans.popitem(last=False)
+        return plan
+
+    @staticmethod
+    def _merge(planned: list[int], applied: list[int]) -> list[int]:
+        """Per key: the planned refusal, or the applied entry's code (in order)."""
+        it = iter(applied)
+        out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
+        return out
 
     async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
         await node.read_index()
@@ -579,62 +593,75 @@ class MasterService:
     async def _put_start(self, node: RaftNode, req: P.PutStartReq) -> P.PutStartResp:
         keys = req.keys
         n = len(keys)
-        mask = self._lease_mask(req.session, keys) if req.upsert else bytes(n)
-        todo = [i for i in range(n) if not mask[i]]
+        now = _now()
+        if req.upsert:
+            # The core's rule: an existing, leased key answers ObjectHasLease (an upsert would
+            # rewrite or free memory a reader is copying).
+            full = C.Upsert(keys=keys, sizes=req.sizes, config=req.config, now=now)
+
+            def make() -> tuple[list[int], float]:
+                exists = [self.sm.state_of(k) != State.GONE for k in keys]
+                return plan_upsert(self.leases, exists, full, time.monotonic()).codes, 0.0
+
+            planned, _ = self._planned(req.session, make)
+        else:
+            planned = [0] * n
+        todo = [i for i in range(n) if not planned[i]]
         tk = [keys[i] for i in todo]
         ts = [req.sizes[i] for i in todo]
-        # Make room first when the pool is short: a put reports NoSpace only when nothing
-        # is evictable (the put itself stays one entry under the client's session).
+        # Make room first when the pool is short: a put reports NoSpace only when nothing is
+        # evictable (the put itself stays one entry under the client's session).
         need = sum(ts) * max(1, req.config.replica_num)
         usage = self.sm.usage()
-        if usage.capacity and usage.capacity - usage.used < need:
+        if tk and usage.capacity and usage.capacity - usage.used < need:
             await self._evict(time.monotonic(), need=need - (usage.capacity - usage.used))
         cls = C.Upsert if req.upsert else C.PutStart
+        cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
             self.leases.block(tk)
         try:
-            res = await self._propose_echo(
-                node, req.session, cls(keys=tk, sizes=ts, config=req.config, now=_now()), mask
-            )
+            res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
         finally:
             if req.upsert:
                 self.leases.unblock(tk)
-        mask, r = res.extra, res.result
-        codes = [E.ObjectHasLease.code] * n
+        planned, r = res.codes or [0] * n, res.result
+        if len(planned) != n:
+            raise E.InvalidParams("a retried put named different keys than the first attempt")
+        codes = list(planned)
         replicas: list[Any] = [None] * n
         versions = [0] * n
         j = 0
         for i in range(n):
-            if mask[i]:
+            if planned[i]:
                 continue
             codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
             j += 1
         return P.PutStartResp(req.rid, codes, replicas, versions)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
+        """The core's rule (``plan_remove``): leased keys answer ObjectHasLease, or with
+        ``force`` are removed with their bytes held until the leases are over."""
         keys = req.keys
-        if req.force:
-            # Forced: remove leased keys too, but hold their bytes until the leases are over
-            # (the ticker releases them), so a reader never sees reused memory.
-            mono = time.monotonic()
-            hold = any(self.leases.leased(k, mono) for k in keys)
-            self.leases.block(keys)
-            try:
-                res = await self._propose(node, req.session, C.Remove(keys=keys, force=True, hold=hold))
-            finally:
-                self.leases.unblock(keys)
-            self.stats.forget(keys)
-            return P.CodesResp(req.rid, list(res.codes))
-        mask = self._lease_mask(req.session, keys)
-        todo = [k for k, m in zip(keys, mask) if not m]
+        plan = None
+
+        def make() -> tuple[list[int], float]:
+            nonlocal plan
+            plan = plan_remove(self.leases, keys, time.monotonic(), req.force)
+            return plan.codes, plan.release_at
+
+        planned, release_at = self._planned(req.session, make)
+        todo = [k for k, c in zip(keys, planned) if not c]
+        if plan is None:  # a retry: rebuild the command from the first attempt's decisions
+            plan_cmd = C.Remove(todo, force=req.force, hold=release_at > 0.0)
+        else:
+            plan_cmd = plan.command or C.Remove([], force=req.force)
         self.leases.block(todo)
         try:
-            res = await self._propose_echo(node, req.session, C.Remove(keys=todo), mask)
+            env = _Echoed(C.encode_command(plan_cmd), planned, release_at, self.server_id)
+            res = await self._propose_echo(node, req.session, env)
         finally:
             self.leases.unblock(todo)
-        mask = res.extra  # the applied mask (a retry gets the first attempt's)
-        it = iter(res.result.codes)
-        out = [E.ObjectHasLease.code if m else next(it, E.InternalError.code) for m in mask]
+        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
         if len(out) != len(keys):
             raise E.InvalidParams("a retried remove named different keys than the first attempt")
         self.stats.forget(k for k, c in zip(keys, out) if c == 0)
@@ -642,16 +669,20 @@ class MasterService:
 
     async def _remove_all(self, node: RaftNode, req: P.RemoveAllReq) -> P.CountResp:
         mono = time.monotonic()
-        self._removing_all += 1
+        self._removing_all += 1  # no new leases anywhere while it is in flight
         try:
-            if req.force:
-                hold = bool(self.leases.all_leased(mono)) or mono < self.leases.blanket_until
-                cmd = C.RemoveAll(force=True, hold=hold)
-            elif mono < self.leases.blanket_until:
-                cmd = C.RemoveAll(skip=list(self.sm.keys()))
+            release_at = 0.0
+            if mono < self.leases.blanket_until:
+                leased = list(self.sm.keys())
             else:
-                cmd = C.RemoveAll(skip=self.leases.all_leased(mono))
-            res = await self._propose(node, req.session, cmd)
+                leased = self.leases.all_leased(mono)
+            if req.force:
+                release_at = max((self.leases.expiry(k) for k in leased), default=0.0)
+                cmd = C.RemoveAll(force=True, hold=release_at > 0.0)
+            else:
+                cmd = C.RemoveAll(skip=leased)
+            env = _Echoed(C.encode_command(cmd), [], release_at, self.server_id)
+            res = (await self._propose_echo(node, req.session, env)).result
         finally:
             self._removing_all -= 1
         return P.CountResp(req.rid, int(res.removed))

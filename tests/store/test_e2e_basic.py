@@ -14,6 +14,7 @@ import pytest
 
 from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
+from kvmesh.store import protocol as P
 from kvmesh.store.cluster import StoreCluster
 from kvmesh.store.types import MAX_KEY_BYTES
 
@@ -205,3 +206,40 @@ def test_tensor_helpers(env):
     c.get_tensor("tensor-a", reg)  # zero-copy path
     assert torch.equal(reg, t)
     c.unregister_buffer(reg)
+
+
+def test_forced_remove_holds_leased_bytes_until_the_lease_ends(env):
+    cl, peer, c = env
+    time.sleep(LEASE_S + 0.2)
+    c.put("hold-a", b"h" * 100_000)
+    assert c.get("hold-a") == b"h" * 100_000  # lease taken
+    c.remove("hold-a", force=True)
+    assert c.exists("hold-a") is False
+    held = c.status()["usage"]["held_bytes"]
+    assert held >= 100_000  # invisible, but not reusable while the reader may copy
+    deadline = time.monotonic() + LEASE_S + 5
+    while c.status()["usage"]["held_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.status()["usage"]["held_bytes"] == 0  # released by the leader after the lease
+
+
+def test_retried_requests_apply_once(env):
+    """The same (client, seq) sent twice returns the first result (replog sessions)."""
+    cl, peer, c = env
+    rpc = c.rpc
+    cid = rpc._session()
+    seq = 10_000_000  # far from the client's own counter
+    keys = ["retry-a", "retry-b"]
+    mk = lambda rid: P.PutStartReq(rid, P.Session(cid, seq, 0), keys, [1000, 2000], c.config)  # noqa: E731
+    r1 = rpc.call(mk)
+    r2 = rpc.call(mk)
+    assert type(r1) is P.PutStartResp and r1.codes == [0, 0]
+    assert r2.codes == r1.codes and r2.versions == r1.versions and r2.replicas == r1.replicas
+    end = lambda rid: P.PutEndReq(rid, P.Session(cid, seq + 1, 0), keys, r1.versions)  # noqa: E731
+    assert rpc.call(end).codes == [0, 0]
+    assert rpc.call(end).codes == [0, 0]  # not InvalidWrite: the cached answer
+    time.sleep(LEASE_S + 0.2)
+    rm = lambda rid: P.RemoveReq(rid, P.Session(cid, seq + 2, 0), keys + ["retry-none"])  # noqa: E731
+    first = rpc.call(rm).codes
+    assert first[:2] == [0, 0] and first[2] == E.ObjectNotFound.code
+    assert rpc.call(rm).codes == first  # not ObjectNotFound for the removed keys
