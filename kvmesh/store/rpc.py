@@ -22,8 +22,9 @@ from typing import Any
 import msgspec
 
 from ..net import framing as _framing
-from ..net.errors import NetError
+from ..net.errors import AuthFailed, NetError
 from ..net.handshake import client_handshake
+from ..net.limits import Deadline
 from ..net.security import SecurityConfig, client_ssl_context
 from ..replog.transport import parse_addr
 from . import errors as E
@@ -127,7 +128,7 @@ class MasterClient:
             conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
             conn.sock.sendall(_framing.encode_frame(P.encode(req)))
             while True:
-                body = _framing.read_frame(conn.sock, _MAX_RESPONSE, max(0.01, deadline - time.monotonic()))
+                body = _framing.read_frame(conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic()))
                 resp = P.decode_response(body)
                 if resp.rid == req.rid:
                     ok = True
@@ -178,7 +179,8 @@ class MasterClient:
                     if self._leader == addr:
                         self._leader = None
                     self.retries += 1
-                    if isinstance(e, NetError) and "auth" in type(e).__name__.lower():
+                    if isinstance(e, AuthFailed):
+                        # Retrying cannot help; the master is not at fault (wrong token).
                         raise E.StoreUnavailable(f"master {addr} refused our credentials: {e}") from None
                     continue
                 t = type(resp)
