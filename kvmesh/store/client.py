@@ -538,8 +538,13 @@ class StoreClient:
                 idx.append(i)
         if not idx:
             return BatchResults(out, [])
-        qkeys = [keys[i] for i in idx]
-        codes, sizes, reps, lease_deadline = self._lookup(qkeys)
+        looked = self._lookup([keys[i] for i in idx])
+        return self._read(keys, idx, bufs, caps, looked, out)
+
+    def _read(self, keys: list[Any], idx: list[int], bufs: list[Any], caps: list[int],
+              looked: tuple[list[int], list[int], list[Any], float], out: list[Any]) -> BatchResults:
+        """READ the looked-up objects ``keys[idx[j]]`` into ``bufs[idx[j]]``."""
+        codes, sizes, reps, lease_deadline = looked
         pending: dict[int, list[ObjectReplica]] = {}
         for j, i in enumerate(idx):
             if codes[j] != 0:
@@ -608,34 +613,35 @@ class StoreClient:
     def get(self, keys: Any) -> Any:
         """Objects as ``bytes`` (one copy out of a staging buffer)."""
         ks, batch = self._listify(keys)
-        valid = [k for k in ks if _key_error(k) is None]
-        sizes_resp = self.get_size(valid) if valid else BatchResults([])
-        size_of = dict(zip(valid, sizes_resp))
-        total = sum(s for s in sizes_resp if isinstance(s, int))
+        n = len(ks)
+        out: list[Any] = [None] * n
+        idx = []
+        for i, k in enumerate(ks):
+            err = _key_error(k)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        if not idx:
+            return self._finish(BatchResults(out), batch)
+        looked = self._lookup([ks[i] for i in idx])  # one RPC: sizes, replicas and leases
+        sizes = looked[1]
+        total = sum(sz for c, sz in zip(looked[0], sizes) if c == 0)
         stage = self._staging.acquire(max(1, total))
         try:
             region, arr = stage
-            bufs: list[Any] = []
-            caps: list[int] = []
+            bufs: list[Any] = [None] * n
+            caps = [0] * n
             pos = 0
-            for k in ks:
-                s = size_of.get(k)
-                if isinstance(s, int):
-                    bufs.append((region, pos))
-                    caps.append(s)
-                    pos += s
-                else:
-                    bufs.append(s if isinstance(s, E.StoreError) else E.InvalidKey(f"bad key {k!r}"))
-                    caps.append(0)
-            res = self._get_regions(ks, bufs, caps)
-            out = []
-            for i, r in enumerate(res):
-                if isinstance(r, int):
-                    off = bufs[i][1]
-                    out.append(arr[off : off + r].tobytes())
-                else:
-                    out.append(r)
-            results = BatchResults(out, res.transports)
+            for j, i in enumerate(idx):
+                bufs[i] = (region, pos)
+                caps[i] = sizes[j]
+                pos += sizes[j] if looked[0][j] == 0 else 0
+            res = self._read(ks, idx, bufs, caps, looked, out)
+            results = BatchResults(
+                [arr[bufs[i][1] : bufs[i][1] + r].tobytes() if isinstance(r, int) else r for i, r in enumerate(res)],
+                res.transports,
+            )
         finally:
             self._staging.release(stage)
         return self._finish(results, batch)

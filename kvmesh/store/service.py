@@ -92,7 +92,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     election_ticks: int = 10
     lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
     snapshot_threshold: int = 50_000
-    session_ttl_s: float = 0.0
+    session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
     # store policy (leader soft state and ticker)
     lease_ttl_s: float = 5.0
     put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
