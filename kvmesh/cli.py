@@ -1,5 +1,6 @@
 """The ``kvmesh`` command.
 
+``kvmesh master`` / ``node`` / ``up`` / ``status``: the store (see kvmesh/store/cli.py).
 ``kvmesh info``   what this host offers: host id, transports (and why one is missing), NIXL,
                   the copy routine in use.
 ``kvmesh demo``   the project's main job in miniature: a second process holds a KV page pool
@@ -226,11 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--transports", default="auto", help="comma list of shm,nixl,tcp (default: all)")
     p.set_defaults(fn=cmd_demo)
+    from kvmesh.store.cli import register as register_store
+
+    register_store(sub)  # master, node, up, status
     p = sub.add_parser("_demo-peer")
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--page-bytes", type=int, required=True)
     p.set_defaults(fn=_demo_peer)
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if getattr(args, "passthrough", False):  # kvmesh master: its own parser takes the rest
+        args.rest = rest
+    elif rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.fn(args))
 
 

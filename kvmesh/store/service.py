@@ -760,7 +760,8 @@ def build_arg_parser() -> Any:
     p.add_argument("--id", type=int, default=1)
     p.add_argument("--peers", default="", help="ID=HOST:PORT,... raft addresses of all replicas")
     p.add_argument("--addrs", default="", help="ID=HOST:PORT,... store RPC addresses of all replicas")
-    p.add_argument("--listen", default=None, help="store RPC address (default: this id in --addrs)")
+    p.add_argument("--listen", default=None,
+                   help="store RPC address (default: this id in --addrs, else 127.0.0.1:7700)")
     p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
     p.add_argument("--tick-ms", type=float, default=100.0)
@@ -784,7 +785,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         node_id=a.id,
         peers=parse_peers(a.peers) if a.peers else {},
         addrs=parse_peers(a.addrs) if a.addrs else {},
-        listen=a.listen,
+        listen=a.listen or (None if a.addrs else "127.0.0.1:7700"),
         data_dir=a.dir,
         durability=a.durability,
         tick_s=a.tick_ms / 1000.0,
