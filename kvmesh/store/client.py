@@ -244,6 +244,26 @@ class StoreClient:
         except (TransferError, LookupError) as e:
             raise E.NotRegistered(f"buffer at {ptr:#x} (+{length}) is not registered: {e}") from None
 
+    def _resolver(self) -> Any:
+        """``_region_of`` memoised per buffer object for one call (a batch names the same
+        buffer for every key; raw addresses are looked up one by one)."""
+        cache: dict[int, Any] = {}
+
+        def where(buffer: Any, length: int) -> tuple[MemoryRegion, int]:
+            if isinstance(buffer, int):
+                return self._region_of(buffer, length)
+            hit = cache.get(id(buffer))
+            if hit is None:
+                try:
+                    hit = cache[id(buffer)] = self._region_of(buffer, 1)
+                except E.StoreError as e:
+                    hit = cache[id(buffer)] = e
+            if isinstance(hit, E.StoreError):
+                raise hit
+            return hit
+
+        return where
+
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
@@ -441,12 +461,13 @@ class StoreClient:
         if len(bufl) != n:
             raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
+        where = self._resolver()
         for i in range(n):
             try:
                 sz = szs[i]
                 if sz is None:
                     raise E.InvalidParams("a size is required")
-                region, base = self._region_of(bufl[i], sz)
+                region, base = where(bufl[i], sz)
                 off = base + int(offs[i])
                 if offs[i] < 0 or off + sz > region.size:
                     raise E.InvalidParams(
@@ -517,6 +538,8 @@ class StoreClient:
 
     def _order(self, replicas: list[ObjectReplica]) -> list[ObjectReplica]:
         """Replicas nearest first: this process, then this host (by endpoint host), then others."""
+        if len(replicas) < 2:
+            return replicas
         me = self.engine.address
 
         def rank(r: ObjectReplica) -> int:
@@ -595,9 +618,10 @@ class StoreClient:
             raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         caps: list[int] = []
+        where = self._resolver()
         for i in range(n):
             try:
-                region, base = self._region_of(bufl[i], caps_in[i] or 1)
+                region, base = where(bufl[i], caps_in[i] or 1)
                 off = base + int(offs[i])
                 cap = caps_in[i] if caps_in[i] is not None else region.size - off
                 if offs[i] < 0 or cap <= 0 or off + cap > region.size:
