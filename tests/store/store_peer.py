@@ -5,6 +5,7 @@ prints ``{"ready": ...}`` then answers one JSON line per command:
 
 * ``{"op": "put", "keys": [...], "sizes": [...]}`` -> ``{"codes": [...], "transports": [...]}``
 * ``{"op": "get", "keys": [...]}`` -> ``{"codes": [...], "sha": [...]}``
+* ``{"op": "put_start_only", "keys": [...], "sizes": [...]}`` -> allocate, never finish
 * ``{"op": "exit"}``
 
 Values are derived from the key (:func:`value_of`) so any process can verify them.
@@ -43,6 +44,13 @@ def main() -> int:
             res = client.get(cmd["keys"])
             out = {"codes": res.codes, "transports": res.transports,
                    "sha": [hashlib.sha256(r).hexdigest() if isinstance(r, bytes) else None for r in res]}
+        elif op == "put_start_only":
+            # A writer that allocates and then vanishes before put_end (the test kills us).
+            from kvmesh.store import protocol as P
+
+            keys, sizes = cmd["keys"], cmd["sizes"]
+            r = client.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, sizes, client.config))
+            out = {"codes": list(r.codes)}
         else:
             out = {"error": f"unknown op {op}"}
         print(json.dumps(out), flush=True)
