@@ -85,7 +85,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 def next_state(state: int, event: Event) -> State | None:
     """The state after ``event``, or None if the lifecycle does not allow it."""
-    return TRANSITIONS.get((State(state), event))
+    return TRANSITIONS.get((state, event))  # IntEnum keys hash and compare as ints
 
 
 PIN_NONE, PIN_SOFT, PIN_HARD = 0, 1, 2

@@ -63,9 +63,7 @@ def plan_remove(leases: LeaseTable, keys: list[str], now: float, force: bool = F
     return RemovePlan(codes, Remove(send, force=force, hold=hold), release_at if hold else 0.0)
 
 
-def plan_upsert(
-    leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float
-) -> UpsertPlan:
+def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float) -> UpsertPlan:
     """``exists[i]``: whether ``cmd.keys[i]`` is in the table (``sm.exists`` or PROCESSING)."""
     codes = []
     keys, sizes = [], []

@@ -540,25 +540,30 @@ class StoreStateMachine:
 
     def _pick(
         self,
-        length: int,
+        n: int,
         exclude: set[str],
         prefer: set[str],
         cfg: ReplicateConfig,
         first: bool,
         draw: int,
+        mounted: list[_Seg],
     ) -> _Seg | None:
-        n = (length + self.config.align - 1) & -self.config.align
-        cands = [
-            s
-            for s in self.segs.values()
-            if s.state == MOUNTED and s.node_id not in exclude and s.alloc.largest() >= n
-        ]
+        """The segment for one slice of ``n`` (aligned) bytes; see the module docstring."""
+        if first and cfg.preferred_segment is not None:
+            s = self.segs.get(self.by_name.get(cfg.preferred_segment, 0))
+            if (
+                s is not None
+                and s.state == MOUNTED
+                and s.node_id not in exclude
+                and s.alloc.largest() >= n
+            ):
+                return s
+        if exclude:
+            cands = [s for s in mounted if s.node_id not in exclude and s.alloc.largest() >= n]
+        else:
+            cands = [s for s in mounted if s.alloc.largest() >= n]
         if not cands:
             return None
-        if first and cfg.preferred_segment is not None:
-            for s in cands:
-                if s.name == cfg.preferred_segment:
-                    return s
         if prefer:
             same = [s for s in cands if s.node_id in prefer]
             if same:
@@ -570,12 +575,14 @@ class StoreStateMachine:
             loc = [s for s in cands if s.host_id == cfg.writer_host]
             if loc:
                 cands = loc
-        return max(cands, key=_free_bytes)
+        return cands[0] if len(cands) == 1 else max(cands, key=_free_bytes)
 
     def _place(
         self, size: int, cfg: ReplicateConfig, index: int, pos: int
     ) -> list[list[tuple[int, int]]] | None:
+        a = self.config.align
         lens = slice_lengths(size, self.config.slice_limit)
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         used_nodes: set[str] = set()
         copies: list[list[tuple[int, int]]] = []
         done: list[tuple[_Seg, int, int]] = []
@@ -584,7 +591,7 @@ class StoreStateMachine:
             copy = []
             for j, ln in enumerate(lens):
                 draw = (index << 24) ^ (pos << 12) ^ (r << 8) ^ j
-                s = self._pick(ln, used_nodes, nodes, cfg, r == 0, draw)
+                s = self._pick((ln + a - 1) & -a, used_nodes, nodes, cfg, r == 0, draw, mounted)
                 off = -1 if s is None else s.alloc.alloc(ln)
                 if s is None or off < 0:
                     for seg, o, length in reversed(done):
@@ -727,7 +734,10 @@ class StoreStateMachine:
         for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
             code = 0
             o = None
-            if key_error(key) is not None:
+            if (
+                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
+                and key_error(key) is not None
+            ):
                 code = int(Code.INVALID_KEY)
             elif not 1 <= size <= MAX_OBJECT_SIZE:
                 code = int(Code.INVALID_PARAMS)
