@@ -106,6 +106,10 @@ class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     slice_limit: int = 16 << 20
     align: int = 64
+    remount_quarantine: float = 5.0
+    """Seconds (of entry time) during which a dropped segment's name cannot be mounted
+    again: a reader still copying under a lease from the old segment must not read the
+    new segment's bytes at the same name and offsets. Keep it >= the read lease TTL."""
 
 
 class _Seg:
@@ -168,6 +172,7 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     segments: list[_SegRec]
     held: list[tuple[int, list[int]]]  # tag -> seg id, offset, length, ...
     objects: int
+    retired: dict[str, float] = {}
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -196,6 +201,7 @@ class StoreStateMachine:
         self.by_name: dict[str, int] = {}
         self.processing: dict[str, None] = {}  # PROCESSING keys, oldest put first
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
+        self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
@@ -401,6 +407,7 @@ class StoreStateMachine:
             )
             self.segs[r.id] = seg
             self.by_name[r.name] = r.id
+        self.retired = dict(hdr.retired)
         self.held = {
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
@@ -437,7 +444,14 @@ class StoreStateMachine:
             )
         held = [(tag, [x for t in ext for x in t]) for tag, ext in self.held.items()]
         return _Header(
-            SNAPSHOT_FORMAT, self.config, self.applied, self.next_seg, segs, held, len(self.objects)
+            SNAPSHOT_FORMAT,
+            self.config,
+            self.applied,
+            self.next_seg,
+            segs,
+            held,
+            len(self.objects),
+            dict(self.retired),
         )
 
     def _rebuild_indexes(self) -> None:
@@ -604,7 +618,7 @@ class StoreStateMachine:
             copies.append(copy)
         return copies
 
-    def _drop_segment(self, seg: _Seg) -> list[str]:
+    def _drop_segment(self, seg: _Seg, now: float) -> list[str]:
         """Unmount ``seg`` now: drop every copy with a slice in it; returns keys left with no
         copy (removed). Bytes held in it vanish with it."""
         lost = []
@@ -645,6 +659,7 @@ class StoreStateMachine:
                 del self.held[tag]
         del segs[seg.id]
         del self.by_name[seg.name]
+        self.retired[seg.name] = now
         return lost
 
     @staticmethod
@@ -660,7 +675,10 @@ class StoreStateMachine:
             or c.size < self.config.align
         ):
             return Codes([int(Code.INVALID_PARAMS)])
-        if c.segment in self.by_name:
+        q = self.config.remount_quarantine
+        for name in [n for n, t in self.retired.items() if c.now >= t + q]:
+            del self.retired[name]
+        if c.segment in self.by_name or c.segment in self.retired:
             return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
         sid = self.next_seg
         self.next_seg += 1
@@ -682,7 +700,7 @@ class StoreStateMachine:
                 seg.state = DRAINING
                 seg.deadline = c.now + c.grace
             return Codes([0])
-        self._drop_segment(seg)
+        self._drop_segment(seg, c.now)
         return Codes([0])
 
     def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
@@ -694,7 +712,7 @@ class StoreStateMachine:
                 codes.append(int(Code.CLIENT_NOT_FOUND))
                 continue
             for s in mine:
-                lost.extend(self._drop_segment(s))
+                lost.extend(self._drop_segment(s, c.now))
             codes.append(0)
         return ExpireResult(codes, lost)
 
@@ -861,7 +879,7 @@ class StoreStateMachine:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
         for s in due:
-            self._drop_segment(s)
+            self._drop_segment(s, c.now)
         return ReclaimResult(stale, [s.name for s in due])
 
     def _evict(self, index: int, c: Evict) -> EvictResult:
