@@ -106,10 +106,11 @@ class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     slice_limit: int = 16 << 20
     align: int = 64
-    remount_quarantine: float = 5.0
+    remount_quarantine: float = 30.0
     """Seconds (of entry time) during which a dropped segment's name cannot be mounted
     again: a reader still copying under a lease from the old segment must not read the
-    new segment's bytes at the same name and offsets. Keep it >= the read lease TTL."""
+    new segment's bytes at the same name and offsets, nor a writer that is still writing
+    until its put timeout. Keep it >= max(read lease TTL, put timeout)."""
 
 
 class _Seg:
@@ -847,12 +848,11 @@ class StoreStateMachine:
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         tag = index if c.hold else 0
-        ev = Event.REMOVE_FORCE if c.force else Event.REMOVE
         for key in c.keys:
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif not self._drop(key, ev, tag):
+            elif not self._drop(key, Event.REMOVE, tag):
                 codes.append(int(Code.REPLICA_IS_NOT_READY))
             else:
                 codes.append(0)
@@ -863,10 +863,9 @@ class StoreStateMachine:
     def _remove_all(self, index: int, c: RemoveAll) -> RemoveAllResult:
         skip = set(c.skip)
         tag = index if c.hold else 0
-        ev = Event.REMOVE_FORCE if c.force else Event.REMOVE
         n = 0
         for key in list(self.objects):
-            if key not in skip and self._drop(key, ev, tag):
+            if key not in skip and self._drop(key, Event.REMOVE, tag):
                 n += 1
         if tag and not self.held.get(tag):
             self.held.pop(tag, None)
