@@ -240,8 +240,9 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
 
 
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
-    """``codes`` per node (``NodeNotFound`` if it had no segment); ``lost``: keys whose
-    last copy was dropped (they no longer exist)."""
+    """``codes`` per node (``NodeNotFound`` if it had no segment); ``lost``: COMPLETE keys
+    whose last copy was dropped (they no longer exist). PROCESSING puts that lost a copy's
+    node are dropped too, silently: their PutEnd answers ``ObjectNotFound``."""
 
     codes: list[int]
     lost: list[str]

@@ -620,8 +620,9 @@ class StoreStateMachine:
         return copies
 
     def _drop_segment(self, seg: _Seg, now: float) -> list[str]:
-        """Unmount ``seg`` now: drop every copy with a slice in it; returns keys left with no
-        copy (removed). Bytes held in it vanish with it."""
+        """Unmount ``seg`` now: drop every copy with a slice in it; returns the COMPLETE keys
+        left with no copy (removed; PROCESSING ones go silently, their PutEnd then fails).
+        Bytes held in it vanish with it."""
         lost = []
         segs = self.segs
         for key in sorted(seg.keys):
@@ -633,9 +634,9 @@ class StoreStateMachine:
                     del self.objects[key]
                     if o.state == _C:
                         self.complete -= 1
+                        lost.append(key)
                     else:
                         self.processing.pop(key, None)
-                    lost.append(key)
             else:
                 self.objects[key] = replace(o, layout=pack_layout(keep))
             touched = set()
