@@ -88,7 +88,7 @@ class Driver:
         self.now = 0.0
         self.leases = LeaseTable()
         self.stats = AccessStats()
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(5.0)
         self.last_versions: dict[str, int] = {}
 
     # -- helpers ---------------------------------------------------------------------
@@ -175,7 +175,7 @@ class Driver:
             self.leases = LeaseTable(start=self.now, grace=float(a.get("ttl", 5.0)))
             self.stats = AccessStats()
             self.stats.reset(self.sm.keys())
-            self.holds = HoldTracker()
+            self.holds = HoldTracker(5.0)
             return [f"blanket lease until {self.leases.blanket_until:g}"]
         if cmd == "lease":
             keys = _list(a["keys"])

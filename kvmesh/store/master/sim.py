@@ -272,7 +272,7 @@ class StoreSim:
         self.leases = LeaseTable()
         self.stats = AccessStats()
         self.hb = HeartbeatTable()
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(self.cfg.lease_ttl)
         self.evict_inflight = False
         self.keys = [f"k{i}" for i in range(cfg.n_keys)]
         self.tokens: dict[tuple[str, int], Any] = {}  # (key, version) -> the put's token
@@ -395,7 +395,7 @@ class StoreSim:
         self.stats.reset(sm.keys())
         self.hb = HeartbeatTable()
         self.hb.reset(sm.nodes(), self.now)
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(self.cfg.lease_ttl)
         self.evict_inflight = False
 
     def _service_tick(self) -> None:
@@ -543,10 +543,15 @@ class StoreSim:
                 self.history.ok(h, "leased")
                 return self._next(cid)
             cmd: Any = plan.command
+            blocked = self.leases
+            blocked.block([key])  # no new lease while a rewrite of the key is in flight
         else:
             cmd = PutStart([key], [size], rcfg, self.now, 1800.0)
+            blocked = None
 
         def started_cb(r: Any) -> None:
+            if blocked is not None:
+                blocked.unblock([key])
             if r is None:
                 self.history.info(h)
                 return self._next(cid)
@@ -581,7 +586,9 @@ class StoreSim:
                 return
             self._next(cid)
 
-        if not self.propose(cmd, started_cb):  # noqa: SIM102
+        if not self.propose(cmd, started_cb):
+            if blocked is not None:
+                blocked.unblock([key])
             self.history.fail(h)
             self._next(cid)
 

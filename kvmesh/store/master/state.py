@@ -619,12 +619,14 @@ class StoreStateMachine:
             copies.append(copy)
         return copies
 
-    def _drop_segment(self, seg: _Seg, now: float) -> list[str]:
+    def _drop_segment(self, seg: _Seg, now: float, tag: int) -> list[str]:
         """Unmount ``seg`` now: drop every copy with a slice in it; returns the COMPLETE keys
         left with no copy (removed; PROCESSING ones go silently, their PutEnd then fails).
-        Bytes held in it vanish with it."""
+        Bytes held in it vanish with it. The other slices of a dropped copy (in segments
+        that stay) are held under ``tag``, not freed: a reader may hold a lease on them."""
         lost = []
         segs = self.segs
+        held = self.held.setdefault(tag, [])
         for key in sorted(seg.keys):
             o = self.objects[key]
             copies, lens = self._copies(o)
@@ -648,17 +650,17 @@ class StoreStateMachine:
                     s.slices -= 1
                     touched.add(sid)
                     if sid != seg.id:
-                        s.alloc.free(off, ln)
+                        held.append((sid, off, ln))
             still = {sid for c in keep for sid, _ in c}
             for sid in touched:
                 if sid not in still:
                     segs[sid].keys.discard(key)
-        for tag in list(self.held):
-            rest = [e for e in self.held[tag] if e[0] != seg.id]
+        for t in list(self.held):
+            rest = [e for e in self.held[t] if e[0] != seg.id]
             if rest:
-                self.held[tag] = rest
+                self.held[t] = rest
             else:
-                del self.held[tag]
+                del self.held[t]
         del segs[seg.id]
         del self.by_name[seg.name]
         self.retired[seg.name] = now
@@ -702,7 +704,7 @@ class StoreStateMachine:
                 seg.state = DRAINING
                 seg.deadline = c.now + c.grace
             return Codes([0])
-        self._drop_segment(seg, c.now)
+        self._drop_segment(seg, c.now, index)
         return Codes([0])
 
     def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
@@ -714,7 +716,7 @@ class StoreStateMachine:
                 codes.append(int(Code.CLIENT_NOT_FOUND))
                 continue
             for s in mine:
-                lost.extend(self._drop_segment(s, c.now))
+                lost.extend(self._drop_segment(s, c.now, index))
             codes.append(0)
         return ExpireResult(codes, lost)
 
@@ -879,7 +881,7 @@ class StoreStateMachine:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
         for s in due:
-            self._drop_segment(s, c.now)
+            self._drop_segment(s, c.now, index)
         return ReclaimResult(stale, [s.name for s in due])
 
     def _evict(self, index: int, c: Evict) -> EvictResult:
