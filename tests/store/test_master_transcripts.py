@@ -88,7 +88,7 @@ class Driver:
         self.now = 0.0
         self.leases = LeaseTable()
         self.stats = AccessStats()
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(5.0)
         self.last_versions: dict[str, int] = {}
 
     # -- helpers ---------------------------------------------------------------------
@@ -128,7 +128,9 @@ class Driver:
             out.append("held:")
             for tag, ext in sm.held.items():
                 names = {s.id: s.name for s in sm.segs.values()}
-                out.append(f"  {tag}: " + " ".join(f"{names[sid]}@{off}+{ln}" for sid, off, ln in ext))
+                out.append(
+                    f"  {tag}: " + " ".join(f"{names[sid]}@{off}+{ln}" for sid, off, ln in ext)
+                )
         return out
 
     def config(self, a: dict[str, str]) -> ReplicateConfig:
@@ -161,7 +163,9 @@ class Driver:
         if cmd == "config":
             self.__init__()
             self.sm = StoreStateMachine(
-                MasterConfig(slice_limit=int(a.get("slice", 16 << 20)), align=int(a.get("align", 64)))
+                MasterConfig(
+                    slice_limit=int(a.get("slice", 16 << 20)), align=int(a.get("align", 64))
+                )
             )
             return ["ok"]
         if cmd == "tick":
@@ -171,13 +175,15 @@ class Driver:
             self.leases = LeaseTable(start=self.now, grace=float(a.get("ttl", 5.0)))
             self.stats = AccessStats()
             self.stats.reset(self.sm.keys())
-            self.holds = HoldTracker()
+            self.holds = HoldTracker(5.0)
             return [f"blanket lease until {self.leases.blanket_until:g}"]
         if cmd == "lease":
             keys = _list(a["keys"])
             until = self.leases.grant(keys, now, float(a.get("ttl", 5.0)))
             self.stats.touch(keys)
-            return [f"{k} until={u:g}" if u else f"{k} refused (blocked)" for k, u in zip(keys, until)]
+            return [
+                f"{k} until={u:g}" if u else f"{k} refused (blocked)" for k, u in zip(keys, until)
+            ]
         if cmd == "touch":
             self.stats.touch(_list(a["keys"]))
             return ["ok"]
@@ -194,7 +200,16 @@ class Driver:
                 out.append(f"{k}: v{r.version} size={r.size} {copies}")
             return out
         if cmd == "mount":
-            res = self.apply(Mount(a["node"], a["seg"], a.get("ep", a["node"] + ":1"), a.get("host", "h"), int(a["size"]), now))
+            res = self.apply(
+                Mount(
+                    a["node"],
+                    a["seg"],
+                    a.get("ep", a["node"] + ":1"),
+                    a.get("host", "h"),
+                    int(a["size"]),
+                    now,
+                )
+            )
             out = [f"result: {_codes(res.codes)}"]
         elif cmd == "unmount":
             res = self.apply(Unmount(a["node"], a["seg"], now, float(a.get("grace", 0))))
@@ -251,7 +266,11 @@ class Driver:
             if plan.command is not None and plan.command.hold:
                 out.append(f"held until {plan.release_at:g}")
         elif cmd == "remove-all":
-            skip = self.leases.all_leased(now) if now >= self.leases.blanket_until else list(self.sm.keys())
+            skip = (
+                self.leases.all_leased(now)
+                if now >= self.leases.blanket_until
+                else list(self.sm.keys())
+            )
             res = self.apply(RemoveAll(skip, force="force" in a))
             out = [f"result: removed={res.removed}"]
         elif cmd == "release":
@@ -349,7 +368,9 @@ def test_transcript(path: Path) -> None:
         if actual != expected:
             path.write_text(actual)
         return
-    assert actual == expected, f"{path.name} differs; rerun with KVMESH_REWRITE=1 and review the diff"
+    assert actual == expected, (
+        f"{path.name} differs; rerun with KVMESH_REWRITE=1 and review the diff"
+    )
 
 
 def test_transcripts_exist() -> None:

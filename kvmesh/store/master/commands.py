@@ -22,8 +22,8 @@ command               effect (per key unless noted)                             
 ``PutRevoke``         free a PROCESSING put                                         ``Codes``
 ``Upsert``            like PutStart, but a COMPLETE key is replaced (its            ``PutStartResult``
                       allocation reused when size and copy count match)
-``Remove``            free COMPLETE objects (``force``: PROCESSING ones too;         ``Codes``
-                      ``hold``: keep the bytes allocated until ``Release``)
+``Remove``            free COMPLETE objects (``ReplicaNotReady`` for PROCESSING     ``Codes``
+                      ones; ``hold``: keep the bytes allocated until ``Release``)
 ``RemoveAll``         remove every COMPLETE object except ``skip``                  ``RemoveAllResult``
 ``Reclaim``           free PROCESSING puts started before ``now - put_timeout``;    ``ReclaimResult``
                       finish graceful unmounts whose grace has passed
@@ -142,9 +142,11 @@ class Upsert(msgspec.Struct, tag="upsert", **_S):
 
 
 class Remove(msgspec.Struct, tag="remove", **_S):
-    """Remove objects. Without ``force`` a PROCESSING key answers ``ReplicaNotReady``.
-    ``hold``: the bytes stay allocated (invisible to readers, not reusable) until a
-    ``Release`` naming this entry's index."""
+    """Remove COMPLETE objects; a PROCESSING key answers ``ReplicaNotReady`` (its writer may
+    still be writing; PutRevoke or Reclaim free it). ``force`` records that the caller
+    overrode read leases, which the leader implements with ``hold``: the bytes stay
+    allocated (invisible to readers, not reusable) until a ``Release`` naming this entry's
+    index. ``apply`` acts on ``hold`` only."""
 
     keys: list[str]
     force: bool = False
@@ -152,8 +154,8 @@ class Remove(msgspec.Struct, tag="remove", **_S):
 
 
 class RemoveAll(msgspec.Struct, tag="remove_all", **_S):
-    """Remove every COMPLETE object (PROCESSING too with ``force``) except ``skip`` (the
-    keys the leader knows to be leased)."""
+    """Remove every COMPLETE object except ``skip`` (the keys the leader knows to be
+    leased; with ``force`` the leader passes none and sets ``hold``)."""
 
     skip: list[str] = []
     force: bool = False
@@ -162,7 +164,8 @@ class RemoveAll(msgspec.Struct, tag="remove_all", **_S):
 
 class Reclaim(msgspec.Struct, tag="reclaim", **_S):
     """Periodic housekeeping proposed by the leader: free PROCESSING puts whose writer
-    started them before ``now - put_timeout`` and finish due graceful unmounts."""
+    started them before ``now - put_timeout`` and finish due graceful unmounts. Writers
+    must stop writing ``put_timeout`` after they sent PutStart (their own clock)."""
 
     now: float
     put_timeout: float
@@ -237,8 +240,9 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
 
 
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
-    """``codes`` per node (``NodeNotFound`` if it had no segment); ``lost``: keys whose
-    last copy was dropped (they no longer exist)."""
+    """``codes`` per node (``NodeNotFound`` if it had no segment); ``lost``: COMPLETE keys
+    whose last copy was dropped (they no longer exist). PROCESSING puts that lost a copy's
+    node are dropped too, silently: their PutEnd answers ``ObjectNotFound``."""
 
     codes: list[int]
     lost: list[str]

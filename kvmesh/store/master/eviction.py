@@ -10,6 +10,9 @@ free enough (then ``allow_soft`` is set so ``apply`` accepts them). ``apply`` re
 victim (state, pins, version), so a victim that changed after the choice is skipped, never
 wrongly freed.
 
+The service blocks new leases on the victims (``LeaseTable.block``) from the moment it
+chooses them until the Evict entry applied, or a reader could take a lease in between.
+
 A put that found no space asks for ``need`` bytes: victims are then chosen even below the
 watermark, until at least that much would be freed.
 """

@@ -133,7 +133,9 @@ def check(sm: StoreStateMachine) -> list[str]:
             fs, fe = free[i]
             us, ue, owner = used[j]
             if fs < ue and us < fe:
-                errs.append(f"segment {s.name}: free [{fs},{fe}) overlaps live {owner!r} [{us},{ue})")
+                errs.append(
+                    f"segment {s.name}: free [{fs},{fe}) overlaps live {owner!r} [{us},{ue})"
+                )
                 break
             if fe <= us:
                 i += 1

@@ -11,8 +11,12 @@ event the table does not list for the current state is refused, never improvised
     ─────────────────────> PROCESSING ─────> COMPLETE ──┐ Upsert (same size: reuse)
                              │   ^                │     │
      PutRevoke, Reclaim,     │   └────────────────┼─────┘
-     Remove(force),          v                    v  Remove, Evict, RemoveAll,
-     NodeLost(last copy)   GONE <──────────────── GONE   NodeLost(last copy), Upsert (new size)
+     NodeLost(last copy)     v                    v  Remove, Evict, RemoveAll,
+                           GONE                 GONE   NodeLost(last copy), Upsert (new size)
+
+Remove never takes a PROCESSING object, not even forced: its writer may still be writing
+into the bytes (it stops by the put timeout; ``Reclaim`` frees them after it). A forced
+remove only overrides read leases, by holding the bytes (see ``policy.py``).
 
 Slices are packed into ``layout``: per copy, per slice, ``(segment id u32, offset u64)``
 little-endian; slice ``i`` is ``min(slice_limit, size - i*slice_limit)`` bytes long, so
@@ -55,7 +59,6 @@ class Event(enum.IntEnum):
     PUT_REVOKE = 2
     RECLAIM = 3  # writer vanished: PROCESSING older than the put timeout
     REMOVE = 4
-    REMOVE_FORCE = 5
     EVICT = 6
     NODE_LOST = 7  # the last copy's node expired or its segment was unmounted
     UPSERT_REUSE = 8  # same size and copy count: rewrite in place
@@ -70,11 +73,9 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (P, Event.PUT_END): C,
     (P, Event.PUT_REVOKE): G,
     (P, Event.RECLAIM): G,
-    (P, Event.REMOVE_FORCE): G,
     (P, Event.NODE_LOST): G,
     (C, Event.PUT_END): C,  # a repeated PutEnd of the same version is a no-op
     (C, Event.REMOVE): G,
-    (C, Event.REMOVE_FORCE): G,
     (C, Event.EVICT): G,
     (C, Event.NODE_LOST): G,
     (C, Event.UPSERT_REUSE): P,
@@ -85,7 +86,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 def next_state(state: int, event: Event) -> State | None:
     """The state after ``event``, or None if the lifecycle does not allow it."""
-    return TRANSITIONS.get((State(state), event))
+    return TRANSITIONS.get((state, event))  # IntEnum keys hash and compare as ints
 
 
 PIN_NONE, PIN_SOFT, PIN_HARD = 0, 1, 2

@@ -9,12 +9,16 @@ simulator and the transcript tests:
   the leases end) and :class:`HoldTracker` remembers when the hold may be released.
 * :func:`plan_upsert`: an existing key that is leased answers ``ObjectHasLease`` (upsert would
   rewrite or free memory a reader is copying).
-* :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker does not
-  know (held under an earlier leader) are due once the new leader's blanket lease period is
-  over: every lease granted before the removal ended by then.
+* :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker was not
+  told about (holds of an earlier leader, or slices of copies that lost a node, which
+  ``apply`` holds by itself) are due one lease TTL after the tracker first sees them, and
+  not before the new leader's blanket period ends: every lease on them was granted before.
 
-Around a proposal the service also calls ``LeaseTable.block(keys)`` and ``unblock`` after
-the entry applied, so no new lease is granted on a key whose removal is in flight.
+Around every proposal that may free or rewrite a key's bytes (Remove, Upsert, Evict) the
+service calls ``LeaseTable.block(keys)`` right after the lease check and ``unblock`` once
+the entry applied (or the proposal failed), so no new lease is granted on a key in between:
+the simulator finds that race otherwise (a reader leased a key between the check and the
+apply, and its bytes were freed under it).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import msgspec
 
 from ..errors import Code
 from .commands import Release, Remove, Upsert
-from .leases import LeaseTable
+from .leases import DEFAULT_LEASE_TTL, LeaseTable
 
 __all__ = ["RemovePlan", "UpsertPlan", "plan_remove", "plan_upsert", "HoldTracker"]
 
@@ -63,9 +67,7 @@ def plan_remove(leases: LeaseTable, keys: list[str], now: float, force: bool = F
     return RemovePlan(codes, Remove(send, force=force, hold=hold), release_at if hold else 0.0)
 
 
-def plan_upsert(
-    leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float
-) -> UpsertPlan:
+def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float) -> UpsertPlan:
     """``exists[i]``: whether ``cmd.keys[i]`` is in the table (``sm.exists`` or PROCESSING)."""
     codes = []
     keys, sizes = [], []
@@ -82,9 +84,10 @@ def plan_upsert(
 
 
 class HoldTracker:
-    """When each held tag (log index of a ``hold`` remove) may be released."""
+    """When each held tag (log index of the entry that held the bytes) may be released."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl: float = DEFAULT_LEASE_TTL) -> None:
+        self.ttl = ttl
         self._at: dict[int, float] = {}
 
     def note(self, tag: int, release_at: float) -> None:
@@ -94,7 +97,9 @@ class HoldTracker:
         """A ``Release`` for every held tag whose leases are over, or None."""
         tags = []
         for t in held_tags:
-            at = self._at.get(t, leases.blanket_until)
+            at = self._at.get(t)
+            if at is None:
+                at = self._at[t] = now + self.ttl
             if now >= at and now >= leases.blanket_until:
                 tags.append(t)
         return Release(sorted(tags)) if tags else None

@@ -106,6 +106,11 @@ class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     slice_limit: int = 16 << 20
     align: int = 64
+    remount_quarantine: float = 30.0
+    """Seconds (of entry time) during which a dropped segment's name cannot be mounted
+    again: a reader still copying under a lease from the old segment must not read the
+    new segment's bytes at the same name and offsets, nor a writer that is still writing
+    until its put timeout. Keep it >= max(read lease TTL, put timeout)."""
 
 
 class _Seg:
@@ -168,6 +173,7 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     segments: list[_SegRec]
     held: list[tuple[int, list[int]]]  # tag -> seg id, offset, length, ...
     objects: int
+    retired: dict[str, float] = {}
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -196,6 +202,7 @@ class StoreStateMachine:
         self.by_name: dict[str, int] = {}
         self.processing: dict[str, None] = {}  # PROCESSING keys, oldest put first
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
+        self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
@@ -401,6 +408,7 @@ class StoreStateMachine:
             )
             self.segs[r.id] = seg
             self.by_name[r.name] = r.id
+        self.retired = dict(hdr.retired)
         self.held = {
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
@@ -437,7 +445,14 @@ class StoreStateMachine:
             )
         held = [(tag, [x for t in ext for x in t]) for tag, ext in self.held.items()]
         return _Header(
-            SNAPSHOT_FORMAT, self.config, self.applied, self.next_seg, segs, held, len(self.objects)
+            SNAPSHOT_FORMAT,
+            self.config,
+            self.applied,
+            self.next_seg,
+            segs,
+            held,
+            len(self.objects),
+            dict(self.retired),
         )
 
     def _rebuild_indexes(self) -> None:
@@ -540,25 +555,30 @@ class StoreStateMachine:
 
     def _pick(
         self,
-        length: int,
+        n: int,
         exclude: set[str],
         prefer: set[str],
         cfg: ReplicateConfig,
         first: bool,
         draw: int,
+        mounted: list[_Seg],
     ) -> _Seg | None:
-        n = (length + self.config.align - 1) & -self.config.align
-        cands = [
-            s
-            for s in self.segs.values()
-            if s.state == MOUNTED and s.node_id not in exclude and s.alloc.largest() >= n
-        ]
+        """The segment for one slice of ``n`` (aligned) bytes; see the module docstring."""
+        if first and cfg.preferred_segment is not None:
+            s = self.segs.get(self.by_name.get(cfg.preferred_segment, 0))
+            if (
+                s is not None
+                and s.state == MOUNTED
+                and s.node_id not in exclude
+                and s.alloc.largest() >= n
+            ):
+                return s
+        if exclude:
+            cands = [s for s in mounted if s.node_id not in exclude and s.alloc.largest() >= n]
+        else:
+            cands = [s for s in mounted if s.alloc.largest() >= n]
         if not cands:
             return None
-        if first and cfg.preferred_segment is not None:
-            for s in cands:
-                if s.name == cfg.preferred_segment:
-                    return s
         if prefer:
             same = [s for s in cands if s.node_id in prefer]
             if same:
@@ -570,12 +590,14 @@ class StoreStateMachine:
             loc = [s for s in cands if s.host_id == cfg.writer_host]
             if loc:
                 cands = loc
-        return max(cands, key=_free_bytes)
+        return cands[0] if len(cands) == 1 else max(cands, key=_free_bytes)
 
     def _place(
         self, size: int, cfg: ReplicateConfig, index: int, pos: int
     ) -> list[list[tuple[int, int]]] | None:
+        a = self.config.align
         lens = slice_lengths(size, self.config.slice_limit)
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         used_nodes: set[str] = set()
         copies: list[list[tuple[int, int]]] = []
         done: list[tuple[_Seg, int, int]] = []
@@ -584,7 +606,7 @@ class StoreStateMachine:
             copy = []
             for j, ln in enumerate(lens):
                 draw = (index << 24) ^ (pos << 12) ^ (r << 8) ^ j
-                s = self._pick(ln, used_nodes, nodes, cfg, r == 0, draw)
+                s = self._pick((ln + a - 1) & -a, used_nodes, nodes, cfg, r == 0, draw, mounted)
                 off = -1 if s is None else s.alloc.alloc(ln)
                 if s is None or off < 0:
                     for seg, o, length in reversed(done):
@@ -597,11 +619,14 @@ class StoreStateMachine:
             copies.append(copy)
         return copies
 
-    def _drop_segment(self, seg: _Seg) -> list[str]:
-        """Unmount ``seg`` now: drop every copy with a slice in it; returns keys left with no
-        copy (removed). Bytes held in it vanish with it."""
+    def _drop_segment(self, seg: _Seg, now: float, tag: int) -> list[str]:
+        """Unmount ``seg`` now: drop every copy with a slice in it; returns the COMPLETE keys
+        left with no copy (removed; PROCESSING ones go silently, their PutEnd then fails).
+        Bytes held in it vanish with it. The other slices of a dropped copy (in segments
+        that stay) are held under ``tag``, not freed: a reader may hold a lease on them."""
         lost = []
         segs = self.segs
+        held = self.held.setdefault(tag, [])
         for key in sorted(seg.keys):
             o = self.objects[key]
             copies, lens = self._copies(o)
@@ -611,9 +636,9 @@ class StoreStateMachine:
                     del self.objects[key]
                     if o.state == _C:
                         self.complete -= 1
+                        lost.append(key)
                     else:
                         self.processing.pop(key, None)
-                    lost.append(key)
             else:
                 self.objects[key] = replace(o, layout=pack_layout(keep))
             touched = set()
@@ -625,19 +650,20 @@ class StoreStateMachine:
                     s.slices -= 1
                     touched.add(sid)
                     if sid != seg.id:
-                        s.alloc.free(off, ln)
+                        held.append((sid, off, ln))
             still = {sid for c in keep for sid, _ in c}
             for sid in touched:
                 if sid not in still:
                     segs[sid].keys.discard(key)
-        for tag in list(self.held):
-            rest = [e for e in self.held[tag] if e[0] != seg.id]
+        for t in list(self.held):
+            rest = [e for e in self.held[t] if e[0] != seg.id]
             if rest:
-                self.held[tag] = rest
+                self.held[t] = rest
             else:
-                del self.held[tag]
+                del self.held[t]
         del segs[seg.id]
         del self.by_name[seg.name]
+        self.retired[seg.name] = now
         return lost
 
     @staticmethod
@@ -653,7 +679,10 @@ class StoreStateMachine:
             or c.size < self.config.align
         ):
             return Codes([int(Code.INVALID_PARAMS)])
-        if c.segment in self.by_name:
+        q = self.config.remount_quarantine
+        for name in [n for n, t in self.retired.items() if c.now >= t + q]:
+            del self.retired[name]
+        if c.segment in self.by_name or c.segment in self.retired:
             return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
         sid = self.next_seg
         self.next_seg += 1
@@ -675,7 +704,7 @@ class StoreStateMachine:
                 seg.state = DRAINING
                 seg.deadline = c.now + c.grace
             return Codes([0])
-        self._drop_segment(seg)
+        self._drop_segment(seg, c.now, index)
         return Codes([0])
 
     def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
@@ -687,7 +716,7 @@ class StoreStateMachine:
                 codes.append(int(Code.CLIENT_NOT_FOUND))
                 continue
             for s in mine:
-                lost.extend(self._drop_segment(s))
+                lost.extend(self._drop_segment(s, c.now, index))
             codes.append(0)
         return ExpireResult(codes, lost)
 
@@ -727,7 +756,10 @@ class StoreStateMachine:
         for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
             code = 0
             o = None
-            if key_error(key) is not None:
+            if (
+                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
+                and key_error(key) is not None
+            ):
                 code = int(Code.INVALID_KEY)
             elif not 1 <= size <= MAX_OBJECT_SIZE:
                 code = int(Code.INVALID_PARAMS)
@@ -819,12 +851,11 @@ class StoreStateMachine:
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         tag = index if c.hold else 0
-        ev = Event.REMOVE_FORCE if c.force else Event.REMOVE
         for key in c.keys:
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif not self._drop(key, ev, tag):
+            elif not self._drop(key, Event.REMOVE, tag):
                 codes.append(int(Code.REPLICA_IS_NOT_READY))
             else:
                 codes.append(0)
@@ -835,10 +866,9 @@ class StoreStateMachine:
     def _remove_all(self, index: int, c: RemoveAll) -> RemoveAllResult:
         skip = set(c.skip)
         tag = index if c.hold else 0
-        ev = Event.REMOVE_FORCE if c.force else Event.REMOVE
         n = 0
         for key in list(self.objects):
-            if key not in skip and self._drop(key, ev, tag):
+            if key not in skip and self._drop(key, Event.REMOVE, tag):
                 n += 1
         if tag and not self.held.get(tag):
             self.held.pop(tag, None)
@@ -851,7 +881,7 @@ class StoreStateMachine:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
         for s in due:
-            self._drop_segment(s)
+            self._drop_segment(s, c.now, index)
         return ReclaimResult(stale, [s.name for s in due])
 
     def _evict(self, index: int, c: Evict) -> EvictResult:
