@@ -221,7 +221,7 @@ class MasterService:
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
@@ -299,7 +299,7 @@ class MasterService:
         self.stats = AccessStats()
         self.stats.reset(self.sm.keys())
         # Holds noted by an earlier leadership are judged by the blanket period instead.
-        self.holds = HoldTracker()
+        self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._plans.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
