@@ -109,6 +109,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0
     request_timeout_s: float = 10.0
+    metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT (0: off)
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
@@ -228,6 +229,8 @@ class MasterService:
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
         self.counters: dict[str, int] = {}
+        self.metrics: Any = None
+        self.status_cache: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
 
@@ -265,6 +268,15 @@ class MasterService:
             self._server.close()
             raise
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="store-ticker")
+        if cfg.metrics_port:
+            from .metrics import MasterMetrics, available
+
+            if available():
+                self.status_cache = self.status()
+                self.metrics = MasterMetrics(self)
+                self.metrics.serve(cfg.metrics_port)
+            else:
+                log.warning("store master: prometheus_client is not installed; metrics are off")
         log.info("store master %d serving %s (raft %s, %s)", cfg.node_id, self.address,
                  peers[cfg.node_id], cfg.durability)
 
@@ -313,6 +325,9 @@ class MasterService:
         last_reclaim = 0.0
         while True:
             await asyncio.sleep(cfg.ticker_s)
+            if self.metrics is not None:
+                with contextlib.suppress(Exception):
+                    self.status_cache = self.status()
             node = self.node
             if node is None or not node.is_leader:
                 continue
@@ -425,6 +440,7 @@ class MasterService:
             writer.close()
 
     async def _handle(self, req: Any, writer: asyncio.StreamWriter) -> None:
+        started = time.perf_counter()
         try:
             resp = await self._dispatch(req)
         except NotLeaderError as e:
@@ -444,6 +460,10 @@ class MasterService:
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             log.warning("store master: request %s failed: %r", type(req).__name__, e)
             resp = P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+        if self.metrics is not None:
+            rt = type(resp)
+            outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
+            self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
         if writer.is_closing():
             return
         try:
@@ -774,6 +794,7 @@ def build_arg_parser() -> Any:
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -798,6 +819,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
+        metrics_port=a.metrics_port,
     )
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from kvmesh.replog.server import free_ports
 from kvmesh.store import StoreClient
@@ -78,9 +79,9 @@ def test_up_status_and_ctrl_c(tmp_path):
 
 
 def test_master_and_node_commands(tmp_path):
-    port = free_ports(1)[0]
+    port, mport = free_ports(2)
     addr = f"127.0.0.1:{port}"
-    m = _kvmesh("master", "--listen", addr, "--dir", str(tmp_path / "m"))
+    m = _kvmesh("master", "--listen", addr, "--dir", str(tmp_path / "m"), "--metrics-port", str(mport))
     n = None
     try:
         _line(m, "READY")
@@ -93,6 +94,12 @@ def test_master_and_node_commands(tmp_path):
             assert c.status()["segments"][0]["size"] == 16 << 20
         finally:
             c.close()
+        time.sleep(0.6)  # the metrics view refreshes on the master's ticker
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        assert 'kvmesh_store_requests_total{outcome="ok",type="PutStartReq"} 1.0' in text
+        assert "kvmesh_store_objects 2.0" in text
+        assert "kvmesh_store_is_leader 1.0" in text
+        assert "kvmesh_store_capacity_bytes 1.6777216e+07" in text
         n.send_signal(signal.SIGTERM)
         assert n.wait(20) == 0
         m.send_signal(signal.SIGTERM)
