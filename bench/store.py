@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import (  # noqa: E402
+from bench._common import (
     Child,
     bench_args,
     memcpy_gbps,
@@ -55,11 +55,19 @@ def peer_main(master: str, segment: int) -> None:
 
 
 def _peer(master: str, segment: int, host_id: str | None) -> Child:
-    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        )
+    }
     if host_id:
         env["KVMESH_HOST_ID"] = host_id
-    return Child([sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)], env=env)
+    return Child(
+        [sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)], env=env
+    )
 
 
 def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list[dict[str, Any]]:
@@ -71,7 +79,10 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
         shapes = [(256 << 10, 128), (1 * MiB, 64)]
     reps = 3 if quick else 5
     rows = []
-    with tempfile.TemporaryDirectory() as d, StoreCluster(d, 1, durability="memory", tick_ms=50) as cl:
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StoreCluster(d, 1, durability="memory", tick_ms=50) as cl,
+    ):
         cl.start_all()
         biggest = max(s * b for s, b in shapes)
         peer = _peer(cl.address, 3 * biggest + 64 * MiB, host_id)
@@ -108,18 +119,40 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                     times.append(time.perf_counter() - t0)
                     cleanup()
                 t_put = float(np.median(times))
-                rows.append(record(limits, case, ",".join(put_once.transports), "put",  # type: ignore[attr-defined]
-                                   size, batch, gbps=n / t_put / 1e9, ops_per_s=batch / t_put))
+                rows.append(
+                    record(
+                        limits,
+                        case,
+                        ",".join(put_once.transports),
+                        "put",  # type: ignore[attr-defined]
+                        size,
+                        batch,
+                        gbps=n / t_put / 1e9,
+                        ops_per_s=batch / t_put,
+                    )
+                )
                 put_once()
                 keys = put_once.keys  # type: ignore[attr-defined]
                 got = c.get_into(keys, dst, offs, sizes)
-                assert list(got) == sizes and np.array_equal(dst[:n], src[:n]), "get returned wrong bytes"
+                assert list(got) == sizes and np.array_equal(dst[:n], src[:n]), (
+                    "get returned wrong bytes"
+                )
                 dst[:n] = 0
                 transports = got.transports
                 t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)
                 assert np.array_equal(dst[:n], src[:n])
-                rows.append(record(limits, case, ",".join(transports), "get", size, batch,
-                                   gbps=n / t_get / 1e9, ops_per_s=batch / t_get))
+                rows.append(
+                    record(
+                        limits,
+                        case,
+                        ",".join(transports),
+                        "get",
+                        size,
+                        batch,
+                        gbps=n / t_get / 1e9,
+                        ops_per_s=batch / t_get,
+                    )
+                )
                 time.sleep(0.05)
                 cleanup()
             if case == "cross-process":
@@ -130,15 +163,27 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
     return rows
 
 
-def _exists_and_latency(c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, quick: bool) -> list[dict[str, Any]]:
+def _exists_and_latency(
+    c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, quick: bool
+) -> list[dict[str, Any]]:
     rows = []
     keys = [f"ex-{i}" for i in range(256)]
     res = c.put_from(keys, src, [i * 4096 for i in range(256)], [4096] * 256)
     assert res.ok
     assert c.exists(keys) == [True] * 256
     t = timed(lambda: c.exists(keys), 20 if quick else 100, warmup=3)
-    rows.append(record(limits, "cross-process", None, "exists", None, 256, ops_per_s=256 / t,
-                       us_per_key=round(t / 256 * 1e6, 3)))
+    rows.append(
+        record(
+            limits,
+            "cross-process",
+            None,
+            "exists",
+            None,
+            256,
+            ops_per_s=256 / t,
+            us_per_key=round(t / 256 * 1e6, 3),
+        )
+    )
     key = "lat-16k"
     c.put_from(key, src, 0, 16 << 10)
     assert c.get_into(key, dst, 0, 16 << 10) == 16 << 10
@@ -152,8 +197,19 @@ def _exists_and_latency(c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, 
         c.get_into(key, dst, 0, 16 << 10)
         samples.append(time.perf_counter() - t0)
     p50, p99 = percentiles(samples)
-    rows.append(record(limits, "latency", ",".join(c.last_transports), "get", 16 << 10, 1,
-                       ops_per_s=1 / float(np.mean(samples)), p50_us=p50, p99_us=p99))
+    rows.append(
+        record(
+            limits,
+            "latency",
+            ",".join(c.last_transports),
+            "get",
+            16 << 10,
+            1,
+            ops_per_s=1 / float(np.mean(samples)),
+            p50_us=p50,
+            p99_us=p99,
+        )
+    )
     return rows
 
 
@@ -167,11 +223,16 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
     rows = []
     batch, threads = 512, 4
     seconds = 4.0 if quick else 15.0
-    with tempfile.TemporaryDirectory() as d, StoreCluster(d, 3, durability="disk", tick_ms=50) as cl:
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StoreCluster(d, 3, durability="disk", tick_ms=50) as cl,
+    ):
         cl.start_all()
         node_rpc = MasterClient(list(cl.addrs.values()), name="bench-meta-node")
         # A segment is needed for allocation; no bytes move in this case.
-        r = node_rpc.mutate(lambda rid, s: P.MountReq(rid, s, "meta-node", "meta-seg", "127.0.0.1:1", "h", 1 << 40))
+        r = node_rpc.mutate(
+            lambda rid, s: P.MountReq(rid, s, "meta-node", "meta-seg", "127.0.0.1:1", "h", 1 << 40)
+        )
         assert type(r) is P.CodesResp and r.codes == [0], r
         stop = threading.Event()
         done = [0] * threads
@@ -201,8 +262,20 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
         for th in ths:
             th.join(60)
         node_rpc.close()
-        rows.append(record(limits, "metadata", None, "put", None, batch, ops_per_s=(k1 - k0) / (t1 - t0),
-                           replicas=3, fsync=True, clients=threads))
+        rows.append(
+            record(
+                limits,
+                "metadata",
+                None,
+                "put",
+                None,
+                batch,
+                ops_per_s=(k1 - k0) / (t1 - t0),
+                replicas=3,
+                fsync=True,
+                clients=threads,
+            )
+        )
     return rows
 
 
@@ -218,9 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = data_path(limits, a.quick, "cross-process", None)
     rows += data_path(limits, a.quick, "network", "bench-other-host")
     rows += metadata(limits, a.quick)
-    print(f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, loopback TCP {limits['tcp_gbps']:.2f} GB/s")
-    print_table(rows, ("case", "transport", "op", "page_bytes", "batch", "gbps", "ops_per_s", "p50_us",
-                       "p99_us", "ratio_memcpy"))
+    print(
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, loopback TCP {limits['tcp_gbps']:.2f} GB/s"
+    )
+    print_table(
+        rows,
+        (
+            "case",
+            "transport",
+            "op",
+            "page_bytes",
+            "batch",
+            "gbps",
+            "ops_per_s",
+            "p50_us",
+            "p99_us",
+            "ratio_memcpy",
+        ),
+    )
     print(f"done in {time.monotonic() - t_start:.0f} s")
     if a.json:
         write_json(a.json, "store", limits, rows)

@@ -21,17 +21,27 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["register", "parse_size"]
+__all__ = ["parse_size", "register"]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
     """``"256MiB"``, ``"1g"``, ``"4096"`` -> bytes."""
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     if unit not in _UNITS or not num:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 256MiB, 1GiB)")
     return int(float(num) * _UNITS[unit])
@@ -61,11 +71,16 @@ def cmd_node(args: argparse.Namespace) -> int:
     from .node import StorageNode
     from .rpc import MasterClient
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING), stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.WARNING), stream=sys.stderr
+    )
     rpc = MasterClient([a for a in args.master.split(",") if a], name="store-node")
     node = StorageNode(rpc, args.size, heartbeat_s=args.heartbeat_s).start()
-    print(f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
-          f"engine {node.engine.address}", flush=True)
+    print(
+        f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
+        f"engine {node.engine.address}",
+        flush=True,
+    )
     try:
         _wait_for_signal()
     finally:
@@ -84,8 +99,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     base = args.dir or tempfile.mkdtemp(prefix="kvmesh-up-")
     token = os.environ.get("KVMESH_TOKEN")
-    cl = StoreCluster(base, args.replicas, token=token, durability=args.durability,
-                      tick_ms=args.tick_ms)
+    cl = StoreCluster(
+        base, args.replicas, token=token, durability=args.durability, tick_ms=args.tick_ms
+    )
     print(f"starting {args.replicas} master replicas (data in {base}) ...", flush=True)
     node = None
     rpc = None
@@ -141,8 +157,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0 if out["leader"] else 1
     print(f"{'replica':<8}{'address':<24}{'role':<11}{'term':>6}{'commit':>10}{'applied':>10}")
     for m in out["members"]:
-        print(f"{m.get('node_id', '?')!s:<8}{m.get('address', '')!s:<24}{m.get('role', '?')!s:<11}"
-              f"{m.get('term', '')!s:>6}{m.get('commit', '')!s:>10}{m.get('applied', '')!s:>10}")
+        print(
+            f"{m.get('node_id', '?')!s:<8}{m.get('address', '')!s:<24}{m.get('role', '?')!s:<11}"
+            f"{m.get('term', '')!s:>6}{m.get('commit', '')!s:>10}{m.get('applied', '')!s:>10}"
+        )
     ld = out["leader"]
     if ld is None:
         print("no leader reachable")
@@ -151,13 +169,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     cap = u.get("capacity", 0) or 0
     ratio = (u.get("used", 0) / cap) if cap else 0.0
     reads = ld["hits"] + ld["misses"]
-    print(f"\nleader {ld['node_id']} (term {ld['term']}): {ld['objects']} objects "
-          f"({u.get('complete', 0)} complete, {u.get('processing', 0)} in flight), "
-          f"{u.get('used', 0)}/{cap} bytes used ({ratio:.1%}), {ld['leases']} live leases, "
-          f"hit rate {ld['hits'] / reads if reads else 0.0:.1%} of {reads} reads")
+    print(
+        f"\nleader {ld['node_id']} (term {ld['term']}): {ld['objects']} objects "
+        f"({u.get('complete', 0)} complete, {u.get('processing', 0)} in flight), "
+        f"{u.get('used', 0)}/{cap} bytes used ({ratio:.1%}), {ld['leases']} live leases, "
+        f"hit rate {ld['hits'] / reads if reads else 0.0:.1%} of {reads} reads"
+    )
     print(f"\n{'segment':<40}{'node':<28}{'size':>14}{'used':>14}{'slices':>8}  state")
     for s in ld["segments"]:
-        print(f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}{s['objects']:>8}  {s['state']}")
+        print(
+            f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}{s['objects']:>8}  {s['state']}"
+        )
     return 0
 
 
@@ -170,15 +192,25 @@ def register(sub: Any) -> None:
     p.set_defaults(fn=cmd_master, passthrough=True, rest=[])  # kvmesh.cli passes the rest
 
     p = sub.add_parser("node", help="contribute a shared-memory segment to a store")
-    p.add_argument("--master", required=True, help="store addresses of the master replicas, comma-separated")
-    p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="segment size (default 1GiB)")
+    p.add_argument(
+        "--master", required=True, help="store addresses of the master replicas, comma-separated"
+    )
+    p.add_argument(
+        "--size", type=parse_size, default=parse_size("1GiB"), help="segment size (default 1GiB)"
+    )
     p.add_argument("--heartbeat-s", type=float, default=2.0)
-    p.add_argument("--grace-s", type=float, default=0.0, help="on stop: keep copies readable this long")
-    p.add_argument("--lease-s", type=float, default=5.0, help="the masters' lease TTL (with --grace-s)")
+    p.add_argument(
+        "--grace-s", type=float, default=0.0, help="on stop: keep copies readable this long"
+    )
+    p.add_argument(
+        "--lease-s", type=float, default=5.0, help="the masters' lease TTL (with --grace-s)"
+    )
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(fn=cmd_node)
 
-    p = sub.add_parser("up", help="local store in the foreground: 3 master replicas + 1 storage node")
+    p = sub.add_parser(
+        "up", help="local store in the foreground: 3 master replicas + 1 storage node"
+    )
     p.add_argument("--replicas", type=int, default=3, choices=[1, 3, 5])
     p.add_argument("--segment", type=parse_size, default=parse_size("256MiB"))
     p.add_argument("--dir", default=None, help="data directory (default: a new temporary one)")
@@ -187,7 +219,9 @@ def register(sub: Any) -> None:
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="members, leader, segments, usage, objects, leases, hit rate")
-    p.add_argument("--master", required=True, help="store addresses of the master replicas, comma-separated")
+    p.add_argument(
+        "--master", required=True, help="store addresses of the master replicas, comma-separated"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_status)
 

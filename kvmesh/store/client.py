@@ -42,7 +42,7 @@ from .node import StorageNode
 from .rpc import MasterClient
 from .types import ObjectReplica, ReplicateConfig, key_error
 
-__all__ = ["StoreClient", "BatchResults"]
+__all__ = ["BatchResults", "StoreClient"]
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +151,19 @@ class StoreClient:
             addrs = [self._embedded.address]
             sec = self._embedded.security
             if segment_size is None:
-                segment_size = int(os.environ.get("KVMESH_STORE_SEGMENT", 256 << 20))
+                segment_size = int(os.environ.get("KVMESH_STORE_SEGMENT", str(256 << 20)))
         else:
-            addrs = [a.strip() for a in (master.split(",") if isinstance(master, str) else master) if a.strip()]
+            addrs = [
+                a.strip()
+                for a in (master.split(",") if isinstance(master, str) else master)
+                if a.strip()
+            ]
             if sec is None:
                 sec = SecurityConfig.from_env()
         self.engine = engine if engine is not None else get_engine()
-        self.rpc = MasterClient(addrs, sec, name=f"store-client-{self.engine.node_id}", timeout=timeout)
+        self.rpc = MasterClient(
+            addrs, sec, name=f"store-client-{self.engine.node_id}", timeout=timeout
+        )
         self.config = ReplicateConfig(replica_num=replica_num, writer_host=self.engine.host_id)
         self.transfer_timeout = transfer_timeout
         self._buffers: dict[int, MemoryRegion] = {}
@@ -170,7 +176,9 @@ class StoreClient:
         self.node: StorageNode | None = None
         if segment_size:
             try:
-                self.node = StorageNode(self.rpc, segment_size, engine=self.engine, heartbeat_s=heartbeat_s).start()
+                self.node = StorageNode(
+                    self.rpc, segment_size, engine=self.engine, heartbeat_s=heartbeat_s
+                ).start()
             except BaseException:
                 self.close()
                 raise
@@ -199,10 +207,10 @@ class StoreClient:
             release_embedded(self._embedded)
             self._embedded = None
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ buffers
@@ -242,7 +250,9 @@ class StoreClient:
         try:
             return self.engine.find_region(ptr, max(1, length))
         except (TransferError, LookupError) as e:
-            raise E.NotRegistered(f"buffer at {ptr:#x} (+{length}) is not registered: {e}") from None
+            raise E.NotRegistered(
+                f"buffer at {ptr:#x} (+{length}) is not registered: {e}"
+            ) from None
 
     def _resolver(self) -> Any:
         """``_region_of`` memoised per buffer object for one call (a batch names the same
@@ -293,7 +303,9 @@ class StoreClient:
         with self._seg_lock:
             self._segments.pop((endpoint, name), None)
 
-    def _move(self, op: Op, reqs: list[tuple[int, MemoryRegion, int, str, str, int, int]]) -> tuple[set[int], list[str]]:
+    def _move(
+        self, op: Op, reqs: list[tuple[int, MemoryRegion, int, str, str, int, int]]
+    ) -> tuple[set[int], list[str]]:
         """Move ``(owner, region, local_off, endpoint, segment, remote_off, length)`` requests
         as one engine batch. Returns the owners (caller indices) whose requests failed and
         the transports used."""
@@ -308,7 +320,7 @@ class StoreClient:
         for (rid, ep, name), items in groups.items():
             try:
                 seg = self._segment(ep, name)
-            except (TransferError, OSError) as e:
+            except (TransferError, OSError, ValueError) as e:
                 log.info("store: segment %s at %s unreachable: %s", name, ep, e)
                 failed.update(o for o, *_ in items)
                 continue
@@ -319,10 +331,11 @@ class StoreClient:
             region, seg, items, ep, name = runnable[0]
             arr = np.asarray([(lo, ro, ln) for _, lo, ro, ln in items], dtype=np.int64)
             try:
-                res = self.engine.transfer(op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2],
-                                           timeout=self.transfer_timeout)
+                res = self.engine.transfer(
+                    op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=self.transfer_timeout
+                )
                 transports.update(t.value for t in res.transports)
-            except TransferError as e:
+            except (TransferError, OSError, ValueError) as e:
                 log.info("store: %s batch on %s failed: %s", op.value, name, e)
                 self._forget_segment(ep, name)
                 failed.update(o for o, *_ in items)
@@ -340,7 +353,9 @@ class StoreClient:
                 # One group was refused before anything moved: run the groups one by one.
                 b.free()
                 for region, seg, items, ep, name in runnable:
-                    f, t = self._move(op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items])
+                    f, t = self._move(
+                        op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items]
+                    )
                     failed |= f
                     transports.update(t)
                 return failed, sorted(transports)
@@ -384,7 +399,7 @@ class StoreClient:
         self.last_transports = transports
         return BatchResults(out, transports)
 
-    def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:  # noqa: ANN001
+    def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
         pkeys = [keys[i] for i in part]
         psizes = [sizes[i] for i in part]
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
@@ -406,7 +421,9 @@ class StoreClient:
             for rep in resp.replicas[j] or []:
                 pos = 0
                 for sl in rep.slices:
-                    reqs.append((j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length))
+                    reqs.append(
+                        (j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length)
+                    )
                     pos += sl.length
         failed, transports = self._move(Op.WRITE, reqs) if reqs else (set(), [])
         ok = [j for j in started if j not in failed]
@@ -426,7 +443,9 @@ class StoreClient:
             r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
             if type(r2) is P.CodesResp:
                 for j, code in zip(ok, r2.codes):
-                    out[part[j]] = None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
+                    out[part[j]] = (
+                        None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
+                    )
             else:
                 err = _whole_error(r2)
                 for j in ok:
@@ -447,12 +466,19 @@ class StoreClient:
         address inside registered memory (one per key allowed: a list)."""
         return self._put_api(keys, buffer, offsets, sizes, False, config)
 
-    def upsert_from(self, keys: Any, buffer: Any, offsets: Any = 0, sizes: Any = None, *,
-                    config: ReplicateConfig | None = None) -> Any:
+    def upsert_from(
+        self,
+        keys: Any,
+        buffer: Any,
+        offsets: Any = 0,
+        sizes: Any = None,
+        *,
+        config: ReplicateConfig | None = None,
+    ) -> Any:
         """:meth:`put_from` that replaces existing objects instead of answering ObjectExists."""
         return self._put_api(keys, buffer, offsets, sizes, True, config)
 
-    def _put_api(self, keys, buffer, offsets, sizes, upsert, config) -> Any:  # noqa: ANN001
+    def _put_api(self, keys, buffer, offsets, sizes, upsert, config) -> Any:
         ks, batch = self._listify(keys)
         n = len(ks)
         offs = _per_key(offsets, n, "offsets", batch)
@@ -471,11 +497,15 @@ class StoreClient:
                 off = base + int(offs[i])
                 if offs[i] < 0 or off + sz > region.size:
                     raise E.InvalidParams(
-                        f"range [{off}, {off + sz}) is outside the registered buffer of {region.size} bytes")
+                        f"range [{off}, {off + sz}) is outside the registered buffer of {region.size} bytes"
+                    )
                 bufs.append((region, off))
             except E.StoreError as e:
                 bufs.append(e)
-        return self._finish(self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config), batch)
+        return self._finish(
+            self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config),
+            batch,
+        )
 
     def put(self, keys: Any, values: Any, *, config: ReplicateConfig | None = None) -> Any:
         """Store bytes-like ``values`` (one copy into a registered staging buffer)."""
@@ -485,7 +515,7 @@ class StoreClient:
         """:meth:`put` that replaces existing objects (a size change reallocates)."""
         return self._put_bytes(keys, values, True, config)
 
-    def _put_bytes(self, keys, values, upsert, config) -> Any:  # noqa: ANN001
+    def _put_bytes(self, keys, values, upsert, config) -> Any:
         ks, batch = self._listify(keys)
         vals = list(values) if batch else [values]
         if len(vals) != len(ks):
@@ -495,7 +525,9 @@ class StoreClient:
             try:
                 views.append(memoryview(v).cast("B"))
             except TypeError:
-                raise E.InvalidParams(f"values must be bytes-like, got {type(v).__name__}") from None
+                raise E.InvalidParams(
+                    f"values must be bytes-like, got {type(v).__name__}"
+                ) from None
         total = sum(len(v) for v in views)
         stage = self._staging.acquire(max(1, total))
         try:
@@ -564,8 +596,15 @@ class StoreClient:
         looked = self._lookup([keys[i] for i in idx])
         return self._read(keys, idx, bufs, caps, looked, out)
 
-    def _read(self, keys: list[Any], idx: list[int], bufs: list[Any], caps: list[int],
-              looked: tuple[list[int], list[int], list[Any], float], out: list[Any]) -> BatchResults:
+    def _read(
+        self,
+        keys: list[Any],
+        idx: list[int],
+        bufs: list[Any],
+        caps: list[int],
+        looked: tuple[list[int], list[int], list[Any], float],
+        out: list[Any],
+    ) -> BatchResults:
         """READ the looked-up objects ``keys[idx[j]]`` into ``bufs[idx[j]]``."""
         codes, sizes, reps, lease_deadline = looked
         pending: dict[int, list[ObjectReplica]] = {}
@@ -573,7 +612,9 @@ class StoreClient:
             if codes[j] != 0:
                 out[i] = E.error_for(codes[j], f"get of {keys[i]!r}")
             elif sizes[j] > caps[i]:
-                out[i] = E.BufferOverflow(f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}")
+                out[i] = E.BufferOverflow(
+                    f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}"
+                )
             elif not reps[j]:
                 out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
             else:
@@ -585,7 +626,9 @@ class StoreClient:
                 region, base = bufs[idx[j]]
                 pos = 0
                 for sl in replicas[0].slices:
-                    reqs.append((j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length))
+                    reqs.append(
+                        (j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length)
+                    )
                     pos += sl.length
             failed, t = self._move(Op.READ, reqs)
             transports.update(t)
@@ -594,7 +637,9 @@ class StoreClient:
             for j, replicas in pending.items():
                 i = idx[j]
                 if expired:
-                    out[i] = E.LeaseExpired(f"the read lease of {keys[i]!r} ended before its copy finished")
+                    out[i] = E.LeaseExpired(
+                        f"the read lease of {keys[i]!r} ended before its copy finished"
+                    )
                 elif j not in failed:
                     out[i] = sizes[j]
                 elif len(replicas) > 1:
@@ -626,7 +671,8 @@ class StoreClient:
                 cap = caps_in[i] if caps_in[i] is not None else region.size - off
                 if offs[i] < 0 or cap <= 0 or off + cap > region.size:
                     raise E.InvalidParams(
-                        f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer of {region.size} bytes")
+                        f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer of {region.size} bytes"
+                    )
                 bufs.append((region, off))
                 caps.append(cap)
             except E.StoreError as e:
@@ -663,7 +709,10 @@ class StoreClient:
                 pos += sizes[j] if looked[0][j] == 0 else 0
             res = self._read(ks, idx, bufs, caps, looked, out)
             results = BatchResults(
-                [arr[bufs[i][1] : bufs[i][1] + r].tobytes() if isinstance(r, int) else r for i, r in enumerate(res)],
+                [
+                    arr[bufs[i][1] : bufs[i][1] + r].tobytes() if isinstance(r, int) else r
+                    for i, r in enumerate(res)
+                ],
                 res.transports,
             )
         finally:
@@ -785,7 +834,9 @@ class StoreClient:
         except E.NotRegistered:
             data = self.get(key)
             if len(data) > nbytes:
-                raise E.BufferOverflow(f"object {key!r} has {len(data)} bytes; the tensor holds {nbytes}") from None
+                raise E.BufferOverflow(
+                    f"object {key!r} has {len(data)} bytes; the tensor holds {nbytes}"
+                ) from None
             into.view(-1).numpy().view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
             return into
         self.get_into(key, into.data_ptr(), 0, nbytes)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 from ..replog.server import free_ports
 
@@ -81,8 +80,13 @@ class StoreCluster:
         if self.alive(i):
             raise RuntimeError(f"master {i} is already running")
         with open(os.path.join(self.base_dir, f"master{i}.log"), "ab") as logf:
-            self.procs[i] = subprocess.Popen(self.command(i), stdout=subprocess.PIPE, stderr=logf,
-                                             stdin=subprocess.DEVNULL, env=self.env())
+            self.procs[i] = subprocess.Popen(
+                self.command(i),
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+            )
         if wait:
             self.wait_ready(i, timeout)
 
@@ -147,8 +151,8 @@ class StoreCluster:
                 p.stdout.close()
         self.procs.clear()
 
-    def __enter__(self) -> "StoreCluster":
+    def __enter__(self) -> StoreCluster:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

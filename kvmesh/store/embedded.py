@@ -19,21 +19,27 @@ import threading
 from typing import Any
 
 from ..net.security import SecurityConfig
-from .service import ServiceConfig, MasterService
+from .service import MasterService, ServiceConfig
 
-__all__ = ["EmbeddedMaster", "acquire_embedded", "release_embedded", "embedded"]
+__all__ = ["EmbeddedMaster", "acquire_embedded", "embedded", "release_embedded"]
 
 
 class EmbeddedMaster:
     """A :class:`MasterService` running on a private event loop in a daemon thread."""
 
-    def __init__(self, config: ServiceConfig | None = None, security: SecurityConfig | None = None) -> None:
-        self.config = config or ServiceConfig(listen="127.0.0.1:0", durability="memory", tick_s=0.05)
+    def __init__(
+        self, config: ServiceConfig | None = None, security: SecurityConfig | None = None
+    ) -> None:
+        self.config = config or ServiceConfig(
+            listen="127.0.0.1:0", durability="memory", tick_s=0.05
+        )
         self.security = security or SecurityConfig(token=secrets.token_hex(16))
         self.address = ""
         self.service: MasterService | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvmesh-store-master", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvmesh-store-master", daemon=True
+        )
         self._thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)

@@ -54,7 +54,7 @@ class StorageNode:
         self.mounts = 0
         self.heartbeats = 0
 
-    def start(self) -> "StorageNode":
+    def start(self) -> StorageNode:
         self.region = self.engine.alloc_shared(self.size, name=self.segment)
         try:
             self._mount()
@@ -62,14 +62,23 @@ class StorageNode:
             self.engine.unregister(self.region)
             self.region = None
             raise
-        self._thread = threading.Thread(target=self._beat_loop, name=f"store-node-{self.segment}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat_loop, name=f"store-node-{self.segment}", daemon=True
+        )
         self._thread.start()
         return self
 
     def _mount(self) -> None:
         resp = self.master.mutate(
-            lambda rid, s: P.MountReq(rid, s, self.node_id, self.segment, self.engine.address,
-                                      self.engine.host_id, self.size)
+            lambda rid, s: P.MountReq(
+                rid,
+                s,
+                self.node_id,
+                self.segment,
+                self.engine.address,
+                self.engine.host_id,
+                self.size,
+            )
         )
         code = _one_code(resp)
         if code not in (0, E.SegmentExists.code):
@@ -79,15 +88,18 @@ class StorageNode:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                resp = self.master.call(lambda rid: P.HeartbeatReq(rid, self.node_id),
-                                        timeout=self.heartbeat_s * 2)
+                resp = self.master.call(
+                    lambda rid: P.HeartbeatReq(rid, self.node_id), timeout=self.heartbeat_s * 2
+                )
                 self.heartbeats += 1
                 if _one_code(resp) != 0 and not self._stop.is_set():
-                    log.warning("store node %s: the master forgot this node; mounting again", self.node_id)
+                    log.warning(
+                        "store node %s: the master forgot this node; mounting again", self.node_id
+                    )
                     self._mount()
             except E.StoreError as e:
                 log.warning("store node %s: heartbeat failed: %s", self.node_id, e)
-            except Exception:  # noqa: BLE001 - the heartbeat thread must keep going
+            except Exception:
                 log.exception("store node %s: heartbeat failed", self.node_id)
 
     def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
@@ -102,15 +114,20 @@ class StorageNode:
         if self.region is None:
             return
         try:
-            self.master.mutate(lambda rid, s: P.UnmountReq(rid, s, self.node_id, self.segment, grace_s), timeout=5.0)
+            self.master.mutate(
+                lambda rid, s: P.UnmountReq(rid, s, self.node_id, self.segment, grace_s),
+                timeout=5.0,
+            )
         except E.StoreError as e:
-            log.warning("store node %s: unmount failed (the master expires it later): %s", self.node_id, e)
+            log.warning(
+                "store node %s: unmount failed (the master expires it later): %s", self.node_id, e
+            )
         if grace_s > 0:
             time.sleep(grace_s + lease_s)
         region, self.region = self.region, None
         try:
             self.engine.unregister(region)
-        except Exception:  # noqa: BLE001 - the engine may be closed already at exit
+        except Exception:
             log.debug("store node %s: unregister failed", self.node_id, exc_info=True)
 
 

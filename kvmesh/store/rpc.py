@@ -98,7 +98,9 @@ class MasterClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=host)
-            client_handshake(sock, self.sec, P.SERVICE, self.name, max(0.01, deadline - time.monotonic()))
+            client_handshake(
+                sock, self.sec, P.SERVICE, self.name, max(0.01, deadline - time.monotonic())
+            )
         except BaseException:
             sock.close()
             raise
@@ -128,7 +130,9 @@ class MasterClient:
             conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
             conn.sock.sendall(_framing.encode_frame(P.encode(req)))
             while True:
-                body = _framing.read_frame(conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic()))
+                body = _framing.read_frame(
+                    conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic())
+                )
                 resp = P.decode_response(body)
                 if resp.rid == req.rid:
                     ok = True
@@ -173,7 +177,9 @@ class MasterClient:
                 if now >= deadline:
                     raise E.StoreUnavailable(f"no master answered in time (last: {last})")
                 try:
-                    resp = self._exchange(addr, make(next(self._rid)), min(deadline, now + self.attempt_timeout))
+                    resp = self._exchange(
+                        addr, make(next(self._rid)), min(deadline, now + self.attempt_timeout)
+                    )
                 except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
                     last = f"{addr}: {type(e).__name__}: {str(e)[:200]}"
                     if self._leader == addr:
@@ -181,7 +187,9 @@ class MasterClient:
                     self.retries += 1
                     if isinstance(e, AuthFailed):
                         # Retrying cannot help; the master is not at fault (wrong token).
-                        raise E.StoreUnavailable(f"master {addr} refused our credentials: {e}") from None
+                        raise E.StoreUnavailable(
+                            f"master {addr} refused our credentials: {e}"
+                        ) from None
                     continue
                 t = type(resp)
                 if t is P.Redirect:
@@ -236,7 +244,9 @@ class MasterClient:
                 try:
                     resp = self.call(build, timeout=timeout)
                 except E.StoreUnavailable as e:
-                    raise E.StoreUnavailable(f"{e} (the outcome of this change is unknown)") from None
+                    raise E.StoreUnavailable(
+                        f"{e} (the outcome of this change is unknown)"
+                    ) from None
             finally:
                 with self._lock:
                     self._outstanding.discard(seq)

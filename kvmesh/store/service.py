@@ -68,7 +68,7 @@ from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
 from .types import MAX_BATCH_KEYS, key_error
 
-__all__ = ["ServiceConfig", "MasterService", "run_master", "main"]
+__all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
             raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
         if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
-            raise ValueError(f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096")
+            raise ValueError(
+                f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096"
+            )
 
 
 def _raft_config(cfg: ServiceConfig) -> RaftConfig:
@@ -188,6 +190,9 @@ def _make_result_type(inner_rt: Any) -> Any:
     return msgspec.defstruct(
         "EchoResultT", [("codes", list[int]), ("result", inner_rt)], array_like=True, frozen=True
     )
+
+
+_MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 
 
 def _now() -> float:
@@ -267,7 +272,9 @@ class MasterService:
         except BaseException:
             self._server.close()
             raise
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="store-ticker")
+        self._ticker = asyncio.get_running_loop().create_task(
+            self._tick_loop(), name="store-ticker"
+        )
         if cfg.metrics_port:
             from .metrics import MasterMetrics, available
 
@@ -277,8 +284,13 @@ class MasterService:
                 self.metrics.serve(cfg.metrics_port)
             else:
                 log.warning("store master: prometheus_client is not installed; metrics are off")
-        log.info("store master %d serving %s (raft %s, %s)", cfg.node_id, self.address,
-                 peers[cfg.node_id], cfg.durability)
+        log.info(
+            "store master %d serving %s (raft %s, %s)",
+            cfg.node_id,
+            self.address,
+            peers[cfg.node_id],
+            cfg.durability,
+        )
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -335,20 +347,24 @@ class MasterService:
                 mono = time.monotonic()
                 dead = self.heartbeats.expired(mono, cfg.node_ttl_s)
                 if dead:
-                    log.warning("store master: storage nodes %s missed heartbeats; expiring them", dead)
+                    log.warning(
+                        "store master: storage nodes %s missed heartbeats; expiring them", dead
+                    )
                     await self._propose_plain(C.ExpireNodes(node_ids=dead, now=_now()))
                     self.heartbeats.forget(dead)
                 if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
                     last_reclaim = mono
                     draining = any(s.state != "mounted" for s in self.sm.segments())
                     if draining or self.sm.processing_keys():
-                        await self._propose_plain(C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s))
+                        await self._propose_plain(
+                            C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s)
+                        )
                 await self._release_held(mono)
                 await self._evict(mono)
                 self.leases.purge(mono)
-            except (ReplogError, asyncio.TimeoutError) as e:
+            except (TimeoutError, ReplogError) as e:
                 log.debug("store ticker: %s", e)
-            except Exception:  # noqa: BLE001 - the ticker must survive any single failure
+            except Exception:
                 log.exception("store ticker failed")
 
     async def _release_held(self, mono: float) -> None:
@@ -368,14 +384,17 @@ class MasterService:
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
         cfg = self.cfg
-        plan = choose_victims(self.sm, self.leases, self.stats, mono, cfg.high_watermark,
-                              cfg.evict_ratio, need=need)
+        plan = choose_victims(
+            self.sm, self.leases, self.stats, mono, cfg.high_watermark, cfg.evict_ratio, need=need
+        )
         if not plan.keys:
             return 0
         self.leases.block(plan.keys)
         try:
             res = await self._propose_plain(
-                C.Evict(keys=plan.keys, versions=plan.versions, now=_now(), allow_soft=plan.allow_soft)
+                C.Evict(
+                    keys=plan.keys, versions=plan.versions, now=_now(), allow_soft=plan.allow_soft
+                )
             )
         finally:
             self.leases.unblock(plan.keys)
@@ -404,11 +423,19 @@ class MasterService:
         try:
             try:
                 await aserver_handshake(
-                    reader, writer, self.sec, P.SERVICE, self.server_id, self.cfg.handshake_timeout_s
+                    reader,
+                    writer,
+                    self.sec,
+                    P.SERVICE,
+                    self.server_id,
+                    self.cfg.handshake_timeout_s,
                 )
-            except (NetError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                log.info("store master: handshake from %s refused: %s",
-                         writer.get_extra_info("peername"), str(e)[:200])
+            except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
+                log.info(
+                    "store master: handshake from %s refused: %s",
+                    writer.get_extra_info("peername"),
+                    str(e)[:200],
+                )
                 return
             self._limiter.authenticated(token)
             while True:
@@ -416,7 +443,7 @@ class MasterService:
                     body = await asyncio.wait_for(
                         _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
                     )
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return  # idle (or a frame that never completes)
                 try:
                     req = P.decode_request(body)
@@ -445,8 +472,10 @@ class MasterService:
             resp = await self._dispatch(req)
         except NotLeaderError as e:
             resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
-        except (ProposalTimeout, ReadTimeout, asyncio.TimeoutError) as e:
-            resp = P.ErrorResp(req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True)
+        except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
+            resp = P.ErrorResp(
+                req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
+            )
         except SessionExpiredError as e:
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
         except CommandError as e:
@@ -454,7 +483,9 @@ class MasterService:
         except NodeStopped as e:
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True)
+            resp = P.ErrorResp(
+                req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True
+            )
         except E.StoreError as e:
             resp = P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
@@ -487,7 +518,9 @@ class MasterService:
         # a broken or hostile peer and is refused whole, before any work.
         keys = P.request_keys(req)
         if len(keys) > self.cfg.max_batch_keys:
-            raise E.InvalidParams(f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}")
+            raise E.InvalidParams(
+                f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
+            )
         for k in keys:
             why = key_error(k)
             if why is not None:
@@ -499,6 +532,10 @@ class MasterService:
         sizes = getattr(req, "sizes", None)
         if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
             raise E.InvalidParams("sizes must be positive, one per key")
+        for name in ("node_id", "segment", "endpoint", "host_id"):
+            v = getattr(req, name, None)
+            if v is not None and not 0 < len(v) <= _MAX_NAME:
+                raise E.InvalidParams(f"{name} must be 1..{_MAX_NAME} characters")
 
     async def _dispatch(self, req: Any) -> Any:
         t = type(req)
@@ -517,7 +554,7 @@ class MasterService:
             await node.read_index()
             self._leader()
             sizes = self.sm.get_size(req.keys)
-            return P.SizesResp(req.rid, [0 if s >= 0 else s for s in sizes], [max(s, 0) for s in sizes])
+            return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
         if t is P.HeartbeatReq:
             known = req.node_id in self.sm.nodes()
             if known:
@@ -532,17 +569,27 @@ class MasterService:
         if t is P.RemoveAllReq:
             return await self._remove_all(node, req)
         if t is P.PutEndReq:
-            res = await self._propose(node, req.session, C.PutEnd(keys=req.keys, versions=req.versions))
+            res = await self._propose(
+                node, req.session, C.PutEnd(keys=req.keys, versions=req.versions)
+            )
             self.stats.touch(k for k, c in zip(req.keys, res.codes) if c == 0)
             return P.CodesResp(req.rid, list(res.codes))
         if t is P.PutRevokeReq:
-            res = await self._propose(node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions))
+            res = await self._propose(
+                node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions)
+            )
             return P.CodesResp(req.rid, list(res.codes))
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
-            cmd = C.Mount(node_id=req.node_id, segment=req.segment, endpoint=req.endpoint,
-                          host_id=req.host_id, size=req.size, now=_now())
+            cmd = C.Mount(
+                node_id=req.node_id,
+                segment=req.segment,
+                endpoint=req.endpoint,
+                host_id=req.host_id,
+                size=req.size,
+                now=_now(),
+            )
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
                 self.heartbeats.beat(req.node_id, time.monotonic())
@@ -640,7 +687,9 @@ class MasterService:
         if req.upsert:
             self.leases.block(tk)
         try:
-            res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
+            res = await self._propose_echo(
+                node, req.session, _Echoed(C.encode_command(cmd), planned)
+            )
         finally:
             if req.upsert:
                 self.leases.unblock(tk)
@@ -715,9 +764,24 @@ class MasterService:
         if node is not None:
             with contextlib.suppress(ReplogError):
                 rs = node.status()
-                st.update({k: rs[k] for k in ("role", "term", "leader", "commit", "applied", "voters", "durability")})
+                st.update(
+                    {
+                        k: rs[k]
+                        for k in (
+                            "role",
+                            "term",
+                            "leader",
+                            "commit",
+                            "applied",
+                            "voters",
+                            "durability",
+                        )
+                    }
+                )
                 st["leader_addr"] = node.address_of(node.leader_id) or ""
-        st["addrs"] = {str(k): v for k, v in (self.cfg.addrs or {self.cfg.node_id: self.address}).items()}
+        st["addrs"] = {
+            str(k): v for k, v in (self.cfg.addrs or {self.cfg.node_id: self.address}).items()
+        }
         st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
         st["usage"] = msgspec.to_builtins(self.sm.usage())
         st["objects"] = self.sm.object_count()
@@ -776,12 +840,19 @@ async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> i
 def build_arg_parser() -> Any:
     import argparse
 
-    p = argparse.ArgumentParser(prog="kvmesh master", description="one replica of the store master group")
+    p = argparse.ArgumentParser(
+        prog="kvmesh master", description="one replica of the store master group"
+    )
     p.add_argument("--id", type=int, default=1)
     p.add_argument("--peers", default="", help="ID=HOST:PORT,... raft addresses of all replicas")
-    p.add_argument("--addrs", default="", help="ID=HOST:PORT,... store RPC addresses of all replicas")
-    p.add_argument("--listen", default=None,
-                   help="store RPC address (default: this id in --addrs, else 127.0.0.1:7700)")
+    p.add_argument(
+        "--addrs", default="", help="ID=HOST:PORT,... store RPC addresses of all replicas"
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        help="store RPC address (default: this id in --addrs, else 127.0.0.1:7700)",
+    )
     p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
     p.add_argument("--tick-ms", type=float, default=100.0)
@@ -794,7 +865,9 @@ def build_arg_parser() -> Any:
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -827,9 +900,11 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     a = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.WARNING),
-                        format=f"%(asctime)s master{a.id} %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, a.log_level.upper(), logging.WARNING),
+        format=f"%(asctime)s master{a.id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         cfg = config_from_args(a)
         if cfg.durability == "disk" and not cfg.data_dir:

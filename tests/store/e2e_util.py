@@ -16,13 +16,18 @@ TOKEN = "e2e-store-token"
 class Peer:
     """A ``tests.store.store_peer`` process (a StoreClient in another process)."""
 
-    def __init__(self, master: str, segment: int, token: str = TOKEN, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, master: str, segment: int, token: str = TOKEN, env: dict[str, str] | None = None
+    ) -> None:
         e = dict(os.environ)
         e["E2E_STORE_TOKEN"] = token  # the master's token; the engines keep this process's
         e.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.store.store_peer", master, str(segment)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=e,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=e,
         )
         self.info = self._read(60)
 

@@ -42,8 +42,13 @@ def main() -> int:
             out = {"codes": res.codes, "transports": res.transports}
         elif op == "get":
             res = client.get(cmd["keys"])
-            out = {"codes": res.codes, "transports": res.transports,
-                   "sha": [hashlib.sha256(r).hexdigest() if isinstance(r, bytes) else None for r in res]}
+            out = {
+                "codes": res.codes,
+                "transports": res.transports,
+                "sha": [
+                    hashlib.sha256(r).hexdigest() if isinstance(r, bytes) else None for r in res
+                ],
+            }
         elif op == "put_start_only":
             # A writer that allocates and then vanishes before put_end (the test kills us).
             from kvmesh.store import protocol as P

@@ -19,8 +19,13 @@ from kvmesh.store import StoreClient
 def _kvmesh(*args: str, **kw) -> subprocess.Popen:
     env = dict(os.environ)
     env.pop("KVMESH_TOKEN", None)  # loopback: no token needed
-    return subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        **kw,
+    )
 
 
 _buffers: dict[int, str] = {}
@@ -48,13 +53,25 @@ def _line(p: subprocess.Popen, prefix: str, timeout: float = 60) -> str:
 
 
 def test_up_status_and_ctrl_c(tmp_path):
-    p = _kvmesh("up", "--durability", "memory", "--segment", "32MiB", "--tick-ms", "50",
-                "--dir", str(tmp_path))
+    p = _kvmesh(
+        "up",
+        "--durability",
+        "memory",
+        "--segment",
+        "32MiB",
+        "--tick-ms",
+        "50",
+        "--dir",
+        str(tmp_path),
+    )
     try:
         masters = _line(p, "masters").split()[1]
         _line(p, "Ctrl-C")
-        st = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--master", masters, "--json"],
-                            capture_output=True, timeout=60)
+        st = subprocess.run(
+            [sys.executable, "-m", "kvmesh.cli", "status", "--master", masters, "--json"],
+            capture_output=True,
+            timeout=60,
+        )
         assert st.returncode == 0, st.stderr
         out = json.loads(st.stdout)
         assert [m["role"] for m in out["members"]].count("LEADER") == 1
@@ -81,7 +98,9 @@ def test_up_status_and_ctrl_c(tmp_path):
 def test_master_and_node_commands(tmp_path):
     port, mport = free_ports(2)
     addr = f"127.0.0.1:{port}"
-    m = _kvmesh("master", "--listen", addr, "--dir", str(tmp_path / "m"), "--metrics-port", str(mport))
+    m = _kvmesh(
+        "master", "--listen", addr, "--dir", str(tmp_path / "m"), "--metrics-port", str(mport)
+    )
     n = None
     try:
         _line(m, "READY")
@@ -95,7 +114,9 @@ def test_master_and_node_commands(tmp_path):
         finally:
             c.close()
         time.sleep(0.6)  # the metrics view refreshes on the master's ticker
-        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+        )
         assert 'kvmesh_store_requests_total{outcome="ok",type="PutStartReq"} 1.0' in text
         assert "kvmesh_store_objects 2.0" in text
         assert "kvmesh_store_is_leader 1.0" in text

@@ -90,7 +90,9 @@ def test_leader_killed_under_load_loses_no_acknowledged_put(tmp_path):
                 keys = acked[s : s + 512]
                 got = check.get(keys)
                 bad = [k for k, r in zip(keys, got) if r != value_of(k, 4096)]
-                assert not bad, f"{len(bad)} acknowledged puts lost, e.g. {bad[:3]}: {got[keys.index(bad[0])]!r}"
+                assert not bad, (
+                    f"{len(bad)} acknowledged puts lost, e.g. {bad[:3]}: {got[keys.index(bad[0])]!r}"
+                )
         finally:
             check.close()
             writer.close()

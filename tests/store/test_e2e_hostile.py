@@ -10,14 +10,14 @@ import time
 
 import pytest
 
+from kvmesh.net import framing
 from kvmesh.net.errors import AuthFailed
 from kvmesh.net.handshake import client_handshake
+from kvmesh.net.limits import Deadline
 from kvmesh.net.security import SecurityConfig
 from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
-from kvmesh.net import framing
-from kvmesh.net.limits import Deadline
 from kvmesh.store.cluster import StoreCluster
 
 from .e2e_util import TOKEN
@@ -29,9 +29,20 @@ MAX_UNAUTH = 8
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     d = tmp_path_factory.mktemp("store-hostile")
-    cl = StoreCluster(str(d), 1, token=TOKEN, durability="memory", extra_args=[
-        "--handshake-timeout-s", str(HANDSHAKE_S), "--idle-timeout-s", "3",
-        "--max-unauthenticated", str(MAX_UNAUTH)])
+    cl = StoreCluster(
+        str(d),
+        1,
+        token=TOKEN,
+        durability="memory",
+        extra_args=[
+            "--handshake-timeout-s",
+            str(HANDSHAKE_S),
+            "--idle-timeout-s",
+            "3",
+            "--max-unauthenticated",
+            str(MAX_UNAUTH),
+        ],
+    )
     cl.start_all()
     client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
     try:
@@ -142,10 +153,13 @@ def test_forged_and_oversized_requests_get_errors_not_crashes(master):
     r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
     assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code
     # Mismatched list lengths, negative sizes, invalid keys.
-    for rid, req in enumerate([
-        P.PutStartReq(9, P.Session(1, 1, 0), ["a", "b"], [1], client.config),
-        P.GetReplicasReq(10, ["", "\udc80"]),
-    ], start=9):
+    for rid, req in enumerate(
+        [
+            P.PutStartReq(9, P.Session(1, 1, 0), ["a", "b"], [1], client.config),
+            P.GetReplicasReq(10, ["", "\udc80"]),
+        ],
+        start=9,
+    ):
         try:
             s.sendall(framing.encode_frame(P.encode(req)))
         except UnicodeEncodeError:

@@ -26,13 +26,16 @@ def _wait(pred, timeout: float, what: str) -> None:
 
 
 def test_writer_killed_mid_put_is_reclaimed(tmp_path):
-    with StoreCluster(str(tmp_path), 1, token=TOKEN, durability="memory",
-                      extra_args=["--put-timeout-s", "1"]) as cl:
+    with StoreCluster(
+        str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--put-timeout-s", "1"]
+    ) as cl:
         cl.start_all()
         c = StoreClient(cl.address, token=TOKEN, segment_size=8 << 20, timeout=10)
         writer = Peer(cl.address, 0)
         try:
-            r = writer.call(op="put_start_only", keys=["orphan-a", "orphan-b"], sizes=[1 << 20, 1 << 20])
+            r = writer.call(
+                op="put_start_only", keys=["orphan-a", "orphan-b"], sizes=[1 << 20, 1 << 20]
+            )
             assert r["codes"] == [0, 0]
             writer.proc.kill()
             writer.proc.wait()
@@ -49,8 +52,9 @@ def test_writer_killed_mid_put_is_reclaimed(tmp_path):
 
 
 def test_storage_node_killed_under_readers(tmp_path):
-    with StoreCluster(str(tmp_path), 1, token=TOKEN, durability="memory",
-                      extra_args=["--node-ttl-s", "1.5"]) as cl:
+    with StoreCluster(
+        str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--node-ttl-s", "1.5"]
+    ) as cl:
         cl.start_all()
         node = Peer(cl.address, 16 << 20)
         c = StoreClient(cl.address, token=TOKEN, timeout=10)
