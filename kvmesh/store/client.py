@@ -417,14 +417,8 @@ class StoreClient:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
                 continue
             started.append(j)
-            region, base = bufs[i]  # type: ignore[misc]
             for rep in resp.replicas[j] or []:
-                pos = 0
-                for sl in rep.slices:
-                    reqs.append(
-                        (j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length)
-                    )
-                    pos += sl.length
+                reqs.extend(_copy_reqs(j, bufs[i], rep))
         failed, transports = self._move(Op.WRITE, reqs) if reqs else (set(), [])
         ok = [j for j in started if j not in failed]
         bad = [j for j in started if j in failed]
@@ -506,6 +500,71 @@ class StoreClient:
             self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config),
             batch,
         )
+
+    def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
+        """``[(region, offset, length)]`` of one object's buffers (registered objects at
+        their start, or raw addresses inside registered memory)."""
+        if len(buffers) != len(sizes) or not buffers:
+            raise E.InvalidParams("one size per buffer, at least one buffer")
+        out = []
+        for b, sz in zip(buffers, sizes):
+            if not isinstance(sz, int) or sz <= 0:
+                raise E.InvalidParams(f"buffer sizes must be positive ints, got {sz!r}")
+            region, base = where(b, sz)
+            if base + sz > region.size:
+                raise E.InvalidParams(f"{sz} bytes at offset {base} exceed the registered buffer")
+            out.append((region, base, sz))
+        return out
+
+    def put_from_multi(
+        self,
+        keys: list[str],
+        buffers: list[list[Any]],
+        sizes: list[list[int]],
+        *,
+        config: ReplicateConfig | None = None,
+        upsert: bool = False,
+    ) -> BatchResults:
+        """Batch put where object ``i`` is the concatenation of ``sizes[i][k]`` bytes at
+        ``buffers[i][k]`` (registered memory), written zero-copy."""
+        n = len(keys)
+        if len(buffers) != n or len(sizes) != n:
+            raise E.InvalidParams(
+                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
+            )
+        where = self._resolver()
+        bufs: list[Any] = []
+        totals: list[int] = []
+        for i in range(n):
+            try:
+                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
+                totals.append(sum(sizes[i]))
+            except E.StoreError as e:
+                bufs.append(e)
+                totals.append(0)
+        return self._put_regions(list(keys), bufs, totals, upsert, config)
+
+    def get_into_multi(
+        self, keys: list[str], buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> BatchResults:
+        """Batch get filling object ``i``'s bytes into ``buffers[i]`` in order (capacity
+        ``sum(sizes[i])``); per key the number of bytes read."""
+        n = len(keys)
+        if len(buffers) != n or len(sizes) != n:
+            raise E.InvalidParams(
+                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
+            )
+        where = self._resolver()
+        bufs: list[Any] = []
+        caps: list[int] = []
+        for i in range(n):
+            try:
+                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
+                caps.append(sum(sizes[i]))
+            except E.StoreError as e:
+                bufs.append(e)
+                caps.append(0)
+        return self._get_regions(list(keys), bufs, caps)
 
     def put(self, keys: Any, values: Any, *, config: ReplicateConfig | None = None) -> Any:
         """Store bytes-like ``values`` (one copy into a registered staging buffer)."""
@@ -623,13 +682,7 @@ class StoreClient:
         while pending:
             reqs = []
             for j, replicas in pending.items():
-                region, base = bufs[idx[j]]
-                pos = 0
-                for sl in replicas[0].slices:
-                    reqs.append(
-                        (j, region, base + pos, sl.endpoint, sl.segment, sl.offset, sl.length)
-                    )
-                    pos += sl.length
+                reqs.extend(_copy_reqs(j, bufs[idx[j]], replicas[0]))
             failed, t = self._move(Op.READ, reqs)
             transports.update(t)
             expired = time.monotonic() > lease_deadline
@@ -841,6 +894,32 @@ class StoreClient:
             return into
         self.get_into(key, into.data_ptr(), 0, nbytes)
         return into
+
+
+def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:
+    """Engine requests moving one copy's slices to/from the caller's memory: ``buf`` is
+    ``(region, offset)`` (contiguous) or a list of ``(region, offset, length)`` pieces that
+    the object's bytes fill in order (the multi-buffer forms)."""
+    out = []
+    if type(buf) is tuple:
+        region, pos = buf
+        for sl in replica.slices:
+            out.append((owner, region, pos, sl.endpoint, sl.segment, sl.offset, sl.length))
+            pos += sl.length
+        return out
+    pi, used = 0, 0
+    for sl in replica.slices:
+        left, roff = sl.length, sl.offset
+        while left > 0:
+            region, off, ln = buf[pi]
+            take = min(left, ln - used)
+            out.append((owner, region, off + used, sl.endpoint, sl.segment, roff, take))
+            used += take
+            roff += take
+            left -= take
+            if used == ln:
+                pi, used = pi + 1, 0
+    return out
 
 
 def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
