@@ -243,3 +243,31 @@ def test_retried_requests_apply_once(env):
     first = rpc.call(rm).codes
     assert first[:2] == [0, 0] and first[2] == E.ObjectNotFound.code
     assert rpc.call(rm).codes == first  # not ObjectNotFound for the removed keys
+
+
+def test_one_client_shared_by_threads(env):
+    """SGLang calls one client from several threads: batches interleave, every byte right."""
+    import threading
+
+    cl, peer, c = env
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for r in range(5):
+            keys = [f"thr-{t}-{r}-{i}" for i in range(16)]
+            vals = [value_of(k, 3000 + 100 * i) for i, k in enumerate(keys)]
+            res = c.put(keys, vals)
+            if not res.ok:
+                errors.append(f"put {res.codes}")
+            got = c.get(keys)
+            if got != vals:
+                errors.append(f"thread {t} round {r}: wrong bytes")
+            if c.exists(keys) != [True] * 16:
+                errors.append("exists")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:5]
