@@ -97,6 +97,7 @@ _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
 MOUNTED, DRAINING = "mounted", "draining"
 _M64 = (1 << 64) - 1
+_NONE: frozenset[str] = frozenset()
 
 
 class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -556,8 +557,8 @@ class StoreStateMachine:
     def _pick(
         self,
         n: int,
-        exclude: set[str],
-        prefer: set[str],
+        exclude: set[str] | frozenset[str],
+        prefer: set[str] | frozenset[str],
         cfg: ReplicateConfig,
         first: bool,
         draw: int,
@@ -593,11 +594,15 @@ class StoreStateMachine:
         return cands[0] if len(cands) == 1 else max(cands, key=_free_bytes)
 
     def _place(
-        self, size: int, cfg: ReplicateConfig, index: int, pos: int
+        self, size: int, cfg: ReplicateConfig, index: int, pos: int, mounted: list[_Seg]
     ) -> list[list[tuple[int, int]]] | None:
         a = self.config.align
+        if cfg.replica_num == 1 and size <= self.config.slice_limit:  # the common case
+            s = self._pick(
+                (size + a - 1) & -a, _NONE, _NONE, cfg, True, (index << 24) ^ (pos << 12), mounted
+            )
+            return None if s is None else [[(s.id, s.alloc.alloc(size))]]
         lens = slice_lengths(size, self.config.slice_limit)
-        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         used_nodes: set[str] = set()
         copies: list[list[tuple[int, int]]] = []
         done: list[tuple[_Seg, int, int]] = []
@@ -729,10 +734,10 @@ class StoreStateMachine:
         return 0
 
     def _new_object(
-        self, index: int, pos: int, size: int, c: PutStart | Upsert
+        self, index: int, pos: int, size: int, c: PutStart | Upsert, mounted: list[_Seg]
     ) -> tuple[int, Obj | None, list]:
         """Allocate (not yet registered) copies; ``(code, record, copies)``."""
-        copies = self._place(size, c.config, index, pos)
+        copies = self._place(size, c.config, index, pos, mounted)
         if copies is None:
             return int(Code.NO_AVAILABLE_HANDLE), None, []
         pin, until = _pin_of(c.config, c.now, c.pin_ttl)
@@ -753,6 +758,7 @@ class StoreStateMachine:
         reps: list[list[ObjectReplica] | None] = []
         vers: list[int] = []
         objs = self.objects
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
             code = 0
             o = None
@@ -767,7 +773,7 @@ class StoreStateMachine:
                 old = objs.get(key)
                 if old is None:
                     if next_state(State.GONE, Event.PUT_START) is State.PROCESSING:
-                        code, o, copies = self._new_object(index, pos, size, c)
+                        code, o, copies = self._new_object(index, pos, size, c, mounted)
                         if o is not None:
                             self._register(key, copies)
                             objs[key] = o
@@ -792,7 +798,7 @@ class StoreStateMachine:
                     self.processing[key] = None
                 else:
                     # New allocation first, so a NoSpace leaves the old object intact.
-                    code, o, copies = self._new_object(index, pos, size, c)
+                    code, o, copies = self._new_object(index, pos, size, c, mounted)
                     if o is not None:
                         self.complete -= 1
                         self._release_copies(key, old)
