@@ -107,7 +107,7 @@ class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     slice_limit: int = 16 << 20
     align: int = 64
-    remount_quarantine: float = 30.0
+    remount_quarantine: float = 60.0
     """Seconds (of entry time) during which a dropped segment's name cannot be mounted
     again: a reader still copying under a lease from the old segment must not read the
     new segment's bytes at the same name and offsets, nor a writer that is still writing
