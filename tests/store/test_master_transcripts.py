@@ -15,7 +15,7 @@ Rewrite the expected outputs after an intended change with ``KVMESH_REWRITE=1 py
 tests/store/test_master_transcripts.py`` and review the diff.
 
 Commands (times default to the transcript clock, moved with ``tick``):
-  config slice=N align=N            fresh machine (first block)
+  config slice=N align=N quarantine=S   fresh machine (first block)
   mount node= seg= host= size= [ep=]
   unmount node= seg= [grace=]
   expire nodes=a,b
@@ -164,7 +164,9 @@ class Driver:
             self.__init__()
             self.sm = StoreStateMachine(
                 MasterConfig(
-                    slice_limit=int(a.get("slice", 16 << 20)), align=int(a.get("align", 64))
+                    slice_limit=int(a.get("slice", 16 << 20)),
+                    align=int(a.get("align", 64)),
+                    remount_quarantine=float(a.get("quarantine", 60.0)),
                 )
             )
             return ["ok"]
