@@ -34,7 +34,12 @@ def measure(n: int, batch: int = 1000) -> dict[str, float]:
     idx = 0
     for k in range(4):
         idx += 1
-        sm.apply(idx, encode_command(Mount(f"node{k}", f"seg{k}", f"127.0.0.1:{9000 + k}", f"host{k % 2}", 64 << 30, 0.0)))
+        sm.apply(
+            idx,
+            encode_command(
+                Mount(f"node{k}", f"seg{k}", f"127.0.0.1:{9000 + k}", f"host{k % 2}", 64 << 30, 0.0)
+            ),
+        )
     cfg = ReplicateConfig(writer_host="host0")
     best = float("inf")
     t0 = time.process_time()

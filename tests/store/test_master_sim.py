@@ -16,10 +16,12 @@ def test_clean_seeds_hold_every_invariant() -> None:
     totals: dict[str, int] = {}
     for seed in CLEAN_SEEDS:
         r = run_seed(seed, duration=DURATION)
-        assert r.ok, f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim --first {seed} --seeds 1 --duration {DURATION}"
+        assert r.ok, (
+            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim --first {seed} --seeds 1 --duration {DURATION}"
+        )
         assert r.lin_outcome == "ok"
         for f in ("reads_checked", "evictions", "expiries", "holds_released", "leader_changes",
-                  "restarts", "lease_expired_reads", "node_kills", "isolations"):  # fmt: skip
+                  "restarts", "lease_expired_reads", "node_kills", "isolations", "drains"):  # fmt: skip
             totals[f] = totals.get(f, 0) + getattr(r, f)
     # the runs exercised what the invariants are about
     assert all(v > 0 for v in totals.values()), totals
@@ -42,7 +44,9 @@ def test_planted_double_free_is_caught() -> None:
     """Release frees held bytes but keeps the hold, so the leader releases them again."""
     seed, r = _first_caught("double_free")
     assert r is not None, "a double free went unnoticed"
-    assert "overlaps" in r.violation or "accounting" in r.violation or "raised" in r.violation, r.violation
+    assert "overlaps" in r.violation or "accounting" in r.violation or "raised" in r.violation, (
+        r.violation
+    )
     assert seed in CLEAN_SEEDS  # the same seed is clean without the bug
 
 

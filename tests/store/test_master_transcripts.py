@@ -215,7 +215,7 @@ class Driver:
             out = [f"result: {_codes(res.codes)}"]
         elif cmd == "unmount":
             res = self.apply(Unmount(a["node"], a["seg"], now, float(a.get("grace", 0))))
-            out = [f"result: {_codes(res.codes)}"]
+            out = [f"result: {_codes(res.codes)} lost={res.lost}"]
         elif cmd == "expire":
             res = self.apply(ExpireNodes(_list(a["nodes"]), now))
             out = [f"result: {_codes(res.codes)} lost={res.lost}"]
@@ -284,7 +284,7 @@ class Driver:
             out = [f"release {rel.tags}: {_codes(res.codes)}"]
         elif cmd == "reclaim":
             res = self.apply(Reclaim(now, float(a["timeout"])))
-            out = [f"result: reclaimed={res.keys} unmounted={res.unmounted}"]
+            out = [f"result: reclaimed={res.keys} unmounted={res.unmounted} lost={res.lost}"]
         elif cmd == "evict":
             keys = _list(a["keys"])
             res = self.apply(Evict(keys, self.versions(a, keys), now, "soft" in a))

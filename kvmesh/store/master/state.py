@@ -699,18 +699,17 @@ class StoreStateMachine:
         self.by_name[c.segment] = sid
         return Codes([0])
 
-    def _unmount(self, index: int, c: Unmount) -> Codes:
+    def _unmount(self, index: int, c: Unmount) -> ExpireResult:
         sid = self.by_name.get(c.segment)
         seg = None if sid is None else self.segs[sid]
         if seg is None or seg.node_id != c.node_id:
-            return Codes([int(Code.SEGMENT_NOT_FOUND)])
+            return ExpireResult([int(Code.SEGMENT_NOT_FOUND)], [])
         if c.grace > 0:
             if seg.state == MOUNTED:
                 seg.state = DRAINING
                 seg.deadline = c.now + c.grace
-            return Codes([0])
-        self._drop_segment(seg, c.now, index)
-        return Codes([0])
+            return ExpireResult([0], [])
+        return ExpireResult([0], self._drop_segment(seg, c.now, index))
 
     def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
         codes = []
@@ -886,9 +885,10 @@ class StoreStateMachine:
         for k in stale:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
+        lost: list[str] = []
         for s in due:
-            self._drop_segment(s, c.now, index)
-        return ReclaimResult(stale, [s.name for s in due])
+            lost.extend(self._drop_segment(s, c.now, index))
+        return ReclaimResult(stale, [s.name for s in due], lost)
 
     def _evict(self, index: int, c: Evict) -> EvictResult:
         if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
