@@ -881,7 +881,12 @@ class StoreStateMachine:
 
     def _reclaim(self, index: int, c: Reclaim) -> ReclaimResult:
         cutoff = c.now - c.put_timeout
-        stale = [k for k in self.processing if self.objects[k].started < cutoff]
+        objs = self.objects
+        # (version, key) order: the same on a replica restored from a snapshot
+        stale = sorted(
+            (k for k in self.processing if objs[k].started < cutoff),
+            key=lambda k: (objs[k].version, k),
+        )
         for k in stale:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
