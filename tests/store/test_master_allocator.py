@@ -49,7 +49,7 @@ def _free_runs(used: bytearray, align: int) -> list[tuple[int, int]]:
     return runs
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_allocator_is_best_fit_and_coalesces(seed: int) -> None:
     rng = random.Random(seed)
     align = 64
@@ -57,7 +57,7 @@ def test_allocator_is_best_fit_and_coalesces(seed: int) -> None:
     a = SegmentAllocator(size, align)
     used = bytearray(size // align)
     live: list[tuple[int, int]] = []
-    for _ in range(3000):
+    for _ in range(1500):
         if live and rng.random() < 0.45:
             off, ln = live.pop(rng.randrange(len(live)))
             a.free(off, ln)

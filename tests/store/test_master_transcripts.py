@@ -15,7 +15,7 @@ Rewrite the expected outputs after an intended change with ``KVMESH_REWRITE=1 py
 tests/store/test_master_transcripts.py`` and review the diff.
 
 Commands (times default to the transcript clock, moved with ``tick``):
-  config slice=N align=N            fresh machine (first block)
+  config slice=N align=N quarantine=S   fresh machine (first block)
   mount node= seg= host= size= [ep=]
   unmount node= seg= [grace=]
   expire nodes=a,b
@@ -164,7 +164,9 @@ class Driver:
             self.__init__()
             self.sm = StoreStateMachine(
                 MasterConfig(
-                    slice_limit=int(a.get("slice", 16 << 20)), align=int(a.get("align", 64))
+                    slice_limit=int(a.get("slice", 16 << 20)),
+                    align=int(a.get("align", 64)),
+                    remount_quarantine=float(a.get("quarantine", 60.0)),
                 )
             )
             return ["ok"]
@@ -213,7 +215,7 @@ class Driver:
             out = [f"result: {_codes(res.codes)}"]
         elif cmd == "unmount":
             res = self.apply(Unmount(a["node"], a["seg"], now, float(a.get("grace", 0))))
-            out = [f"result: {_codes(res.codes)}"]
+            out = [f"result: {_codes(res.codes)} lost={res.lost}"]
         elif cmd == "expire":
             res = self.apply(ExpireNodes(_list(a["nodes"]), now))
             out = [f"result: {_codes(res.codes)} lost={res.lost}"]
@@ -282,7 +284,7 @@ class Driver:
             out = [f"release {rel.tags}: {_codes(res.codes)}"]
         elif cmd == "reclaim":
             res = self.apply(Reclaim(now, float(a["timeout"])))
-            out = [f"result: reclaimed={res.keys} unmounted={res.unmounted}"]
+            out = [f"result: reclaimed={res.keys} unmounted={res.unmounted} lost={res.lost}"]
         elif cmd == "evict":
             keys = _list(a["keys"])
             res = self.apply(Evict(keys, self.versions(a, keys), now, "soft" in a))

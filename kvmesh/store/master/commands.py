@@ -11,7 +11,7 @@ strategy is seeded from the entry's log index.
 command               effect (per key unless noted)                               result
 ====================  ==========================================================  ====================
 ``Mount``             add a segment of ``size`` bytes owned by ``node_id``          ``Codes`` (1 code)
-``Unmount``           ``grace=0``: drop the segment and every copy in it now;       ``Codes`` (1 code)
+``Unmount``           ``grace=0``: drop the segment and every copy in it now;       ``ExpireResult``
                       ``grace>0``: stop allocating in it, keep its copies readable
                       until ``now+grace``, then a later ``Reclaim`` drops it
 ``ExpireNodes``       drop every segment of each node and every copy in them       ``ExpireResult``
@@ -240,7 +240,8 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
 
 
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
-    """``codes`` per node (``NodeNotFound`` if it had no segment); ``lost``: COMPLETE keys
+    """``codes`` per node (``NodeNotFound`` if it had no segment; for ``Unmount`` one code
+    for the segment); ``lost``: COMPLETE keys
     whose last copy was dropped (they no longer exist). PROCESSING puts that lost a copy's
     node are dropped too, silently: their PutEnd answers ``ObjectNotFound``."""
 
@@ -253,10 +254,12 @@ class RemoveAllResult(msgspec.Struct, tag="remove_all", **_S):
 
 
 class ReclaimResult(msgspec.Struct, tag="reclaim", **_S):
-    """Keys whose stale PROCESSING put was freed; segments whose graceful unmount finished."""
+    """Keys whose stale PROCESSING put was freed; segments whose graceful unmount finished;
+    COMPLETE keys that lost their last copy with those segments."""
 
     keys: list[str]
     unmounted: list[str]
+    lost: list[str] = []
 
 
 class EvictResult(msgspec.Struct, tag="evict", **_S):

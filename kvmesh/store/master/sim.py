@@ -58,6 +58,7 @@ from .commands import (
     PutStart,
     Reclaim,
     Release,
+    Unmount,
     Upsert,
     encode_command,
 )
@@ -199,6 +200,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     lease_expired_reads: int = 0
     holds_released: int = 0
     isolations: int = 0
+    drains: int = 0
     node_kills: int = 0
     lin_outcome: str = ""
 
@@ -433,7 +435,23 @@ class StoreSim:
                     self.history.ok(h, "ok")
 
             self.propose(ExpireNodes(expired, self.now), exp_done)
-        self.propose(Reclaim(self.now, self.cfg.put_timeout), lambda r: None)
+
+        t0 = self.now
+
+        def reclaimed(r: Any) -> None:
+            if r is None:
+                return
+            for k in r.lost:
+                h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
+                self.history.ok(h, "ok")
+            # A node that left gracefully exits once its drained segment is dropped.
+            for seg in r.unmounted:
+                n = seg[4:]
+                if self.nodes.get(n) and self.seg_incarn.get(seg) == self.incarn[n]:
+                    self._kill_node(n)
+                    self.res.drains += 1
+
+        self.propose(Reclaim(self.now, self.cfg.put_timeout), reclaimed)
         rel = self.holds.due(sm.held_tags(), self.leases, self.now)
         if rel is not None:
             tags = rel.tags
@@ -526,10 +544,13 @@ class StoreSim:
         token = f"c{cid}.{self.seq}"
         h = self.history.invoke(cid, StoreOp("hide", key) if upsert else StoreOp("put", key, token))
         size = self.rng.choice((64, 200, 300, 600, 900))
+        pin = self.rng.random()
         rcfg = ReplicateConfig(
             replica_num=self.rng.choice((1, 1, 2)),
             strategy=self.rng.choice(("local", "random", "most_free")),
             writer_host="hn0",
+            soft_pin=pin < 0.1,
+            hard_pin=0.1 <= pin < 0.13,
         )
         started = self.now
         if not self.lead:
@@ -537,7 +558,7 @@ class StoreSim:
             return self._next(cid)
         if upsert:
             sm = self.sms[self.lead]
-            up = Upsert([key], [size], rcfg, self.now, 1800.0)
+            up = Upsert([key], [size], rcfg, self.now, 2.0)
             plan = plan_upsert(self.leases, [sm.state_of(key) != 0], up, self.now)
             if plan.command is None:
                 self.history.ok(h, "leased")
@@ -546,7 +567,7 @@ class StoreSim:
             blocked = self.leases
             blocked.block([key])  # no new lease while a rewrite of the key is in flight
         else:
-            cmd = PutStart([key], [size], rcfg, self.now, 1800.0)
+            cmd = PutStart([key], [size], rcfg, self.now, 2.0)
             blocked = None
 
         def started_cb(r: Any) -> None:
@@ -878,18 +899,26 @@ class StoreSim:
 
     def _fault(self) -> float | None:
         r = self.rng.random()
-        if r < 0.35 and self.lead:
+        if r < 0.3 and self.lead:
             self.net.isolate(self.lead)
             self.res.isolations += 1
             return self.now + self.rng.uniform(1.0, 3.0)
-        if r < 0.55:
+        if r < 0.45:
             self._restart(self.rng.choice(self.ids))
             return None
-        if r < 0.8:
+        if r < 0.65:
             alive = [n for n, a in self.nodes.items() if a]
             if len(alive) > 1:
                 self._kill_node(self.rng.choice(alive))
                 self.res.node_kills += 1
+            return None
+        if r < 0.9:  # a storage node leaves gracefully: drain, then exit
+            serving = [n for n in self.nodes if self._serving(n)]
+            if len(serving) > 1:
+                n = self.rng.choice(serving)
+                self.propose(
+                    Unmount(n, f"seg-{n}", self.now, self.cfg.lease_ttl * 2), lambda r: None
+                )
             return None
         return None
 

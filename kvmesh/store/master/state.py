@@ -97,6 +97,7 @@ _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
 MOUNTED, DRAINING = "mounted", "draining"
 _M64 = (1 << 64) - 1
+_NONE: frozenset[str] = frozenset()
 
 
 class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,7 +107,7 @@ class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     slice_limit: int = 16 << 20
     align: int = 64
-    remount_quarantine: float = 30.0
+    remount_quarantine: float = 60.0
     """Seconds (of entry time) during which a dropped segment's name cannot be mounted
     again: a reader still copying under a lease from the old segment must not read the
     new segment's bytes at the same name and offsets, nor a writer that is still writing
@@ -556,8 +557,8 @@ class StoreStateMachine:
     def _pick(
         self,
         n: int,
-        exclude: set[str],
-        prefer: set[str],
+        exclude: set[str] | frozenset[str],
+        prefer: set[str] | frozenset[str],
         cfg: ReplicateConfig,
         first: bool,
         draw: int,
@@ -593,11 +594,15 @@ class StoreStateMachine:
         return cands[0] if len(cands) == 1 else max(cands, key=_free_bytes)
 
     def _place(
-        self, size: int, cfg: ReplicateConfig, index: int, pos: int
+        self, size: int, cfg: ReplicateConfig, index: int, pos: int, mounted: list[_Seg]
     ) -> list[list[tuple[int, int]]] | None:
         a = self.config.align
+        if cfg.replica_num == 1 and size <= self.config.slice_limit:  # the common case
+            s = self._pick(
+                (size + a - 1) & -a, _NONE, _NONE, cfg, True, (index << 24) ^ (pos << 12), mounted
+            )
+            return None if s is None else [[(s.id, s.alloc.alloc(size))]]
         lens = slice_lengths(size, self.config.slice_limit)
-        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         used_nodes: set[str] = set()
         copies: list[list[tuple[int, int]]] = []
         done: list[tuple[_Seg, int, int]] = []
@@ -694,18 +699,17 @@ class StoreStateMachine:
         self.by_name[c.segment] = sid
         return Codes([0])
 
-    def _unmount(self, index: int, c: Unmount) -> Codes:
+    def _unmount(self, index: int, c: Unmount) -> ExpireResult:
         sid = self.by_name.get(c.segment)
         seg = None if sid is None else self.segs[sid]
         if seg is None or seg.node_id != c.node_id:
-            return Codes([int(Code.SEGMENT_NOT_FOUND)])
+            return ExpireResult([int(Code.SEGMENT_NOT_FOUND)], [])
         if c.grace > 0:
             if seg.state == MOUNTED:
                 seg.state = DRAINING
                 seg.deadline = c.now + c.grace
-            return Codes([0])
-        self._drop_segment(seg, c.now, index)
-        return Codes([0])
+            return ExpireResult([0], [])
+        return ExpireResult([0], self._drop_segment(seg, c.now, index))
 
     def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
         codes = []
@@ -729,10 +733,10 @@ class StoreStateMachine:
         return 0
 
     def _new_object(
-        self, index: int, pos: int, size: int, c: PutStart | Upsert
+        self, index: int, pos: int, size: int, c: PutStart | Upsert, mounted: list[_Seg]
     ) -> tuple[int, Obj | None, list]:
         """Allocate (not yet registered) copies; ``(code, record, copies)``."""
-        copies = self._place(size, c.config, index, pos)
+        copies = self._place(size, c.config, index, pos, mounted)
         if copies is None:
             return int(Code.NO_AVAILABLE_HANDLE), None, []
         pin, until = _pin_of(c.config, c.now, c.pin_ttl)
@@ -753,6 +757,7 @@ class StoreStateMachine:
         reps: list[list[ObjectReplica] | None] = []
         vers: list[int] = []
         objs = self.objects
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
             code = 0
             o = None
@@ -767,7 +772,7 @@ class StoreStateMachine:
                 old = objs.get(key)
                 if old is None:
                     if next_state(State.GONE, Event.PUT_START) is State.PROCESSING:
-                        code, o, copies = self._new_object(index, pos, size, c)
+                        code, o, copies = self._new_object(index, pos, size, c, mounted)
                         if o is not None:
                             self._register(key, copies)
                             objs[key] = o
@@ -792,7 +797,7 @@ class StoreStateMachine:
                     self.processing[key] = None
                 else:
                     # New allocation first, so a NoSpace leaves the old object intact.
-                    code, o, copies = self._new_object(index, pos, size, c)
+                    code, o, copies = self._new_object(index, pos, size, c, mounted)
                     if o is not None:
                         self.complete -= 1
                         self._release_copies(key, old)
@@ -876,13 +881,19 @@ class StoreStateMachine:
 
     def _reclaim(self, index: int, c: Reclaim) -> ReclaimResult:
         cutoff = c.now - c.put_timeout
-        stale = [k for k in self.processing if self.objects[k].started < cutoff]
+        objs = self.objects
+        # (version, key) order: the same on a replica restored from a snapshot
+        stale = sorted(
+            (k for k in self.processing if objs[k].started < cutoff),
+            key=lambda k: (objs[k].version, k),
+        )
         for k in stale:
             self._drop(k, Event.RECLAIM)
         due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
+        lost: list[str] = []
         for s in due:
-            self._drop_segment(s, c.now, index)
-        return ReclaimResult(stale, [s.name for s in due])
+            lost.extend(self._drop_segment(s, c.now, index))
+        return ReclaimResult(stale, [s.name for s in due], lost)
 
     def _evict(self, index: int, c: Evict) -> EvictResult:
         if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
