@@ -6,8 +6,9 @@ entry), and heartbeats from a daemon thread. The master allocates replica space 
 segment; clients move bytes into and out of it with their own engines, never through the
 master or through this object. When the master answers a heartbeat with "unknown node" (it
 expired us after a pause longer than its node TTL, dropping our replicas) the node mounts
-again. :meth:`StorageNode.close` unmounts first, then keeps the memory for a grace period so
-that readers holding leases finish, then frees it.
+again under a new segment name (see :meth:`StorageNode._remount`).
+:meth:`StorageNode.close` unmounts first, then keeps the memory for a grace period so that
+readers holding leases finish, then frees it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class StorageNode:
         self.master = master
         self.engine = engine if engine is not None else get_engine()
         self.node_id = self.engine.node_id
-        self.segment = segment or f"kvstore-{self.node_id}"
+        self._base = segment or f"kvstore-{self.node_id}"
+        self._generation = 0
+        self.segment = self._base
         self.size = size
         self.heartbeat_s = heartbeat_s
         self.region: MemoryRegion | None = None
@@ -81,9 +84,22 @@ class StorageNode:
             )
         )
         code = _one_code(resp)
-        if code not in (0, E.SegmentExists.code):
+        if code != 0:
             raise E.error_for(code, f"mounting segment {self.segment!r} failed")
         self.mounts += 1
+
+    def _remount(self) -> None:
+        """The master expired us (its copies in our memory are gone). Mount again under a
+        new segment name: the old name stays quarantined at the master, and republishing
+        invalidates every peer's handle on it, so a writer still holding an old descriptor
+        gets SegmentNotFound instead of writing into memory that is now allocated anew."""
+        assert self.region is not None
+        self._generation += 1
+        new = f"{self._base}.{self._generation}"
+        self.engine.unpublish(self.segment)
+        self.engine.publish(self.region, new)
+        self.segment = new
+        self._mount()
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -96,7 +112,7 @@ class StorageNode:
                     log.warning(
                         "store node %s: the master forgot this node; mounting again", self.node_id
                     )
-                    self._mount()
+                    self._remount()
             except E.StoreError as e:
                 log.warning("store node %s: heartbeat failed: %s", self.node_id, e)
             except Exception:

@@ -129,3 +129,31 @@ def test_eviction_under_pressure_spares_leased_objects(tmp_path):
             assert all(isinstance(g, bytes) for g in got)  # what exists reads back whole
         finally:
             c.close()
+
+
+def test_paused_storage_node_is_expired_then_mounts_again(tmp_path):
+    import signal
+
+    with StoreCluster(
+        str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--node-ttl-s", "1.5"]
+    ) as cl:
+        cl.start_all()
+        node = Peer(cl.address, 8 << 20)
+        c = StoreClient(cl.address, token=TOKEN, timeout=10)
+        try:
+            c.put("before", b"b" * 1000)
+            first = c.status()["segments"][0]["name"]
+            node.proc.send_signal(signal.SIGSTOP)
+            _wait(lambda: c.status()["segments"] == [], 15, "node expiry")
+            assert c.exists("before") is False
+            node.proc.send_signal(signal.SIGCONT)
+            _wait(lambda: len(c.status()["segments"]) == 1, 15, "re-mount")
+            second = c.status()["segments"][0]["name"]
+            assert second != first  # a new name: stale descriptors of the old one cannot write
+            c.put("after", b"a" * 1000)
+            assert c.get("after") == b"a" * 1000
+        finally:
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGCONT)
+            node.close()
+            c.close()
