@@ -304,11 +304,15 @@ class StoreClient:
             self._segments.pop((endpoint, name), None)
 
     def _move(
-        self, op: Op, reqs: list[tuple[int, MemoryRegion, int, str, str, int, int]]
+        self,
+        op: Op,
+        reqs: list[tuple[int, MemoryRegion, int, str, str, int, int]],
+        timeout: float | None = None,
     ) -> tuple[set[int], list[str]]:
         """Move ``(owner, region, local_off, endpoint, segment, remote_off, length)`` requests
         as one engine batch. Returns the owners (caller indices) whose requests failed and
         the transports used."""
+        deadline = self.transfer_timeout if timeout is None else timeout
         groups: dict[tuple[int, str, str], list[tuple[int, int, int, int]]] = {}
         regions: dict[int, MemoryRegion] = {}
         for owner, region, lo, ep, seg, ro, ln in reqs:
@@ -332,7 +336,7 @@ class StoreClient:
             arr = np.asarray([(lo, ro, ln) for _, lo, ro, ln in items], dtype=np.int64)
             try:
                 res = self.engine.transfer(
-                    op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=self.transfer_timeout
+                    op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=deadline
                 )
                 transports.update(t.value for t in res.transports)
             except (TransferError, OSError, ValueError) as e:
@@ -348,13 +352,13 @@ class StoreClient:
                 b.add_many(op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2])
                 owners.append(arr[:, 3])
             try:
-                b.submit(self.transfer_timeout)
+                b.submit(deadline)
             except TransferError:
                 # One group was refused before anything moved: run the groups one by one.
                 b.free()
                 for region, seg, items, ep, name in runnable:
                     f, t = self._move(
-                        op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items]
+                        op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items], deadline
                     )
                     failed |= f
                     transports.update(t)
@@ -402,6 +406,7 @@ class StoreClient:
     def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
         pkeys = [keys[i] for i in part]
         psizes = [sizes[i] for i in part]
+        t0 = time.monotonic()
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
         if type(resp) is not P.PutStartResp:
             err = _whole_error(resp)
@@ -419,7 +424,16 @@ class StoreClient:
             started.append(j)
             for rep in resp.replicas[j] or []:
                 reqs.extend(_copy_reqs(j, bufs[i], rep))
-        failed, transports = self._move(Op.WRITE, reqs) if reqs else (set(), [])
+        # The allocation is ours only until the master's put timeout: writes must be over
+        # well before it (a reclaimed range may be handed to another put). Counted from
+        # before PutStart left, with a fifth of it as margin; too late -> revoke, no write.
+        left = self.transfer_timeout
+        if resp.hold_ms:
+            left = min(left, t0 + 0.8 * resp.hold_ms / 1000.0 - time.monotonic())
+        if left <= 0:
+            failed, transports = {j for j, *_ in reqs}, []
+        else:
+            failed, transports = self._move(Op.WRITE, reqs, left) if reqs else (set(), [])
         ok = [j for j in started if j not in failed]
         bad = [j for j in started if j in failed]
         if bad:
@@ -683,7 +697,8 @@ class StoreClient:
             reqs = []
             for j, replicas in pending.items():
                 reqs.extend(_copy_reqs(j, bufs[idx[j]], replicas[0]))
-            failed, t = self._move(Op.READ, reqs)
+            # Never copy past the lease: after it the memory may belong to another object.
+            failed, t = self._move(Op.READ, reqs, max(0.001, lease_deadline - time.monotonic()))
             transports.update(t)
             expired = time.monotonic() > lease_deadline
             nxt: dict[int, list[ObjectReplica]] = {}

@@ -221,12 +221,16 @@ class RegisterResp(msgspec.Struct, tag="registered", array_like=True, frozen=Tru
 
 
 class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=True):
-    """Per key a code and, when 0, the replicas to write (each a list of slices)."""
+    """Per key a code and, when 0, the replicas to write (each a list of slices).
+    ``hold_ms``: how long the master keeps the PROCESSING allocation before it may reclaim
+    it (its put timeout); a writer must finish writing well within it, counted from before
+    it sent the request, or revoke."""
 
     rid: int
     codes: list[int]
     replicas: list[list[ObjectReplica] | None]
     versions: list[int]
+    hold_ms: int = 0
 
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):

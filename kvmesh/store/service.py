@@ -705,7 +705,9 @@ class MasterService:
                 continue
             codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
             j += 1
-        return P.PutStartResp(req.rid, codes, replicas, versions)
+        return P.PutStartResp(
+            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
+        )
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
         """The core's rule (``plan_remove``): leased keys answer ObjectHasLease, or with

@@ -120,9 +120,9 @@ def test_lease_expired_before_copy_finished(env, monkeypatch):
     c.put(["slow-a", "slow-b"], [b"a" * 5000, b"b" * 5000])
     real = c._move
 
-    def slow_move(op, reqs):
+    def slow_move(op, reqs, timeout=None):
         time.sleep(LEASE_S + 0.3)  # the copy outlives the lease
-        return real(op, reqs)
+        return real(op, reqs, timeout)
 
     monkeypatch.setattr(c, "_move", slow_move)
     res = c.get(["slow-a", "slow-b", "slow-missing"])

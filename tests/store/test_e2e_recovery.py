@@ -157,3 +157,42 @@ def test_paused_storage_node_is_expired_then_mounts_again(tmp_path):
                 node.proc.send_signal(signal.SIGCONT)
             node.close()
             c.close()
+
+
+def test_stalled_writer_never_writes_after_its_allocation_may_be_reclaimed(tmp_path, monkeypatch):
+    """A writer that stalls between put_start and its write past the master's put timeout
+    revokes instead of writing into memory that may already belong to another put."""
+    import kvmesh.store.client as client_mod
+
+    with StoreCluster(
+        str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--put-timeout-s", "1"]
+    ) as cl:
+        cl.start_all()
+        c = StoreClient(cl.address, token=TOKEN, segment_size=8 << 20, timeout=10)
+        try:
+            seen: list[float] = []
+            real_move = c._move
+
+            def spy(op, reqs, timeout=None):
+                seen.append(timeout)
+                return real_move(op, reqs, timeout)
+
+            monkeypatch.setattr(c, "_move", spy)
+            c.put("timely", b"t" * 1000)
+            assert seen and 0 < seen[0] <= 0.8  # writes bounded by the allocation's lifetime
+            real_copy = client_mod._copy_reqs
+
+            def stalled(*a):
+                time.sleep(1.0)  # the writer stalls after put_start
+                return real_copy(*a)
+
+            monkeypatch.setattr(client_mod, "_copy_reqs", stalled)
+            seen.clear()
+            with pytest.raises(E.TransferFailed):
+                c.put("stalled", b"s" * 1000)
+            assert not seen  # nothing was written
+            monkeypatch.setattr(client_mod, "_copy_reqs", real_copy)
+            assert c.exists("stalled") is False
+            _wait(lambda: c.status()["usage"]["processing"] == 0, 10, "revoke or reclaim")
+        finally:
+            c.close()
