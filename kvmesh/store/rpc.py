@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import secrets
 import socket
 import threading
 import time
@@ -71,7 +72,8 @@ class MasterClient:
         self.addrs = list(dict.fromkeys(addrs))
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
-        self.name = name
+        # Unique per client: the master binds our session to this authenticated name.
+        self.name = f"{name}-{secrets.token_hex(6)}"
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_pool = max_pool

@@ -230,6 +230,7 @@ class MasterService:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        self._owners: dict[int, str] = {}  # session -> authenticated peer id (leader soft state)
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -325,6 +326,7 @@ class MasterService:
         # Holds noted by an earlier leadership are judged by the blanket period instead.
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._plans.clear()
+        self._owners.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -422,7 +424,7 @@ class MasterService:
         slots = asyncio.Semaphore(self.cfg.max_inflight)
         try:
             try:
-                await aserver_handshake(
+                peer = await aserver_handshake(
                     reader,
                     writer,
                     self.sec,
@@ -451,7 +453,7 @@ class MasterService:
                     log.info("store master: undecodable request; closing: %s", str(e)[:200])
                     return
                 await slots.acquire()
-                t = asyncio.get_running_loop().create_task(self._handle(req, writer))
+                t = asyncio.get_running_loop().create_task(self._handle(req, writer, peer))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
                 t.add_done_callback(lambda _t: slots.release())
@@ -466,10 +468,10 @@ class MasterService:
             self._conns.discard(task)
             writer.close()
 
-    async def _handle(self, req: Any, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, req: Any, writer: asyncio.StreamWriter, peer: str = "") -> None:
         started = time.perf_counter()
         try:
-            resp = await self._dispatch(req)
+            resp = await self._dispatch(req, peer)
         except NotLeaderError as e:
             resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
         except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
@@ -537,13 +539,22 @@ class MasterService:
             if v is not None and not 0 < len(v) <= _MAX_NAME:
                 raise E.InvalidParams(f"{name} must be 1..{_MAX_NAME} characters")
 
-    async def _dispatch(self, req: Any) -> Any:
+    async def _dispatch(self, req: Any, peer: str = "") -> Any:
         t = type(req)
         self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
         if t is P.StatusReq:
             return P.StatusResp(req.rid, self.status())
         self._check(req)
         node = self._leader()
+        sess = getattr(req, "session", None)
+        if sess is not None:
+            # A session belongs to the authenticated peer that used it first on this leader
+            # (after a failover: first use again). Another peer naming it -- a confused or
+            # buggy client -- could otherwise get someone else's cached results or move
+            # their acknowledgement floor.
+            owner = self._owners.setdefault(sess.client_id, peer)
+            if owner != peer:
+                raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
         if t is P.GetReplicasReq:
             return await self._get_replicas(node, req)
         if t is P.ExistsReq:
@@ -561,7 +572,9 @@ class MasterService:
                 self.heartbeats.beat(req.node_id, time.monotonic())
             return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
         if t is P.RegisterReq:
-            return P.RegisterResp(req.rid, await node.register_session())
+            cid = await node.register_session()
+            self._owners[cid] = peer
+            return P.RegisterResp(req.rid, cid)
         if t is P.PutStartReq:
             return await self._put_start(node, req)
         if t is P.RemoveReq:

@@ -185,3 +185,17 @@ def test_connection_flood(master):
             s.close()
     time.sleep(0.5)
     _still_serves(cl, client, "flood")
+
+
+def test_a_client_cannot_use_another_clients_session(master):
+    cl, client = master
+    victim = client.rpc._session()
+    s = _authed(cl)  # another authenticated peer
+    forged = P.RemoveAllReq(5, P.Session(victim, 999_999, 999_999), True)
+    s.sendall(framing.encode_frame(P.encode(forged)))
+    r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+    assert (
+        type(r) is P.ErrorResp and r.code == E.InvalidParams.code and "another client" in r.message
+    )
+    s.close()
+    _still_serves(cl, client, "session")  # the victim's session still works
