@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_RPC = 4096
 _STAGING_MIN = 1 << 20
+_STAGING_KEEP = 64 << 20
 
 
 class BatchResults(list):
@@ -100,7 +101,8 @@ class _Staging:
 
     def release(self, item: tuple[MemoryRegion, np.ndarray]) -> None:
         with self._lock:
-            if len(self._free) < 4:
+            # Keep a few for reuse (registration is expensive), but not huge ones.
+            if len(self._free) < 4 and item[0].size <= _STAGING_KEEP:
                 self._free.append(item)
                 return
             self._all.remove(item[0])
