@@ -174,6 +174,8 @@ class StoreClient:
         self._seg_lock = threading.Lock()
         self._segments: dict[tuple[str, str], Any] = {}
         self.last_transports: list[str] = []
+        # "read:shm" -> [batches, bytes]: what moved over which transport (this client).
+        self.stats: dict[str, list[int]] = {}
         self._closed = False
         self.node: StorageNode | None = None
         if segment_size:
@@ -301,6 +303,13 @@ class StoreClient:
                 self._segments[key] = seg
         return seg
 
+    def _count(self, op: Op, res: Any) -> None:
+        key = f"{op.value}:{','.join(t.value for t in res.transports) or '-'}"
+        with self._seg_lock:
+            st = self.stats.setdefault(key, [0, 0])
+            st[0] += 1
+            st[1] += int(res.nbytes)
+
     def _forget_segment(self, endpoint: str, name: str) -> None:
         with self._seg_lock:
             self._segments.pop((endpoint, name), None)
@@ -341,6 +350,7 @@ class StoreClient:
                     op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=deadline
                 )
                 transports.update(t.value for t in res.transports)
+                self._count(op, res)
             except (TransferError, OSError, ValueError) as e:
                 log.info("store: %s batch on %s failed: %s", op.value, name, e)
                 self._forget_segment(ep, name)
@@ -367,6 +377,7 @@ class StoreClient:
                 return failed, sorted(transports)
             res = b.wait(raise_on_error=False)
             transports.update(t.value for t in res.transports)
+            self._count(op, res)
             st = b.status()
             own = np.concatenate(owners)
             bad = own[st != 1]

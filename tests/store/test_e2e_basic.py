@@ -80,6 +80,8 @@ def test_batch_zero_copy_put_get_exists_remove(env):
     res = c.put_from(keys, src, offs, sizes)
     assert res.ok, res
     assert res.transports  # the transport that moved the batch is reported
+    moved = c.stats[f"write:{','.join(res.transports)}"]
+    assert moved[0] >= 1 and moved[1] >= sum(sizes)  # bytes per transport
     assert c.exists(keys + ["batch-missing"]) == [True] * n + [False]
     got = c.get_into(keys, dst, offs, sizes)
     assert list(got) == sizes
