@@ -28,8 +28,8 @@ At the end the put/get/exists/remove/evict history goes through
 :func:`kvmesh.replog.linearizability.check` with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
-leader releases it again) and ``"lease_ignored"`` (eviction ignores read leases) must be
-caught. ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
+leader releases it again), ``"lease_ignored"`` (eviction ignores read leases) and
+``"lost_put"`` (PutEnd acknowledges puts it does not publish) must be caught. ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
 from __future__ import annotations
@@ -883,6 +883,7 @@ class StoreSim:
                         self.net.recover()
                         healed_at = None
                     self._check()
+                self._final_audit()
             except SimViolation as e:
                 self.res.ok = False
                 self.res.violation = str(e)
@@ -896,6 +897,53 @@ class StoreSim:
             self.res.ok = False
             self.res.violation = lin.report(max_ops=30)
         return self.res
+
+    def _final_audit(self) -> None:
+        """Heal, let the leader settle, then read every key through the leader: each
+        visible object's copies on serving nodes hold exactly its bytes, and the answers
+        join the history (so an acknowledged put that vanished is not linearizable)."""
+        self.net.recover()
+        for _ in range(300):
+            self.now += self.cfg.step
+            self.steps += 1
+            if self.steps % self.cfg.tick_every == 0:
+                for node in self.net.nodes.values():
+                    node.core.tick()
+            self.net.deliver_once()
+            self._apply_all()
+            lead = self.leader()
+            if lead != self.lead or (lead and self.net.nodes[lead].core.term != self.lead_term):
+                self._leader_change(lead)
+            for idx, p in list(self.proposals.items()):
+                if self.now > p.deadline and not p.done:
+                    p.done = True
+                    del self.proposals[idx]
+                    p.cb(None)
+            if self.lead and not self.proposals:
+                sm = self.sms[self.lead]
+                hn = self.net.nodes[self.lead]
+                if sm.applied >= hn.core.log.committed:
+                    break
+        if not self.lead:
+            return
+        self._check()
+        sm = self.sms[self.lead]
+        for key in self.keys:
+            lk = sm.lookup([key])[0]
+            h = self.history.invoke("audit", StoreOp("get", key))
+            if lk.code:
+                self.history.ok(h, None)
+                continue
+            for copy in lk.replicas:
+                if not all(self._serving(d.segment[4:]) for d in copy.slices):
+                    continue
+                for j, d in enumerate(copy.slices):
+                    if self.mem.get((d.segment, d.offset)) != _tag(key, lk.version, j):
+                        raise SimViolation(
+                            f"audit: {key!r} v{lk.version} has foreign bytes at {d.segment}@{d.offset}"
+                        )
+                self.res.reads_checked += 1
+            self.history.ok(h, self.tokens.get((key, lk.version)))
 
     def _fault(self) -> float | None:
         r = self.rng.random()
@@ -926,6 +974,22 @@ class StoreSim:
 @contextmanager
 def _planted(plant: str | None):
     """Negative controls: plant a bug in the real state machine for the run."""
+    if plant == "lost_put":
+        orig_end = state_mod.StoreStateMachine._put_end
+
+        def lossy_put_end(self: StoreStateMachine, index: int, c: PutEnd):
+            # acknowledges every key but never publishes some of them
+            res = orig_end(
+                self, index, PutEnd([k for k in c.keys if zlib.crc32(k.encode()) % 3], [])
+            )
+            return type(res)([0] * len(c.keys))
+
+        state_mod.StoreStateMachine._put_end = lossy_put_end  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            state_mod.StoreStateMachine._put_end = orig_end  # type: ignore[method-assign]
+        return
     if plant != "double_free":
         yield
         return

@@ -27,7 +27,7 @@ objects fit well under 1 GiB and restore in a few seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import crc32c
@@ -190,6 +190,26 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_HANDLERS: dict[type, str] = {
+    Mount: "_mount",
+    Unmount: "_unmount",
+    ExpireNodes: "_expire",
+    PutStart: "_put_start",
+    Upsert: "_upsert",
+    PutEnd: "_put_end",
+    PutRevoke: "_put_revoke",
+    Remove: "_remove",
+    RemoveAll: "_remove_all",
+    Reclaim: "_reclaim",
+    Evict: "_evict",
+    Pin: "_pin",
+    Unpin: "_unpin",
+    Release: "_release",
+}
+"""Command type -> handler method name (looked up per call, so a test can patch a handler
+on the class, as the simulator's negative controls do)."""
+
+
 class StoreStateMachine:
     """Deterministic store metadata; see the module docstring. ``apply`` never raises for a
     well-formed entry: bad input gets per-key codes."""
@@ -207,22 +227,6 @@ class StoreStateMachine:
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
-        self._handlers: dict[type, Callable[[int, Any], Result]] = {
-            Mount: self._mount,
-            Unmount: self._unmount,
-            ExpireNodes: self._expire,
-            PutStart: self._put_start,
-            Upsert: self._upsert,
-            PutEnd: self._put_end,
-            PutRevoke: self._put_revoke,
-            Remove: self._remove,
-            RemoveAll: self._remove_all,
-            Reclaim: self._reclaim,
-            Evict: self._evict,
-            Pin: self._pin,
-            Unpin: self._unpin,
-            Release: self._release,
-        }
 
     # ================================================================== replog protocol
 
@@ -233,12 +237,12 @@ class StoreStateMachine:
             cmd = decode_command(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
-        return self._handlers[type(cmd)](index, cmd)
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     def apply_command(self, index: int, cmd: Command) -> Result:
         """``apply`` for an already-decoded command (tests, the embedded single-replica mode)."""
         self.applied = index
-        return self._handlers[type(cmd)](index, cmd)
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     # ================================================================== read-only queries
 
