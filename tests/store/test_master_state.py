@@ -219,6 +219,20 @@ def test_batches_report_per_key() -> None:
     assert sm.get_size(["a", "zz"]) == [10, Code.OBJECT_NOT_FOUND]
 
 
+def test_batch_work_is_bounded() -> None:
+    """A batch asking for more slices than MAX_SLICES_PER_BATCH is refused whole, before any
+    allocation (a hostile entry cannot stall every replica)."""
+    sm = _sm()  # slice limit 512
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 30, 0.0)))
+    huge = PutStart(
+        [f"k{i}" for i in range(64)], [1 << 30] * 64, ReplicateConfig(replica_num=2), 0.0
+    )
+    r = sm.apply(2, encode_command(huge))
+    assert r.codes == [Code.INVALID_PARAMS] * 64 and sm.usage().used == 0
+    ok = sm.apply(3, encode_command(PutStart(["big"], [1 << 20], ReplicateConfig(), 0.0)))
+    assert ok.codes == [0] and len(ok.replicas[0][0].slices) == 2048
+
+
 def test_lookup_puts_copies_on_the_readers_host_first() -> None:
     sm = _sm()
     sm.apply(1, encode_command(Mount("n1", "s1", "e1", "h1", 4096, 0.0)))

@@ -40,6 +40,7 @@ from ..types import (
     MAX_BATCH_KEYS,
     MAX_OBJECT_SIZE,
     MAX_REPLICAS,
+    MAX_SLICES_PER_BATCH,
     ObjectLookup,
     ObjectReplica,
     ReplicaDesc,
@@ -734,6 +735,10 @@ class StoreStateMachine:
             return int(Code.INVALID_PARAMS)
         if not (1 <= cfg.replica_num <= MAX_REPLICAS) or cfg.strategy not in _STRATEGIES:
             return int(Code.INVALID_PARAMS)
+        lim = self.config.slice_limit
+        work = sum(-(-z // lim) for z in c.sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
+        if work * cfg.replica_num > MAX_SLICES_PER_BATCH:
+            return int(Code.INVALID_PARAMS)  # bounded work per entry: split the batch
         return 0
 
     def _new_object(
