@@ -21,7 +21,8 @@ Commands (times default to the transcript clock, moved with ``tick``):
   expire nodes=a,b
   put-start keys=a,b sizes=1,2 [replicas=] [strategy=] [host=] [prefer=] [soft] [hard] [ttl=]
   upsert    (same arguments)
-  put-end keys= [versions=]         versions default to none (no check); "last" = the last put's
+  put-end keys= [versions=]         versions default to "last" (the last put's of each key);
+                                    "none" sends none (refused)
   put-revoke keys= [versions=]
   remove keys= [force]              through the leader policy (leases -> ObjectHasLease / hold)
   remove-all [force]                skips leased keys
@@ -143,9 +144,9 @@ class Driver:
             hard_pin="hard" in a,
         )
 
-    def versions(self, a: dict[str, str], keys: list[str]) -> list[int]:
-        v = a.get("versions")
-        if v is None:
+    def versions(self, a: dict[str, str], keys: list[str], default: str = "last") -> list[int]:
+        v = a.get("versions", default)
+        if v == "none":
             return []
         if v == "last":
             return [self.last_versions.get(k, 0) for k in keys]
@@ -237,7 +238,9 @@ class Driver:
                     for i, c in enumerate(codes):
                         if c == 0:
                             codes[i], v = next(it)
-                            self.last_versions[next(sent)] = v
+                            k = next(sent)
+                            if codes[i] == 0:
+                                self.last_versions[k] = v
             if cmd == "put-start":
                 for k, c, v in zip(keys, res.codes, res.versions):
                     if c == 0:
@@ -287,7 +290,7 @@ class Driver:
             out = [f"result: reclaimed={res.keys} unmounted={res.unmounted} lost={res.lost}"]
         elif cmd == "evict":
             keys = _list(a["keys"])
-            res = self.apply(Evict(keys, self.versions(a, keys), now, "soft" in a))
+            res = self.apply(Evict(keys, self.versions(a, keys, "none"), now, "soft" in a))
             out = [f"result: {_codes(res.codes)} freed={res.freed}"]
         elif cmd == "evict-auto":
             plan = choose_victims(

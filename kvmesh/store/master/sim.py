@@ -979,9 +979,8 @@ def _planted(plant: str | None):
 
         def lossy_put_end(self: StoreStateMachine, index: int, c: PutEnd):
             # acknowledges every key but never publishes some of them
-            res = orig_end(
-                self, index, PutEnd([k for k in c.keys if zlib.crc32(k.encode()) % 3], [])
-            )
+            kept = [(k, v) for k, v in zip(c.keys, c.versions) if zlib.crc32(k.encode()) % 3]
+            res = orig_end(self, index, PutEnd([k for k, _ in kept], [v for _, v in kept]))
             return type(res)([0] * len(c.keys))
 
         state_mod.StoreStateMachine._put_end = lossy_put_end  # type: ignore[method-assign]

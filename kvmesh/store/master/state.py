@@ -823,14 +823,16 @@ class StoreStateMachine:
         return PutStartResult(codes, reps, vers)
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
-        if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
+        # versions are required: without them a late PutEnd could publish another
+        # writer's half-written put of the key (after a reclaim and a new put)
+        if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         for i, key in enumerate(c.keys):
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif c.versions and c.versions[i] != o.version:
+            elif c.versions[i] != o.version:
                 codes.append(int(Code.INVALID_WRITE))
             else:
                 nxt = next_state(o.state, Event.PUT_END)
@@ -845,16 +847,15 @@ class StoreStateMachine:
         return Codes(codes)
 
     def _put_revoke(self, index: int, c: PutRevoke) -> Codes:
-        if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
+        # versions are required: a revoke must never free bytes another writer is writing
+        if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         for i, key in enumerate(c.keys):
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif (c.versions and c.versions[i] != o.version) or not self._drop(
-                key, Event.PUT_REVOKE
-            ):
+            elif c.versions[i] != o.version or not self._drop(key, Event.PUT_REVOKE):
                 codes.append(int(Code.INVALID_WRITE))
             else:
                 codes.append(0)
