@@ -266,6 +266,23 @@ def test_snapshot_corruption_is_detected() -> None:
         StoreStateMachine().restore(b"")
 
 
+def test_inconsistent_snapshot_is_refused() -> None:
+    """Well-framed (CRCs fine) but wrong images are refused: an object count that disagrees
+    with the header, an undecodable object chunk."""
+    from kvmesh.replog.snapfile import iter_chunks, pack_chunk
+    from kvmesh.store.master.objects import Obj
+
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0)))
+    header = next(iter_chunks(sm.snapshot()))
+    bad = pack_chunk(msgspec.msgpack.encode((["k"], [Obj(10, 2, 1, 0.0, b"\x09" + bytes(11))])))
+    img = pack_chunk(header) + bad
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(img)  # object count mismatch (header says 0)
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(pack_chunk(header) + pack_chunk(b"\xc1"))
+
+
 def test_snapshot_is_consistent_while_apply_continues() -> None:
     """snapshot_chunks copies the table when called; applies after that do not leak in."""
     sm = _sm()

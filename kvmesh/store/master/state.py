@@ -27,6 +27,7 @@ objects fit well under 1 GiB and restore in a few seconds.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -386,7 +387,10 @@ class StoreStateMachine:
             )
         objects: dict[str, Obj] = {}
         for chunk in chunks:
-            ks, vs = _chunk_dec.decode(chunk)
+            try:
+                ks, vs = _chunk_dec.decode(chunk)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise SnapshotCorruptionError(f"store snapshot: bad object chunk: {e}") from None
             objects.update(zip(ks, vs))
         if len(objects) != hdr.objects:
             raise SnapshotCorruptionError(
@@ -419,7 +423,10 @@ class StoreStateMachine:
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
         self.objects = objects
-        self._rebuild_indexes()
+        try:
+            self._rebuild_indexes()
+        except (KeyError, struct.error) as e:
+            raise SnapshotCorruptionError(f"store snapshot: inconsistent image: {e!r}") from None
 
     def digest(self) -> int:
         """Checksum of the whole replicated state (replicas must agree)."""
