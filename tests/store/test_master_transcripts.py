@@ -35,6 +35,7 @@ Commands (times default to the transcript clock, moved with ``tick``):
   new-leader [ttl=]                 fresh leader soft state (everything leased for ttl)
   touch keys=                       access order for eviction
   lookup keys= [host=]              read-only query
+  exists keys=                      read-only exists + get_size
   tick t=                           advance the transcript clock
   raw <cmd>                         mutating command without printing the tables
 """
@@ -190,6 +191,13 @@ class Driver:
         if cmd == "touch":
             self.stats.touch(_list(a["keys"]))
             return ["ok"]
+        if cmd == "exists":
+            keys = _list(a["keys"])
+            sizes = self.sm.get_size(keys)
+            return [
+                f"{k}: {'yes' if e else 'no'}" + (f" size={z}" if e else "")
+                for k, e, z in zip(keys, self.sm.exists(keys), sizes)
+            ]
         if cmd == "lookup":
             out = []
             for k, r in zip(_list(a["keys"]), self.sm.lookup(_list(a["keys"]), host=a.get("host"))):
