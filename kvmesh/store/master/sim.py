@@ -10,10 +10,12 @@ Three master replicas (``kvmesh.replog`` cores on the hand-driven
   reclaims stale puts, releases holds and evicts above the watermark;
 * storage nodes whose segment bytes are modelled as one tag per slice (a checksum of key,
   version and slice number); a node that dies loses its bytes and comes back later;
-* clients doing two-phase puts (write tags, then PutEnd), upserts, reads (read index, lookup,
-  lease, a copy that takes time, then a byte check), exists and removes (sometimes forced);
+* clients doing two-phase puts (write tags, then PutEnd; some soft- or hard-pinned), upserts,
+  reads (read index, lookup, lease, a copy that takes time, then a byte check), exists and
+  removes (sometimes forced);
 * faults: leader isolation, replica restarts (state machine rebuilt from the storage's
-  snapshot + log), snapshots with log compaction.
+  snapshot + log), snapshots with log compaction, storage nodes that die (and come back with a
+  new segment once the old one expired) or leave gracefully (drain, then exit).
 
 Checked on every step (:class:`SimViolation` names the first failure):
 
@@ -24,8 +26,9 @@ Checked on every step (:class:`SimViolation` names the first failure):
 * every completed read returned exactly the bytes of the version it looked up;
 * replicas that applied the same prefix have the same state digest.
 
-At the end the put/get/exists/remove/evict history goes through
-:func:`kvmesh.replog.linearizability.check` with :class:`StoreModel`.
+At the end the network heals, every key is read through the leader (bytes checked), and the
+put/get/exists/remove/evict history goes through :func:`kvmesh.replog.linearizability.check`
+with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
 leader releases it again), ``"lease_ignored"`` (eviction ignores read leases) and
@@ -1038,7 +1041,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_seed(s, duration=a.duration, plant=a.plant)
         print(
             f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} reads={r.reads_checked} "
-            f"evictions={r.evictions} expiries={r.expiries} holds={r.holds_released} leaders={r.leader_changes} lin={r.lin_outcome}"
+            f"evictions={r.evictions} expiries={r.expiries} drains={r.drains} holds={r.holds_released} "
+            f"leaders={r.leader_changes} lin={r.lin_outcome}"
         )
         if not r.ok:
             bad += 1
