@@ -801,6 +801,9 @@ class StoreStateMachine:
                     old.size == size
                     and len(old.layout) // (12 * n_slices(size, self.config.slice_limit))
                     == c.config.replica_num
+                    and all(
+                        self.segs[sid].state == MOUNTED for sid, _ in SLICE.iter_unpack(old.layout)
+                    )
                 ):
                     # Same shape: rewrite in place (the service made sure no reader holds a lease).
                     pin, until = _pin_of(c.config, c.now, c.pin_ttl)
