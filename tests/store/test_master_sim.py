@@ -57,6 +57,15 @@ def test_planted_eviction_ignoring_leases_is_caught() -> None:
     assert seed in CLEAN_SEEDS
 
 
+def test_planted_lost_acknowledged_put_is_caught() -> None:
+    """PutEnd acknowledges some puts without publishing them: the reads after it (and the
+    final audit) make the history non-linearizable."""
+    seed, r = _first_caught("lost_put")
+    assert r is not None, "a lost acknowledged put went unnoticed"
+    assert "ILLEGAL" in r.violation, r.violation
+    assert seed in CLEAN_SEEDS
+
+
 def _op(client: int, inp: StoreOp, out, call: float, ret: float) -> Operation:
     return Operation(client, inp, call, out, ret)
 

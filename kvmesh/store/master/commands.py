@@ -37,9 +37,10 @@ Leases are leader soft state (``leases.py``): the service refuses ``Remove``/``U
 ``Remove`` with ``hold=True`` and a ``Release`` once the leases are over, so leased bytes are
 never freed or reused.
 
-Versions: the log index of a key's ``PutStart``/``Upsert`` is its ``version``. ``PutEnd``,
-``PutRevoke`` and ``Evict`` may name the versions they act on (an empty list skips the check);
-a stale one gets ``InvalidWrite`` (``NotEvictable`` for Evict) instead of acting on a newer put.
+Versions: the log index of a key's ``PutStart``/``Upsert`` is its ``version``. ``PutEnd`` and
+``PutRevoke`` must name the versions they act on (one per key, else ``InvalidParams``), so a
+late or foreign call never publishes or frees another writer's put; ``Evict`` may (an empty list
+skips the check). A stale version gets ``InvalidWrite`` (``NotEvictable`` for Evict).
 """
 
 from __future__ import annotations
@@ -122,11 +123,16 @@ class PutStart(msgspec.Struct, tag="put_start", **_S):
 
 
 class PutEnd(msgspec.Struct, tag="put_end", **_S):
+    """Publish the puts named by ``versions[i]`` (from PutStartResult; required, one per
+    key: a missing or stale version gets ``InvalidParams`` / ``InvalidWrite``)."""
+
     keys: list[str]
     versions: list[int] = []
 
 
 class PutRevoke(msgspec.Struct, tag="put_revoke", **_S):
+    """Free the PROCESSING puts named by ``versions[i]`` (required, as for PutEnd)."""
+
     keys: list[str]
     versions: list[int] = []
 
