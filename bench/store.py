@@ -99,9 +99,9 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                 gen = [0]
 
                 def put_once() -> Any:
-                    gen[0] += 1
-                    keys = [f"b{size}-{gen[0]}-{i}" for i in range(batch)]
-                    res = c.put_from(keys, src, offs, sizes)
+                    gen[0] += 1  # noqa: B023
+                    keys = [f"b{size}-{gen[0]}-{i}" for i in range(batch)]  # noqa: B023
+                    res = c.put_from(keys, src, offs, sizes)  # noqa: B023
                     assert res.ok, res[:3]
                     put_once.keys = keys  # type: ignore[attr-defined]
                     put_once.transports = res.transports  # type: ignore[attr-defined]
@@ -139,7 +139,7 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                 )
                 dst[:n] = 0
                 transports = got.transports
-                t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)
+                t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)  # noqa: B023
                 assert np.array_equal(dst[:n], src[:n])
                 rows.append(
                     record(
@@ -244,9 +244,9 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
             while not stop.is_set():
                 keys = [f"m{t}-{i}-{j}" for j in range(batch)]
                 i += 1
-                ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [4096] * batch, cfg))
+                ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [4096] * batch, cfg))  # noqa: B023
                 assert type(ps) is P.PutStartResp and not any(ps.codes), ps.codes[:3]
-                pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))
+                pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))  # noqa: B023
                 assert type(pe) is P.CodesResp and not any(pe.codes)
                 done[t] += batch
             rpc.close()
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += data_path(limits, a.quick, "network", "bench-other-host")
     rows += metadata(limits, a.quick)
     print(
-        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, loopback TCP {limits['tcp_gbps']:.2f} GB/s"
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
+        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
     )
     print_table(
         rows,
