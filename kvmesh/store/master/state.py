@@ -132,8 +132,9 @@ class _Seg:
         "state",
     )  # fmt: skip
 
-    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str, size: int,
-                 alloc: SegmentAllocator, state: str, deadline: float, generation: int) -> None:  # fmt: skip
+    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
+                 size: int, alloc: SegmentAllocator, state: str, deadline: float,
+                 generation: int) -> None:  # fmt: skip
         self.id = sid
         self.name = name
         self.node_id = node_id
