@@ -9,6 +9,18 @@ from kvmesh.replog.linearizability import UNKNOWN, Operation, check
 from kvmesh.store.master.sim import StoreModel, StoreOp, run_seed
 
 CLEAN_SEEDS = range(10)
+EXERCISED = (
+    "reads_checked",
+    "evictions",
+    "expiries",
+    "holds_released",
+    "leader_changes",
+    "restarts",
+    "lease_expired_reads",
+    "node_kills",
+    "isolations",
+    "drains",
+)
 DURATION = 15.0
 
 
@@ -17,11 +29,11 @@ def test_clean_seeds_hold_every_invariant() -> None:
     for seed in CLEAN_SEEDS:
         r = run_seed(seed, duration=DURATION)
         assert r.ok, (
-            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim --first {seed} --seeds 1 --duration {DURATION}"
+            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim "
+            f"--first {seed} --seeds 1 --duration {DURATION}"
         )
         assert r.lin_outcome == "ok"
-        for f in ("reads_checked", "evictions", "expiries", "holds_released", "leader_changes",
-                  "restarts", "lease_expired_reads", "node_kills", "isolations", "drains"):  # fmt: skip
+        for f in EXERCISED:
             totals[f] = totals.get(f, 0) + getattr(r, f)
     # the runs exercised what the invariants are about
     assert all(v > 0 for v in totals.values()), totals

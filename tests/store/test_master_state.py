@@ -320,6 +320,20 @@ def test_session_wrapper_caches_typed_results() -> None:
     assert sm.inner.object_count() == 1
 
 
+def test_mount_validates_its_fields() -> None:
+    sm = _sm()
+    for bad in (
+        Mount("", "s", "e", "h", 4096, 0.0),
+        Mount("n", "", "e", "h", 4096, 0.0),
+        Mount("n", "s" * 2000, "e", "h", 4096, 0.0),
+        Mount("n", "s", "e" * 2000, "h", 4096, 0.0),
+        Mount("n", "s", "e", "h", 63, 0.0),
+        Mount("n", "s", "e", "h", 1 << 41, 0.0),
+    ):
+        assert sm.apply(1, encode_command(bad)).codes == [Code.INVALID_PARAMS], bad
+    assert sm.segments() == []
+
+
 def test_remount_waits_for_the_quarantine() -> None:
     sm = _sm()
     assert sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0))).codes == [0]

@@ -123,8 +123,8 @@ class Driver:
             free = " ".join(f"[{a},{b})" for a, b in s.alloc.free_extents()) or "-"
             extra = f" until={s.deadline:g}" if s.state == "draining" else ""
             out.append(
-                f"  {s.name} node={s.node_id} host={s.host_id} {s.state}{extra} used={s.alloc.used}/{s.alloc.size}"
-                f" slices={s.slices} free={free}"
+                f"  {s.name} node={s.node_id} host={s.host_id} {s.state}{extra}"
+                f" used={s.alloc.used}/{s.alloc.size} slices={s.slices} free={free}"
             )
         if sm.held:
             out.append("held:")

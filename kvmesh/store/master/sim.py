@@ -32,7 +32,8 @@ with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
 leader releases it again), ``"lease_ignored"`` (eviction ignores read leases) and
-``"lost_put"`` (PutEnd acknowledges puts it does not publish) must be caught. ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
+``"lost_put"`` (PutEnd acknowledges puts it does not publish) must be caught.
+``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
 from __future__ import annotations
@@ -733,8 +734,8 @@ class StoreSim:
             got = self.mem.get((seg, off))
             if got != _tag(rd.key, rd.version, j):
                 raise SimViolation(
-                    f"read of {rd.key!r} v{rd.version} under a lease (until {rd.until:.3f}, now {self.now:.3f}) "
-                    f"got foreign bytes at {seg}@{off}"
+                    f"read of {rd.key!r} v{rd.version} under a lease (until {rd.until:.3f}, "
+                    f"now {self.now:.3f}) got foreign bytes at {seg}@{off}"
                 )
         self.res.reads_checked += 1
         self.history.ok(rd.op, token)
@@ -821,7 +822,8 @@ class StoreSim:
                 )
                 if not ok:
                     raise SimViolation(
-                        f"{what}: {seg}@{off} of {key!r} v{version} is now {owners or 'free'} on replica {i} (index {sm.applied})"
+                        f"{what}: {seg}@{off} of {key!r} v{version} is now {owners or 'free'}"
+                        f" on replica {i} (index {sm.applied})"
                     )
 
     def _check(self) -> None:
@@ -944,7 +946,8 @@ class StoreSim:
                 for j, d in enumerate(copy.slices):
                     if self.mem.get((d.segment, d.offset)) != _tag(key, lk.version, j):
                         raise SimViolation(
-                            f"audit: {key!r} v{lk.version} has foreign bytes at {d.segment}@{d.offset}"
+                            f"audit: {key!r} v{lk.version} has foreign bytes at "
+                            f"{d.segment}@{d.offset}"
                         )
                 self.res.reads_checked += 1
             self.history.ok(h, self.tokens.get((key, lk.version)))
@@ -1041,8 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in range(a.first, a.first + a.seeds):
         r = run_seed(s, duration=a.duration, plant=a.plant)
         print(
-            f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} reads={r.reads_checked} "
-            f"evictions={r.evictions} expiries={r.expiries} drains={r.drains} holds={r.holds_released} "
+            f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} "
+            f"reads={r.reads_checked} evictions={r.evictions} expiries={r.expiries} "
+            f"drains={r.drains} holds={r.holds_released} "
             f"leaders={r.leader_changes} lin={r.lin_outcome}"
         )
         if not r.ok:

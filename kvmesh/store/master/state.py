@@ -39,6 +39,7 @@ from ...replog.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
 from ..errors import Code
 from ..types import (
     MAX_BATCH_KEYS,
+    MAX_KEY_BYTES,
     MAX_OBJECT_SIZE,
     MAX_REPLICAS,
     MAX_SLICES_PER_BATCH,
@@ -132,8 +133,9 @@ class _Seg:
         "state",
     )  # fmt: skip
 
-    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str, size: int,
-                 alloc: SegmentAllocator, state: str, deadline: float, generation: int) -> None:  # fmt: skip
+    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
+                 size: int, alloc: SegmentAllocator, state: str, deadline: float,
+                 generation: int) -> None:  # fmt: skip
         self.id = sid
         self.name = name
         self.node_id = node_id
@@ -692,8 +694,11 @@ class StoreStateMachine:
 
     def _mount(self, index: int, c: Mount) -> Codes:
         if (
-            not (c.node_id and c.segment and 0 < c.size <= MAX_OBJECT_SIZE)
-            or c.size < self.config.align
+            key_error(c.node_id) is not None
+            or key_error(c.segment) is not None
+            or len(c.endpoint) > MAX_KEY_BYTES
+            or len(c.host_id) > MAX_KEY_BYTES
+            or not (self.config.align <= c.size <= MAX_OBJECT_SIZE)
         ):
             return Codes([int(Code.INVALID_PARAMS)])
         q = self.config.remount_quarantine
