@@ -20,6 +20,7 @@ EXERCISED = (
     "node_kills",
     "isolations",
     "drains",
+    "snapshots_installed",
 )
 DURATION = 15.0
 

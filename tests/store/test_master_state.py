@@ -334,6 +334,34 @@ def test_mount_validates_its_fields() -> None:
     assert sm.segments() == []
 
 
+def test_snapshot_inside_the_session_wrapper() -> None:
+    """The production composition: sessions around the store; a replica restored from the
+    wrapper's snapshot continues identically (same results, same state)."""
+    a = SessionStateMachine(StoreStateMachine(CFG))
+    cid = a.apply(1, encode_envelope(Register()))
+    bodies = [
+        Mount("n", "s", "e", "h", 1 << 16, 0.0),
+        PutStart(["x", "y"], [700, 64], ReplicateConfig(), 0.0),
+        PutEnd(["x", "y"], [3, 3]),
+        Remove(["y"], hold=True),
+        PutStart(["z"], [100], ReplicateConfig(), 1.0),
+        Release([5]),
+        PutStart(["w"], [64], ReplicateConfig(), 2.0),
+    ]
+    envs = [
+        encode_envelope(SessionCommand(cid, seq, encode_command(b)))
+        for seq, b in enumerate(bodies, 1)
+    ]
+    for idx, env in enumerate(envs[:4], 2):
+        a.apply(idx, env)
+    b = SessionStateMachine(StoreStateMachine())
+    b.restore(a.snapshot())
+    for idx, env in enumerate(envs[4:], 6):
+        assert encode_result(a.apply(idx, env)) == encode_result(b.apply(idx, env))
+    assert a.inner.digest() == b.inner.digest() and a.snapshot() == b.snapshot()
+    assert b.inner.placement("w") == a.inner.placement("w")
+
+
 def test_remount_waits_for_the_quarantine() -> None:
     sm = _sm()
     assert sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0))).codes == [0]

@@ -185,7 +185,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     put_timeout: float = 2.0
     node_ttl: float = 1.5
     faults: bool = True
-    snapshot_every: int = 60
+    snapshot_every: int = 15
     plant: str | None = None
 
 
@@ -205,6 +205,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     holds_released: int = 0
     isolations: int = 0
     drains: int = 0
+    snapshots_installed: int = 0
     node_kills: int = 0
     lin_outcome: str = ""
 
@@ -339,6 +340,7 @@ class StoreSim:
                 self.installed[i] = len(hn.installed)
                 if snap.meta.index > sm.applied:
                     sm.restore(snap.data)
+                    self.res.snapshots_installed += 1
             ents = hn.applied
             while self.consumed[i] < len(ents):
                 e = ents[self.consumed[i]]
@@ -372,7 +374,7 @@ class StoreSim:
         if sm.applied <= st.snapshot().meta.index or sm.applied > st.last_index():
             return
         st.create_snapshot(sm.applied, hn.core.conf_state, sm.snapshot())
-        st.compact(max(st.first_index(), sm.applied - 20))
+        st.compact(max(st.first_index(), sm.applied - 5))
         self.since_snap[i] = 0
 
     def _restart(self, i: int) -> None:
@@ -957,7 +959,7 @@ class StoreSim:
         if r < 0.3 and self.lead:
             self.net.isolate(self.lead)
             self.res.isolations += 1
-            return self.now + self.rng.uniform(1.0, 3.0)
+            return self.now + self.rng.uniform(1.0, 4.0)
         if r < 0.45:
             self._restart(self.rng.choice(self.ids))
             return None
