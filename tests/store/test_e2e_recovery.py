@@ -67,7 +67,11 @@ def test_storage_node_killed_under_readers(tmp_path):
             t0 = time.monotonic()
             res = c.get(keys)  # the node's memory is gone: per-key errors, no hang, no junk
             assert time.monotonic() - t0 < 10
-            assert all(isinstance(r, E.StoreError) for r in res), res[:3]
+            # Per key an error, or -- if the read raced ahead of the engine noticing the death --
+            # the right bytes (the dead owner's shared memory still holds them); never junk.
+            assert all(
+                isinstance(r, E.StoreError) or r == value_of(k, 50_000) for k, r in zip(keys, res)
+            ), res[:3]
             _wait(lambda: c.status()["segments"] == [], 15, "node expiry")
             assert c.exists(keys) == [False] * 16  # its objects are dropped
             with pytest.raises(E.ObjectNotFound):
