@@ -70,21 +70,33 @@ def _peer(master: str, segment: int, host_id: str | None) -> Child:
     )
 
 
-def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list[dict[str, Any]]:
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"16384x256,262144x128"`` -> [(page bytes, batch), ...]."""
+    out = []
+    for part in text.split(","):
+        size, batch = part.lower().split("x")
+        out.append((int(size), int(batch)))
+    return out
+
+
+def data_path(limits: dict, a: Any, case: str, host_id: str | None) -> list[dict[str, Any]]:
     from kvmesh.store import StoreClient
     from kvmesh.store.cluster import StoreCluster
 
+    quick = a.quick
     shapes = [(16 << 10, 256), (256 << 10, 128), (1 * MiB, 64)] + ([] if quick else [(4 * MiB, 64)])
     if case == "network" and quick:
         shapes = [(256 << 10, 128), (1 * MiB, 64)]
-    reps = 3 if quick else 5
+    if a.shapes:
+        shapes = _shapes(a.shapes)
+    reps = a.reps or (3 if quick else 5)
     rows = []
     with (
         tempfile.TemporaryDirectory() as d,
         StoreCluster(d, 1, durability="memory", tick_ms=50) as cl,
     ):
         cl.start_all()
-        biggest = max(s * b for s, b in shapes)
+        biggest = max(max(s * b for s, b in shapes), 1 * MiB)  # exists/latency use 1 MiB
         peer = _peer(cl.address, 3 * biggest + 64 * MiB, host_id)
         c = StoreClient(cl.address, timeout=30)
         try:
@@ -99,9 +111,9 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                 gen = [0]
 
                 def put_once() -> Any:
-                    gen[0] += 1
-                    keys = [f"b{size}-{gen[0]}-{i}" for i in range(batch)]
-                    res = c.put_from(keys, src, offs, sizes)
+                    gen[0] += 1  # noqa: B023
+                    keys = [f"b{size}-{gen[0]}-{i}" for i in range(batch)]  # noqa: B023
+                    res = c.put_from(keys, src, offs, sizes)  # noqa: B023
                     assert res.ok, res[:3]
                     put_once.keys = keys  # type: ignore[attr-defined]
                     put_once.transports = res.transports  # type: ignore[attr-defined]
@@ -139,7 +151,7 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                 )
                 dst[:n] = 0
                 transports = got.transports
-                t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)
+                t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)  # noqa: B023
                 assert np.array_equal(dst[:n], src[:n])
                 rows.append(
                     record(
@@ -156,7 +168,7 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
                 time.sleep(0.05)
                 cleanup()
             if case == "cross-process":
-                rows += _exists_and_latency(c, src, dst, limits, quick)
+                rows += _exists_and_latency(c, src, dst, limits, a)
         finally:
             c.close()
             peer.close()
@@ -164,14 +176,14 @@ def data_path(limits: dict, quick: bool, case: str, host_id: str | None) -> list
 
 
 def _exists_and_latency(
-    c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, quick: bool
+    c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, a: Any
 ) -> list[dict[str, Any]]:
     rows = []
     keys = [f"ex-{i}" for i in range(256)]
     res = c.put_from(keys, src, [i * 4096 for i in range(256)], [4096] * 256)
     assert res.ok
     assert c.exists(keys) == [True] * 256
-    t = timed(lambda: c.exists(keys), 20 if quick else 100, warmup=3)
+    t = timed(lambda: c.exists(keys), a.reps or (20 if a.quick else 100), warmup=3)
     rows.append(
         record(
             limits,
@@ -189,7 +201,7 @@ def _exists_and_latency(
     assert c.get_into(key, dst, 0, 16 << 10) == 16 << 10
     assert np.array_equal(dst[: 16 << 10], src[: 16 << 10])
     samples = []
-    n = 300 if quick else 2000
+    n = a.latency_samples or (300 if a.quick else 2000)
     for _ in range(20):
         c.get_into(key, dst, 0, 16 << 10)
     for _ in range(n):
@@ -213,7 +225,7 @@ def _exists_and_latency(
     return rows
 
 
-def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
+def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
     """put_start + put_end keys/s on 3 replicas with fsync, in batches, several clients."""
     from kvmesh.store import protocol as P
     from kvmesh.store.cluster import StoreCluster
@@ -222,7 +234,7 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
 
     rows = []
     batch, threads = 512, 4
-    seconds = 4.0 if quick else 15.0
+    seconds = a.meta_seconds or (4.0 if a.quick else 15.0)
     with (
         tempfile.TemporaryDirectory() as d,
         StoreCluster(d, 3, durability="disk", tick_ms=50) as cl,
@@ -244,9 +256,9 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
             while not stop.is_set():
                 keys = [f"m{t}-{i}-{j}" for j in range(batch)]
                 i += 1
-                ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [4096] * batch, cfg))
+                ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [4096] * batch, cfg))  # noqa: B023
                 assert type(ps) is P.PutStartResp and not any(ps.codes), ps.codes[:3]
-                pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))
+                pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))  # noqa: B023
                 assert type(pe) is P.CodesResp and not any(pe.codes)
                 done[t] += batch
             rpc.close()
@@ -279,20 +291,32 @@ def metadata(limits: dict, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _options(ap: Any) -> None:
+    ap.add_argument("--shapes", default="", help="PAGExBATCH,... (default: the matrix)")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions per case")
+    ap.add_argument("--latency-samples", type=int, default=0)
+    ap.add_argument("--meta-seconds", type=float, default=0.0, help="metadata case duration")
+    ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "--peer":
         peer_main(argv[1], int(argv[2]))
         return 0
-    a = bench_args(__doc__.split("\n\n")[0], argv)
+    a = bench_args(__doc__.split("\n\n")[0], argv, extra=_options)
     t_start = time.monotonic()
-    limits: dict[str, float | None] = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps()}
-    rows = data_path(limits, a.quick, "cross-process", None)
-    rows += data_path(limits, a.quick, "network", "bench-other-host")
-    rows += metadata(limits, a.quick)
+    limits: dict[str, float | None] = {
+        "memcpy_gbps": memcpy_gbps(),
+        "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
+    }
+    rows = data_path(limits, a, "cross-process", None)
+    rows += data_path(limits, a, "network", "bench-other-host")
+    rows += metadata(limits, a)
     print(
-        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, loopback TCP {limits['tcp_gbps']:.2f} GB/s"
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
+        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
     )
     print_table(
         rows,

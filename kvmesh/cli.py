@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe-nixl", action="store_true", help="import NIXL to check it is usable (~0.5 s)")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("demo", help="KV pages through the store (default) or the transfer engine alone")
+    p = sub.add_parser(
+        "demo", help="KV pages through the store (default) or the transfer engine alone"
+    )
     p.add_argument("which", nargs="?", choices=["store", "transfer"], default="store",
                    help="store: embedded store, two worker processes; transfer: engine only")
     p.add_argument("--pages", type=int, default=128, help="pages per batch")

@@ -178,7 +178,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"\n{'segment':<40}{'node':<28}{'size':>14}{'used':>14}{'slices':>8}  state")
     for s in ld["segments"]:
         print(
-            f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}{s['objects']:>8}  {s['state']}"
+            f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}"
+            f"{s['objects']:>8}  {s['state']}"
         )
     return 0
 

@@ -87,7 +87,7 @@ class _Staging:
     def acquire(self, nbytes: int) -> tuple[MemoryRegion, np.ndarray]:
         with self._lock:
             best = None
-            for i, (r, a) in enumerate(self._free):
+            for i, (r, _arr) in enumerate(self._free):
                 if r.size >= nbytes and (best is None or r.size < self._free[best][0].size):
                     best = i
             if best is not None:
@@ -368,7 +368,7 @@ class StoreClient:
             except TransferError:
                 # One group was refused before anything moved: run the groups one by one.
                 b.free()
-                for region, seg, items, ep, name in runnable:
+                for region, _seg, items, ep, name in runnable:
                     f, t = self._move(
                         op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items], deadline
                     )
@@ -518,7 +518,8 @@ class StoreClient:
                 off = base + int(offs[i])
                 if offs[i] < 0 or off + sz > region.size:
                     raise E.InvalidParams(
-                        f"range [{off}, {off + sz}) is outside the registered buffer of {region.size} bytes"
+                        f"range [{off}, {off + sz}) is outside the registered buffer "
+                        f"of {region.size} bytes"
                     )
                 bufs.append((region, off))
             except E.StoreError as e:
@@ -641,7 +642,7 @@ class StoreClient:
         for start in range(0, len(keys), MAX_KEYS_PER_RPC):
             part = keys[start : start + MAX_KEYS_PER_RPC]
             t0 = time.monotonic()
-            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, part, host))
+            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host))
             if type(resp) is not P.ReplicasResp:
                 err = _whole_error(resp)
                 codes += [err.code] * len(part)
@@ -752,7 +753,8 @@ class StoreClient:
                 cap = caps_in[i] if caps_in[i] is not None else region.size - off
                 if offs[i] < 0 or cap <= 0 or off + cap > region.size:
                     raise E.InvalidParams(
-                        f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer of {region.size} bytes"
+                        f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer "
+                        f"of {region.size} bytes"
                     )
                 bufs.append((region, off))
                 caps.append(cap)
@@ -816,7 +818,7 @@ class StoreClient:
         for start in range(0, len(idx), MAX_KEYS_PER_RPC):
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
-            resp = self.rpc.call(lambda rid: P.ExistsReq(rid, pk))
+            resp = self.rpc.call(lambda rid, pk=pk: P.ExistsReq(rid, pk))
             if type(resp) is P.CodesResp:
                 for i, c in zip(part, resp.codes):
                     out[i] = bool(c)
@@ -839,7 +841,7 @@ class StoreClient:
         for start in range(0, len(idx), MAX_KEYS_PER_RPC):
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
-            resp = self.rpc.call(lambda rid: P.GetSizeReq(rid, pk))
+            resp = self.rpc.call(lambda rid, pk=pk: P.GetSizeReq(rid, pk))
             if type(resp) is P.SizesResp:
                 for i, c, s in zip(part, resp.codes, resp.sizes):
                     out[i] = s if c == 0 else E.error_for(c, f"get_size of {ks[i]!r}")
@@ -864,7 +866,7 @@ class StoreClient:
         for start in range(0, len(idx), MAX_KEYS_PER_RPC):
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
-            resp = self.rpc.mutate(lambda rid, s: P.RemoveReq(rid, s, pk, force))
+            resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
             if type(resp) is P.CodesResp:
                 for i, c in zip(part, resp.codes):
                     out[i] = None if c == 0 else E.error_for(c, f"remove of {ks[i]!r}")

@@ -197,7 +197,8 @@ def run_demo(
     ok = True
     try:
         say(
-            "starting worker processes: prefill (writer), decode on this host, decode as another host ..."
+            "starting worker processes: prefill (writer), decode on this host, "
+            "decode as another host ..."
         )
         prefill = _Worker(master.address, {})
         local = _Worker(master.address, {})
@@ -236,7 +237,8 @@ def run_demo(
         master.stop()
     _table(rows, out)
     say(
-        f"done in {time.monotonic() - t_start:.1f}s; every page {'verified' if ok else 'NOT verified'}"
+        f"done in {time.monotonic() - t_start:.1f}s; "
+        f"every page {'verified' if ok else 'NOT verified'}"
     )
     return 0 if ok else 1
 

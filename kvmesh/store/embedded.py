@@ -24,6 +24,14 @@ from .service import MasterService, ServiceConfig
 __all__ = ["EmbeddedMaster", "acquire_embedded", "embedded", "release_embedded"]
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class EmbeddedMaster:
     """A :class:`MasterService` running on a private event loop in a daemon thread."""
 
@@ -36,7 +44,7 @@ class EmbeddedMaster:
         self.security = security or SecurityConfig(token=secrets.token_hex(16))
         self.address = ""
         self.service: MasterService | None = None
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvmesh-store-master", daemon=True
         )

@@ -20,7 +20,7 @@ request failure with a :mod:`kvmesh.store.errors` code). Per-key outcomes are in
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -193,21 +193,21 @@ class StatusReq(msgspec.Struct, tag="status", array_like=True, frozen=True):
     rid: int
 
 
-Request = Union[
-    RegisterReq,
-    PutStartReq,
-    PutEndReq,
-    PutRevokeReq,
-    GetReplicasReq,
-    ExistsReq,
-    GetSizeReq,
-    RemoveReq,
-    RemoveAllReq,
-    MountReq,
-    UnmountReq,
-    HeartbeatReq,
-    StatusReq,
-]
+Request = (
+    RegisterReq
+    | PutStartReq
+    | PutEndReq
+    | PutRevokeReq
+    | GetReplicasReq
+    | ExistsReq
+    | GetSizeReq
+    | RemoveReq
+    | RemoveAllReq
+    | MountReq
+    | UnmountReq
+    | HeartbeatReq
+    | StatusReq
+)
 
 MUTATING = (PutStartReq, PutEndReq, PutRevokeReq, RemoveReq, RemoveAllReq, MountReq, UnmountReq)
 """Requests that become a log entry (and so carry a :class:`Session`)."""
@@ -285,17 +285,17 @@ class ErrorResp(msgspec.Struct, tag="error", array_like=True, frozen=True):
     retry: bool = False
 
 
-Response = Union[
-    RegisterResp,
-    PutStartResp,
-    CodesResp,
-    ReplicasResp,
-    SizesResp,
-    CountResp,
-    StatusResp,
-    Redirect,
-    ErrorResp,
-]
+Response = (
+    RegisterResp
+    | PutStartResp
+    | CodesResp
+    | ReplicasResp
+    | SizesResp
+    | CountResp
+    | StatusResp
+    | Redirect
+    | ErrorResp
+)
 
 _enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(Request)

@@ -193,6 +193,7 @@ def _make_result_type(inner_rt: Any) -> Any:
 
 
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
+_MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 
 
 def _now() -> float:
@@ -230,7 +231,9 @@ class MasterService:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
-        self._owners: dict[int, str] = {}  # session -> authenticated peer id (leader soft state)
+        # session -> authenticated peer id (leader soft state; the oldest bindings are
+        # forgotten past _MAX_OWNERS and re-bound on next use)
+        self._owners: OrderedDict[int, str] = OrderedDict()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -552,7 +555,11 @@ class MasterService:
             # (after a failover: first use again). Another peer naming it -- a confused or
             # buggy client -- could otherwise get someone else's cached results or move
             # their acknowledgement floor.
-            owner = self._owners.setdefault(sess.client_id, peer)
+            owner = self._owners.get(sess.client_id)
+            if owner is None:
+                owner = self._owners[sess.client_id] = peer
+                if len(self._owners) > _MAX_OWNERS:
+                    self._owners.popitem(last=False)
             if owner != peer:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
         if t is P.GetReplicasReq:

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_OBJECT_SIZE",
     "MAX_REPLICAS",
+    "MAX_SLICES_PER_BATCH",
     "ObjectLookup",
     "ObjectReplica",
     "ReplicaDesc",
@@ -51,6 +52,10 @@ MAX_BATCH_KEYS = 65536
 
 MAX_REPLICAS = 16
 """Most copies of one object."""
+
+MAX_SLICES_PER_BATCH = 1 << 18
+"""Most slices (copies x slices per copy, summed over the keys) one put batch may ask for:
+bounds the work of one log entry; a larger batch is refused whole with ``InvalidParams``."""
 
 Strategy = Literal["local", "random", "most_free"]
 

@@ -54,7 +54,9 @@ def main() -> int:
             from kvmesh.store import protocol as P
 
             keys, sizes = cmd["keys"], cmd["sizes"]
-            r = client.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, sizes, client.config))
+            r = client.rpc.mutate(
+                lambda rid, s, k=keys, z=sizes: P.PutStartReq(rid, s, k, z, client.config)
+            )
             out = {"codes": list(r.codes)}
         else:
             out = {"error": f"unknown op {op}"}

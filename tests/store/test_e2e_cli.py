@@ -135,8 +135,23 @@ def test_master_and_node_commands(tmp_path):
 
 
 def test_store_demo_verifies_every_page():
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "demo", "--pages", "32", "--rounds", "1",
-                          "--page-kib", "16"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "demo",
+            "--pages",
+            "32",
+            "--rounds",
+            "1",
+            "--page-kib",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "every page verified" in out.stdout
     assert "decode other host" in out.stdout and "tcp" in out.stdout  # the forced network path

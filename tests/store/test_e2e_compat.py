@@ -17,8 +17,12 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = StoreCluster(str(tmp_path_factory.mktemp("compat")), 1, durability="memory",
-                      extra_args=["--lease-ttl-s", "0.5"])
+    cl = StoreCluster(
+        str(tmp_path_factory.mktemp("compat")),
+        1,
+        durability="memory",
+        extra_args=["--lease-ttl-s", "0.5"],
+    )
     cl.start_all()
     yield cl
     cl.close()
@@ -28,7 +32,9 @@ def test_sglang_style_session(cluster):
     store = MooncakeDistributedStore()
     # SGLang's positional call: hostname, metadata server, segment, local buffer, protocol,
     # device, master address, transfer engine.
-    rc = store.setup("localhost", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", cluster.address, None)
+    rc = store.setup(
+        "localhost", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", cluster.address, None
+    )
     assert rc == 0
     try:
         # warm-up exactly as the backend does it
@@ -68,7 +74,8 @@ def test_sglang_style_session(cluster):
         out = torch.zeros(4, page_bytes, dtype=torch.uint8)
         assert store.register_buffer(out.data_ptr(), out.numel()) == 0
         got = store.batch_get_into_multi_buffers(
-            mkeys, [[out[0].data_ptr(), out[1].data_ptr()], [out[2].data_ptr()]], msizes)
+            mkeys, [[out[0].data_ptr(), out[1].data_ptr()], [out[2].data_ptr()]], msizes
+        )
         assert got == [2 * page_bytes, page_bytes]
         assert torch.equal(out[:3], pool[:3])
         assert store.unregister_buffer(out.data_ptr()) == 0
@@ -81,9 +88,18 @@ def test_sglang_style_session(cluster):
 
 def test_config_dict_setup_and_embedded():
     store = MooncakeDistributedStore()
-    assert store.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
-                        "global_segment_size": 16 << 20, "protocol": "tcp",
-                        "master_server_address": "embedded"}) == 0
+    assert (
+        store.setup(
+            {
+                "local_hostname": "localhost",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": 16 << 20,
+                "protocol": "tcp",
+                "master_server_address": "embedded",
+            }
+        )
+        == 0
+    )
     try:
         assert store.put("dict-a", b"hello") == 0
         assert store.get("dict-a") == b"hello"

@@ -91,7 +91,8 @@ def test_leader_killed_under_load_loses_no_acknowledged_put(tmp_path):
                 got = check.get(keys)
                 bad = [k for k, r in zip(keys, got) if r != value_of(k, 4096)]
                 assert not bad, (
-                    f"{len(bad)} acknowledged puts lost, e.g. {bad[:3]}: {got[keys.index(bad[0])]!r}"
+                    f"{len(bad)} acknowledged puts lost, e.g. {bad[:3]}: "
+                    f"{got[keys.index(bad[0])]!r}"
                 )
         finally:
             check.close()

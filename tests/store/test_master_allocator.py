@@ -13,8 +13,8 @@ def test_sorted_ints_matches_a_sorted_list() -> None:
     rng = random.Random(7)
     s = SortedInts()
     model: list[int] = []
-    for _ in range(20000):
-        x = rng.randrange(5000)
+    for _ in range(6000):
+        x = rng.randrange(3000)
         if x in model:
             s.remove(x)
             model.remove(x)
@@ -30,6 +30,19 @@ def test_sorted_ints_matches_a_sorted_list() -> None:
     assert s.last() == (model[-1] if model else None)
     with pytest.raises(KeyError):
         s.remove(10**9)
+
+
+def test_sorted_ints_splits_and_merges_blocks() -> None:
+    s = SortedInts()
+    for x in range(5000):  # appends: blocks split at 2 * load
+        s.add(x * 2)
+    assert len(s._lists) > 4 and list(s) == [x * 2 for x in range(5000)]
+    for x in range(0, 10000, 2):
+        if x % 64:
+            s.remove(x)  # thin every block out: small blocks merge into their successor
+    assert list(s) == list(range(0, 10000, 64))
+    assert all(b for b in s._lists) and s._maxes == [b[-1] for b in s._lists]
+    assert s.ceil(65) == 128 and s.ceil(10**6) is None and 64 in s and 66 not in s
 
 
 def _free_runs(used: bytearray, align: int) -> list[tuple[int, int]]:

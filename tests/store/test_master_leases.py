@@ -64,7 +64,7 @@ def _filled(n: int = 10, size: int = 1000) -> StoreStateMachine:
     sm.apply(1, encode_command(Mount("n", "s", "e", "h", n * size, 0.0)))
     keys = [f"k{i}" for i in range(n)]
     sm.apply(2, encode_command(PutStart(keys, [size] * n, ReplicateConfig(), 0.0)))
-    sm.apply(3, encode_command(PutEnd(keys)))
+    sm.apply(3, encode_command(PutEnd(keys, [2] * n)))
     return sm
 
 

@@ -9,6 +9,19 @@ from kvmesh.replog.linearizability import UNKNOWN, Operation, check
 from kvmesh.store.master.sim import StoreModel, StoreOp, run_seed
 
 CLEAN_SEEDS = range(10)
+EXERCISED = (
+    "reads_checked",
+    "evictions",
+    "expiries",
+    "holds_released",
+    "leader_changes",
+    "restarts",
+    "lease_expired_reads",
+    "node_kills",
+    "isolations",
+    "drains",
+    "snapshots_installed",
+)
 DURATION = 15.0
 
 
@@ -17,11 +30,11 @@ def test_clean_seeds_hold_every_invariant() -> None:
     for seed in CLEAN_SEEDS:
         r = run_seed(seed, duration=DURATION)
         assert r.ok, (
-            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim --first {seed} --seeds 1 --duration {DURATION}"
+            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim "
+            f"--first {seed} --seeds 1 --duration {DURATION}"
         )
         assert r.lin_outcome == "ok"
-        for f in ("reads_checked", "evictions", "expiries", "holds_released", "leader_changes",
-                  "restarts", "lease_expired_reads", "node_kills", "isolations", "drains"):  # fmt: skip
+        for f in EXERCISED:
             totals[f] = totals.get(f, 0) + getattr(r, f)
     # the runs exercised what the invariants are about
     assert all(v > 0 for v in totals.values()), totals
@@ -54,6 +67,15 @@ def test_planted_eviction_ignoring_leases_is_caught() -> None:
     seed, r = _first_caught("lease_ignored")
     assert r is not None, "eviction under a read lease went unnoticed"
     assert r.violation.startswith("lease:") or "foreign bytes" in r.violation, r.violation
+    assert seed in CLEAN_SEEDS
+
+
+def test_planted_lost_acknowledged_put_is_caught() -> None:
+    """PutEnd acknowledges some puts without publishing them: the reads after it (and the
+    final audit) make the history non-linearizable."""
+    seed, r = _first_caught("lost_put")
+    assert r is not None, "a lost acknowledged put went unnoticed"
+    assert "ILLEGAL" in r.violation, r.violation
     assert seed in CLEAN_SEEDS
 
 

@@ -90,11 +90,11 @@ def test_lifecycle_table_is_what_apply_follows() -> None:
         r = sm.apply(idx, encode_command(PutStart([key], [100], cfg, 0.0)))
         assert r.codes == [0]
         if complete:
-            assert sm.apply(idx + 1, encode_command(PutEnd([key]))).codes == [0]
+            assert sm.apply(idx + 1, encode_command(PutEnd([key], [idx]))).codes == [0]
 
     cases = {
-        Event.PUT_END: lambda k: PutEnd([k]),
-        Event.PUT_REVOKE: lambda k: PutRevoke([k]),
+        Event.PUT_END: lambda k: PutEnd([k], [sm.version_of(k)]),
+        Event.PUT_REVOKE: lambda k: PutRevoke([k], [sm.version_of(k)]),
         Event.REMOVE: lambda k: Remove([k]),
         Event.EVICT: lambda k: Evict([k], now=0.0),
     }
@@ -114,7 +114,7 @@ def test_lifecycle_table_is_what_apply_follows() -> None:
     assert not invariants.check(sm)
 
 
-def _random_command(rng: random.Random, now: float, held: list[int]):
+def _random_command(rng: random.Random, now: float, held: list[int], version_of=lambda k: 0):
     bad = rng.random() < 0.15  # mostly valid input, so that state builds up
     names = ["a", "b", "c", "d", "e", "f", "g"] + (["", "x" * 2000] if bad else [])
     keys = [rng.choice(names) for _ in range(rng.randint(1, 4))]
@@ -132,7 +132,9 @@ def _random_command(rng: random.Random, now: float, held: list[int]):
         hard_pin=rng.random() < 0.1,
     )
     node = rng.choice(["n0", "n1", "n2", "n3"])
-    vers = [rng.randrange(60) for _ in keys] if rng.random() < 0.3 else []
+    vers = (
+        [rng.randrange(60) for _ in keys] if rng.random() < 0.3 else [version_of(k) for k in keys]
+    )
     return rng.choice(
         [
             lambda: Mount(
@@ -150,6 +152,7 @@ def _random_command(rng: random.Random, now: float, held: list[int]):
             lambda: PutStart(keys, sizes, cfg, now),
             lambda: Upsert(keys, sizes, cfg, now),
             lambda: PutEnd(keys, vers),
+            lambda: PutEnd(keys, [version_of(k) for k in keys]),
             lambda: PutEnd(keys),
             lambda: PutRevoke(keys, vers),
             lambda: Remove(keys, hold=rng.random() < 0.5),
@@ -174,7 +177,7 @@ def test_fuzzed_commands_keep_invariants_and_replicas_agree(seed: int) -> None:
     b = None
     cut = rng.randrange(50, 250)
     for idx in range(1, 300):
-        data = encode_command(_random_command(rng, idx * 0.1, a.held_tags()))
+        data = encode_command(_random_command(rng, idx * 0.1, a.held_tags(), a.version_of))
         if rng.random() < 0.03:
             data = rng.randbytes(rng.randrange(20))
         ra = a.apply(idx, data)
@@ -210,13 +213,27 @@ def test_batches_report_per_key() -> None:
     assert r.replicas[1] is None and r.versions == [2, 0, 2, 0, 0]
     mismatched = sm.apply(3, encode_command(PutStart(["x", "y"], [10], ReplicateConfig(), 0.0)))
     assert mismatched.codes == [Code.INVALID_PARAMS] * 2
-    assert sm.apply(4, encode_command(PutEnd(["a", "b", "zz"]))).codes == [
+    assert sm.apply(4, encode_command(PutEnd(["a", "b", "zz"], [2, 2, 0]))).codes == [
         0,
         0,
         Code.OBJECT_NOT_FOUND,
     ]
     assert sm.exists(["a", "b", "zz"]) == [True, True, False]
     assert sm.get_size(["a", "zz"]) == [10, Code.OBJECT_NOT_FOUND]
+
+
+def test_batch_work_is_bounded() -> None:
+    """A batch asking for more slices than MAX_SLICES_PER_BATCH is refused whole, before any
+    allocation (a hostile entry cannot stall every replica)."""
+    sm = _sm()  # slice limit 512
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 30, 0.0)))
+    huge = PutStart(
+        [f"k{i}" for i in range(64)], [1 << 30] * 64, ReplicateConfig(replica_num=2), 0.0
+    )
+    r = sm.apply(2, encode_command(huge))
+    assert r.codes == [Code.INVALID_PARAMS] * 64 and sm.usage().used == 0
+    ok = sm.apply(3, encode_command(PutStart(["big"], [1 << 20], ReplicateConfig(), 0.0)))
+    assert ok.codes == [0] and len(ok.replicas[0][0].slices) == 2048
 
 
 def test_lookup_puts_copies_on_the_readers_host_first() -> None:
@@ -229,7 +246,7 @@ def test_lookup_puts_copies_on_the_readers_host_first() -> None:
             PutStart(["k"], [700], ReplicateConfig(replica_num=2, writer_host="h1"), 0.0)
         ),
     )
-    sm.apply(4, encode_command(PutEnd(["k"])))
+    sm.apply(4, encode_command(PutEnd(["k"], [3])))
     (plain,) = sm.lookup(["k"])
     assert [c.slices[0].segment for c in plain.replicas] == ["s1", "s2"]
     (near,) = sm.lookup(["k"], host="h2")
@@ -249,6 +266,23 @@ def test_snapshot_corruption_is_detected() -> None:
         StoreStateMachine().restore(b"")
 
 
+def test_inconsistent_snapshot_is_refused() -> None:
+    """Well-framed (CRCs fine) but wrong images are refused: an object count that disagrees
+    with the header, an undecodable object chunk."""
+    from kvmesh.replog.snapfile import iter_chunks, pack_chunk
+    from kvmesh.store.master.objects import Obj
+
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0)))
+    header = next(iter_chunks(sm.snapshot()))
+    bad = pack_chunk(msgspec.msgpack.encode((["k"], [Obj(10, 2, 1, 0.0, b"\x09" + bytes(11))])))
+    img = pack_chunk(header) + bad
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(img)  # object count mismatch (header says 0)
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(pack_chunk(header) + pack_chunk(b"\xc1"))
+
+
 def test_snapshot_is_consistent_while_apply_continues() -> None:
     """snapshot_chunks copies the table when called; applies after that do not leak in."""
     sm = _sm()
@@ -261,7 +295,7 @@ def test_snapshot_is_consistent_while_apply_continues() -> None:
     )
     want = sm.digest()
     chunks = sm.snapshot_chunks()
-    sm.apply(3, encode_command(PutEnd([f"k{i}" for i in range(100)])))
+    sm.apply(3, encode_command(PutEnd([f"k{i}" for i in range(100)], [2] * 100)))
     sm.apply(4, encode_command(Pin(["k1"], True, 0.0)))
     sm.apply(5, encode_command(Remove(["k2"])))
     clone = StoreStateMachine()
@@ -284,6 +318,48 @@ def test_session_wrapper_caches_typed_results() -> None:
     again = sm.apply(4, encode_envelope(SessionCommand(cid, 2, body)))
     assert isinstance(again, PutStartResult) and again == first
     assert sm.inner.object_count() == 1
+
+
+def test_mount_validates_its_fields() -> None:
+    sm = _sm()
+    for bad in (
+        Mount("", "s", "e", "h", 4096, 0.0),
+        Mount("n", "", "e", "h", 4096, 0.0),
+        Mount("n", "s" * 2000, "e", "h", 4096, 0.0),
+        Mount("n", "s", "e" * 2000, "h", 4096, 0.0),
+        Mount("n", "s", "e", "h", 63, 0.0),
+        Mount("n", "s", "e", "h", 1 << 41, 0.0),
+    ):
+        assert sm.apply(1, encode_command(bad)).codes == [Code.INVALID_PARAMS], bad
+    assert sm.segments() == []
+
+
+def test_snapshot_inside_the_session_wrapper() -> None:
+    """The production composition: sessions around the store; a replica restored from the
+    wrapper's snapshot continues identically (same results, same state)."""
+    a = SessionStateMachine(StoreStateMachine(CFG))
+    cid = a.apply(1, encode_envelope(Register()))
+    bodies = [
+        Mount("n", "s", "e", "h", 1 << 16, 0.0),
+        PutStart(["x", "y"], [700, 64], ReplicateConfig(), 0.0),
+        PutEnd(["x", "y"], [3, 3]),
+        Remove(["y"], hold=True),
+        PutStart(["z"], [100], ReplicateConfig(), 1.0),
+        Release([5]),
+        PutStart(["w"], [64], ReplicateConfig(), 2.0),
+    ]
+    envs = [
+        encode_envelope(SessionCommand(cid, seq, encode_command(b)))
+        for seq, b in enumerate(bodies, 1)
+    ]
+    for idx, env in enumerate(envs[:4], 2):
+        a.apply(idx, env)
+    b = SessionStateMachine(StoreStateMachine())
+    b.restore(a.snapshot())
+    for idx, env in enumerate(envs[4:], 6):
+        assert encode_result(a.apply(idx, env)) == encode_result(b.apply(idx, env))
+    assert a.inner.digest() == b.inner.digest() and a.snapshot() == b.snapshot()
+    assert b.inner.placement("w") == a.inner.placement("w")
 
 
 def test_remount_waits_for_the_quarantine() -> None:

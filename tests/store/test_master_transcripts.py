@@ -21,7 +21,8 @@ Commands (times default to the transcript clock, moved with ``tick``):
   expire nodes=a,b
   put-start keys=a,b sizes=1,2 [replicas=] [strategy=] [host=] [prefer=] [soft] [hard] [ttl=]
   upsert    (same arguments)
-  put-end keys= [versions=]         versions default to none (no check); "last" = the last put's
+  put-end keys= [versions=]         versions default to "last" (the last put's of each key);
+                                    "none" sends none (refused)
   put-revoke keys= [versions=]
   remove keys= [force]              through the leader policy (leases -> ObjectHasLease / hold)
   remove-all [force]                skips leased keys
@@ -34,6 +35,7 @@ Commands (times default to the transcript clock, moved with ``tick``):
   new-leader [ttl=]                 fresh leader soft state (everything leased for ttl)
   touch keys=                       access order for eviction
   lookup keys= [host=]              read-only query
+  exists keys=                      read-only exists + get_size
   tick t=                           advance the transcript clock
   raw <cmd>                         mutating command without printing the tables
 """
@@ -121,8 +123,8 @@ class Driver:
             free = " ".join(f"[{a},{b})" for a, b in s.alloc.free_extents()) or "-"
             extra = f" until={s.deadline:g}" if s.state == "draining" else ""
             out.append(
-                f"  {s.name} node={s.node_id} host={s.host_id} {s.state}{extra} used={s.alloc.used}/{s.alloc.size}"
-                f" slices={s.slices} free={free}"
+                f"  {s.name} node={s.node_id} host={s.host_id} {s.state}{extra}"
+                f" used={s.alloc.used}/{s.alloc.size} slices={s.slices} free={free}"
             )
         if sm.held:
             out.append("held:")
@@ -143,9 +145,9 @@ class Driver:
             hard_pin="hard" in a,
         )
 
-    def versions(self, a: dict[str, str], keys: list[str]) -> list[int]:
-        v = a.get("versions")
-        if v is None:
+    def versions(self, a: dict[str, str], keys: list[str], default: str = "last") -> list[int]:
+        v = a.get("versions", default)
+        if v == "none":
             return []
         if v == "last":
             return [self.last_versions.get(k, 0) for k in keys]
@@ -189,6 +191,13 @@ class Driver:
         if cmd == "touch":
             self.stats.touch(_list(a["keys"]))
             return ["ok"]
+        if cmd == "exists":
+            keys = _list(a["keys"])
+            sizes = self.sm.get_size(keys)
+            return [
+                f"{k}: {'yes' if e else 'no'}" + (f" size={z}" if e else "")
+                for k, e, z in zip(keys, self.sm.exists(keys), sizes)
+            ]
         if cmd == "lookup":
             out = []
             for k, r in zip(_list(a["keys"]), self.sm.lookup(_list(a["keys"]), host=a.get("host"))):
@@ -237,7 +246,9 @@ class Driver:
                     for i, c in enumerate(codes):
                         if c == 0:
                             codes[i], v = next(it)
-                            self.last_versions[next(sent)] = v
+                            k = next(sent)
+                            if codes[i] == 0:
+                                self.last_versions[k] = v
             if cmd == "put-start":
                 for k, c, v in zip(keys, res.codes, res.versions):
                     if c == 0:
@@ -287,7 +298,7 @@ class Driver:
             out = [f"result: reclaimed={res.keys} unmounted={res.unmounted} lost={res.lost}"]
         elif cmd == "evict":
             keys = _list(a["keys"])
-            res = self.apply(Evict(keys, self.versions(a, keys), now, "soft" in a))
+            res = self.apply(Evict(keys, self.versions(a, keys, "none"), now, "soft" in a))
             out = [f"result: {_codes(res.codes)} freed={res.freed}"]
         elif cmd == "evict-auto":
             plan = choose_victims(

@@ -7,39 +7,37 @@ batch is one RPC and at most one entry. Time and randomness enter only as values
 commands: ``now`` is the proposing leader's wall clock in seconds, and the "random" placement
 strategy is seeded from the entry's log index.
 
-====================  ==========================================================  ====================
-command               effect (per key unless noted)                               result
-====================  ==========================================================  ====================
-``Mount``             add a segment of ``size`` bytes owned by ``node_id``          ``Codes`` (1 code)
-``Unmount``           ``grace=0``: drop the segment and every copy in it now;       ``ExpireResult``
-                      ``grace>0``: stop allocating in it, keep its copies readable
-                      until ``now+grace``, then a later ``Reclaim`` drops it
-``ExpireNodes``       drop every segment of each node and every copy in them       ``ExpireResult``
-``PutStart``          allocate PROCESSING copies (``ObjectExists`` if COMPLETE,    ``PutStartResult``
-                      ``ReplicaNotReady`` if another put of the key is in flight,
-                      ``NoSpace`` if no room)
-``PutEnd``            PROCESSING -> COMPLETE (only the put named by ``versions``)   ``Codes``
-``PutRevoke``         free a PROCESSING put                                         ``Codes``
-``Upsert``            like PutStart, but a COMPLETE key is replaced (its            ``PutStartResult``
-                      allocation reused when size and copy count match)
-``Remove``            free COMPLETE objects (``ReplicaNotReady`` for PROCESSING     ``Codes``
-                      ones; ``hold``: keep the bytes allocated until ``Release``)
-``RemoveAll``         remove every COMPLETE object except ``skip``                  ``RemoveAllResult``
-``Reclaim``           free PROCESSING puts started before ``now - put_timeout``;    ``ReclaimResult``
-                      finish graceful unmounts whose grace has passed
-``Evict``             free the victims the leader chose, re-checking each          ``EvictResult``
-``Pin`` / ``Unpin``   set / clear soft (TTL) or hard pins                          ``Codes``
-``Release``           free the bytes held by earlier ``hold`` removes              ``Codes`` (per tag)
-====================  ==========================================================  ====================
+Commands (effect per key unless noted) and their results:
+
+* ``Mount``: add a segment of ``size`` bytes owned by ``node_id``. ``Codes`` (one code).
+* ``Unmount``: ``grace=0`` drops the segment and every copy in it now; ``grace>0`` stops
+  allocating in it and keeps its copies readable until ``now+grace``, then a later
+  ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
+* ``ExpireNodes``: drop every segment of each node and every copy in them. ``ExpireResult``.
+* ``PutStart``: allocate PROCESSING copies (``ObjectExists`` if COMPLETE, ``ReplicaNotReady``
+  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``.
+* ``PutEnd``: PROCESSING -> COMPLETE, only for the put named by ``versions``. ``Codes``.
+* ``PutRevoke``: free a PROCESSING put (named by ``versions``). ``Codes``.
+* ``Upsert``: like PutStart, but a COMPLETE key is replaced (its allocation reused when size
+  and copy count match). ``PutStartResult``.
+* ``Remove``: free COMPLETE objects (``ReplicaNotReady`` for PROCESSING ones; ``hold`` keeps
+  the bytes allocated until ``Release``). ``Codes``.
+* ``RemoveAll``: remove every COMPLETE object except ``skip``. ``RemoveAllResult``.
+* ``Reclaim``: free PROCESSING puts started before ``now - put_timeout``; finish graceful
+  unmounts whose grace has passed. ``ReclaimResult``.
+* ``Evict``: free the victims the leader chose, re-checking each. ``EvictResult``.
+* ``Pin`` / ``Unpin``: set / clear soft (TTL) or hard pins. ``Codes``.
+* ``Release``: free the bytes held under these tags (log indices). ``Codes`` (per tag).
 
 Leases are leader soft state (``leases.py``): the service refuses ``Remove``/``Upsert``/
 ``Evict`` of leased keys before proposing them (``ObjectHasLease``), or proposes a forced
 ``Remove`` with ``hold=True`` and a ``Release`` once the leases are over, so leased bytes are
 never freed or reused.
 
-Versions: the log index of a key's ``PutStart``/``Upsert`` is its ``version``. ``PutEnd``,
-``PutRevoke`` and ``Evict`` may name the versions they act on (an empty list skips the check);
-a stale one gets ``InvalidWrite`` (``NotEvictable`` for Evict) instead of acting on a newer put.
+Versions: the log index of a key's ``PutStart``/``Upsert`` is its ``version``. ``PutEnd`` and
+``PutRevoke`` must name the versions they act on (one per key, else ``InvalidParams``), so a
+late or foreign call never publishes or frees another writer's put; ``Evict`` may (an empty list
+skips the check). A stale version gets ``InvalidWrite`` (``NotEvictable`` for Evict).
 """
 
 from __future__ import annotations
@@ -122,11 +120,16 @@ class PutStart(msgspec.Struct, tag="put_start", **_S):
 
 
 class PutEnd(msgspec.Struct, tag="put_end", **_S):
+    """Publish the puts named by ``versions[i]`` (from PutStartResult; required, one per
+    key: a missing or stale version gets ``InvalidParams`` / ``InvalidWrite``)."""
+
     keys: list[str]
     versions: list[int] = []
 
 
 class PutRevoke(msgspec.Struct, tag="put_revoke", **_S):
+    """Free the PROCESSING puts named by ``versions[i]`` (required, as for PutEnd)."""
+
     keys: list[str]
     versions: list[int] = []
 

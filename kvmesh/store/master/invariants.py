@@ -107,7 +107,8 @@ def check(sm: StoreStateMachine) -> list[str]:
                 errs.append(f"segment {s.name}: extent [{start},{end}) of {owner!r} misplaced")
             if start < prev_end:
                 errs.append(
-                    f"segment {s.name}: [{start},{end}) of {owner!r} overlaps {prev_owner!r} (ends {prev_end})"
+                    f"segment {s.name}: [{start},{end}) of {owner!r} overlaps {prev_owner!r}"
+                    f" (ends {prev_end})"
                 )
             if end > prev_end:
                 prev_end, prev_owner = end, owner
@@ -144,6 +145,7 @@ def check(sm: StoreStateMachine) -> list[str]:
         alloc_bytes = sum(e - st for st, e, _ in used)
         if alloc_bytes + total_free != al.size:
             errs.append(
-                f"segment {s.name}: accounting: allocated {alloc_bytes} + free {total_free} != size {al.size}"
+                f"segment {s.name}: accounting: allocated {alloc_bytes} + free {total_free}"
+                f" != size {al.size}"
             )
     return errs

@@ -43,6 +43,8 @@ class LeaseTable:
         until = now + ttl
         out = []
         u = self._until
+        if len(self._order) > 2 * len(u) + 4096:
+            self.purge(now)  # keep the expiry queue proportional to the live leases
         for k in keys:
             if k in self._blocked:
                 out.append(0.0)

@@ -10,10 +10,12 @@ Three master replicas (``kvmesh.replog`` cores on the hand-driven
   reclaims stale puts, releases holds and evicts above the watermark;
 * storage nodes whose segment bytes are modelled as one tag per slice (a checksum of key,
   version and slice number); a node that dies loses its bytes and comes back later;
-* clients doing two-phase puts (write tags, then PutEnd), upserts, reads (read index, lookup,
-  lease, a copy that takes time, then a byte check), exists and removes (sometimes forced);
+* clients doing two-phase puts (write tags, then PutEnd; some soft- or hard-pinned), upserts,
+  reads (read index, lookup, lease, a copy that takes time, then a byte check), exists and
+  removes (sometimes forced);
 * faults: leader isolation, replica restarts (state machine rebuilt from the storage's
-  snapshot + log), snapshots with log compaction.
+  snapshot + log), snapshots with log compaction, storage nodes that die (and come back with a
+  new segment once the old one expired) or leave gracefully (drain, then exit).
 
 Checked on every step (:class:`SimViolation` names the first failure):
 
@@ -24,12 +26,14 @@ Checked on every step (:class:`SimViolation` names the first failure):
 * every completed read returned exactly the bytes of the version it looked up;
 * replicas that applied the same prefix have the same state digest.
 
-At the end the put/get/exists/remove/evict history goes through
-:func:`kvmesh.replog.linearizability.check` with :class:`StoreModel`.
+At the end the network heals, every key is read through the leader (bytes checked), and the
+put/get/exists/remove/evict history goes through :func:`kvmesh.replog.linearizability.check`
+with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
-leader releases it again) and ``"lease_ignored"`` (eviction ignores read leases) must be
-caught. ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
+leader releases it again), ``"lease_ignored"`` (eviction ignores read leases) and
+``"lost_put"`` (PutEnd acknowledges puts it does not publish) must be caught.
+``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
 from __future__ import annotations
@@ -181,7 +185,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     put_timeout: float = 2.0
     node_ttl: float = 1.5
     faults: bool = True
-    snapshot_every: int = 60
+    snapshot_every: int = 15
     plant: str | None = None
 
 
@@ -201,6 +205,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     holds_released: int = 0
     isolations: int = 0
     drains: int = 0
+    snapshots_installed: int = 0
     node_kills: int = 0
     lin_outcome: str = ""
 
@@ -335,6 +340,7 @@ class StoreSim:
                 self.installed[i] = len(hn.installed)
                 if snap.meta.index > sm.applied:
                     sm.restore(snap.data)
+                    self.res.snapshots_installed += 1
             ents = hn.applied
             while self.consumed[i] < len(ents):
                 e = ents[self.consumed[i]]
@@ -368,7 +374,7 @@ class StoreSim:
         if sm.applied <= st.snapshot().meta.index or sm.applied > st.last_index():
             return
         st.create_snapshot(sm.applied, hn.core.conf_state, sm.snapshot())
-        st.compact(max(st.first_index(), sm.applied - 20))
+        st.compact(max(st.first_index(), sm.applied - 5))
         self.since_snap[i] = 0
 
     def _restart(self, i: int) -> None:
@@ -730,8 +736,8 @@ class StoreSim:
             got = self.mem.get((seg, off))
             if got != _tag(rd.key, rd.version, j):
                 raise SimViolation(
-                    f"read of {rd.key!r} v{rd.version} under a lease (until {rd.until:.3f}, now {self.now:.3f}) "
-                    f"got foreign bytes at {seg}@{off}"
+                    f"read of {rd.key!r} v{rd.version} under a lease (until {rd.until:.3f}, "
+                    f"now {self.now:.3f}) got foreign bytes at {seg}@{off}"
                 )
         self.res.reads_checked += 1
         self.history.ok(rd.op, token)
@@ -818,7 +824,8 @@ class StoreSim:
                 )
                 if not ok:
                     raise SimViolation(
-                        f"{what}: {seg}@{off} of {key!r} v{version} is now {owners or 'free'} on replica {i} (index {sm.applied})"
+                        f"{what}: {seg}@{off} of {key!r} v{version} is now {owners or 'free'}"
+                        f" on replica {i} (index {sm.applied})"
                     )
 
     def _check(self) -> None:
@@ -883,6 +890,7 @@ class StoreSim:
                         self.net.recover()
                         healed_at = None
                     self._check()
+                self._final_audit()
             except SimViolation as e:
                 self.res.ok = False
                 self.res.violation = str(e)
@@ -890,19 +898,68 @@ class StoreSim:
         ops = self.history.operations()
         self.res.ops_ok = sum(1 for o in ops if not o.pending)
         self.res.ops_unknown = sum(1 for o in ops if o.pending)
-        lin = check(StoreModel(), ops, timeout_s=10.0)
+        # a step budget, not a time budget: the outcome must not depend on machine load
+        lin = check(StoreModel(), ops, timeout_s=None, max_steps_per_partition=5_000_000)
         self.res.lin_outcome = lin.outcome
         if lin.outcome == "illegal":
             self.res.ok = False
             self.res.violation = lin.report(max_ops=30)
         return self.res
 
+    def _final_audit(self) -> None:
+        """Heal, let the leader settle, then read every key through the leader: each
+        visible object's copies on serving nodes hold exactly its bytes, and the answers
+        join the history (so an acknowledged put that vanished is not linearizable)."""
+        self.net.recover()
+        for _ in range(300):
+            self.now += self.cfg.step
+            self.steps += 1
+            if self.steps % self.cfg.tick_every == 0:
+                for node in self.net.nodes.values():
+                    node.core.tick()
+            self.net.deliver_once()
+            self._apply_all()
+            lead = self.leader()
+            if lead != self.lead or (lead and self.net.nodes[lead].core.term != self.lead_term):
+                self._leader_change(lead)
+            for idx, p in list(self.proposals.items()):
+                if self.now > p.deadline and not p.done:
+                    p.done = True
+                    del self.proposals[idx]
+                    p.cb(None)
+            if self.lead and not self.proposals:
+                sm = self.sms[self.lead]
+                hn = self.net.nodes[self.lead]
+                if sm.applied >= hn.core.log.committed:
+                    break
+        if not self.lead:
+            return
+        self._check()
+        sm = self.sms[self.lead]
+        for key in self.keys:
+            lk = sm.lookup([key])[0]
+            h = self.history.invoke("audit", StoreOp("get", key))
+            if lk.code:
+                self.history.ok(h, None)
+                continue
+            for copy in lk.replicas:
+                if not all(self._serving(d.segment[4:]) for d in copy.slices):
+                    continue
+                for j, d in enumerate(copy.slices):
+                    if self.mem.get((d.segment, d.offset)) != _tag(key, lk.version, j):
+                        raise SimViolation(
+                            f"audit: {key!r} v{lk.version} has foreign bytes at "
+                            f"{d.segment}@{d.offset}"
+                        )
+                self.res.reads_checked += 1
+            self.history.ok(h, self.tokens.get((key, lk.version)))
+
     def _fault(self) -> float | None:
         r = self.rng.random()
         if r < 0.3 and self.lead:
             self.net.isolate(self.lead)
             self.res.isolations += 1
-            return self.now + self.rng.uniform(1.0, 3.0)
+            return self.now + self.rng.uniform(1.0, 4.0)
         if r < 0.45:
             self._restart(self.rng.choice(self.ids))
             return None
@@ -926,6 +983,21 @@ class StoreSim:
 @contextmanager
 def _planted(plant: str | None):
     """Negative controls: plant a bug in the real state machine for the run."""
+    if plant == "lost_put":
+        orig_end = state_mod.StoreStateMachine._put_end
+
+        def lossy_put_end(self: StoreStateMachine, index: int, c: PutEnd):
+            # acknowledges every key but never publishes some of them
+            kept = [(k, v) for k, v in zip(c.keys, c.versions) if zlib.crc32(k.encode()) % 3]
+            res = orig_end(self, index, PutEnd([k for k, _ in kept], [v for _, v in kept]))
+            return type(res)([0] * len(c.keys))
+
+        state_mod.StoreStateMachine._put_end = lossy_put_end  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            state_mod.StoreStateMachine._put_end = orig_end  # type: ignore[method-assign]
+        return
     if plant != "double_free":
         yield
         return
@@ -974,8 +1046,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in range(a.first, a.first + a.seeds):
         r = run_seed(s, duration=a.duration, plant=a.plant)
         print(
-            f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} reads={r.reads_checked} "
-            f"evictions={r.evictions} expiries={r.expiries} holds={r.holds_released} leaders={r.leader_changes} lin={r.lin_outcome}"
+            f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} "
+            f"reads={r.reads_checked} evictions={r.evictions} expiries={r.expiries} "
+            f"drains={r.drains} holds={r.holds_released} "
+            f"leaders={r.leader_changes} lin={r.lin_outcome}"
         )
         if not r.ok:
             bad += 1

@@ -27,7 +27,8 @@ objects fit well under 1 GiB and restore in a few seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import struct
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import crc32c
@@ -38,8 +39,10 @@ from ...replog.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
 from ..errors import Code
 from ..types import (
     MAX_BATCH_KEYS,
+    MAX_KEY_BYTES,
     MAX_OBJECT_SIZE,
     MAX_REPLICAS,
+    MAX_SLICES_PER_BATCH,
     ObjectLookup,
     ObjectReplica,
     ReplicaDesc,
@@ -130,8 +133,9 @@ class _Seg:
         "state",
     )  # fmt: skip
 
-    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str, size: int,
-                 alloc: SegmentAllocator, state: str, deadline: float, generation: int) -> None:  # fmt: skip
+    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
+                 size: int, alloc: SegmentAllocator, state: str, deadline: float,
+                 generation: int) -> None:  # fmt: skip
         self.id = sid
         self.name = name
         self.node_id = node_id
@@ -190,6 +194,26 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_HANDLERS: dict[type, str] = {
+    Mount: "_mount",
+    Unmount: "_unmount",
+    ExpireNodes: "_expire",
+    PutStart: "_put_start",
+    Upsert: "_upsert",
+    PutEnd: "_put_end",
+    PutRevoke: "_put_revoke",
+    Remove: "_remove",
+    RemoveAll: "_remove_all",
+    Reclaim: "_reclaim",
+    Evict: "_evict",
+    Pin: "_pin",
+    Unpin: "_unpin",
+    Release: "_release",
+}
+"""Command type -> handler method name (looked up per call, so a test can patch a handler
+on the class, as the simulator's negative controls do)."""
+
+
 class StoreStateMachine:
     """Deterministic store metadata; see the module docstring. ``apply`` never raises for a
     well-formed entry: bad input gets per-key codes."""
@@ -207,22 +231,6 @@ class StoreStateMachine:
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
-        self._handlers: dict[type, Callable[[int, Any], Result]] = {
-            Mount: self._mount,
-            Unmount: self._unmount,
-            ExpireNodes: self._expire,
-            PutStart: self._put_start,
-            Upsert: self._upsert,
-            PutEnd: self._put_end,
-            PutRevoke: self._put_revoke,
-            Remove: self._remove,
-            RemoveAll: self._remove_all,
-            Reclaim: self._reclaim,
-            Evict: self._evict,
-            Pin: self._pin,
-            Unpin: self._unpin,
-            Release: self._release,
-        }
 
     # ================================================================== replog protocol
 
@@ -233,12 +241,12 @@ class StoreStateMachine:
             cmd = decode_command(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
-        return self._handlers[type(cmd)](index, cmd)
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     def apply_command(self, index: int, cmd: Command) -> Result:
         """``apply`` for an already-decoded command (tests, the embedded single-replica mode)."""
         self.applied = index
-        return self._handlers[type(cmd)](index, cmd)
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     # ================================================================== read-only queries
 
@@ -381,7 +389,10 @@ class StoreStateMachine:
             )
         objects: dict[str, Obj] = {}
         for chunk in chunks:
-            ks, vs = _chunk_dec.decode(chunk)
+            try:
+                ks, vs = _chunk_dec.decode(chunk)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise SnapshotCorruptionError(f"store snapshot: bad object chunk: {e}") from None
             objects.update(zip(ks, vs))
         if len(objects) != hdr.objects:
             raise SnapshotCorruptionError(
@@ -414,7 +425,10 @@ class StoreStateMachine:
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
         self.objects = objects
-        self._rebuild_indexes()
+        try:
+            self._rebuild_indexes()
+        except (KeyError, struct.error) as e:
+            raise SnapshotCorruptionError(f"store snapshot: inconsistent image: {e!r}") from None
 
     def digest(self) -> int:
         """Checksum of the whole replicated state (replicas must agree)."""
@@ -680,8 +694,11 @@ class StoreStateMachine:
 
     def _mount(self, index: int, c: Mount) -> Codes:
         if (
-            not (c.node_id and c.segment and 0 < c.size <= MAX_OBJECT_SIZE)
-            or c.size < self.config.align
+            key_error(c.node_id) is not None
+            or key_error(c.segment) is not None
+            or len(c.endpoint) > MAX_KEY_BYTES
+            or len(c.host_id) > MAX_KEY_BYTES
+            or not (self.config.align <= c.size <= MAX_OBJECT_SIZE)
         ):
             return Codes([int(Code.INVALID_PARAMS)])
         q = self.config.remount_quarantine
@@ -730,6 +747,10 @@ class StoreStateMachine:
             return int(Code.INVALID_PARAMS)
         if not (1 <= cfg.replica_num <= MAX_REPLICAS) or cfg.strategy not in _STRATEGIES:
             return int(Code.INVALID_PARAMS)
+        lim = self.config.slice_limit
+        work = sum(-(-z // lim) for z in c.sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
+        if work * cfg.replica_num > MAX_SLICES_PER_BATCH:
+            return int(Code.INVALID_PARAMS)  # bounded work per entry: split the batch
         return 0
 
     def _new_object(
@@ -785,6 +806,9 @@ class StoreStateMachine:
                     old.size == size
                     and len(old.layout) // (12 * n_slices(size, self.config.slice_limit))
                     == c.config.replica_num
+                    and all(
+                        self.segs[sid].state == MOUNTED for sid, _ in SLICE.iter_unpack(old.layout)
+                    )
                 ):
                     # Same shape: rewrite in place (the service made sure no reader holds a lease).
                     pin, until = _pin_of(c.config, c.now, c.pin_ttl)
@@ -814,14 +838,16 @@ class StoreStateMachine:
         return PutStartResult(codes, reps, vers)
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
-        if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
+        # versions are required: without them a late PutEnd could publish another
+        # writer's half-written put of the key (after a reclaim and a new put)
+        if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         for i, key in enumerate(c.keys):
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif c.versions and c.versions[i] != o.version:
+            elif c.versions[i] != o.version:
                 codes.append(int(Code.INVALID_WRITE))
             else:
                 nxt = next_state(o.state, Event.PUT_END)
@@ -836,16 +862,15 @@ class StoreStateMachine:
         return Codes(codes)
 
     def _put_revoke(self, index: int, c: PutRevoke) -> Codes:
-        if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
+        # versions are required: a revoke must never free bytes another writer is writing
+        if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
         for i, key in enumerate(c.keys):
             o = self.objects.get(key) if type(key) is str else None
             if o is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif (c.versions and c.versions[i] != o.version) or not self._drop(
-                key, Event.PUT_REVOKE
-            ):
+            elif c.versions[i] != o.version or not self._drop(key, Event.PUT_REVOKE):
                 codes.append(int(Code.INVALID_WRITE))
             else:
                 codes.append(0)
