@@ -272,9 +272,12 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callab
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def inner(self: KvmeshHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() < self._down_until:
+                # Fast miss; it must not push the window further, or a busy caller would
+                # never give the store another try.
+                self._counters.add(errors=1)
+                return default(self, *args, **kwargs)
             try:
-                if time.monotonic() < self._down_until:
-                    raise store_errors.StoreUnavailable("the store was unreachable moments ago")
                 return fn(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - the whole point: SGLang's thread survives
                 if isinstance(e, store_errors.StoreUnavailable):
