@@ -221,11 +221,27 @@ def _shards(cfg: Any, namespace: str, layout: str, dtype: Any, page_size: int) -
 
 
 class _Plan(msgspec.Struct):
-    """One call's objects: names, and per object its (address, length) pieces."""
+    """One call's objects: names and, per object, its address and length (``multi``: lists of
+    addresses and lengths whose bytes the object holds in order); ``totals``: bytes each."""
 
     names: list[str]
-    pieces: list[list[tuple[int, int]]]
+    ptrs: list[Any]
+    sizes: list[Any]
+    totals: list[int]
+    multi: bool
     per_page: int  # objects per page (MHA: 2, MLA: 1)
+
+    @staticmethod
+    def join(plans: Sequence[_Plan]) -> _Plan:
+        multi = any(p.multi for p in plans)
+
+        def lists(p: _Plan, xs: list[Any]) -> list[Any]:
+            return xs if p.multi or not multi else [[x] for x in xs]
+
+        return _Plan([n for p in plans for n in p.names],
+                     [x for p in plans for x in lists(p, p.ptrs)],
+                     [x for p in plans for x in lists(p, p.sizes)],
+                     [x for p in plans for x in p.totals], multi, 1)
 
 
 def _is_mha(pool: Any) -> bool:
@@ -236,31 +252,50 @@ def _is_mha(pool: Any) -> bool:
     )
 
 
-def _plan(pool: Any, keys: Sequence[str], host_indices: Any, obj: Callable[[str, str], str],
-          mha: bool, meta: Callable[[Any], tuple[list[int], list[int]]] | None = None) -> _Plan:
-    """Object names and pieces for ``keys`` whose slots are ``host_indices`` in ``pool``."""
-    ptrs, sizes = (meta or pool.get_page_buffer_meta)(host_indices)
+def _plan(pool: Any, keys: Sequence[str], host_indices: Any, obj: _Names, mha: bool) -> _Plan:
+    """Object names and addresses for ``keys`` whose slots are ``host_indices`` in ``pool``."""
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     n = len(keys)
     if n == 0 or len(ptrs) % n or len(ptrs) != len(sizes):
         raise ValueError(f"{len(ptrs)} page buffers for {n} keys")
     per = len(ptrs) // n
-    names: list[str] = []
-    pieces: list[list[tuple[int, int]]] = []
-    if mha:
-        if per % 2:
-            raise ValueError(f"MHA page meta with {per} buffers per page (expected K/V pairs)")
-        for i, key in enumerate(keys):
-            b = i * per
-            names.append(obj(key, "k"))
-            pieces.append([(ptrs[j], sizes[j]) for j in range(b, b + per, 2)])
-            names.append(obj(key, "v"))
-            pieces.append([(ptrs[j], sizes[j]) for j in range(b + 1, b + per, 2)])
-        return _Plan(names, pieces, 2)
-    for i, key in enumerate(keys):
+    comps = ("k", "v") if mha else ("kv",)
+    if mha and per % 2:
+        raise ValueError(f"MHA page meta with {per} buffers per page (expected K/V pairs)")
+    names = obj.names(keys, comps)
+    if per == len(comps):
+        # One contiguous range per object (page_first layouts): the meta is already in
+        # name order (MHA: k, v per page).
+        return _Plan(names, list(ptrs), list(sizes), list(sizes), False, len(comps))
+    # Several ranges per object (layer_first): MHA K takes the even pointers, V the odd.
+    step = len(comps)
+    mp, ms = [], []
+    for i in range(n):
         b = i * per
-        names.append(obj(key, "kv"))
-        pieces.append([(ptrs[j], sizes[j]) for j in range(b, b + per)])
-    return _Plan(names, pieces, 1)
+        for c in range(step):
+            mp.append(ptrs[b + c:b + per:step])
+            ms.append(sizes[b + c:b + per:step])
+    return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
+
+
+class _Names:
+    """Object names of one shard (and pool): ``{prefix}{hash}/{shard}{/pool}/{component}``."""
+
+    __slots__ = ("pre", "mid")
+
+    def __init__(self, prefix: str, shard: str, pool_tag: str = "") -> None:
+        self.pre = prefix
+        self.mid = f"/{shard}/{pool_tag}/" if pool_tag else f"/{shard}/"
+
+    def __call__(self, key: str, comp: str) -> str:
+        return f"{self.pre}{key}{self.mid}{comp}"
+
+    def names(self, keys: Sequence[str], comps: Sequence[str]) -> list[str]:
+        pre, mid = self.pre, self.mid
+        if len(comps) == 1:
+            c = comps[0]
+            return [f"{pre}{k}{mid}{c}" for k in keys]
+        return [f"{pre}{k}{mid}{c}" for k in keys for c in comps]
 
 
 # ------------------------------------------------------------------------------- failures
@@ -429,12 +464,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             raise RuntimeError("register_mem_pool_host() was not called")
         return self._shards
 
-    def _obj(self, pool_tag: str = "", shared: bool | None = None) -> Callable[[str, str], str]:
+    def _obj(self, pool_tag: str = "", shared: bool | None = None) -> _Names:
         sh = self._names()
         mid = sh.shared if (not self._mha if shared is None else shared) else sh.rank
-        pre = sh.prefix
-        tag = f"/{pool_tag}" if pool_tag else ""
-        return lambda key, comp: f"{pre}{key}/{mid}{tag}/{comp}"
+        return _Names(sh.prefix, mid, pool_tag)
 
     def _register(self, tensors: Sequence[Any]) -> None:
         for t in tensors:
@@ -490,32 +523,21 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def _get_plan(self, plan: _Plan) -> list[bool]:
         """Read every object of ``plan`` in one store batch; per object: complete or not."""
-        if all(len(p) == 1 for p in plan.pieces):
-            res = self.client.get_into(
-                plan.names, [p[0][0] for p in plan.pieces], 0, [p[0][1] for p in plan.pieces]
-            )
+        if plan.multi:
+            res = self.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
         else:
-            res = self.client.get_into_multi(
-                plan.names, [[a for a, _ in p] for p in plan.pieces],
-                [[n for _, n in p] for p in plan.pieces],
-            )
+            res = self.client.get_into(plan.names, plan.ptrs, 0, plan.sizes)
         _whole(res)
         # Exactly the page's bytes, or a miss (a shorter object is not this page).
-        return [isinstance(r, int) and not isinstance(r, bool) and r == sum(n for _, n in p)
-                for r, p in zip(res, plan.pieces)]
+        return [type(r) is int and r == t for r, t in zip(res, plan.totals)]
 
     def _set_plan(self, plan: _Plan) -> list[bool]:
         """Write every object of ``plan`` in one store batch (write-once: an existing
         object is a success and is not rewritten); per object: stored or not."""
-        if all(len(p) == 1 for p in plan.pieces):
-            res = self.client.put_from(
-                plan.names, [p[0][0] for p in plan.pieces], 0, [p[0][1] for p in plan.pieces]
-            )
+        if plan.multi:
+            res = self.client.put_from_multi(plan.names, plan.ptrs, plan.sizes)
         else:
-            res = self.client.put_from_multi(
-                plan.names, [[a for a, _ in p] for p in plan.pieces],
-                [[n for _, n in p] for p in plan.pieces],
-            )
+            res = self.client.put_from(plan.names, plan.ptrs, 0, plan.sizes)
         _whole(res)
         ok = []
         existing = 0
@@ -546,7 +568,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         ok = self._per_page(self._get_plan(plan), plan.per_page)
         dt = time.perf_counter() - t0
         hits = sum(ok)
-        nbytes = sum(sum(n for _, n in p) for p in plan.pieces) // len(keys) * hits
+        nbytes = sum(plan.totals) // len(keys) * hits
         self._counters.add(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits,
                            get_bytes=nbytes, get_seconds=dt, prefetch_pgs=len(keys),
                            prefetch_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
@@ -566,7 +588,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         ok = self._per_page(self._set_plan(plan), plan.per_page)
         dt = time.perf_counter() - t0
         good = sum(ok)
-        nbytes = sum(sum(n for _, n in p) for p in plan.pieces) // len(keys) * good
+        nbytes = sum(plan.totals) // len(keys) * good
         self._counters.add(set_pages=len(keys), set_written=good, set_failed=len(keys) - good,
                            set_bytes=nbytes, set_seconds=dt, backup_pgs=len(keys),
                            backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
@@ -587,10 +609,8 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if not keys:
             return 0
         t0 = time.perf_counter()
-        obj = self._obj()
         comps = ("k", "v") if self._mha else ("kv",)
-        names = [obj(k, c) for k in keys for c in comps]
-        flags = self._exist_flags(names)
+        flags = self._exist_flags(self._obj().names(keys, comps))
         per = len(comps)
         n = next((i for i in range(len(keys)) if not all(flags[i * per:(i + 1) * per])),
                  len(keys))
@@ -678,7 +698,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 raise ValueError(f"pool {name!r} was not registered (register_mem_host_pool_v2)")
             keys = list(t.keys or [])
             if not keys:
-                plans.append((name, _Plan([], [], 1)))
+                plans.append((name, _Plan([], [], [], [], False, 1)))
                 continue
             self._check_indices(keys, t.host_indices, self._page_size(pool))
             mha = _is_mha(pool)
@@ -700,8 +720,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def _v2_io(self, transfers: Sequence[Any], run: Callable[[_Plan], list[bool]]) -> dict:
         plans = self._v2_plans(transfers)
         # One store batch for every pool of the call.
-        allp = _Plan([n for _, p in plans for n in p.names],
-                     [x for _, p in plans for x in p.pieces], 1)
+        allp = _Plan.join([p for _, p in plans])
         ok = run(allp) if allp.names else []
         out: dict[str, list[bool]] = {}
         pos = 0
@@ -719,7 +738,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         anchor = getattr(self.mem_pool_host, "kv_buffer", None) is not None
         obj = self._obj()
         comps = ("k", "v") if self._mha else ("kv",)
-        names = [obj(k, c) for k in keys for c in comps] if anchor else []
+        names = obj.names(keys, comps) if anchor else []
         side = []
         for t in pool_transfers or []:
             name = _pool_key(t.name)
@@ -731,7 +750,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             o = self._obj(name, shared)
             pc = ("k", "v") if mha else ("kv",)
             start = len(names)
-            names.extend(o(k, c) for k in keys for c in pc)
+            names.extend(o.names(keys, pc))
             side.append((t, name, len(pc), start))
         flags = self._exist_flags(names) if names else []
         per = len(comps)
