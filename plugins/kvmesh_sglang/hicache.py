@@ -415,7 +415,6 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._down_until = 0.0
         self._shards: _Shards | None = None
         self._mha = not bool(getattr(storage_config, "is_mla_model", False))
-        self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         given = kwargs.get("client") if isinstance(kwargs, dict) else None
         self._own_client = given is None
         self.client: StoreClient = given or self._connect()
