@@ -534,10 +534,20 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         """Write every object of ``plan`` in one store batch (write-once: an existing
         object is a success and is not rewritten); per object: stored or not."""
         if plan.multi:
-            res = self.client.put_from_multi(plan.names, plan.ptrs, plan.sizes)
+            # Many ranges per object (layer_first): resolving them costs the client far more
+            # than one existence query, so existing objects are left out first.
+            there = _whole(self.client.exists(plan.names))
+            todo = [i for i, r in enumerate(there) if r is not True]
+            res: list[Any] = [store_errors.ObjectExists("stored before")] * len(plan.names)
+            if todo:
+                part = self.client.put_from_multi([plan.names[i] for i in todo],
+                                                  [plan.ptrs[i] for i in todo],
+                                                  [plan.sizes[i] for i in todo])
+                for i, r in zip(todo, _whole(part)):
+                    res[i] = r
         else:
-            res = self.client.put_from(plan.names, plan.ptrs, 0, plan.sizes)
-        _whole(res)
+            # One range per object: the put itself answers ObjectExists (one RPC).
+            res = _whole(self.client.put_from(plan.names, plan.ptrs, 0, plan.sizes))
         ok = []
         existing = 0
         for r in res:
