@@ -43,6 +43,7 @@ import msgspec
 
 from kvmesh import StoreClient
 from kvmesh.store import errors as store_errors
+from kvmesh.store.cli import parse_size
 from kvmesh.transfer import get_engine
 
 try:  # Both supported SGLang versions have these; without SGLang the module still imports.
@@ -117,21 +118,20 @@ class KvmeshHiCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
 
 
 _FIELDS = KvmeshHiCacheConfig.__struct_fields__
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-               "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}  # fmt: skip
 
 
 def _size(v: Any) -> Any:
-    """``"4gb"``/``"256MiB"``/``"1024"`` -> bytes (Mooncake and kvmesh spellings)."""
+    """``"256MiB"``/``"1g"``/``"1024"`` (kvmesh's spellings) and Mooncake's ``"4gb"``/``"512mb"``
+    -> bytes; other types pass through to the config's own validation."""
     if not isinstance(v, str):
         return v
-    t = v.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if not num or unit not in _SIZE_UNITS:
-        raise ValueError(f"bad size {v!r} (use e.g. 256MiB, 4gb, or bytes)")
-    return int(float(num) * _SIZE_UNITS[unit])
+    t = v.strip().lower()
+    if len(t) > 2 and t.endswith("b") and t[-2] in "kmgt":
+        t = t[:-1]  # "4gb" is "4g"
+    try:
+        return parse_size(t)
+    except Exception:  # noqa: BLE001 - argparse's error type; reported with the field name
+        raise ValueError(f"bad size {v!r} (use e.g. 256MiB, 4gb, or bytes)") from None
 
 
 def load_config(extra_config: dict | None = None, env: dict | None = None) -> KvmeshHiCacheConfig:
