@@ -42,7 +42,7 @@ from ..net import framing as _framing
 from ..net.errors import NetError
 from ..net.handshake import aserver_handshake
 from ..net.limits import ConnectionLimiter
-from ..net.security import SecurityConfig, check_bind
+from ..net.security import SecurityConfig, check_bind, server_ssl_context
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -248,8 +248,16 @@ class MasterService:
     async def start(self) -> None:
         cfg = self.cfg
         host, port = parse_addr(self._listen)
+        tls = server_ssl_context(self.sec)  # optional mutual TLS under the handshake
         self._server = await asyncio.start_server(
-            self._serve, host, port, reuse_address=True, limit=1 << 16, backlog=256
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            limit=1 << 16,
+            backlog=256,
+            ssl=tls,
+            ssl_handshake_timeout=cfg.handshake_timeout_s if tls is not None else None,
         )
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"

@@ -67,7 +67,11 @@ def test_storage_node_killed_under_readers(tmp_path):
             t0 = time.monotonic()
             res = c.get(keys)  # the node's memory is gone: per-key errors, no hang, no junk
             assert time.monotonic() - t0 < 10
-            assert all(isinstance(r, E.StoreError) for r in res), res[:3]
+            # Per key an error, or -- if the read raced ahead of the engine noticing the death --
+            # the right bytes (the dead owner's shared memory still holds them); never junk.
+            assert all(
+                isinstance(r, E.StoreError) or r == value_of(k, 50_000) for k, r in zip(keys, res)
+            ), res[:3]
             _wait(lambda: c.status()["segments"] == [], 15, "node expiry")
             assert c.exists(keys) == [False] * 16  # its objects are dropped
             with pytest.raises(E.ObjectNotFound):
@@ -195,4 +199,36 @@ def test_stalled_writer_never_writes_after_its_allocation_may_be_reclaimed(tmp_p
             assert c.exists("stalled") is False
             _wait(lambda: c.status()["usage"]["processing"] == 0, 10, "revoke or reclaim")
         finally:
+            c.close()
+
+
+def test_graceful_unmount_keeps_copies_readable_during_the_grace(tmp_path):
+    with StoreCluster(
+        str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--lease-ttl-s", "0.5"]
+    ) as cl:
+        cl.start_all()
+        node = Peer(cl.address, 8 << 20)
+        c = StoreClient(cl.address, token=TOKEN, timeout=10)
+        try:
+            keys = [f"drain-{i}" for i in range(8)]
+            assert node.call(op="put", keys=keys, sizes=[20_000] * 8)["codes"] == [0] * 8
+            owner = c.status()["segments"][0]["node_id"]
+            # The node leaves gracefully: 2 s of grace (issued here on its behalf, as its
+            # close() would; the peer process keeps its memory meanwhile).
+            from kvmesh.store import protocol as P
+
+            seg = c.status()["segments"][0]["name"]
+            r = c.rpc.mutate(lambda rid, s: P.UnmountReq(rid, s, owner, seg, 2.0))
+            assert r.codes == [0]
+            st = c.status()["segments"][0]
+            assert st["state"] == "draining"
+            assert c.get(keys) == [value_of(k, 20_000) for k in keys]  # still readable
+            res = c.put(["drain-new"], [b"x" * 1000])  # no new allocations in a draining segment
+            assert isinstance(res[0], E.NoSpace)
+            # (the node, still running, then mounts again under a new name: its heartbeat
+            # finds itself forgotten)
+            _wait(lambda: seg not in [x["name"] for x in c.status()["segments"]], 10, "the drain")
+            assert c.exists(keys) == [False] * 8
+        finally:
+            node.close()
             c.close()

@@ -727,9 +727,10 @@ class StoreSim:
             self.history.fail(rd.op)  # LeaseExpired: the bytes are discarded
             return self._next(cid)
         for seg, inc in rd.incs.items():
-            if not self.nodes[seg[4:]] or self.seg_incarn.get(seg) != inc:
-                # ReplicaGone: the node died (its segment is not published any more) and,
-                # if it is back, the lease ran out long before it could mount again.
+            if not self._serving(seg[4:]) or self.seg_incarn.get(seg) != inc:
+                # ReplicaGone: the process that published this segment died (a restarted
+                # node publishes its new segment only after the old one expired and the
+                # quarantine passed, long after any lease on the old one).
                 self.history.fail(rd.op)
                 return self._next(cid)
         for seg, off, j in rd.slices:
