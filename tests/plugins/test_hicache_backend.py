@@ -252,7 +252,16 @@ def test_factory_dynamic_path_end_to_end(cluster):
     cfg = storage_config(extra=extra(cluster, namespace="factory"))
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     assert type(b) is KvmeshHiCacheStorage
+    engine = b.client.engine
+    regions = len(engine.regions())
     b.register_mem_pool_host(pool)  # as the controller does after creating it
+    # the pool's K and V buffers, registered once with the process-wide engine
+    from kvmesh.transfer import get_engine
+
+    assert engine is get_engine() and len(engine.regions()) == regions + 2
+    for buf in pool.get_hybrid_pool_buffer():
+        region, off = engine.find_region(buf.data_ptr(), buf.numel() * buf.element_size())
+        assert off == 0 and region.size == buf.numel() * buf.element_size()
     keys = page_keys(2, "factory")
     idx = pool.alloc(2 * pool.page_size)
     fill_pages(pool, idx, [1, 2])
@@ -260,6 +269,8 @@ def test_factory_dynamic_path_end_to_end(cluster):
     out = pool.alloc(2 * pool.page_size)
     assert b.batch_exists(keys) == 2 and b.batch_get_v1(keys, out) == [True, True]
     assert page_digests(pool, out, 2) == page_digests(pool, idx, 2)
+    b.register_mem_pool_host(pool)  # again: nothing new registered, no per-call registration
+    assert len(engine.regions()) == regions + 2
     b.close()
     bad = storage_config(extra=dict(extra(cluster), master="127.0.0.1:9", timeout_s=0.3))
     with pytest.raises(RuntimeError, match="kvmesh HiCache"):
