@@ -306,12 +306,18 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callab
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
+        def answer(self: KvmeshHiCacheStorage, args: Any, kwargs: Any) -> Any:
+            try:
+                return default(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - arguments too bad to shape a reply
+                return None
+
         def inner(self: KvmeshHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
             if time.monotonic() < self._down_until:
                 # Fast miss; it must not push the window further, or a busy caller would
                 # never give the store another try.
                 self._counters.add(errors=1)
-                return default(self, *args, **kwargs)
+                return answer(self, args, kwargs)
             try:
                 return fn(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - the whole point: SGLang's thread survives
@@ -322,10 +328,7 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callab
                         self._down_until, time.monotonic() + self.config.down_backoff_s
                     )
                 self._failed(fn.__name__, e)
-                try:
-                    return default(self, *args, **kwargs)
-                except Exception:  # noqa: BLE001 - bad arguments: the safest answer
-                    return None
+                return answer(self, args, kwargs)
 
         return inner
 
