@@ -19,7 +19,8 @@ import hashlib
 import os
 import pathlib
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,8 +130,9 @@ def geometry_argv(layers: int, pages: int, page_size: int, heads: int, head_dim:
 
 def serve_decode(argv: Sequence[str] | None = None) -> None:
     """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``exit``."""
-    from bench._common import serve_json_lines
     from kvmesh_sglang.pd import KvmeshTransferEngine
+
+    from bench._common import serve_json_lines
 
     ap = argparse.ArgumentParser()
     geometry_args(ap)

@@ -166,13 +166,10 @@ def _ib_device(ib_device: str | None, gpu_id: int) -> str | None:
     # The same string Mooncake's engine reports (SGLang compares it before reusing the engine).
     if os.environ.get("MC_FORCE_TCP") == "1":
         return ""
-    try:
-        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-            get_ib_devices_for_gpu,
-        )
-    except Exception:  # SGLang absent (unit use): the string as given
-        return ib_device or None
-    return get_ib_devices_for_gpu(ib_device, gpu_id)
+    # SGLang's parser, from the module that constructs us (never imported here: it is slow).
+    mod = sys.modules.get("sglang.srt.distributed.device_communicators.mooncake_transfer_engine")
+    parse = getattr(mod, "get_ib_devices_for_gpu", None)
+    return parse(ib_device, gpu_id) if parse is not None else (ib_device or None)
 
 
 def _shared_engine(hostname: str) -> TransferEngine:
@@ -407,7 +404,7 @@ class _Metrics:
                                       "duration of one PD batch write (batch_transfer_sync)")
 
     @classmethod
-    def get(cls) -> "_Metrics | None":
+    def get(cls) -> _Metrics | None:
         with cls._lock:
             if cls._inst is False:
                 try:

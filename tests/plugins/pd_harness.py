@@ -41,8 +41,10 @@ def load_plugin_via_sglang(tmp: Path) -> types.ModuleType:
     if "mte" not in _loaded:
         sys.path.insert(0, str(entry_points_dist(tmp)))
         importlib.invalidate_caches()
-        import sglang.srt.plugins as plugins
-        from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
+        from sglang.srt import plugins
+        from sglang.srt.distributed.device_communicators import (
+            mooncake_transfer_engine as mte,
+        )
 
         _loaded["original"] = mte.MooncakeTransferEngine
         plugins.load_plugins()
