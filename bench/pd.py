@@ -40,12 +40,12 @@ sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE.parent / "plugins"))
 sys.path.insert(0, str(_HERE))
 
-import numpy as np  # noqa: E402
-
 import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
 from _pd import KVPool, geometry_argv  # noqa: E402
-from kvmesh.transfer import TransportKind, get_engine  # noqa: E402
 from kvmesh_sglang.pd import KvmeshTransferEngine  # noqa: E402
+
+from kvmesh.transfer import TransportKind, get_engine  # noqa: E402
 
 LAYERS, PAGE, HEADS, DIM, DTYPE = 32, 64, 8, 128, "bfloat16"
 REQ_TOKENS = 4096

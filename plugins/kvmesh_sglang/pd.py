@@ -190,7 +190,8 @@ def _shared_engine(hostname: str) -> TransferEngine:
 class KvmeshTransferEngine:
     """SGLang's ``MooncakeTransferEngine`` API on the process-wide kvmesh ``TransferEngine``."""
 
-    def __init__(self, hostname: str, gpu_id: int | None = None, ib_device: str | None = None) -> None:
+    def __init__(self, hostname: str, gpu_id: int | None = None,
+                 ib_device: str | None = None) -> None:
         self.hostname = hostname
         self.gpu_id = gpu_id if gpu_id is not None else 0
         self.ib_device = _ib_device(ib_device, self.gpu_id)
@@ -307,9 +308,9 @@ class KvmeshTransferEngine:
                     "with the kvmesh PD plugin (KVMESH_SGLANG_PD) too?"
                 )
             addr = session_id[len(SESSION_PREFIX):]
-            from kvmesh.transfer.protocol import split_host_port
-
-            split_host_port(addr)  # validates
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InvalidArgument(f"session {session_id!r} is not kvmesh://host:port")
             with self._lock:
                 if len(self._sessions) > 4096:  # peers come and go; keep the table bounded
                     self._sessions.clear()
@@ -353,7 +354,8 @@ class KvmeshTransferEngine:
             self._metrics.seconds.observe(time.perf_counter() - t0)
         return 0
 
-    def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+    def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int,
+                      length: int) -> int:
         """WRITE ``length`` bytes at ``buffer`` to the peer's ``peer_buffer_address``; 0 or < 0."""
         return self._write(session_id, (buffer,), (peer_buffer_address,), (length,))
 

@@ -19,7 +19,8 @@ import os
 log = logging.getLogger("kvmesh.sglang")
 
 ENV_PD = "KVMESH_SGLANG_PD"
-TARGET = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
+TARGET = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+          "MooncakeTransferEngine")
 _OFF = {"0", "false", "no", "off"}
 
 

@@ -30,7 +30,8 @@ def entry_points_dist(where: Path) -> Path:
     eps = project["entry-points"]["sglang.srt.plugins"]
     d = where / f"kvmesh-{project['version']}.dist-info"
     d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvmesh\nVersion: {project['version']}\n")
+    meta = f"Metadata-Version: 2.1\nName: kvmesh\nVersion: {project['version']}\n"
+    (d / "METADATA").write_text(meta)
     (d / "entry_points.txt").write_text(
         "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
     return where
@@ -62,7 +63,8 @@ def prefill_manager(pool: KVPool, monkeypatch: Any) -> Any:
     from sglang.srt.disaggregation.mooncake import conn as mc
 
     # The one runtime-context read on this path (unified memory off, as by default).
-    monkeypatch.setattr(mc, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
+    memory = types.SimpleNamespace(enable_unified_memory=False)
+    monkeypatch.setattr(mc, "get_memory", lambda: memory)
     args = KVArgs()
     args.kv_data_ptrs, args.kv_data_lens = pool.kv_data_ptrs, pool.kv_data_lens
     args.kv_item_lens = pool.kv_item_lens

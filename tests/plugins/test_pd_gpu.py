@@ -25,8 +25,9 @@ GEOM = {"layers": 2, "pages": 32, "page_size": 16, "heads": 2, "head_dim": 64}
 
 
 def test_batch_register_tells_device_from_host_memory():
-    from bench._pd import KVPool
     from kvmesh_sglang.pd import KvmeshTransferEngine, pointer_kind
+
+    from bench._pd import KVPool
 
     pool = KVPool(**GEOM, device="cuda")
     try:
@@ -45,9 +46,10 @@ def test_batch_register_tells_device_from_host_memory():
 
 
 def test_gpu_pages_to_another_process():
+    from kvmesh_sglang.pd import KvmeshTransferEngine
+
     from bench._common import Child
     from bench._pd import KVPool, geometry_argv
-    from kvmesh_sglang.pd import KvmeshTransferEngine
 
     pool = KVPool(**GEOM, device="cuda")
     pool.fill(seed=4)

@@ -29,9 +29,10 @@ _why = sglang_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 if _why is None:
+    from kvmesh_sglang import pd as kpd
+
     from bench._common import Child
     from bench._pd import KVPool, geometry_argv
-    from kvmesh_sglang import pd as kpd
 
     from .pd_harness import load_plugin_via_sglang, prefill_manager, transfer_info
 
