@@ -215,3 +215,33 @@ def test_blocks_in_any_order_across_layers(prefill, decode):
     assert mgr.engine.batch_transfer_sync(child.info["session_id"], src, dst, ln) == 0
     got = child.call("digest", pages=dst_pages.tolist())["digest"]
     assert got == pool.page_digest(src_pages)
+
+
+def test_hung_decode_times_out(prefill):
+    """A stopped decode process (SIGSTOP) on the network path turns into -6 at the deadline.
+
+    (On one host UCX cma writes straight into the stopped process's memory, so there is
+    nothing to wait for there.)
+    """
+    mgr, _, _ = prefill
+    geom = {"layers": 2, "pages": 256, "page_size": 64, "heads": 8, "head_dim": 128}
+    src_pool = KVPool(**geom)
+    src_pool.fill(seed=2)
+    eng = mgr.engine
+    assert eng.batch_register(src_pool.kv_data_ptrs, src_pool.kv_data_lens) == 0
+    child = spawn_decode(True, **geom)
+    old_timeout = eng.timeout
+    try:
+        sid = child.info["session_id"]
+        args = (sid, src_pool.kv_data_ptrs, child.info["kv_data_ptrs"], src_pool.kv_data_lens)
+        assert eng.batch_transfer_sync(*args) == 0
+        os.kill(child.pid, signal.SIGSTOP)
+        eng.timeout = 1.5  # what KVMESH_SGLANG_PD_TIMEOUT=1.5 sets
+        t = time.monotonic()
+        assert eng.batch_transfer_sync(*args) == kpd.E_TIMEOUT
+        assert time.monotonic() - t < 1.5 + 5.0 + 3
+    finally:
+        eng.timeout = old_timeout
+        os.kill(child.pid, signal.SIGCONT)
+        child.close()
+        assert eng.batch_deregister(src_pool.kv_data_ptrs) == 0
