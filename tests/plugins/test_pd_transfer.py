@@ -128,21 +128,26 @@ def test_out_of_region_addresses_refused_before_a_byte_moves(prefill, decode):
     child.call("zero")
     eng = mgr.engine
     sid = child.info["session_id"]
-    item, dst0, src0 = pool.item_len, child.info["kv_data_ptrs"][0], pool.kv_data_ptrs[0]
-    last = GEOM["pages"] - 1
-    good = ([src0, src0 + item], [dst0, dst0 + item], [item, item])
-    # One block runs past the end of the peer's layer-0 buffer by a single byte.
-    assert eng.batch_transfer_sync(sid, good[0] + [src0], good[1] + [dst0 + last * item + 1],
-                                   good[2] + [item]) == kpd.E_PEER_REGION
+    item, last = pool.item_len, GEOM["pages"] - 1
+    src_ptrs, dst_ptrs = pool.kv_data_ptrs, child.info["kv_data_ptrs"]
+    everything = list(range(GEOM["pages"]))
+    # Valid blocks in every layer buffer but one; in that one, a block runs past the end of
+    # the peer's buffer by one byte. Whichever buffer it is (first or last group), nothing of
+    # the batch may land: the whole batch is refused before it starts.
+    for bad in (0, len(src_ptrs) - 1):
+        good = [(s, d, item) for j, (s, d) in enumerate(zip(src_ptrs, dst_ptrs)) if j != bad]
+        blocks = [*good, (src_ptrs[bad], dst_ptrs[bad] + last * item + 1, item)]
+        s, d, n = (list(x) for x in zip(*blocks))
+        assert eng.batch_transfer_sync(sid, s, d, n) == kpd.E_PEER_REGION
+        assert child.call("digest", pages=everything)["digest"] == zero_digest(everything)
     # An address the peer never registered at all, and a source outside our registrations.
-    assert eng.transfer_sync(sid, src0, 4096, item) == kpd.E_PEER_REGION
-    assert eng.batch_transfer_sync(sid, good[0] + [8192], good[1] + [dst0], good[2] + [16]) \
-        == kpd.E_NOT_REGISTERED
-    # Nothing of the refused batches landed, not even their valid blocks.
-    assert child.call("digest", pages=list(range(GEOM["pages"])))["digest"] == zero_digest(
-        list(range(GEOM["pages"])))
-    assert eng.batch_transfer_sync(sid, *good) == 0  # the same valid blocks alone do land
-    assert child.call("digest", pages=[0, 1])["digest"] != zero_digest([0, 1])
+    assert eng.transfer_sync(sid, src_ptrs[0], 4096, item) == kpd.E_PEER_REGION
+    assert eng.batch_transfer_sync(sid, [src_ptrs[0], 8192], [dst_ptrs[0], dst_ptrs[1]],
+                                   [item, 16]) == kpd.E_NOT_REGISTERED
+    assert child.call("digest", pages=everything)["digest"] == zero_digest(everything)
+    s, d, n = (list(x) for x in zip(*good))
+    assert eng.batch_transfer_sync(sid, s, d, n) == 0  # the same valid blocks alone do land
+    assert child.call("digest", pages=[0])["digest"] != zero_digest([0])
 
 
 @pytest.mark.parametrize("mode", ["same-host", "network"])
