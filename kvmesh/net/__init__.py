@@ -1,0 +1,112 @@
+"""kvmesh.net: the one shared-secret, framing and limits mechanism of every kvmesh server.
+
+The transfer engine, the replicated log and the store all authenticate connections, frame
+messages and bound their work with this package; none keeps its own copy.
+
+* :mod:`.security` -- :class:`SecurityConfig` (token, optional mutual TLS, ``from_env``),
+  :func:`check_bind`, :func:`server_ssl_context` / :func:`client_ssl_context`.
+* :mod:`.handshake` -- sans-I/O mutual HMAC challenge-response (:class:`ServerHandshake`,
+  :class:`ClientHandshake`) binding the service name and both peer ids, with blocking
+  (:func:`server_handshake`, :func:`client_handshake`) and asyncio (:func:`aserver_handshake`,
+  :func:`aclient_handshake`) drivers under one absolute deadline.
+* :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
+  :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
+* :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
+* :mod:`.errors` -- :class:`NetError` and its subclasses.
+
+Refinements of the API announced in the net-api brief (same names and semantics otherwise):
+
+* Both handshake sides may send a small opaque ``info`` blob (<= 1 KiB) covered by the MACs;
+  ``peer_info`` holds the other side's after success. The MACs also cover both nonces and
+  both ids (see :mod:`.handshake` for the exact transcript).
+* ``run_server(sock, hs, deadline) -> peer_id`` / ``run_client`` (and ``arun_server`` /
+  ``arun_client``) drive a core object the caller built, for callers that need ``peer_info``;
+  ``server_handshake``/``client_handshake`` are thin wrappers over them.
+* ``ClientHandshake(..., expect_server_id=...)`` refuses a server with another id (code
+  ``identity``), e.g. a replog node reconnecting to a known peer.
+* ``AuthFailed`` derives from ``HandshakeError`` (protocol violations: wrong service or
+  version, undecodable handshake frame), whose ``code`` is the refusal code and whose
+  ``reply`` is the ``Refused`` frame a server sends before closing.
+* Extra errors: ``DeadlineExceeded`` (a ``TimeoutError``; ``HandshakeTimeout`` derives from
+  it) and ``PeerClosed`` (a ``ConnectionError``: EOF mid-frame).
+* ``read_frame(sock, max_frame, deadline=None)`` returns the body (a bytearray) and never reads
+  past its frame; ``send_frame(sock, frame, deadline=None)`` sends an encoded frame.
+* ``ConnectionLimiter.try_acquire()`` returns a :class:`~.limits.Slot` (or None).
+* ``check_bind`` also accepts mutual TLS (``tls_cert`` + ``tls_ca``) as authentication.
+* An empty token is rejected (it would authenticate everyone); ``KVMESH_TOKEN`` and
+  ``KVMESH_TOKEN_FILE`` together are an error. ``repr(SecurityConfig)`` hides the token.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    AuthFailed,
+    DeadlineExceeded,
+    FrameTooLarge,
+    HandshakeError,
+    HandshakeTimeout,
+    InsecureBind,
+    NetError,
+    PeerClosed,
+    clip,
+)
+from .framing import FrameDecoder, aread_frame, encode_frame, read_frame, send_frame
+from .handshake import (
+    DEFAULT_DEADLINE_S,
+    PREAUTH_MAX_FRAME,
+    ClientHandshake,
+    ServerHandshake,
+    aclient_handshake,
+    arun_client,
+    arun_server,
+    aserver_handshake,
+    client_handshake,
+    run_client,
+    run_server,
+    server_handshake,
+)
+from .limits import ConnectionLimiter, Deadline, Slot
+from .security import (
+    SecurityConfig,
+    check_bind,
+    client_ssl_context,
+    is_loopback,
+    server_ssl_context,
+)
+
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "PREAUTH_MAX_FRAME",
+    "AuthFailed",
+    "ClientHandshake",
+    "ConnectionLimiter",
+    "Deadline",
+    "DeadlineExceeded",
+    "FrameDecoder",
+    "FrameTooLarge",
+    "HandshakeError",
+    "HandshakeTimeout",
+    "InsecureBind",
+    "NetError",
+    "PeerClosed",
+    "SecurityConfig",
+    "ServerHandshake",
+    "Slot",
+    "aclient_handshake",
+    "aread_frame",
+    "arun_client",
+    "arun_server",
+    "aserver_handshake",
+    "check_bind",
+    "client_handshake",
+    "client_ssl_context",
+    "clip",
+    "encode_frame",
+    "is_loopback",
+    "read_frame",
+    "run_client",
+    "run_server",
+    "send_frame",
+    "server_handshake",
+    "server_ssl_context",
+]

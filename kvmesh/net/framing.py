@@ -1,0 +1,154 @@
+"""Length-prefixed frames: a 4-byte little-endian body length, then the body.
+
+The limit on a frame is given per call (per server and per connection state: a connection
+that has not authenticated yet is held to :data:`~kvmesh.net.handshake.PREAUTH_MAX_FRAME`).
+A length prefix above the limit raises :class:`FrameTooLarge` before anything is allocated,
+and below it buffers still grow only as bytes arrive (at most doubling what has arrived, plus
+:data:`CHUNK`), so a peer that announces a large frame and then trickles costs what it sent.
+
+* :class:`FrameDecoder` is the sans-I/O core (feed bytes, get frame bodies).
+* :func:`read_frame` / :func:`send_frame` drive a blocking socket under an optional
+  :class:`~kvmesh.net.limits.Deadline`. ``read_frame`` never reads past the end of its frame,
+  so raw payload bytes that follow a frame (the transfer engine's data path) stay in the socket.
+* :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+from .errors import DeadlineExceeded, FrameTooLarge, PeerClosed
+from .limits import Deadline
+
+HEADER = struct.Struct("<I")
+CHUNK = 64 << 10  # buffers grow by at most this much (or by what already arrived) per step
+
+
+def encode_frame(body: bytes | bytearray | memoryview) -> bytes:
+    """``len(body)`` as 4 little-endian bytes, then ``body``."""
+    return HEADER.pack(len(body)) + bytes(body)
+
+
+def _too_large(size: int, max_frame: int) -> FrameTooLarge:
+    return FrameTooLarge(f"peer announced a frame of {size} bytes; the limit is {max_frame}")
+
+
+class FrameDecoder:
+    """Sans-I/O frame splitter: ``feed(data)`` returns the bodies completed by ``data``.
+
+    Holds only bytes that arrived; raises :class:`FrameTooLarge` as soon as a length prefix
+    above ``max_frame`` is seen (the connection is then unusable: close it).
+    """
+
+    __slots__ = ("_buf", "_need", "max_frame")
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._need = -1  # body length of the frame being read; -1 while reading a header
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        buf = self._buf
+        pos = 0
+        while True:
+            if self._need < 0:
+                if len(buf) - pos < HEADER.size:
+                    break
+                (size,) = HEADER.unpack_from(buf, pos)
+                if size > self.max_frame:
+                    self._buf = bytearray()
+                    raise _too_large(size, self.max_frame)
+                self._need = size
+                pos += HEADER.size
+            if len(buf) - pos < self._need:
+                break
+            out.append(bytes(buf[pos : pos + self._need]))
+            pos += self._need
+            self._need = -1
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for the frame in progress."""
+        return len(self._buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline | None) -> None:
+    while len(view):
+        if deadline is not None:
+            sock.settimeout(deadline.check("receiving a frame"))
+        try:
+            n = sock.recv_into(view)
+        except TimeoutError:
+            if deadline is not None:
+                raise DeadlineExceeded(
+                    f"receiving a frame passed its {deadline.seconds:g} s deadline"
+                ) from None
+            raise
+        if n == 0:
+            raise PeerClosed("peer closed the connection")
+        view = view[n:]
+
+
+def read_frame(sock: socket.socket, max_frame: int, deadline: Deadline | None = None) -> bytearray:
+    """Read exactly one frame from a blocking socket and return its body.
+
+    With ``deadline`` every ``recv`` gets only the time left (one absolute bound for the whole
+    frame, however slowly the peer trickles); without it the socket's own timeout applies.
+    Raises :class:`FrameTooLarge`, :class:`PeerClosed` (EOF), :class:`DeadlineExceeded`,
+    ``TimeoutError`` (socket timeout, no deadline) or ``OSError``.
+    """
+    head = bytearray(HEADER.size)
+    _recv_into(sock, memoryview(head), deadline)
+    (size,) = HEADER.unpack(head)
+    if size > max_frame:
+        raise _too_large(size, max_frame)
+    if size <= CHUNK:
+        body = bytearray(size)
+        _recv_into(sock, memoryview(body), deadline)
+        return body
+    body = bytearray(CHUNK)
+    have = 0
+    while True:
+        _recv_into(sock, memoryview(body)[have:], deadline)
+        have = len(body)
+        if have == size:
+            return body
+        body += bytes(min(size, 2 * have) - have)  # grow only once the previous part arrived
+
+
+def send_frame(sock: socket.socket, frame: bytes, deadline: Deadline | None = None) -> None:
+    """Send an encoded frame (``encode_frame``) within ``deadline`` (else the socket timeout)."""
+    if deadline is not None:
+        sock.settimeout(deadline.check("sending a frame"))
+    try:
+        sock.sendall(frame)
+    except TimeoutError:
+        if deadline is not None:
+            raise DeadlineExceeded(
+                f"sending a frame passed its {deadline.seconds:g} s deadline"
+            ) from None
+        raise
+
+
+async def aread_frame(reader: asyncio.StreamReader, max_frame: int) -> bytes:
+    """Read one frame from an asyncio stream (wrap in ``asyncio.wait_for`` for a deadline)."""
+    try:
+        head = await reader.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(head)
+        if size > max_frame:
+            raise _too_large(size, max_frame)
+        if size <= CHUNK:
+            return await reader.readexactly(size)
+        parts = bytearray()
+        while len(parts) < size:
+            parts += await reader.readexactly(min(size - len(parts), max(CHUNK, len(parts))))
+        return bytes(parts)
+    except asyncio.IncompleteReadError:
+        raise PeerClosed("peer closed the connection") from None
