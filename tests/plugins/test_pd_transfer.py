@@ -169,10 +169,12 @@ def test_decode_killed_mid_transfer_fails_without_hanging(prefill, mode):
         calls: list[tuple[float, float, int]] = []
         stop = threading.Event()
 
+        blocks = list(zip(*args[1:]))
+
         def sender() -> None:
             while not stop.is_set():
                 t0 = time.monotonic()
-                rc = eng.batch_transfer_sync(*args)
+                rc = mgr._transfer_data(sid, blocks)  # SGLang's: -> batch_transfer_sync
                 calls.append((t0, time.monotonic(), rc))
                 if rc != 0:
                     return
