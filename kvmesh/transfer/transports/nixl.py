@@ -340,15 +340,19 @@ class NixlTransport(Transport):
             return
         agent = self.agent
         local = self._nixl_region(job.local)
-        xfer = agent.make_xfer(
-            "READ" if job.op is Op.READ else "WRITE", local, job.local_offsets, route.peer,
-            route.remote, job.remote_offsets, job.lengths, trusted=True,
-        )
         try:
-            if not xfer.post():
-                xfer.wait(job.remaining(), check=job.check)
-        finally:
-            xfer.release()
+            xfer = agent.make_xfer(
+                "READ" if job.op is Op.READ else "WRITE", local, job.local_offsets, route.peer,
+                route.remote, job.remote_offsets, job.lengths, trusted=True,
+            )
+            try:
+                if not xfer.post():
+                    xfer.wait(job.remaining(), check=job.check)
+            finally:
+                xfer.release()
+        except NotRegistered:
+            job.check()  # a peer that died meanwhile (NIXL forgot its agent) is the real cause
+            raise
 
     def _socket_read(self, job: TransferJob) -> None:
         lo, ro, ln = job.coalesced()
