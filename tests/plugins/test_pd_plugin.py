@@ -162,3 +162,13 @@ def test_bad_sessions_fail_fast(mte):
         assert eng.get_ib_device() is None
     finally:
         eng.deregister(buf.ctypes.data)
+
+
+def test_ib_device_as_mooncake_reports_it(mte, monkeypatch):
+    """``mooncake_tcp`` (SGLang sets MC_FORCE_TCP=1) reports no IB device, as Mooncake does."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    assert kpd.KvmeshTransferEngine("127.0.0.1", 1, "mlx5_0").get_ib_device() == "mlx5_0"
+    per_gpu = '{"0": "mlx5_0", "1": "mlx5_1"}'  # SGLang's per-GPU JSON form, its own parser
+    assert kpd.KvmeshTransferEngine("127.0.0.1", 1, per_gpu).get_ib_device() == "mlx5_1"
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert kpd.KvmeshTransferEngine("127.0.0.1", 1, "mlx5_0").get_ib_device() == ""
