@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -11,12 +12,17 @@ install_torchvision_stub()
 add_plugins_path()
 
 
+def _silence_stderr() -> None:
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
 def pytest_unconfigure(config) -> None:
     # SGLang imports triton, whose nanobind module lists "leaked" objects on stderr when the
-    # interpreter exits, after pytest's summary (the last lines CI reads). Nothing else of this
-    # process writes to stderr after this point; the exit status is unaffected.
+    # interpreter shuts down, after pytest's summary (the last lines CI reads). atexit runs
+    # after pytest restored its captured stderr and before that listing; the exit status is
+    # unaffected.
     if "triton" in sys.modules:
-        sys.stderr.flush()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
+        atexit.register(_silence_stderr)
