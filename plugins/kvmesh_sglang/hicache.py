@@ -1,6 +1,6 @@
 """SGLang HiCache L3 storage on kvmesh: :class:`KvmeshHiCacheStorage`.
 
-Loaded by SGLang's ``dynamic`` storage backend (docs/hicache.md)::
+Loaded by SGLang's ``dynamic`` storage backend (docs/sglang.md, "HiCache L3 storage on kvmesh")::
 
     --enable-hierarchical-cache --hicache-mem-layout page_first \\
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
@@ -78,7 +78,7 @@ SGLANG_KEYS = frozenset({
 
 
 class KvmeshHiCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What the backend needs to reach the store (docs/hicache.md, "Configuration").
+    """What the backend needs to reach the store (docs/sglang.md, HiCache "Configuration").
 
     ``master``: store master addresses (``"h1:7700,h2:7700"``); empty or ``"embedded"``: an
     in-process single-host store (this process only). ``segment_size``: bytes this process
