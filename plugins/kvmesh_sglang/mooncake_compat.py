@@ -30,6 +30,7 @@ log = logging.getLogger("kvmesh.sglang.mooncake")
 
 ENV = "KVMESH_SGLANG_MOONCAKE"
 _MARK = "__kvmesh_compat__"
+_shadowed: dict[str, types.ModuleType] = {}  # a real Mooncake replaced by force, for uninstall
 
 
 def installed() -> bool:
@@ -73,6 +74,9 @@ def install(force: bool = False) -> bool:
     store.ReplicateConfig = compat.ReplicateConfig  # type: ignore[attr-defined]
     setattr(store, _MARK, True)
     pkg.store = store  # type: ignore[attr-defined]
+    for name in ("mooncake", "mooncake.store"):
+        if name in sys.modules:
+            _shadowed[name] = sys.modules[name]
     sys.modules["mooncake"] = pkg
     sys.modules["mooncake.store"] = store
     log.info("kvmesh: mooncake.store -> kvmesh.store.compat (SGLang's Mooncake backends)")
@@ -80,10 +84,12 @@ def install(force: bool = False) -> bool:
 
 
 def uninstall() -> None:
-    """Remove the stand-in (a real Mooncake is never touched)."""
+    """Remove the stand-in; a real Mooncake it shadowed comes back."""
     if installed():
         sys.modules.pop("mooncake.store", None)
         sys.modules.pop("mooncake", None)
+        sys.modules.update(_shadowed)
+        _shadowed.clear()
 
 
 def load() -> None:
