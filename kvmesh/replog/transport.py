@@ -18,8 +18,9 @@ streams.
 What a listener accepts (everything else closes the connection or drops the message):
 
 * at most ``max_connections`` connections (``max_unauthenticated`` of them still in the
-  handshake, which must finish within ``handshake_timeout_s``), ``max_conns_per_peer`` per
-  authenticated node id;
+  handshake, which must finish within ``handshake_timeout_s``; when a cap is reached a
+  newcomer evicts the oldest connection still in its handshake, :class:`Admission`),
+  ``max_conns_per_peer`` per authenticated node id;
 * frames up to ``max_frame`` bytes; a frame that has started must be complete within
   ``frame_timeout_s`` (a truncated frame does not hold the connection), and a connection
   with no frame for ``idle_timeout_s`` is closed;
@@ -49,6 +50,7 @@ import msgspec
 from ..net import (
     ConnectionLimiter,
     FrameDecoder,
+    Slot,
     FrameTooLarge,
     NetError,
     SecurityConfig,
@@ -63,7 +65,7 @@ from .errors import FrameError
 from .protocol import PEER_SERVICE
 from .types import InstallSnapshot, decode_message, encode_message
 
-__all__ = ["FrameError", "Transport", "TransportConfig", "parse_addr", "read_frames"]
+__all__ = ["Admission", "FrameError", "Transport", "TransportConfig", "parse_addr", "read_frames"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,42 @@ async def read_frames(
             return out
         if on_buffered is not None:
             on_buffered(dec.buffered)
+
+
+class Admission:
+    """Connection admission for one listener: :class:`kvmesh.net.ConnectionLimiter`, plus
+    eviction of the oldest connection still in its handshake when a cap is reached. A peer
+    that opens connections and never finishes the handshake then delays a real replica or
+    client by about one handshake round trip, instead of locking it out for the handshake
+    deadline (or for as long as the attacker keeps refilling the slots)."""
+
+    def __init__(self, max_total: int, max_unauthenticated: int) -> None:
+        self.limiter = ConnectionLimiter(max_total, max_unauthenticated)
+        self._handshaking: dict[Slot, asyncio.StreamWriter] = {}  # oldest first
+        self.refused = 0
+        self.evicted = 0
+
+    def admit(self, writer: asyncio.StreamWriter) -> Slot | None:
+        slot = self.limiter.try_acquire()
+        if slot is None and self._handshaking:
+            oldest, w = next(iter(self._handshaking.items()))
+            self.release(oldest)  # idempotent: the evicted connection's own release is a no-op
+            w.transport.abort()
+            self.evicted += 1
+            slot = self.limiter.try_acquire()
+        if slot is None:
+            self.refused += 1
+            return None
+        self._handshaking[slot] = writer
+        return slot
+
+    def authenticated(self, slot: Slot) -> None:
+        self._handshaking.pop(slot, None)
+        self.limiter.authenticated(slot)
+
+    def release(self, slot: Slot) -> None:
+        self._handshaking.pop(slot, None)
+        self.limiter.release(slot)
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -336,7 +374,7 @@ class Transport:
         self.cfg = cfg = config or TransportConfig()
         self.security = security or SecurityConfig()
         self._client_ssl = client_ssl_context(self.security)
-        self._limiter = ConnectionLimiter(cfg.max_connections, cfg.max_unauthenticated)
+        self._admission = Admission(cfg.max_connections, cfg.max_unauthenticated)
         self._per_peer_conns: dict[int, int] = {}
         self._per_peer_bytes: dict[int, int] = {}
         self._buffered = 0
@@ -406,7 +444,7 @@ class Transport:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        slot = self._limiter.try_acquire()
+        slot = self._admission.admit(writer)
         if slot is None:
             self.refused_conns += 1
             writer.close()
@@ -432,7 +470,7 @@ class Transport:
             if n >= cfg.max_conns_per_peer:
                 raise FrameError(f"node {peer} already has {n} connections")
             self._per_peer_conns[peer] = n + 1
-            self._limiter.authenticated(slot)
+            self._admission.authenticated(slot)
             while True:
                 bodies = await read_frames(reader, dec, cfg.idle_timeout_s, cfg.frame_timeout_s)
                 for body in bodies:
@@ -490,7 +528,7 @@ class Transport:
                     self._per_peer_conns[peer] = left
                 else:
                     self._per_peer_conns.pop(peer, None)
-            self._limiter.release(slot)
+            self._admission.release(slot)
             self._conns.discard(task)
             self._conn_writers.discard(writer)
             writer.close()
