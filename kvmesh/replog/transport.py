@@ -50,10 +50,10 @@ import msgspec
 from ..net import (
     ConnectionLimiter,
     FrameDecoder,
-    Slot,
     FrameTooLarge,
     NetError,
     SecurityConfig,
+    Slot,
     aclient_handshake,
     aserver_handshake,
     check_bind,
