@@ -33,18 +33,18 @@ def _fmt_bytes(n: int) -> str:
 # --- info ---------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
     from kvmesh.transfer import EngineConfig, TransferEngine, fastcopy
-    from kvmesh.transfer import nixl_agent
+    from kvmesh.transfer import nixl
 
     cfg = EngineConfig.from_env(shm_sweep=False)
     with TransferEngine(config=cfg) as eng:
         info = eng.info()
     info["copy"] = fastcopy.BACKEND
-    info["nixl"] = {"installed": nixl_agent.installed_reason() is None,
-                    "reason": nixl_agent.installed_reason()}
+    info["nixl"] = {"installed": nixl.installed_reason() is None,
+                    "reason": nixl.installed_reason()}
     if args.probe_nixl:
-        info["nixl"]["usable"] = nixl_agent.available()
-        info["nixl"]["version"] = nixl_agent.nixl_version()
-        info["nixl"]["reason"] = nixl_agent.unavailable_reason()
+        info["nixl"]["usable"] = nixl.available()
+        info["nixl"]["version"] = nixl.nixl_version()
+        info["nixl"]["reason"] = nixl.unavailable_reason()
     info["python"] = platform.python_version()
     info["cpus"] = os.cpu_count()
     if args.json:

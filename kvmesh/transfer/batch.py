@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from .control import check_ranges
 from .errors import (
     BatchStateError,
     Cancelled,
     InvalidArgument,
-    InvalidLength,
     NotRegistered,
-    OutOfBounds,
     PeerDeadError,
     SegmentNotFound,
     TransferError,
@@ -34,19 +32,52 @@ from .errors import (
 )
 from .executor import Task
 from .memory import MemoryRegion
+from .ranges import as_int64, as_op, as_requests, check_ranges
 from .segment import RemoteSegment, RouteHandle
 from .transports.base import TransferJob
-from .types import BatchState, Op, RequestStatus, TransportKind
+from .types import BatchState, EngineConfig, Op, RequestStatus, TransportKind
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import TransferEngine
-
-_WAIT_GRACE = 5.0
+_WAIT_GRACE = 5.0  # seconds past the batch deadline before wait() gives up on a stuck job
 _SPLIT_MIN_PAGE = 64 << 10  # mean request size below which CPU-copy jobs are not split
 # RequestStatus values as plain ints: enum attribute access costs microseconds on hot paths.
 _DONE = int(RequestStatus.DONE)
 _FAILED = int(RequestStatus.FAILED)
-_CANCELLED = int(RequestStatus.CANCELLED)  # seconds past the batch deadline before wait() gives up on a stuck job
+_CANCELLED = int(RequestStatus.CANCELLED)
+_OP_NAMES = {op: op.value for op in Op}  # Op.value is a descriptor call: too slow per request
+
+
+class BatchContext:
+    """What a batch needs from the engine that made it, and nothing else.
+
+    The engine builds one and hands it to every :class:`Batch` (and to
+    :func:`validate_requests`), so batches never reach into the engine:
+
+    * ``config``: the engine's configuration (deadlines, inline and split sizes);
+    * ``check_open()``: raises ``EngineClosed`` once the engine is closed;
+    * ``is_registered(region)``: whether a local region belongs to the engine;
+    * ``route(local, remote)``: the opened transport route for a (local region, segment);
+    * ``submit(task)``: queue a task for the worker threads;
+    * ``note_batch()``: count one submitted batch (engine statistics).
+    """
+
+    __slots__ = ("config", "check_open", "is_registered", "route", "submit", "note_batch")
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        check_open: Callable[[], None],
+        is_registered: Callable[[MemoryRegion], bool],
+        route: Callable[[MemoryRegion, RemoteSegment], RouteHandle],
+        submit: Callable[[Task], None],
+        note_batch: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.check_open = check_open
+        self.is_registered = is_registered
+        self.route = route
+        self.submit = submit
+        self.note_batch = note_batch
 
 
 class BatchResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,12 +109,9 @@ class _Group:
         """int64 arrays (local offsets, remote offsets, lengths, request indices)."""
         los, ros, lns, idxs = [], [], [], []
         if self.ln:
-            try:
-                los.append(np.array(self.lo, dtype=np.int64))
-                ros.append(np.array(self.ro, dtype=np.int64))
-                lns.append(np.array(self.ln, dtype=np.int64))
-            except (OverflowError, TypeError, ValueError) as exc:
-                raise OutOfBounds(f"offsets and lengths must be integers below 2**63 ({exc})") from None
+            los.append(as_int64("local offsets", self.lo, copy=False))
+            ros.append(as_int64("remote offsets", self.ro, copy=False))
+            lns.append(as_int64("lengths", self.ln, copy=False))
             idxs.append(np.array(self.idx, dtype=np.int64))
         for lo, ro, ln, start in self.arrays:
             los.append(lo)
@@ -102,21 +130,8 @@ class _Group:
         )
 
 
-def _as_int64(name: str, value: Any, n: int | None = None) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"{name} must be integers, got dtype {arr.dtype}")
-    if arr.ndim == 0 and n is not None:
-        arr = np.full(n, int(arr), dtype=np.int64)
-    if arr.ndim != 1:
-        raise InvalidArgument(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.dtype == np.uint64 and len(arr) and int(arr.max()) >= 1 << 63:
-        raise OutOfBounds(f"{name} holds values beyond 2**63")
-    return arr.astype(np.int64)  # always a copy: the caller may reuse its arrays at once
-
-
 def validate_requests(
-    engine: "TransferEngine",
+    ctx: BatchContext,
     op: Op,
     local: MemoryRegion,
     remote: RemoteSegment,
@@ -125,45 +140,22 @@ def validate_requests(
     ln: np.ndarray,
 ) -> int:
     """Check requests (int64 arrays) against both regions; return their total bytes."""
-    if local not in engine._regions or local.closed:
+    if local.closed or not ctx.is_registered(local):
         raise NotRegistered(f"{local!r} is not registered with this engine")
     reason = remote.peer.liveness.dead_reason
     if reason is not None:
-        raise PeerDeadError(f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}")
+        raise PeerDeadError(
+            f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}"
+        )
     if remote.stale_reason is not None:
         raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
-    n = len(ln)
-    if n <= 8:  # a few numpy reductions cost more than the whole copy of a small request
-        total = 0
-        lsize, rsize = local.size, remote.desc.size
-        for i, (a, b, c) in enumerate(zip(lo.tolist(), ro.tolist(), ln.tolist())):
-            _check_one(i, op, a, b, c, lsize, rsize, local, remote)
-            total += c
-        return total
-    if int(ln.min()) <= 0:
-        bad = int(np.flatnonzero(ln <= 0)[0])
-        raise InvalidLength(f"request length must be positive, got {int(ln[bad])} ({op.value} #{bad} of its group)")
-    if int(lo.min()) < 0 or int(ro.min()) < 0:
-        raise OutOfBounds(f"negative offset in a {op.value} request on segment {remote.name!r}")
-    uln = ln.view(np.uint64)
-    check_ranges(local.size, lo.view(np.uint64), uln, f"local {local!r}")
-    check_ranges(remote.size, ro.view(np.uint64), uln, f"remote segment {remote.name!r}")
-    return int(uln.sum())
-
-
-def _check_one(
-    i: int, op: Op, lo: int, ro: int, ln: int, lsize: int, rsize: int, local: MemoryRegion, remote: RemoteSegment
-) -> None:
-    if ln <= 0:
-        raise InvalidLength(f"request length must be positive, got {ln} ({op.value} #{i} of its group)")
-    if lo < 0 or ro < 0:
-        raise OutOfBounds(f"negative offset in a {op.value} request on segment {remote.name!r}")
-    if lo + ln > lsize:
-        raise OutOfBounds(f"{op.value} #{i}: local range [{lo}, +{ln}) exceeds {local!r} ({lsize} bytes)")
-    if ro + ln > rsize:
-        raise OutOfBounds(
-            f"{op.value} #{i}: remote range [{ro}, +{ln}) exceeds segment {remote.name!r} ({rsize} bytes)"
-        )
+    desc = remote.desc
+    return check_ranges(
+        _OP_NAMES[op],
+        ln,
+        (lo, local.size, ("local", local)),
+        (ro, desc.size, ("remote segment", desc.name)),
+    )
 
 
 class Batch:
@@ -177,8 +169,8 @@ class Batch:
             result = b.wait()          # raises the first error (TransferError subclass)
     """
 
-    def __init__(self, engine: "TransferEngine") -> None:
-        self._engine = engine
+    def __init__(self, ctx: BatchContext) -> None:
+        self._ctx = ctx
         self._lock = threading.Lock()
         self._groups: dict[tuple[Op, int, int], _Group] = {}
         self._n = 0
@@ -198,7 +190,7 @@ class Batch:
     def __len__(self) -> int:
         return self._n
 
-    def __enter__(self) -> "Batch":
+    def __enter__(self) -> Batch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -208,18 +200,16 @@ class Batch:
     def _group(self, op: Op, local: MemoryRegion, remote: RemoteSegment) -> _Group:
         if self._state is not BatchState.OPEN:
             raise BatchStateError(f"cannot add requests to a {self._state.value} batch")
-        if op.__class__ is not Op:
-            try:
-                op = Op(op)
-            except ValueError:
-                raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+        op = as_op(op)
         if not isinstance(local, MemoryRegion):
             raise NotRegistered(
-                f"local memory must be a MemoryRegion from engine.register(), got {type(local).__name__}"
+                "local memory must be a MemoryRegion from engine.register(), got "
+                f"{type(local).__name__}"
             )
         if not isinstance(remote, RemoteSegment):
             raise InvalidArgument(
-                f"remote must be a RemoteSegment from engine.open_segment(), got {type(remote).__name__}"
+                "remote must be a RemoteSegment from engine.open_segment(), got "
+                f"{type(remote).__name__}"
             )
         key = (op, id(local), id(remote))
         g = self._groups.get(key)
@@ -261,14 +251,7 @@ class Batch:
         Returns the range of their request indices. The arrays are copied (as int64), so the
         caller may reuse them right away.
         """
-        lo = _as_int64("local_offsets", local_offsets)
-        ro = _as_int64("remote_offsets", remote_offsets)
-        ln = _as_int64("lengths", lengths, len(lo))
-        if not (len(lo) == len(ro) == len(ln)):
-            raise InvalidLength(
-                f"add_many needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, "
-                f"{len(ln)} lengths"
-            )
+        lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
         with self._lock:
             g = self._group(op, local, remote)
             start = self._n
@@ -277,27 +260,28 @@ class Batch:
             return range(start, self._n)
 
     # --- submission -----------------------------------------------------------------------
-    def submit(self, timeout: float | None = None, *, _sync: bool = False) -> "Batch":
+    def submit(self, timeout: float | None = None, *, _sync: bool = False) -> Batch:
         """Check every request, pick transports, start moving bytes; returns at once.
 
         ``timeout`` (default: the engine's ``transfer_timeout``) is the batch deadline: a job
         still running past it fails with ``TransferTimeout``. On a bad request this raises
         and nothing moves; the batch stays open (free it).
         """
-        engine = self._engine
+        ctx = self._ctx
         with self._lock:
             if self._state is not BatchState.OPEN:
                 raise BatchStateError(f"cannot submit a {self._state.value} batch")
-            engine._check_open()
-            cfg = engine.config
+            ctx.check_open()
+            cfg = ctx.config
             now = time.monotonic()
             self._deadline = now + (cfg.transfer_timeout if timeout is None else timeout)
             plans = []
             for g in self._groups.values():
                 lo, ro, ln, idx = g.build()
-                plans.append((g, validate_requests(engine, g.op, g.local, g.remote, lo, ro, ln), lo, ro, ln, idx))
+                nbytes = validate_requests(ctx, g.op, g.local, g.remote, lo, ro, ln)
+                plans.append((g, nbytes, lo, ro, ln, idx))
             # Every request is valid: now pick (and open) a transport route per group.
-            routes = [engine._route(g.local, g.remote) for g, *_ in plans]
+            routes = [ctx.route(g.local, g.remote) for g, *_ in plans]
             tasks = self._make_tasks(plans, routes, cfg.split_bytes)
             self._status = np.zeros(self._n, dtype=np.int8)
             self._tasks = tasks
@@ -323,11 +307,10 @@ class Batch:
                     t.run()
         else:
             for t in tasks:
-                engine._executor.submit(t)
+                ctx.submit(t)
         return self
 
     def _make_tasks(self, plans: list, routes: list[RouteHandle], split: int) -> list[Task]:
-        engine = self._engine
         tasks: list[Task] = []
         held: list[tuple[MemoryRegion, RouteHandle]] = []
         try:
@@ -338,7 +321,9 @@ class Batch:
                 # Parts only pay off when the copies release the GIL most of the time: CPU-copy
                 # transports with small pages would just pass the GIL around between threads.
                 small = handle.transport.inline_ok and nbytes < n * _SPLIT_MIN_PAGE
-                if nbytes <= split or n == 1 or small or not handle.transport.split_ok:  # the common case: one job, no slicing
+                if (
+                    nbytes <= split or n == 1 or small or not handle.transport.split_ok
+                ):  # the common case: one job, no slicing
                     if not handle.acquire():
                         raise g.remote.gone_error()
                     try:
@@ -349,14 +334,26 @@ class Batch:
                     held.append((g.local, handle))
                     i0 = int(idx[0])
                     index: object = slice(i0, i0 + n) if int(idx[-1]) - i0 + 1 == n else idx
-                    job = TransferJob(g.op, g.local, g.remote.desc, handle.route, lo.view(np.uint64),
-                                      ro.view(np.uint64), ln.view(np.uint64), nbytes, self._deadline,
-                                      g.remote.peer.liveness)
+                    job = TransferJob(
+                        g.op,
+                        g.local,
+                        g.remote.desc,
+                        handle.route,
+                        lo.view(np.uint64),
+                        ro.view(np.uint64),
+                        ln.view(np.uint64),
+                        nbytes,
+                        self._deadline,
+                        g.remote.peer.liveness,
+                    )
                     tasks.append(Task(job, handle.transport, index, handle, self._on_done))
                     continue
                 parts = [(0, n)]
                 if n > 1:
-                    cut = np.searchsorted(np.cumsum(ln), np.arange(split, nbytes, split), side="left") + 1
+                    cut = (
+                        np.searchsorted(np.cumsum(ln), np.arange(split, nbytes, split), side="left")
+                        + 1
+                    )
                     edges = [0] + sorted(set(int(c) for c in cut if 0 < c < len(ln))) + [len(ln)]
                     parts = list(zip(edges[:-1], edges[1:]))
                 for a, b in parts:
@@ -368,16 +365,27 @@ class Batch:
                         handle.release()
                         raise
                     held.append((g.local, handle))
-                    plo, pro, pln = (lo[a:b].view(np.uint64), ro[a:b].view(np.uint64), ln[a:b].view(np.uint64))
+                    plo, pro, pln = (
+                        lo[a:b].view(np.uint64),
+                        ro[a:b].view(np.uint64),
+                        ln[a:b].view(np.uint64),
+                    )
                     pidx = idx[a:b]
                     if len(pidx) and int(pidx[-1]) - int(pidx[0]) + 1 == len(pidx):
                         index = slice(int(pidx[0]), int(pidx[-1]) + 1)
                     else:
                         index = pidx
                     job = TransferJob(
-                        g.op, g.local, g.remote.desc, handle.route, plo, pro, pln,
+                        g.op,
+                        g.local,
+                        g.remote.desc,
+                        handle.route,
+                        plo,
+                        pro,
+                        pln,
                         nbytes if len(parts) == 1 else int(pln.sum()),
-                        self._deadline, g.remote.peer.liveness,
+                        self._deadline,
+                        g.remote.peer.liveness,
                     )
                     tasks.append(Task(job, handle.transport, index, handle, self._on_done))
         except BaseException:
@@ -385,7 +393,7 @@ class Batch:
                 region.release()
                 handle.release()
             raise
-        engine._note_batch()
+        self._ctx.note_batch()
         return tasks
 
     # --- completion -----------------------------------------------------------------------
@@ -395,7 +403,8 @@ class Batch:
         task.handle.release()  # type: ignore[attr-defined]
         if exc is not None and not isinstance(exc, TransferError):
             err = TransferError(
-                f"{task.transport.kind.value} transport failed on segment {job.remote.name!r}: {exc!r}"
+                f"{task.transport.kind.value} transport failed on segment "
+                f"{job.remote.name!r}: {exc!r}"
             )
             err.__cause__ = exc
             exc = err
@@ -456,9 +465,13 @@ class Batch:
                 requests=self._n,
                 nbytes=self._nbytes,
                 failed=failed,
-                transports=list(self._served) if len(self._served) < 2 else sorted(self._served, key=lambda k: k.value),
+                transports=list(self._served)
+                if len(self._served) < 2
+                else sorted(self._served, key=lambda k: k.value),
                 elapsed_s=max(0.0, end - self._t0) if self._t0 else 0.0,
-                error=None if self._error is None else f"{type(self._error).__name__}: {self._error}",
+                error=None
+                if self._error is None
+                else f"{type(self._error).__name__}: {self._error}",
             )
 
     @property
@@ -481,7 +494,11 @@ class Batch:
             for t in self._tasks:  # steal our own queued jobs: no thread hand-off
                 if t.claim():
                     t.run()
-            limit = timeout if timeout is not None else max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE
+            limit = (
+                timeout
+                if timeout is not None
+                else max(0.0, self._deadline - time.monotonic()) + _WAIT_GRACE
+            )
             if not self._block(limit):
                 if timeout is None:  # a transport ignored its deadline: give up on it
                     self.cancel()

@@ -24,7 +24,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,7 +34,6 @@ from .errors import (
     AuthError,
     EngineClosed,
     InvalidLength,
-    OutOfBounds,
     PeerDeadError,
     ProtocolError,
     SegmentNotFound,
@@ -42,6 +42,7 @@ from .errors import (
     TransportUnavailable,
     error_from_code,
 )
+from .ranges import check_ranges
 from .transports.base import PeerLiveness
 from .types import EngineConfig, SegmentDescriptor
 
@@ -88,33 +89,6 @@ def _offsets(raw: bytes) -> np.ndarray:
     if len(raw) % 8:
         raise ProtocolError(f"offset/length array of {len(raw)} bytes is not a uint64 array")
     return np.frombuffer(raw, dtype="<u8")
-
-
-def check_ranges(size: int, offsets: np.ndarray, lengths: np.ndarray, what: str) -> None:
-    """Raise unless every ``[offset, offset + length)`` is non-empty and inside ``size``."""
-    if len(offsets) != len(lengths):
-        raise InvalidLength(f"{what}: {len(offsets)} offsets but {len(lengths)} lengths")
-    n = len(lengths)
-    if n == 0:
-        return
-    if n <= 8:
-        for i, (o, ln) in enumerate(zip(offsets.tolist(), lengths.tolist())):
-            if ln == 0:
-                raise InvalidLength(f"{what}: request {i} has length 0")
-            if o > size or ln > size - o:
-                raise OutOfBounds(f"{what}: request {i} [{o}, +{ln}) exceeds its size of {size} bytes")
-        return
-    if not (lengths > 0).all():
-        bad = int(np.flatnonzero(lengths == 0)[0])
-        raise InvalidLength(f"{what}: request {bad} has length 0")
-    # offsets <= size and length <= size - offset: no uint64 wrap-around possible.
-    over = (offsets > size) | (lengths > size - np.minimum(offsets, size))
-    if over.any():
-        bad = int(np.flatnonzero(over)[0])
-        raise OutOfBounds(
-            f"{what}: request {bad} [{int(offsets[bad])}, +{int(lengths[bad])}) exceeds its "
-            f"size of {size} bytes"
-        )
 
 
 SegmentLookup = Callable[[str, int], "tuple[SegmentDescriptor, object]"]
@@ -261,10 +235,11 @@ class ControlServer:
             raise SegmentNotFound(f"segment {name!r} was replaced (descriptor {seg_id} is stale)")
         if not desc.kind.is_host:
             raise TransportUnavailable(f"segment {name!r} is GPU memory; the TCP path moves host memory only")
-        check_ranges(desc.size, offsets, lengths, f"segment {name!r}")
-        if int(lengths.sum()) != total:
+        nbytes = check_ranges(f"request on segment {name!r}", lengths,
+                              (offsets, desc.size, f"segment {name!r}"))
+        if nbytes != total:
             raise InvalidLength(f"payload size {total} does not match the request lengths")
-        region.acquire()  # type: ignore[attr-defined]
+        region.acquire()
         return region
 
     def _write(self, sock: socket.socket, req: P.WriteReq) -> None:
@@ -276,11 +251,11 @@ class ControlServer:
             P.send_msg(sock, P.Error(exc.code, str(exc)))
             return
         try:
-            mv = memoryview(region.array())  # type: ignore[attr-defined]
+            mv = memoryview(region.array())
             views = [mv[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             P.recv_into_views(sock, views)
         finally:
-            region.release()  # type: ignore[attr-defined]
+            region.release()
         P.send_msg(sock, P.Ack(req.total))
 
     def _read(self, sock: socket.socket, req: P.ReadReq) -> None:
@@ -291,12 +266,12 @@ class ControlServer:
             P.send_msg(sock, P.Error(exc.code, str(exc)))
             return
         try:
-            mv = memoryview(region.array())  # type: ignore[attr-defined]
+            mv = memoryview(region.array())
             views = [memoryview(P.encode(P.ReadResp(req.total)))]
             views += [mv[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
             P.send_views(sock, views)
         finally:
-            region.release()  # type: ignore[attr-defined]
+            region.release()
 
     # --- notifications --------------------------------------------------------------------
     def notify(self, msg: P.Message) -> None:
@@ -362,7 +337,10 @@ class Connection:
             self.sock.close()
 
 
-def _expect(msg: P.Message, cls: type) -> object:
+M = TypeVar("M", bound=P.Message)
+
+
+def _expect(msg: P.Message, cls: type[M]) -> M:
     if not isinstance(msg, cls):
         raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
     return msg
@@ -400,12 +378,12 @@ class PeerClient:
             conn = Connection(sock)
             sock.settimeout(timeout)
             ch = _expect(P.recv_msg(sock), P.Challenge)
-            if ch.version != P.PROTOCOL_VERSION:  # type: ignore[attr-defined]
-                raise ProtocolError(f"peer {self.address} speaks protocol {ch.version}")  # type: ignore[attr-defined]
-            if self.engine_id and ch.engine_id != self.engine_id:  # type: ignore[attr-defined]
+            if ch.version != P.PROTOCOL_VERSION:
+                raise ProtocolError(f"peer {self.address} speaks protocol {ch.version}")
+            if self.engine_id and ch.engine_id != self.engine_id:
                 raise PeerDeadError(f"peer {self.address} restarted (engine {self.engine_id} is gone)")
             token = self._config.token
-            if (token is None) != (not ch.auth):  # type: ignore[attr-defined]
+            if (token is None) != (not ch.auth):
                 raise AuthError(
                     f"token mismatch with peer {self.address}: "
                     + ("we have a token, the peer has none" if token else "the peer requires a token")
@@ -413,12 +391,13 @@ class PeerClient:
             nonce = secrets.token_bytes(16)
             P.send_msg(
                 sock,
-                P.Hello(self._me.node_id, self._me.engine_id, nonce, P.mac(token, ch.nonce, self._me.engine_id), watch=watch),  # type: ignore[attr-defined]
+                P.Hello(self._me.node_id, self._me.engine_id, nonce,
+                        P.mac(token, ch.nonce, self._me.engine_id), watch=watch),
             )
             welcome = _expect(conn.reply(timeout), P.Welcome)
-            if not P.mac_ok(token, nonce, ch.engine_id, welcome.mac):  # type: ignore[attr-defined]
+            if not P.mac_ok(token, nonce, ch.engine_id, welcome.mac):
                 raise AuthError(f"peer {self.address} could not prove it knows the token")
-            self.node_id, self.engine_id, self.host_id = ch.node_id, ch.engine_id, ch.host_id  # type: ignore[attr-defined]
+            self.node_id, self.engine_id, self.host_id = ch.node_id, ch.engine_id, ch.host_id
             sock.settimeout(None)
             return conn
         except BaseException:
@@ -472,22 +451,22 @@ class PeerClient:
             raise PeerDeadError(f"peer {self.address}: {exc}") from None
 
     def get_segment(self, name: str) -> SegmentDescriptor:
-        return _expect(self._call(P.GetSegment(name)), P.SegmentInfo).desc  # type: ignore[attr-defined]
+        return _expect(self._call(P.GetSegment(name)), P.SegmentInfo).desc
 
     def list_segments(self) -> list[SegmentDescriptor]:
-        return _expect(self._call(P.ListSegments()), P.SegmentList).descs  # type: ignore[attr-defined]
+        return _expect(self._call(P.ListSegments()), P.SegmentList).descs
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time of one ping, in seconds."""
         t0 = time.perf_counter()
         seq = int.from_bytes(os.urandom(4), "little")
         pong = _expect(self._call(P.Ping(seq), timeout), P.Pong)
-        if pong.seq != seq:  # type: ignore[attr-defined]
+        if pong.seq != seq:
             raise ProtocolError("ping answered with the wrong sequence number")
         return time.perf_counter() - t0
 
     def call(self, kind: str, payload: bytes, timeout: float | None = None) -> bytes:
-        return _expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload  # type: ignore[attr-defined]
+        return _expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload
 
     # --- TCP data path --------------------------------------------------------------------
     def write(
@@ -510,8 +489,10 @@ class PeerClient:
         req = P.ReadReq(desc.name, desc.seg_id, offsets.astype("<u8", copy=False).tobytes(), lengths.astype("<u8", copy=False).tobytes(), total)
         with self.connection(timeout) as conn:
             resp = _expect(conn.request(req, timeout), P.ReadResp)
-            if resp.total != total:  # type: ignore[attr-defined]
-                raise ProtocolError(f"peer {self.address} answered {resp.total} bytes for a {total} byte read")  # type: ignore[attr-defined]
+            if resp.total != total:
+                raise ProtocolError(
+                    f"peer {self.address} answered {resp.total} bytes for a {total} byte read"
+                )
             try:
                 P.recv_into_views(conn.sock, views)
             except OSError as exc:

@@ -4,7 +4,7 @@ The engine wires the pieces together and owns every thread: the control server (
 one thread per connection), the monitor (peer liveness), and the worker pool. All of them
 block when idle. Transports are created once, in the preference order of
 ``transports.REGISTRY`` filtered by configuration, and chosen per (local memory kind,
-remote segment) on first use (design.md §1).
+remote segment) on first use (docs/transfer.md, "Transport selection").
 
 Use :func:`get_engine` / :func:`init_engine` for the process-wide shared engine (the store
 client and both SGLang plugins must share one).
@@ -28,14 +28,13 @@ import numpy as np
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
-from .batch import Batch, BatchResult, _as_int64, validate_requests
+from .batch import Batch, BatchContext, BatchResult, validate_requests
 from .control import ControlServer, Identity, Monitor, PeerClient
 from .errors import (
     EngineClosed,
     InvalidArgument,
     InvalidLength,
     NotRegistered,
-    OutOfBounds,
     SegmentNotFound,
     TensorMismatch,
     TransferError,
@@ -52,6 +51,7 @@ from .memory import (
     shared_buffer_at,
     sweep_dead_shared,
 )
+from .ranges import as_int64, as_op, as_requests
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import Transport, TransportContext, TransferJob
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
@@ -93,21 +93,12 @@ def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
     raise InvalidArgument(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
 
 
-def _as_op(op: Any) -> Op:
-    if op.__class__ is Op:
-        return op
-    try:
-        return Op(op)
-    except ValueError:
-        raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
-
-
-def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    try:
-        return (np.array((local_offset,), np.int64), np.array((remote_offset,), np.int64),
-                np.array((length,), np.int64))
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise OutOfBounds(f"offsets and lengths must be integers below 2**63 ({exc})") from None
+def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray, ...]:
+    return (
+        as_int64("local_offset", (local_offset,), copy=False),
+        as_int64("remote_offset", (remote_offset,), copy=False),
+        as_int64("length", (length,), copy=False),
+    )
 
 
 class TransferEngine:
@@ -160,6 +151,14 @@ class TransferEngine:
         self.transport_status: dict[str, str | None] = {}  # kind -> None (enabled) or why not
         self._start_transports()
         self._executor = Executor(cfg.workers)
+        self._batch_ctx = BatchContext(
+            cfg,
+            check_open=self._check_open,
+            is_registered=self._regions.__contains__,
+            route=self._route,
+            submit=self._executor.submit,
+            note_batch=self._note_batch,
+        )
         try:
             self._server = ControlServer(
                 cfg.listen,
@@ -482,7 +481,7 @@ class TransferEngine:
     def batch(self) -> Batch:
         """A new, empty batch (see :class:`Batch`)."""
         self._check_open()
-        return Batch(self)
+        return Batch(self._batch_ctx)
 
     allocate_batch = batch
 
@@ -502,14 +501,8 @@ class TransferEngine:
         The calling thread does the copy or the socket I/O itself (no thread hand-off); a
         batch larger than ``split_bytes`` is cut into parts that the worker threads share.
         """
-        lo = _as_int64("local_offsets", local_offsets)
-        ro = _as_int64("remote_offsets", remote_offsets)
-        ln = _as_int64("lengths", lengths, len(lo))
-        if not (len(lo) == len(ro) == len(ln)):
-            raise InvalidLength(
-                f"transfer needs equal lengths: {len(lo)} local offsets, {len(ro)} remote offsets, {len(ln)} lengths"
-            )
-        return self._sync(_as_op(op), local, remote, lo, ro, ln, timeout)
+        lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
+        return self._sync(as_op(op), local, remote, lo, ro, ln, timeout)
 
     def read(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
              length: int, *, timeout: float | None = None) -> BatchResult:
@@ -537,12 +530,8 @@ class TransferEngine:
         engine at ``address`` publishes (raw addresses in the owner's process). Requests are
         resolved and grouped with vectorised lookups, then moved as one batch.
         """
-        op = _as_op(op)
-        lp = _as_int64("local_ptrs", local_ptrs)
-        rp = _as_int64("remote_ptrs", remote_ptrs)
-        ln = _as_int64("lengths", lengths, len(lp))
-        if not (len(lp) == len(rp) == len(ln)):
-            raise InvalidLength(f"{len(lp)} local addresses, {len(rp)} remote addresses, {len(ln)} lengths")
+        op = as_op(op)
+        lp, rp, ln = as_requests(local_ptrs, remote_ptrs, lengths, names=("local_ptrs", "remote_ptrs"))
         if len(ln) == 0:
             return BatchResult(state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0)
         if int(ln.min()) <= 0:
@@ -555,7 +544,7 @@ class TransferEngine:
         key = ri.astype(np.int64) * len(segs) + si
         if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
-        b = Batch(self)
+        b = Batch(self._batch_ctx)
         try:
             for k in np.unique(key).tolist():
                 m = key == k
@@ -573,9 +562,9 @@ class TransferEngine:
             raise NotRegistered(f"local memory must be a MemoryRegion from register(), got {type(local).__name__}")
         if not isinstance(remote, RemoteSegment):
             raise InvalidArgument(f"remote must be a RemoteSegment from open_segment(), got {type(remote).__name__}")
-        nbytes = validate_requests(self, op, local, remote, lo, ro, ln)
+        nbytes = validate_requests(self._batch_ctx, op, local, remote, lo, ro, ln)
         if nbytes > self.config.split_bytes and len(ln) > 1:
-            b = Batch(self)
+            b = Batch(self._batch_ctx)
             try:
                 b.add_many(op, local, lo, remote, ro, ln)
                 b.submit(timeout, _sync=True)
@@ -609,7 +598,10 @@ class TransferEngine:
                            transports=[h.transport.kind], elapsed_s=time.monotonic() - t0)
 
     def _route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
-        return _select.route(self._transports, local, remote, host_id=self.host_id,
+        return remote.route_for(local, self._open_route)
+
+    def _open_route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
+        return _select.open_route(self._transports, local, remote, host_id=self.host_id,
                              unavailable=self.transport_status)
 
     def _note_batch(self) -> None:

@@ -10,6 +10,7 @@ many batches, closed when the segment goes away and no job uses it any more).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import SegmentExists, SegmentNotFound
@@ -133,6 +134,24 @@ class RemoteSegment:
                 (k.value if d < 0 else f"{k.value}:{d}"): h.transport.kind.value
                 for (k, d), h in self._routes.items()
             }
+
+    def route_for(
+        self, local: MemoryRegion, open_route: Callable[[MemoryRegion, RemoteSegment], RouteHandle]
+    ) -> RouteHandle:
+        """The route cached for ``local``'s (memory kind, device), else ``open_route``'s.
+
+        ``open_route`` runs under this segment's lock, so concurrent first users open one
+        route, not one each; its error (``TransportUnavailable``) propagates and caches nothing.
+        """
+        key = (local.kind, local.device)
+        h = self._routes.get(key)
+        if h is not None:
+            return h
+        with self._lock:
+            h = self._routes.get(key)
+            if h is None:
+                h = self._routes[key] = open_route(local, self)
+            return h
 
     def gone_error(self) -> Exception:
         """The error for a request on this segment once its route was closed under it."""

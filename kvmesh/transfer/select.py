@@ -10,7 +10,7 @@ choice and its set-up cost (mapping a file, loading NIXL metadata) happen once.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import TransportUnavailable
 from .memory import MemoryRegion
@@ -20,7 +20,7 @@ from .transports.base import Transport
 log = logging.getLogger("kvmesh.transfer")
 
 
-def route(
+def open_route(
     transports: Sequence[Transport],
     local: MemoryRegion,
     remote: RemoteSegment,
@@ -28,27 +28,24 @@ def route(
     host_id: str,
     unavailable: dict[str, str | None],
 ) -> RouteHandle:
-    """The cached or newly opened route for ``local``'s memory kind to ``remote``."""
-    key = (local.kind, local.device)
-    h = remote._routes.get(key)
-    if h is not None:
-        return h
-    with remote._lock:
-        h = remote._routes.get(key)
-        if h is not None:
-            return h
-        refused = []
-        for t in transports:
-            if not t.can_serve(local, remote.desc):
-                continue
-            try:
-                opened = t.open(remote.desc)
-            except TransportUnavailable as exc:
-                refused.append(f"{t.kind.value}: {exc}")
-                continue
-            h = remote._routes[key] = RouteHandle(t, opened)
-            log.debug("segment %s from %s memory: transport %s", remote.name, local.kind.value, t.kind.value)
-            return h
+    """Open a route through the first transport that accepts and opens.
+
+    The engine passes this (bound to its transports) to ``RemoteSegment.route_for``, which
+    caches the result per local (memory kind, device).
+    """
+    refused = []
+    for t in transports:
+        if not t.can_serve(local, remote.desc):
+            continue
+        try:
+            opened = t.open(remote.desc)
+        except TransportUnavailable as exc:
+            refused.append(f"{t.kind.value}: {exc}")
+            continue
+        log.debug(
+            "segment %s from %s memory: transport %s", remote.name, local.kind.value, t.kind.value
+        )
+        return RouteHandle(t, opened)
     off = {k: v for k, v in unavailable.items() if v}
     raise TransportUnavailable(
         f"no transport can move {local.kind.value} memory to/from segment {remote.name!r} "

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvmesh.transfer import nixl_agent
+from kvmesh.transfer import nixl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIELDS = ("case", "transport", "op", "page_bytes", "batch", "gbps", "ops_per_s", "p50_us",
@@ -20,7 +20,7 @@ FIELDS = ("case", "transport", "op", "page_bytes", "batch", "gbps", "ops_per_s",
 
 def test_bench_quick_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    labels = ["local", "shm", "tcp"] + (["nixl", "nixl-tcp"] if nixl_agent.available() else [])
+    labels = ["local", "shm", "tcp"] + (["nixl", "nixl-tcp"] if nixl.available() else [])
     cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--quick", "--json", str(out),
            "--pages", "16384,65536", "--batches", "8", "--reps", "1", "--latency-samples", "20",
            "--pool-mib", "4", "--tcp-mib", "16", "--idle-seconds", "0.3",

@@ -16,7 +16,7 @@ import pytest
 
 from kvmesh.transfer import EngineConfig, MemoryKind, Op, TransferEngine, TransportKind
 from kvmesh.transfer import cuda
-from kvmesh.transfer import nixl_agent as na
+from kvmesh.transfer import nixl as na
 
 pytestmark = [
     pytest.mark.gpu,

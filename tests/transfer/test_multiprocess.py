@@ -21,7 +21,7 @@ from kvmesh.transfer import (
     TransportKind,
 )
 
-from kvmesh.transfer.nixl_agent import has_rdma_devices
+from kvmesh.transfer.nixl import has_rdma_devices
 
 from .util import pattern, sha
 

@@ -1,4 +1,4 @@
-"""kvmesh.transfer.nixl_agent: two processes on loopback, real NIXL/UCX transfers.
+"""kvmesh.transfer.nixl, the NIXL agent wrapper: two processes on loopback, real transfers.
 
 The peer process (``_peer_main``) owns a registered buffer and answers small commands over a
 multiprocessing pipe (test harness only); every transfer is verified byte for byte.
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.transfer import nixl_agent as na
+from kvmesh.transfer import nixl as na
 from kvmesh.transfer.errors import (
     EngineClosed,
     InvalidArgument,
@@ -29,6 +29,7 @@ from kvmesh.transfer.errors import (
     TransferError,
     TransferTimeout,
 )
+from kvmesh.transfer.nixl import loader, patch
 
 pytestmark = pytest.mark.skipif(not na.available(), reason=f"NIXL: {na.unavailable_reason()}")
 
@@ -42,7 +43,7 @@ def _pattern(size: int, seed: int) -> np.ndarray:
 
 def _peer_main(conn, name: str, size: int, opts: dict, seed: int) -> None:
     """Child process: one agent, one registered buffer, commands from the parent."""
-    from kvmesh.transfer.nixl_agent import NixlAgent, NixlOptions
+    from kvmesh.transfer.nixl import NixlAgent, NixlOptions
 
     buf = _pattern(size, seed)
     agent = NixlAgent(name, NixlOptions(**opts))
@@ -133,8 +134,9 @@ def pair(shared_peer):
     """(local agent, local buffer, local region, peer, peer agent name); peer memory refilled."""
     peer = shared_peer
     assert peer.ask("fill")
-    agent = na.NixlAgent(f"local-{peer.path}-{os.getpid()}-{next(_serial)}",
-                         na.NixlOptions(**_OPTS[peer.path]))
+    agent = na.NixlAgent(
+        f"local-{peer.path}-{os.getpid()}-{next(_serial)}", na.NixlOptions(**_OPTS[peer.path])
+    )
     buf = np.zeros(PEER_SIZE, dtype=np.uint8)
     region = agent.register(buf.ctypes.data, buf.nbytes)
     name = agent.add_remote(peer.metadata)
@@ -163,7 +165,7 @@ def test_environment_defaults():
 def test_unavailable_is_clean():
     code = (
         "import os; os.environ['KVMESH_NIXL_MODULE'] = 'no_such_nixl_module'\n"
-        "from kvmesh.transfer import nixl_agent as na\n"
+        "from kvmesh.transfer import nixl as na\n"
         "from kvmesh.transfer.errors import TransportUnavailable\n"
         "assert na.available() is False\n"
         "assert 'no_such_nixl_module' in na.unavailable_reason()\n"
@@ -182,7 +184,7 @@ def test_process_exit_is_clean():
     """A process that moved bytes with NIXL exits with status 0 (no libnl destructor crash)."""
     code = (
         "import numpy as np\n"
-        "from kvmesh.transfer.nixl_agent import NixlAgent, NixlOptions\n"
+        "from kvmesh.transfer.nixl import NixlAgent, NixlOptions\n"
         "a = NixlAgent('exit-a', NixlOptions(ucx_devices='lo'))\n"
         "b = NixlAgent('exit-b', NixlOptions(ucx_devices='lo'))\n"
         "x = np.arange(1 << 20, dtype=np.uint8); y = np.zeros_like(x)\n"
@@ -193,8 +195,9 @@ def test_process_exit_is_clean():
         "print('moved')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "moved" in out.stdout
 
@@ -217,8 +220,9 @@ def test_write_and_read_pages(pair):
     buf[:] = _pattern(PEER_SIZE, 99)
     lo = rng.choice(PEER_SIZE // page, n, replace=False).astype(np.uint64) * page
     ro = rng.choice(PEER_SIZE // page, n, replace=False).astype(np.uint64) * page
-    x = agent.transfer("WRITE", region, lo, name, remote, ro, np.full(n, page, np.uint64),
-                       timeout=60)
+    x = agent.transfer(
+        "WRITE", region, lo, name, remote, ro, np.full(n, page, np.uint64), timeout=60
+    )
     assert x.prepared and x.count == n
     for i in (0, n // 2, n - 1):
         assert peer.ask("digest", int(ro[i]), page) == _digest(buf[int(lo[i]) : int(lo[i]) + page])
@@ -247,16 +251,16 @@ def test_big_single_and_unaligned(pair):
     assert _digest(buf) == _digest(_pattern(PEER_SIZE, peer.seed))
     # odd offsets and lengths: explicit descriptors instead of prepared lists
     buf[:4096] = 0
-    x = agent.transfer("READ", region, [1, 1000], name, remote, [77, 5003], [333, 2049],
-                       timeout=60)
+    x = agent.transfer("READ", region, [1, 1000], name, remote, [77, 5003], [333, 2049], timeout=60)
     assert not x.prepared
     assert buf[1:334].tobytes() == peer.ask("bytes", 77, 333)
     assert buf[1000:3049].tobytes() == peer.ask("bytes", 5003, 2049)
     assert buf[0] == 0 and buf[334] == 0 and buf[3049] == 0
     # mixed lengths on a common 4 KiB granule: prepared lists, pieces expanded per granule
     buf[: 1 << 20] = _pattern(1 << 20, 5)
-    x = agent.transfer("WRITE", region, [0, 8192], name, remote, [4096, 65536], [4096, 12288],
-                       timeout=60)
+    x = agent.transfer(
+        "WRITE", region, [0, 8192], name, remote, [4096, 65536], [4096, 12288], timeout=60
+    )
     assert x.prepared and x.count == 1 + 3
     assert peer.ask("digest", 4096, 4096) == _digest(buf[:4096])
     assert peer.ask("digest", 65536, 12288) == _digest(buf[8192 : 8192 + 12288])
@@ -381,7 +385,7 @@ def test_threads_share_one_agent(pair):
     agent, buf, region, peer, name = pair
     remote = peer.region()
     page = 16 << 10
-    per_thread = (PEER_SIZE // 4)
+    per_thread = PEER_SIZE // 4
     errors: list[BaseException] = []
     expected = _pattern(PEER_SIZE, peer.seed)
     buf[:] = 0
@@ -391,8 +395,16 @@ def test_threads_share_one_agent(pair):
             base = t * per_thread
             offs = np.arange(base, base + per_thread, page, dtype=np.uint64)
             for chunk in np.array_split(offs, 8):
-                agent.transfer("READ", region, chunk, name, remote, chunk,
-                               np.full(len(chunk), page, np.uint64), timeout=60)
+                agent.transfer(
+                    "READ",
+                    region,
+                    chunk,
+                    name,
+                    remote,
+                    chunk,
+                    np.full(len(chunk), page, np.uint64),
+                    timeout=60,
+                )
         except BaseException as exc:  # collected and re-raised below
             errors.append(exc)
 
@@ -456,10 +468,8 @@ def test_peer_killed_mid_transfer(tls):
 @pytest.mark.parametrize("progress", ["thread", "pump"])
 def test_idle_cpu(progress):
     """An idle agent with memory and a connected peer costs < 5 % of a core."""
-    peer = Peer(f"idle-{progress}-{os.getpid()}", size=1 << 20, ucx_devices="lo",
-                progress=progress)
-    agent = na.NixlAgent(f"idle-local-{progress}-{os.getpid()}",
-                         na.NixlOptions(ucx_devices="lo"))
+    peer = Peer(f"idle-{progress}-{os.getpid()}", size=1 << 20, ucx_devices="lo", progress=progress)
+    agent = na.NixlAgent(f"idle-local-{progress}-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
     try:
         assert peer.progress == progress
         buf = np.zeros(1 << 20, np.uint8)
@@ -476,7 +486,7 @@ def test_idle_cpu(progress):
 
 def test_patch_fallbacks(monkeypatch):
     # A wrapper version the patch was not checked against: no patch, a pump thread instead.
-    loaded = na._require()
+    loaded = loader.require()
     monkeypatch.setattr(loaded, "patchable", False)
     a = na.NixlAgent(f"fb1-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
     try:
@@ -485,7 +495,7 @@ def test_patch_fallbacks(monkeypatch):
         a.close()
     monkeypatch.setattr(loaded, "patchable", True)
     # The patch did not reach the config (wrapper internals changed): caught and replaced.
-    monkeypatch.setattr(na._ConfigPatch, "verified", lambda self: False)
+    monkeypatch.setattr(patch.ConfigPatch, "verified", lambda self: False)
     b = na.NixlAgent(f"fb2-{os.getpid()}", na.NixlOptions(ucx_devices="lo"))
     try:
         assert b.progress_mode == "pump" and "did not reach" in b.patch_note
@@ -524,12 +534,20 @@ def test_prepared_list_cache_is_bounded_and_reposting_works():
         # least recently used unused lists are released
         for page in (65536, 4096, 16384, 65536, 8192):
             offs = np.arange(0, 1 << 20, 4 * page, dtype=np.uint64)[:16]
-            x = a.transfer("WRITE", rs, offs, a.name, remote, offs, np.full(len(offs), page,
-                           np.uint64), timeout=30)
+            x = a.transfer(
+                "WRITE",
+                rs,
+                offs,
+                a.name,
+                remote,
+                offs,
+                np.full(len(offs), page, np.uint64),
+                timeout=30,
+            )
             assert x.prepared
             for o in offs[:3].tolist():
                 assert (dst[o : o + page] == src[o : o + page]).all()
-            assert a._cached_rows <= 300 + 2 * 256, a._cached_rows
+            assert a.cached_rows() <= 300 + 2 * 256, a.cached_rows()
         # a 2 KiB granule would need 512 rows per region: explicit descriptors instead
         x = a.transfer("READ", rd, [2048], a.name, rs.remote(), [6144], [2048], timeout=30)
         assert not x.prepared and (dst[2048:4096] == src[6144:8192]).all()

@@ -25,7 +25,7 @@ from kvmesh.transfer import (
     TransferError,
     TransportKind,
 )
-from kvmesh.transfer import nixl_agent as na
+from kvmesh.transfer import nixl as na
 from kvmesh.transfer.transports import nixl as nt
 
 from .util import Peer, pattern, sha

@@ -1,7 +1,8 @@
 """Transports: the ways bytes move. See ``base.py`` for the interface.
 
-``REGISTRY`` lists every transport the engine knows, in selection order (design.md §1):
-same process first, then GPU paths, then same-host shared memory, then NIXL, then plain TCP.
+``REGISTRY`` lists every transport the engine knows, in selection order (docs/transfer.md,
+"Transport selection"): same process first, then GPU paths, then same-host shared memory, then
+NIXL, then plain TCP.
 Entries are imported lazily so that a missing optional dependency (NIXL, CUDA) only disables
 that transport.
 """

@@ -1,8 +1,9 @@
 """NIXL transport: one-sided READ/WRITE through a NIXL agent with a UCX backend.
 
-Serves (design.md §1) host memory of another process on this host that is not in a shared
-segment (UCX picks ``cma``: process_vm_readv/writev), segments on other hosts (UCX: RDMA where
-present, else TCP), and GPU memory when CUDA is present (UCX cuda transports).
+Serves (docs/transfer.md, "Transport selection") host memory of another process on this host
+that is not in a shared segment (UCX picks ``cma``: process_vm_readv/writev), segments on other
+hosts (UCX: RDMA where present, else TCP), and GPU memory when CUDA is present (UCX cuda
+transports).
 
 Everything is lazy, so an engine that never needs NIXL pays nothing (no import, no agent, no
 progress thread):
@@ -13,10 +14,11 @@ progress thread):
   region on the first request) and loads it: 423 bytes, connection info included;
 * a local region is registered with our agent the first time a job uses it.
 
-Over TCP-only UCX a NIXL READ is a software-emulated GET (0.3-0.6 GB/s against 1.2-2 GB/s for
-a WRITE, nixl-notes §5). When the GET would be emulated (``UCX_TLS``/``ucx_tls`` is TCP only, or
-the owner is on another host and this host has no RDMA device), a READ is served as a push
-by the owner instead; ``read_mode`` (``KVMESH_NIXL=read_mode=...``) picks how:
+Over TCP-only UCX a NIXL READ is a software-emulated GET (0.42-0.54 GB/s, about half of an
+owner push; docs/nixl.md, "READ over TCP-only UCX"). When the GET would be emulated
+(``UCX_TLS``/``ucx_tls`` is TCP only, or the owner is on another host and this host has no RDMA
+device), a READ is served as a push by the owner instead; ``read_mode``
+(``KVMESH_NIXL=read_mode=...``) picks how:
 
 * ``socket`` (default when emulated): the owner pushes the pages over the engine's plain TCP
   data path, received with ``recv_into`` straight into local memory;
@@ -42,7 +44,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from .. import nixl_agent as na
+from .. import nixl as na
 from ..errors import (
     InvalidArgument,
     NotRegistered,
@@ -128,6 +130,14 @@ def _is_loopback(listen: str) -> bool:
         return False
 
 
+def _devices_chosen(opts: na.NixlOptions) -> bool:
+    """Whether the user picked UCX's network devices (option, agent config or environment)."""
+    if opts.ucx_devices is not None or "UCX_NET_DEVICES" in os.environ:
+        return True
+    return any(kv.split("=", 1)[0].strip().upper() == "NET_DEVICES"
+               for kv in opts.engine_config.split(","))
+
+
 def get_is_emulated(tls: str | None, same_host: bool, rdma: bool) -> bool:
     """Whether UCX would serve a GET by software emulation (TCP-only lanes)."""
     if tls:
@@ -164,7 +174,7 @@ def _cuda_ok() -> bool:
 
 
 class NixlTransport(Transport):
-    """Engine transport over :class:`~kvmesh.transfer.nixl_agent.NixlAgent`."""
+    """Engine transport over :class:`~kvmesh.transfer.nixl.NixlAgent`."""
 
     kind = TransportKind.NIXL
     # cma copies run inside the posting call: small jobs run in the submitting thread.
@@ -187,10 +197,9 @@ class NixlTransport(Transport):
             raise InvalidArgument(f"NIXL network must be auto|nixl|tcp, not {network!r}")
         self.network = network
         opts = na.NixlOptions.from_dict(raw)
-        if opts.ucx_devices is None and "UCX_NET_DEVICES" not in os.environ and _is_loopback(
-            ctx.config.listen
-        ):
-            # A loopback-only engine: keep UCX's TCP lanes off the other interfaces.
+        if _is_loopback(ctx.config.listen) and not _devices_chosen(opts):
+            # A loopback-only engine: keep UCX's TCP lanes and its listening socket (which
+            # kvmesh's token does not cover) off the other interfaces too.
             opts = msgspec.structs.replace(opts, ucx_devices="lo")
         self.options = opts
         self.agent_name = f"kvmesh-{ctx.node_id}-{ctx.engine_id}"
