@@ -69,7 +69,7 @@ from .protocol import (
     decode_request,
     encode,
 )
-from .transport import Admission, TransportConfig, parse_addr, read_frames
+from .transport import Admission, DeadlineWatch, TransportConfig, Watched, parse_addr, read_frames
 from .types import RaftConfig, ReadOnlyOption, StateMachine
 
 __all__ = [
@@ -160,6 +160,7 @@ class ReplicaServer(Generic[SM]):
         self.limits = limits or ServerLimits()
         self.query = query
         self._admission = Admission(self.limits.max_connections, self.limits.max_unauthenticated)
+        self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
         self._buffered = 0
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
@@ -177,6 +178,7 @@ class ReplicaServer(Generic[SM]):
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._watch.stop()
         for c in list(self._clients):
             c.writer.close()
         for t in list(self._conns):
@@ -206,6 +208,7 @@ class ReplicaServer(Generic[SM]):
         lim = self.limits
         sec = self.security
         c: _Client | None = None
+        watched: Watched | None = None
         try:
             try:
                 peer = await aserver_handshake(
@@ -225,15 +228,12 @@ class ReplicaServer(Generic[SM]):
 
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             dec = FrameDecoder(lim.max_request)
+            client = c
+            # Waiting for its own answers is not idleness.
+            watched = self._watch.watch(writer, dec, lambda: client.inflight > 0)
+            charge = functools.partial(self._charge, c)
             while True:
-                try:
-                    bodies = await read_frames(
-                        reader, dec, lim.idle_timeout_s, lim.frame_timeout_s, functools.partial(self._charge, c)
-                    )
-                except TimeoutError:
-                    if dec.buffered == 0 and c.inflight > 0:
-                        continue  # waiting for answers is not idleness
-                    raise
+                bodies = await read_frames(reader, watched, charge)
                 self._charge(c, dec.buffered)
                 for body in bodies:
                     self._request(c, body)
@@ -245,6 +245,8 @@ class ReplicaServer(Generic[SM]):
             self.stats["closed_bad_frames"] += 1
             log.info("closing client connection: %s", clip(str(e)))
         finally:
+            if watched is not None:
+                self._watch.unwatch(watched)
             if c is not None:
                 self._charge(c, 0)
                 self._clients.discard(c)
