@@ -1,8 +1,12 @@
 """The ``kvmesh`` command.
 
+``kvmesh master`` / ``node`` / ``up`` / ``status``: the store (see kvmesh/store/cli.py).
 ``kvmesh info``   what this host offers: host id, transports (and why one is missing), NIXL,
                   the copy routine in use.
-``kvmesh demo``   the project's main job in miniature: a second process holds a KV page pool
+``kvmesh demo``   the store demo (kvmesh/store/demo.py): an embedded store, a prefill worker
+                  writing prefix KV pages, decode workers reading them back on this host and
+                  over the network path, every byte verified.
+``kvmesh demo transfer``   the transfer engine alone: a second process holds a KV page pool
                   in shared memory (a "cache node"); this process (a "prefill worker") WRITEs
                   batches of real KV pages into it and READs them back over every transport that
                   can reach it, verifies every byte, and prints pages/s and GB/s per transport.
@@ -209,6 +213,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _demo(args: argparse.Namespace) -> int:
+    if args.which == "transfer":
+        return cmd_demo(args)
+    from kvmesh.store.demo import run_demo
+
+    return run_demo(pages=args.pages, page_bytes=args.page_kib << 10, rounds=args.rounds)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: a prefix KV cache as a system resource")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -216,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe-nixl", action="store_true", help="import NIXL to check it is usable (~0.5 s)")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("demo", help="move KV pages between two processes over every transport")
+    p = sub.add_parser(
+        "demo", help="KV pages through the store (default) or the transfer engine alone"
+    )
+    p.add_argument("which", nargs="?", choices=["store", "transfer"], default="store",
+                   help="store: embedded store, two worker processes; transfer: engine only")
     p.add_argument("--pages", type=int, default=128, help="pages per batch")
     p.add_argument("--slots", type=int, default=0, help="pool slots (default 2 x pages)")
     p.add_argument("--layers", type=int, default=16)
@@ -225,12 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--transports", default="auto", help="comma list of shm,nixl,tcp (default: all)")
-    p.set_defaults(fn=cmd_demo)
+    p.add_argument("--page-kib", type=int, default=64, help="store demo: page size in KiB")
+    p.set_defaults(fn=_demo)
+    from kvmesh.store.cli import register as register_store
+
+    register_store(sub)  # master, node, up, status
     p = sub.add_parser("_demo-peer")
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--page-bytes", type=int, required=True)
     p.set_defaults(fn=_demo_peer)
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if getattr(args, "passthrough", False):  # kvmesh master: its own parser takes the rest
+        args.rest = rest
+    elif rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.fn(args))
 
 

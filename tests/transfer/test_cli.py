@@ -22,7 +22,7 @@ def test_info_reports_host_and_transports():
 
 
 def test_demo_moves_and_verifies_kv_pages():
-    out = _run("demo", "--pages", "16", "--layers", "4", "--rounds", "1", "--transports", "shm,tcp")
+    out = _run("demo", "transfer", "--pages", "16", "--layers", "4", "--rounds", "1", "--transports", "shm,tcp")
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     rows = [ln.split() for ln in lines if ln.startswith(("shm ", "tcp "))]

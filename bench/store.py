@@ -1,0 +1,343 @@
+"""Store benchmark: batch put/get through kvmesh.StoreClient, batch exists, single get_into
+latency, metadata throughput of the replicated master (conventions: bench-format.md).
+
+Setup: master replica processes on loopback (one, in memory, for the data-path cases; three
+with fsync for the metadata case), a storage-node helper process that owns the segment
+(shared memory), and this process as the client reading into / writing from registered
+buffers. ``network`` cases give the helper another host id, so the engine takes its network
+path (``tcp``, or ``nixl`` with RDMA). Every timed read is verified once, outside the timing.
+
+    python bench/store.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import (
+    Child,
+    bench_args,
+    memcpy_gbps,
+    percentiles,
+    print_table,
+    record,
+    serve_json_lines,
+    tcp_gbps,
+    timed,
+    write_json,
+)
+
+MiB = 1 << 20
+
+
+def peer_main(master: str, segment: int) -> None:
+    """The storage-node helper: contributes a segment until told to exit."""
+    from kvmesh.store.node import StorageNode
+    from kvmesh.store.rpc import MasterClient
+
+    rpc = MasterClient([master], name="bench-node")
+    node = StorageNode(rpc, segment).start()
+
+    def on_exit() -> None:
+        node.close()
+        rpc.close()
+
+    serve_json_lines({"exit": on_exit}, {"ready": node.engine.address, "host": node.engine.host_id})
+
+
+def _peer(master: str, segment: int, host_id: str | None) -> Child:
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        )
+    }
+    if host_id:
+        env["KVMESH_HOST_ID"] = host_id
+    return Child(
+        [sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)], env=env
+    )
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"16384x256,262144x128"`` -> [(page bytes, batch), ...]."""
+    out = []
+    for part in text.split(","):
+        size, batch = part.lower().split("x")
+        out.append((int(size), int(batch)))
+    return out
+
+
+def data_path(limits: dict, a: Any, case: str, host_id: str | None) -> list[dict[str, Any]]:
+    from kvmesh.store import StoreClient
+    from kvmesh.store.cluster import StoreCluster
+
+    quick = a.quick
+    shapes = [(16 << 10, 256), (256 << 10, 128), (1 * MiB, 64)] + ([] if quick else [(4 * MiB, 64)])
+    if case == "network" and quick:
+        shapes = [(256 << 10, 128), (1 * MiB, 64)]
+    if a.shapes:
+        shapes = _shapes(a.shapes)
+    reps = a.reps or (3 if quick else 5)
+    rows = []
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StoreCluster(d, 1, durability="memory", tick_ms=50) as cl,
+    ):
+        cl.start_all()
+        biggest = max(max(s * b for s, b in shapes), 1 * MiB)  # exists/latency use 1 MiB
+        peer = _peer(cl.address, 3 * biggest + 64 * MiB, host_id)
+        c = StoreClient(cl.address, timeout=30)
+        try:
+            src = np.frombuffer(np.random.default_rng(1).bytes(biggest), np.uint8).copy()
+            dst = np.zeros(biggest, np.uint8)
+            c.register_buffer(src)
+            c.register_buffer(dst)
+            for size, batch in shapes:
+                offs = [i * size for i in range(batch)]
+                sizes = [size] * batch
+                n = size * batch
+                gen = [0]
+
+                def put_once() -> Any:
+                    gen[0] += 1  # noqa: B023
+                    keys = [f"b{size}-{gen[0]}-{i}" for i in range(batch)]  # noqa: B023
+                    res = c.put_from(keys, src, offs, sizes)  # noqa: B023
+                    assert res.ok, res[:3]
+                    put_once.keys = keys  # type: ignore[attr-defined]
+                    put_once.transports = res.transports  # type: ignore[attr-defined]
+                    return res
+
+                def cleanup() -> None:
+                    c.remove(put_once.keys, force=True)  # type: ignore[attr-defined]
+
+                times = []
+                put_once()
+                cleanup()
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    put_once()
+                    times.append(time.perf_counter() - t0)
+                    cleanup()
+                t_put = float(np.median(times))
+                rows.append(
+                    record(
+                        limits,
+                        case,
+                        ",".join(put_once.transports),
+                        "put",  # type: ignore[attr-defined]
+                        size,
+                        batch,
+                        gbps=n / t_put / 1e9,
+                        ops_per_s=batch / t_put,
+                    )
+                )
+                put_once()
+                keys = put_once.keys  # type: ignore[attr-defined]
+                got = c.get_into(keys, dst, offs, sizes)
+                assert list(got) == sizes and np.array_equal(dst[:n], src[:n]), (
+                    "get returned wrong bytes"
+                )
+                dst[:n] = 0
+                transports = got.transports
+                t_get = timed(lambda: c.get_into(keys, dst, offs, sizes), reps)  # noqa: B023
+                assert np.array_equal(dst[:n], src[:n])
+                rows.append(
+                    record(
+                        limits,
+                        case,
+                        ",".join(transports),
+                        "get",
+                        size,
+                        batch,
+                        gbps=n / t_get / 1e9,
+                        ops_per_s=batch / t_get,
+                    )
+                )
+                time.sleep(0.05)
+                cleanup()
+            if case == "cross-process":
+                rows += _exists_and_latency(c, src, dst, limits, a)
+        finally:
+            c.close()
+            peer.close()
+    return rows
+
+
+def _exists_and_latency(
+    c: Any, src: np.ndarray, dst: np.ndarray, limits: dict, a: Any
+) -> list[dict[str, Any]]:
+    rows = []
+    keys = [f"ex-{i}" for i in range(256)]
+    res = c.put_from(keys, src, [i * 4096 for i in range(256)], [4096] * 256)
+    assert res.ok
+    assert c.exists(keys) == [True] * 256
+    t = timed(lambda: c.exists(keys), a.reps or (20 if a.quick else 100), warmup=3)
+    rows.append(
+        record(
+            limits,
+            "cross-process",
+            None,
+            "exists",
+            None,
+            256,
+            ops_per_s=256 / t,
+            us_per_key=round(t / 256 * 1e6, 3),
+        )
+    )
+    key = "lat-16k"
+    c.put_from(key, src, 0, 16 << 10)
+    assert c.get_into(key, dst, 0, 16 << 10) == 16 << 10
+    assert np.array_equal(dst[: 16 << 10], src[: 16 << 10])
+    samples = []
+    n = a.latency_samples or (300 if a.quick else 2000)
+    for _ in range(20):
+        c.get_into(key, dst, 0, 16 << 10)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        c.get_into(key, dst, 0, 16 << 10)
+        samples.append(time.perf_counter() - t0)
+    p50, p99 = percentiles(samples)
+    rows.append(
+        record(
+            limits,
+            "latency",
+            ",".join(c.last_transports),
+            "get",
+            16 << 10,
+            1,
+            ops_per_s=1 / float(np.mean(samples)),
+            p50_us=p50,
+            p99_us=p99,
+        )
+    )
+    return rows
+
+
+def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
+    """put_start + put_end keys/s on 3 replicas with fsync, in batches, several clients."""
+    from kvmesh.store import protocol as P
+    from kvmesh.store.cluster import StoreCluster
+    from kvmesh.store.rpc import MasterClient
+    from kvmesh.store.types import ReplicateConfig
+
+    rows = []
+    batch, threads = 512, 4
+    seconds = a.meta_seconds or (4.0 if a.quick else 15.0)
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StoreCluster(d, 3, durability="disk", tick_ms=50) as cl,
+    ):
+        cl.start_all()
+        node_rpc = MasterClient(list(cl.addrs.values()), name="bench-meta-node")
+        # A segment is needed for allocation; no bytes move in this case.
+        r = node_rpc.mutate(
+            lambda rid, s: P.MountReq(rid, s, "meta-node", "meta-seg", "127.0.0.1:1", "h", 1 << 40)
+        )
+        assert type(r) is P.CodesResp and r.codes == [0], r
+        stop = threading.Event()
+        done = [0] * threads
+        cfg = ReplicateConfig()
+
+        def worker(t: int) -> None:
+            rpc = MasterClient(list(cl.addrs.values()), name=f"bench-meta-{t}", timeout=30)
+            i = 0
+            while not stop.is_set():
+                keys = [f"m{t}-{i}-{j}" for j in range(batch)]
+                i += 1
+                ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [4096] * batch, cfg))  # noqa: B023
+                assert type(ps) is P.PutStartResp and not any(ps.codes), ps.codes[:3]
+                pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))  # noqa: B023
+                assert type(pe) is P.CodesResp and not any(pe.codes)
+                done[t] += batch
+            rpc.close()
+
+        ths = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(threads)]
+        for th in ths:
+            th.start()
+        time.sleep(1.0)  # warm-up
+        k0, t0 = sum(done), time.perf_counter()
+        time.sleep(seconds)
+        k1, t1 = sum(done), time.perf_counter()
+        stop.set()
+        for th in ths:
+            th.join(60)
+        node_rpc.close()
+        rows.append(
+            record(
+                limits,
+                "metadata",
+                None,
+                "put",
+                None,
+                batch,
+                ops_per_s=(k1 - k0) / (t1 - t0),
+                replicas=3,
+                fsync=True,
+                clients=threads,
+            )
+        )
+    return rows
+
+
+def _options(ap: Any) -> None:
+    ap.add_argument("--shapes", default="", help="PAGExBATCH,... (default: the matrix)")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions per case")
+    ap.add_argument("--latency-samples", type=int, default=0)
+    ap.add_argument("--meta-seconds", type=float, default=0.0, help="metadata case duration")
+    ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--peer":
+        peer_main(argv[1], int(argv[2]))
+        return 0
+    a = bench_args(__doc__.split("\n\n")[0], argv, extra=_options)
+    t_start = time.monotonic()
+    limits: dict[str, float | None] = {
+        "memcpy_gbps": memcpy_gbps(),
+        "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
+    }
+    rows = data_path(limits, a, "cross-process", None)
+    rows += data_path(limits, a, "network", "bench-other-host")
+    rows += metadata(limits, a)
+    print(
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
+        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
+    )
+    print_table(
+        rows,
+        (
+            "case",
+            "transport",
+            "op",
+            "page_bytes",
+            "batch",
+            "gbps",
+            "ops_per_s",
+            "p50_us",
+            "p99_us",
+            "ratio_memcpy",
+        ),
+    )
+    print(f"done in {time.monotonic() - t_start:.0f} s")
+    if a.json:
+        write_json(a.json, "store", limits, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

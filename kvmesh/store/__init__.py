@@ -1,0 +1,33 @@
+"""kvmesh.store: a distributed KV object store on kvmesh.replog (metadata) and
+kvmesh.transfer (bytes). See docs/store.md.
+
+* :class:`StoreClient` (also ``kvmesh.StoreClient``): the synchronous, batch-first client;
+  ``StoreClient()`` with no address runs an embedded single-host store (:func:`embedded`);
+* :mod:`.errors`: one error tree with wire codes; :mod:`.types`: shared value types;
+* :mod:`.master`: the pure, deterministic master core; :mod:`.service`: a master replica
+  process; :mod:`.node`: the storage-node role; :mod:`.protocol`: the client RPC.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing kvmesh.store (e.g. for its errors) must not start the transfer engine
+    # machinery or pull in the asyncio service.
+    if name in ("StoreClient", "BatchResults"):
+        from . import client
+
+        return getattr(client, name)
+    if name == "embedded":
+        from .embedded import embedded
+
+        return embedded
+    if name == "ReplicateConfig":
+        from .types import ReplicateConfig
+
+        return ReplicateConfig
+    raise AttributeError(f"module 'kvmesh.store' has no attribute {name!r}")

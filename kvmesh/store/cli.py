@@ -1,0 +1,234 @@
+"""The store's ``kvmesh`` subcommands (registered by :mod:`kvmesh.cli`).
+
+``kvmesh master``  one replica of the master group (``kvmesh master --help``)
+``kvmesh node``    a storage node: contributes a shared-memory segment until stopped
+``kvmesh up``      a local cluster in the foreground: 3 master replicas + 1 storage node
+``kvmesh status``  members, leader, term, segments, usage, objects, leases, hit rate
+
+Tokens come from ``KVMESH_TOKEN`` / ``KVMESH_TOKEN_FILE`` (never from the command line). On
+loopback addresses no token is required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from typing import Any
+
+__all__ = ["parse_size", "register"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"1g"``, ``"4096"`` -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num) :]
+    if unit not in _UNITS or not num:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 256MiB, 1GiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+# ----------------------------------------------------------------------------- master
+
+
+def cmd_master(args: argparse.Namespace) -> int:
+    from .service import main as master_main
+
+    return master_main(args.rest)
+
+
+# ------------------------------------------------------------------------------- node
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from .node import StorageNode
+    from .rpc import MasterClient
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.WARNING), stream=sys.stderr
+    )
+    rpc = MasterClient([a for a in args.master.split(",") if a], name="store-node")
+    node = StorageNode(rpc, args.size, heartbeat_s=args.heartbeat_s).start()
+    print(
+        f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
+        f"engine {node.engine.address}",
+        flush=True,
+    )
+    try:
+        _wait_for_signal()
+    finally:
+        node.close(grace_s=args.grace_s, lease_s=args.lease_s)
+        rpc.close()
+    return 0
+
+
+# --------------------------------------------------------------------------------- up
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .cluster import StoreCluster
+    from .node import StorageNode
+    from .rpc import MasterClient
+
+    base = args.dir or tempfile.mkdtemp(prefix="kvmesh-up-")
+    token = os.environ.get("KVMESH_TOKEN")
+    cl = StoreCluster(
+        base, args.replicas, token=token, durability=args.durability, tick_ms=args.tick_ms
+    )
+    print(f"starting {args.replicas} master replicas (data in {base}) ...", flush=True)
+    node = None
+    rpc = None
+    try:
+        cl.start_all()
+        rpc = MasterClient(list(cl.addrs.values()), name="kvmesh-up")
+        node = StorageNode(rpc, args.segment, heartbeat_s=2.0).start()
+        print(f"masters   {cl.address}")
+        print(f"node      {node.node_id}: segment {node.segment} of {args.segment} bytes")
+        print(f"use it:   StoreClient({cl.address!r})   or   kvmesh status --master {cl.address}")
+        print("Ctrl-C stops the cluster.", flush=True)
+        _wait_for_signal()
+        print("stopping ...", flush=True)
+    finally:
+        if node is not None:
+            node.close()
+        if rpc is not None:
+            rpc.close()
+        cl.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def gather_status(addrs: list[str], timeout: float = 3.0) -> dict[str, Any]:
+    """Status of every reachable replica plus the leader's view of the pool."""
+    from .rpc import MasterClient
+
+    rpc = MasterClient(addrs, name="kvmesh-status", timeout=timeout)
+    members: list[dict[str, Any]] = []
+    leader: dict[str, Any] | None = None
+    try:
+        for a in addrs:
+            try:
+                st = rpc.status(a, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - a down replica is a row, not a failure
+                members.append({"address": a, "role": "DOWN", "error": str(e)[:200]})
+                continue
+            members.append(st)
+            if st.get("role") == "LEADER":
+                leader = st
+    finally:
+        rpc.close()
+    return {"members": members, "leader": leader}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    addrs = [a for a in args.master.split(",") if a]
+    out = gather_status(addrs)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0 if out["leader"] else 1
+    print(f"{'replica':<8}{'address':<24}{'role':<11}{'term':>6}{'commit':>10}{'applied':>10}")
+    for m in out["members"]:
+        print(
+            f"{m.get('node_id', '?')!s:<8}{m.get('address', '')!s:<24}{m.get('role', '?')!s:<11}"
+            f"{m.get('term', '')!s:>6}{m.get('commit', '')!s:>10}{m.get('applied', '')!s:>10}"
+        )
+    ld = out["leader"]
+    if ld is None:
+        print("no leader reachable")
+        return 1
+    u = ld["usage"]
+    cap = u.get("capacity", 0) or 0
+    ratio = (u.get("used", 0) / cap) if cap else 0.0
+    reads = ld["hits"] + ld["misses"]
+    print(
+        f"\nleader {ld['node_id']} (term {ld['term']}): {ld['objects']} objects "
+        f"({u.get('complete', 0)} complete, {u.get('processing', 0)} in flight), "
+        f"{u.get('used', 0)}/{cap} bytes used ({ratio:.1%}), {ld['leases']} live leases, "
+        f"hit rate {ld['hits'] / reads if reads else 0.0:.1%} of {reads} reads"
+    )
+    print(f"\n{'segment':<40}{'node':<28}{'size':>14}{'used':>14}{'slices':>8}  state")
+    for s in ld["segments"]:
+        print(
+            f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}"
+            f"{s['objects']:>8}  {s['state']}"
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------- register
+
+
+def register(sub: Any) -> None:
+    """Add the store subcommands to ``kvmesh``'s subparsers."""
+    p = sub.add_parser("master", help="run one replica of the store master group", add_help=False)
+    p.set_defaults(fn=cmd_master, passthrough=True, rest=[])  # kvmesh.cli passes the rest
+
+    p = sub.add_parser("node", help="contribute a shared-memory segment to a store")
+    p.add_argument(
+        "--master", required=True, help="store addresses of the master replicas, comma-separated"
+    )
+    p.add_argument(
+        "--size", type=parse_size, default=parse_size("1GiB"), help="segment size (default 1GiB)"
+    )
+    p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument(
+        "--grace-s", type=float, default=0.0, help="on stop: keep copies readable this long"
+    )
+    p.add_argument(
+        "--lease-s", type=float, default=5.0, help="the masters' lease TTL (with --grace-s)"
+    )
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(fn=cmd_node)
+
+    p = sub.add_parser(
+        "up", help="local store in the foreground: 3 master replicas + 1 storage node"
+    )
+    p.add_argument("--replicas", type=int, default=3, choices=[1, 3, 5])
+    p.add_argument("--segment", type=parse_size, default=parse_size("256MiB"))
+    p.add_argument("--dir", default=None, help="data directory (default: a new temporary one)")
+    p.add_argument("--durability", choices=["disk", "memory"], default="disk")
+    p.add_argument("--tick-ms", type=float, default=100.0)
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("status", help="members, leader, segments, usage, objects, leases, hit rate")
+    p.add_argument(
+        "--master", required=True, help="store addresses of the master replicas, comma-separated"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    ap = argparse.ArgumentParser(prog="kvmesh")
+    register(ap.add_subparsers(dest="cmd", required=True))
+    a = ap.parse_args()
+    sys.exit(int(a.fn(a)))

@@ -1,0 +1,967 @@
+"""``kvmesh.StoreClient``: the synchronous, thread-safe, batch-first client of the store.
+
+Every call takes one key or a list of keys. A list is one RPC to the master (at most one log
+entry) plus one transfer-engine batch, and returns a :class:`BatchResults`: one entry per
+key, in order -- the single call's value on success, the :class:`~.errors.StoreError` instance
+on failure -- so one bad key never fails the batch. A single key raises that error instead.
+
+Data path (the master never sees a byte):
+
+* put: ``PutStart`` allocates PROCESSING replicas -> the engine WRITEs straight from the
+  caller's registered buffer into the replicas' segments -> ``PutEnd`` makes them visible
+  (``PutRevoke`` frees the keys whose write failed);
+* get: ``GetReplicas`` returns COMPLETE replicas under a read lease -> the engine READs into
+  the caller's buffer. The lease is counted from *before* the request left, so the client's
+  view expires before the master's; a copy that finishes after it answers LeaseExpired for
+  that key and its bytes must be ignored (the memory may have been reused).
+
+Zero-copy: :meth:`StoreClient.register_buffer` once, then :meth:`put_from` / :meth:`get_into`
+at offsets. The convenience forms (:meth:`put` of bytes, :meth:`get` returning bytes, tensor
+helpers on unregistered tensors) go through internal registered staging buffers (one copy).
+
+``BatchResults.transports`` names the transports that moved the batch's bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..net.security import SecurityConfig
+from ..transfer import MemoryRegion, Op, TransferEngine, TransferError, get_engine
+from ..transfer.memory import describe_object
+from . import errors as E
+from . import protocol as P
+from .node import StorageNode
+from .rpc import MasterClient
+from .types import ObjectReplica, ReplicateConfig, key_error
+
+__all__ = ["BatchResults", "StoreClient"]
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS_PER_RPC = 4096
+_STAGING_MIN = 1 << 20
+_STAGING_KEEP = 64 << 20
+
+
+class BatchResults(list):
+    """A list with one result per key plus ``transports`` (the transports that served the
+    batch's bytes). ``codes``: 0 or the error code per key; ``ok``: no key failed."""
+
+    transports: list[str]
+
+    def __init__(self, items: Sequence[Any] = (), transports: list[str] | None = None) -> None:
+        super().__init__(items)
+        self.transports = transports or []
+
+    @property
+    def codes(self) -> list[int]:
+        return [x.code if isinstance(x, E.StoreError) else 0 for x in self]
+
+    @property
+    def ok(self) -> bool:
+        return not any(isinstance(x, E.StoreError) for x in self)
+
+
+def _key_error(key: Any) -> E.StoreError | None:
+    why = key_error(key)
+    return None if why is None else E.InvalidKey(f"{why}: {str(key)[:100]!r}")
+
+
+class _Staging:
+    """Registered scratch buffers for the copying forms (put of bytes, get returning bytes)."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._free: list[tuple[MemoryRegion, np.ndarray]] = []
+        self._all: list[MemoryRegion] = []
+
+    def acquire(self, nbytes: int) -> tuple[MemoryRegion, np.ndarray]:
+        with self._lock:
+            best = None
+            for i, (r, _arr) in enumerate(self._free):
+                if r.size >= nbytes and (best is None or r.size < self._free[best][0].size):
+                    best = i
+            if best is not None:
+                return self._free.pop(best)
+        size = max(_STAGING_MIN, 1 << max(0, (nbytes - 1).bit_length()))
+        arr = np.empty(size, np.uint8)
+        region = self.engine.register(arr)
+        with self._lock:
+            self._all.append(region)
+        return region, arr
+
+    def release(self, item: tuple[MemoryRegion, np.ndarray]) -> None:
+        with self._lock:
+            # Keep a few for reuse (registration is expensive), but not huge ones.
+            if len(self._free) < 4 and item[0].size <= _STAGING_KEEP:
+                self._free.append(item)
+                return
+            self._all.remove(item[0])
+        self.engine.unregister(item[0])
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._all, self._free = self._all, [], []
+        for r in regions:
+            try:
+                self.engine.unregister(r)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class StoreClient:
+    """Client of a store cluster (or of an embedded single-host one).
+
+    ``master``: ``"host:port"``, ``"h1:p1,h2:p2,h3:p3"`` or a list of store RPC addresses of
+    the master replicas; ``None`` starts (or reuses) this process's embedded master (see
+    :mod:`kvmesh.store.embedded`) and contributes a local segment. ``segment_size``: bytes
+    this process contributes as a storage node (default 0 with a master address, 256 MiB
+    embedded). ``replica_num``: copies per object (on distinct nodes). ``token``/``security``:
+    the cluster's shared secret (default: ``KVMESH_TOKEN`` etc. from the environment).
+    """
+
+    def __init__(
+        self,
+        master: str | list[str] | None = None,
+        *,
+        segment_size: int | None = None,
+        replica_num: int = 1,
+        token: str | None = None,
+        security: SecurityConfig | None = None,
+        engine: TransferEngine | None = None,
+        timeout: float = 15.0,
+        transfer_timeout: float = 30.0,
+        heartbeat_s: float = 2.0,
+    ) -> None:
+        self._embedded = None
+        sec = security
+        if sec is None and token is not None:
+            sec = SecurityConfig(token=token)
+        if master is None:
+            from .embedded import acquire_embedded
+
+            self._embedded = acquire_embedded()
+            addrs = [self._embedded.address]
+            sec = self._embedded.security
+            if segment_size is None:
+                segment_size = int(os.environ.get("KVMESH_STORE_SEGMENT", str(256 << 20)))
+        else:
+            addrs = [
+                a.strip()
+                for a in (master.split(",") if isinstance(master, str) else master)
+                if a.strip()
+            ]
+            if sec is None:
+                sec = SecurityConfig.from_env()
+        self.engine = engine if engine is not None else get_engine()
+        self.rpc = MasterClient(
+            addrs, sec, name=f"store-client-{self.engine.node_id}", timeout=timeout
+        )
+        self.config = ReplicateConfig(replica_num=replica_num, writer_host=self.engine.host_id)
+        self.transfer_timeout = transfer_timeout
+        self._buffers: dict[int, MemoryRegion] = {}
+        self._buf_lock = threading.Lock()
+        self._staging = _Staging(self.engine)
+        self._seg_lock = threading.Lock()
+        self._segments: dict[tuple[str, str], Any] = {}
+        self.last_transports: list[str] = []
+        # "read:shm" -> [batches, bytes]: what moved over which transport (this client).
+        self.stats: dict[str, list[int]] = {}
+        self._closed = False
+        self.node: StorageNode | None = None
+        if segment_size:
+            try:
+                self.node = StorageNode(
+                    self.rpc, segment_size, engine=self.engine, heartbeat_s=heartbeat_s
+                ).start()
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Unmount this process's segment (if any), release buffers and connections."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.node is not None:
+            self.node.close()
+        self._staging.close()
+        with self._buf_lock:
+            regions, self._buffers = list(self._buffers.values()), {}
+        for r in regions:
+            try:
+                self.engine.unregister(r)
+            except Exception:  # noqa: BLE001
+                pass
+        self.rpc.close()
+        if self._embedded is not None:
+            from .embedded import release_embedded
+
+            release_embedded(self._embedded)
+            self._embedded = None
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ buffers
+
+    def register_buffer(self, buffer: Any, size: int | None = None) -> MemoryRegion:
+        """Register memory for zero-copy :meth:`put_from`/:meth:`get_into`: a numpy array,
+        torch tensor, bytearray, or a raw address with ``size``. Register once, reuse."""
+        if isinstance(buffer, int):
+            if size is None:
+                raise E.InvalidParams("a raw address needs a size")
+            region = self.engine.register_raw(buffer, size)
+        else:
+            region = self.engine.register(buffer)
+        with self._buf_lock:
+            self._buffers[region.ptr] = region
+        return region
+
+    def unregister_buffer(self, buffer: Any) -> None:
+        region = self._region_of(buffer, 1)[0]
+        with self._buf_lock:
+            self._buffers.pop(region.ptr, None)
+        self.engine.unregister(region)
+
+    def _region_of(self, buffer: Any, length: int) -> tuple[MemoryRegion, int]:
+        """(registered region, offset of the buffer inside it)."""
+        if isinstance(buffer, MemoryRegion):
+            if buffer.closed:
+                raise E.NotRegistered("the buffer was unregistered")
+            return buffer, 0
+        if isinstance(buffer, int):
+            ptr = buffer
+        else:
+            try:
+                ptr = describe_object(buffer, None)[0]
+            except (TransferError, TypeError, ValueError) as e:
+                raise E.NotRegistered(f"not a registrable buffer: {e}") from None
+        try:
+            return self.engine.find_region(ptr, max(1, length))
+        except (TransferError, LookupError) as e:
+            raise E.NotRegistered(
+                f"buffer at {ptr:#x} (+{length}) is not registered: {e}"
+            ) from None
+
+    def _resolver(self) -> Any:
+        """``_region_of`` memoised per buffer object for one call (a batch names the same
+        buffer for every key; raw addresses are looked up one by one)."""
+        cache: dict[int, Any] = {}
+
+        def where(buffer: Any, length: int) -> tuple[MemoryRegion, int]:
+            if isinstance(buffer, int):
+                return self._region_of(buffer, length)
+            hit = cache.get(id(buffer))
+            if hit is None:
+                try:
+                    hit = cache[id(buffer)] = self._region_of(buffer, 1)
+                except E.StoreError as e:
+                    hit = cache[id(buffer)] = e
+            if isinstance(hit, E.StoreError):
+                raise hit
+            return hit
+
+        return where
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _listify(keys: Any) -> tuple[list[Any], bool]:
+        if isinstance(keys, (list, tuple)):
+            return list(keys), True
+        return [keys], False
+
+    def _finish(self, results: BatchResults, batch: bool) -> Any:
+        if batch:
+            return results
+        r = results[0]
+        if isinstance(r, E.StoreError):
+            raise r
+        return r
+
+    def _segment(self, endpoint: str, name: str) -> Any:
+        key = (endpoint, name)
+        seg = self._segments.get(key)
+        if seg is None or getattr(seg, "closed", False):
+            seg = self.engine.open_segment(endpoint, name)
+            with self._seg_lock:
+                self._segments[key] = seg
+        return seg
+
+    def _count(self, op: Op, res: Any) -> None:
+        key = f"{op.value}:{','.join(t.value for t in res.transports) or '-'}"
+        with self._seg_lock:
+            st = self.stats.setdefault(key, [0, 0])
+            st[0] += 1
+            st[1] += int(res.nbytes)
+
+    def _forget_segment(self, endpoint: str, name: str) -> None:
+        with self._seg_lock:
+            self._segments.pop((endpoint, name), None)
+
+    def _move(
+        self,
+        op: Op,
+        reqs: list[tuple[int, MemoryRegion, int, str, str, int, int]],
+        timeout: float | None = None,
+    ) -> tuple[set[int], list[str]]:
+        """Move ``(owner, region, local_off, endpoint, segment, remote_off, length)`` requests
+        as one engine batch. Returns the owners (caller indices) whose requests failed and
+        the transports used."""
+        deadline = self.transfer_timeout if timeout is None else timeout
+        groups: dict[tuple[int, str, str], list[tuple[int, int, int, int]]] = {}
+        regions: dict[int, MemoryRegion] = {}
+        for owner, region, lo, ep, seg, ro, ln in reqs:
+            regions[id(region)] = region
+            groups.setdefault((id(region), ep, seg), []).append((owner, lo, ro, ln))
+        failed: set[int] = set()
+        transports: set[str] = set()
+        runnable = []
+        for (rid, ep, name), items in groups.items():
+            try:
+                seg = self._segment(ep, name)
+            except (TransferError, OSError, ValueError) as e:
+                log.info("store: segment %s at %s unreachable: %s", name, ep, e)
+                failed.update(o for o, *_ in items)
+                continue
+            runnable.append((regions[rid], seg, items, ep, name))
+        if not runnable:
+            return failed, []
+        if len(runnable) == 1:
+            region, seg, items, ep, name = runnable[0]
+            arr = np.asarray([(lo, ro, ln) for _, lo, ro, ln in items], dtype=np.int64)
+            try:
+                res = self.engine.transfer(
+                    op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=deadline
+                )
+                transports.update(t.value for t in res.transports)
+                self._count(op, res)
+            except (TransferError, OSError, ValueError) as e:
+                log.info("store: %s batch on %s failed: %s", op.value, name, e)
+                self._forget_segment(ep, name)
+                failed.update(o for o, *_ in items)
+            return failed, sorted(transports)
+        b = self.engine.batch()
+        owners: list[np.ndarray] = []
+        try:
+            for region, seg, items, _, _ in runnable:
+                arr = np.asarray([(lo, ro, ln, o) for o, lo, ro, ln in items], dtype=np.int64)
+                b.add_many(op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2])
+                owners.append(arr[:, 3])
+            try:
+                b.submit(deadline)
+            except TransferError:
+                # One group was refused before anything moved: run the groups one by one.
+                b.free()
+                for region, _seg, items, ep, name in runnable:
+                    f, t = self._move(
+                        op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items], deadline
+                    )
+                    failed |= f
+                    transports.update(t)
+                return failed, sorted(transports)
+            res = b.wait(raise_on_error=False)
+            transports.update(t.value for t in res.transports)
+            self._count(op, res)
+            st = b.status()
+            own = np.concatenate(owners)
+            bad = own[st != 1]
+            failed.update(int(x) for x in np.unique(bad))
+        finally:
+            b.free()
+        return failed, sorted(transports)
+
+    # ------------------------------------------------------------------ put
+
+    def _put_regions(
+        self,
+        keys: list[Any],
+        bufs: list[tuple[MemoryRegion, int] | E.StoreError],
+        sizes: list[int],
+        upsert: bool,
+        config: ReplicateConfig | None,
+    ) -> BatchResults:
+        n = len(keys)
+        out: list[Any] = [None] * n
+        todo: list[int] = []
+        for i, k in enumerate(keys):
+            err = _key_error(k)
+            if err is None and isinstance(bufs[i], E.StoreError):
+                err = bufs[i]  # type: ignore[assignment]
+            if err is None and (not isinstance(sizes[i], int) or sizes[i] <= 0):
+                err = E.InvalidParams(f"size of {k!r} must be a positive int, got {sizes[i]!r}")
+            if err is not None:
+                out[i] = err
+            else:
+                todo.append(i)
+        transports: list[str] = []
+        for start in range(0, len(todo), MAX_KEYS_PER_RPC):
+            part = todo[start : start + MAX_KEYS_PER_RPC]
+            transports = self._put_part(keys, bufs, sizes, part, out, upsert, config or self.config)
+        self.last_transports = transports
+        return BatchResults(out, transports)
+
+    def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
+        pkeys = [keys[i] for i in part]
+        psizes = [sizes[i] for i in part]
+        t0 = time.monotonic()
+        resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
+        if type(resp) is not P.PutStartResp:
+            err = _whole_error(resp)
+            for i in part:
+                out[i] = err
+            return []
+        versions = resp.versions
+        reqs = []
+        started: list[int] = []
+        for j, i in enumerate(part):
+            code = resp.codes[j]
+            if code != 0:
+                out[i] = E.error_for(code, f"put of {keys[i]!r}")
+                continue
+            started.append(j)
+            for rep in resp.replicas[j] or []:
+                reqs.extend(_copy_reqs(j, bufs[i], rep))
+        # The allocation is ours only until the master's put timeout: writes must be over
+        # well before it (a reclaimed range may be handed to another put). Counted from
+        # before PutStart left, with a fifth of it as margin; too late -> revoke, no write.
+        left = self.transfer_timeout
+        if resp.hold_ms:
+            left = min(left, t0 + 0.8 * resp.hold_ms / 1000.0 - time.monotonic())
+        if left <= 0:
+            failed, transports = {j for j, *_ in reqs}, []
+        else:
+            failed, transports = self._move(Op.WRITE, reqs, left) if reqs else (set(), [])
+        ok = [j for j in started if j not in failed]
+        bad = [j for j in started if j in failed]
+        if bad:
+            bkeys = [pkeys[j] for j in bad]
+            bvers = [versions[j] for j in bad]
+            try:
+                self.rpc.mutate(lambda rid, s: P.PutRevokeReq(rid, s, bkeys, bvers))
+            except E.StoreError as e:  # the master reclaims them after its put timeout
+                log.warning("store: put_revoke failed: %s", e)
+            for j in bad:
+                out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
+        if ok:
+            okeys = [pkeys[j] for j in ok]
+            overs = [versions[j] for j in ok]
+            r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
+            if type(r2) is P.CodesResp:
+                for j, code in zip(ok, r2.codes):
+                    out[part[j]] = (
+                        None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
+                    )
+            else:
+                err = _whole_error(r2)
+                for j in ok:
+                    out[part[j]] = err
+        return transports
+
+    def put_from(
+        self,
+        keys: Any,
+        buffer: Any,
+        offsets: Any = 0,
+        sizes: Any = None,
+        *,
+        config: ReplicateConfig | None = None,
+    ) -> Any:
+        """Store ``sizes[i]`` bytes at ``buffer + offsets[i]`` (registered memory) under
+        ``keys[i]``, zero-copy. ``buffer``: the registered object, its MemoryRegion, or a raw
+        address inside registered memory (one per key allowed: a list)."""
+        return self._put_api(keys, buffer, offsets, sizes, False, config)
+
+    def upsert_from(
+        self,
+        keys: Any,
+        buffer: Any,
+        offsets: Any = 0,
+        sizes: Any = None,
+        *,
+        config: ReplicateConfig | None = None,
+    ) -> Any:
+        """:meth:`put_from` that replaces existing objects instead of answering ObjectExists."""
+        return self._put_api(keys, buffer, offsets, sizes, True, config)
+
+    def _put_api(self, keys, buffer, offsets, sizes, upsert, config) -> Any:
+        ks, batch = self._listify(keys)
+        n = len(ks)
+        offs = _per_key(offsets, n, "offsets", batch)
+        szs = _per_key(sizes, n, "sizes", batch)
+        bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
+        if len(bufl) != n:
+            raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
+        bufs: list[Any] = []
+        where = self._resolver()
+        for i in range(n):
+            try:
+                sz = szs[i]
+                if sz is None:
+                    raise E.InvalidParams("a size is required")
+                region, base = where(bufl[i], sz)
+                off = base + int(offs[i])
+                if offs[i] < 0 or off + sz > region.size:
+                    raise E.InvalidParams(
+                        f"range [{off}, {off + sz}) is outside the registered buffer "
+                        f"of {region.size} bytes"
+                    )
+                bufs.append((region, off))
+            except E.StoreError as e:
+                bufs.append(e)
+        return self._finish(
+            self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config),
+            batch,
+        )
+
+    def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
+        """``[(region, offset, length)]`` of one object's buffers (registered objects at
+        their start, or raw addresses inside registered memory)."""
+        if len(buffers) != len(sizes) or not buffers:
+            raise E.InvalidParams("one size per buffer, at least one buffer")
+        out = []
+        for b, sz in zip(buffers, sizes):
+            if not isinstance(sz, int) or sz <= 0:
+                raise E.InvalidParams(f"buffer sizes must be positive ints, got {sz!r}")
+            region, base = where(b, sz)
+            if base + sz > region.size:
+                raise E.InvalidParams(f"{sz} bytes at offset {base} exceed the registered buffer")
+            out.append((region, base, sz))
+        return out
+
+    def put_from_multi(
+        self,
+        keys: list[str],
+        buffers: list[list[Any]],
+        sizes: list[list[int]],
+        *,
+        config: ReplicateConfig | None = None,
+        upsert: bool = False,
+    ) -> BatchResults:
+        """Batch put where object ``i`` is the concatenation of ``sizes[i][k]`` bytes at
+        ``buffers[i][k]`` (registered memory), written zero-copy."""
+        n = len(keys)
+        if len(buffers) != n or len(sizes) != n:
+            raise E.InvalidParams(
+                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
+            )
+        where = self._resolver()
+        bufs: list[Any] = []
+        totals: list[int] = []
+        for i in range(n):
+            try:
+                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
+                totals.append(sum(sizes[i]))
+            except E.StoreError as e:
+                bufs.append(e)
+                totals.append(0)
+        return self._put_regions(list(keys), bufs, totals, upsert, config)
+
+    def get_into_multi(
+        self, keys: list[str], buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> BatchResults:
+        """Batch get filling object ``i``'s bytes into ``buffers[i]`` in order (capacity
+        ``sum(sizes[i])``); per key the number of bytes read."""
+        n = len(keys)
+        if len(buffers) != n or len(sizes) != n:
+            raise E.InvalidParams(
+                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
+            )
+        where = self._resolver()
+        bufs: list[Any] = []
+        caps: list[int] = []
+        for i in range(n):
+            try:
+                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
+                caps.append(sum(sizes[i]))
+            except E.StoreError as e:
+                bufs.append(e)
+                caps.append(0)
+        return self._get_regions(list(keys), bufs, caps)
+
+    def put(self, keys: Any, values: Any, *, config: ReplicateConfig | None = None) -> Any:
+        """Store bytes-like ``values`` (one copy into a registered staging buffer)."""
+        return self._put_bytes(keys, values, False, config)
+
+    def upsert(self, keys: Any, values: Any, *, config: ReplicateConfig | None = None) -> Any:
+        """:meth:`put` that replaces existing objects (a size change reallocates)."""
+        return self._put_bytes(keys, values, True, config)
+
+    def _put_bytes(self, keys, values, upsert, config) -> Any:
+        ks, batch = self._listify(keys)
+        vals = list(values) if batch else [values]
+        if len(vals) != len(ks):
+            raise E.InvalidParams(f"{len(ks)} keys but {len(vals)} values")
+        views = []
+        for v in vals:
+            try:
+                views.append(memoryview(v).cast("B"))
+            except TypeError:
+                raise E.InvalidParams(
+                    f"values must be bytes-like, got {type(v).__name__}"
+                ) from None
+        total = sum(len(v) for v in views)
+        stage = self._staging.acquire(max(1, total))
+        try:
+            region, arr = stage
+            bufs: list[Any] = []
+            pos = 0
+            for v in views:
+                arr[pos : pos + len(v)] = np.frombuffer(v, np.uint8)
+                bufs.append((region, pos))
+                pos += len(v)
+            res = self._put_regions(ks, bufs, [len(v) for v in views], upsert, config)
+        finally:
+            self._staging.release(stage)
+        return self._finish(res, batch)
+
+    # ------------------------------------------------------------------ get
+
+    def _lookup(self, keys: list[str]) -> tuple[list[int], list[int], list[Any], float]:
+        """GetReplicas in RPC-sized parts: (codes, sizes, replicas, lease deadline)."""
+        codes: list[int] = []
+        sizes: list[int] = []
+        reps: list[Any] = []
+        deadline = float("inf")
+        host = self.engine.host_id
+        for start in range(0, len(keys), MAX_KEYS_PER_RPC):
+            part = keys[start : start + MAX_KEYS_PER_RPC]
+            t0 = time.monotonic()
+            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host))
+            if type(resp) is not P.ReplicasResp:
+                err = _whole_error(resp)
+                codes += [err.code] * len(part)
+                sizes += [0] * len(part)
+                reps += [None] * len(part)
+                continue
+            deadline = min(deadline, t0 + resp.lease_ms / 1000.0)
+            codes += resp.codes
+            sizes += resp.sizes
+            reps += resp.replicas
+        return codes, sizes, reps, deadline
+
+    def _order(self, replicas: list[ObjectReplica]) -> list[ObjectReplica]:
+        """Replicas nearest first: this process, then this host (by endpoint host), then others."""
+        if len(replicas) < 2:
+            return replicas
+        me = self.engine.address
+
+        def rank(r: ObjectReplica) -> int:
+            if all(s.endpoint == me for s in r.slices):
+                return 0
+            return 1
+
+        return sorted(replicas, key=rank)
+
+    def _get_regions(self, keys: list[Any], bufs: list[Any], caps: list[int]) -> BatchResults:
+        n = len(keys)
+        out: list[Any] = [None] * n
+        idx: list[int] = []
+        for i, k in enumerate(keys):
+            err = _key_error(k) or (bufs[i] if isinstance(bufs[i], E.StoreError) else None)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        if not idx:
+            return BatchResults(out, [])
+        looked = self._lookup([keys[i] for i in idx])
+        return self._read(keys, idx, bufs, caps, looked, out)
+
+    def _read(
+        self,
+        keys: list[Any],
+        idx: list[int],
+        bufs: list[Any],
+        caps: list[int],
+        looked: tuple[list[int], list[int], list[Any], float],
+        out: list[Any],
+    ) -> BatchResults:
+        """READ the looked-up objects ``keys[idx[j]]`` into ``bufs[idx[j]]``."""
+        codes, sizes, reps, lease_deadline = looked
+        pending: dict[int, list[ObjectReplica]] = {}
+        for j, i in enumerate(idx):
+            if codes[j] != 0:
+                out[i] = E.error_for(codes[j], f"get of {keys[i]!r}")
+            elif sizes[j] > caps[i]:
+                out[i] = E.BufferOverflow(
+                    f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}"
+                )
+            elif not reps[j]:
+                out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
+            else:
+                pending[j] = self._order(reps[j])
+        transports: set[str] = set()
+        while pending:
+            reqs = []
+            for j, replicas in pending.items():
+                reqs.extend(_copy_reqs(j, bufs[idx[j]], replicas[0]))
+            # Never copy past the lease: after it the memory may belong to another object.
+            failed, t = self._move(Op.READ, reqs, max(0.001, lease_deadline - time.monotonic()))
+            transports.update(t)
+            expired = time.monotonic() > lease_deadline
+            nxt: dict[int, list[ObjectReplica]] = {}
+            for j, replicas in pending.items():
+                i = idx[j]
+                if expired:
+                    out[i] = E.LeaseExpired(
+                        f"the read lease of {keys[i]!r} ended before its copy finished"
+                    )
+                elif j not in failed:
+                    out[i] = sizes[j]
+                elif len(replicas) > 1:
+                    nxt[j] = replicas[1:]  # try the next replica under the same lease
+                else:
+                    out[i] = E.TransferFailed(f"reading {keys[i]!r} from its replicas failed")
+            pending = nxt
+        self.last_transports = sorted(transports)
+        return BatchResults(out, self.last_transports)
+
+    def get_into(self, keys: Any, buffer: Any, offsets: Any = 0, sizes: Any = None) -> Any:
+        """Read objects into registered memory at ``buffer + offsets[i]`` (capacity
+        ``sizes[i]`` bytes, default: to the end of the registered region). Returns the number
+        of bytes read per key."""
+        ks, batch = self._listify(keys)
+        n = len(ks)
+        offs = _per_key(offsets, n, "offsets", batch)
+        caps_in = _per_key(sizes, n, "sizes", batch)
+        bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
+        if len(bufl) != n:
+            raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
+        bufs: list[Any] = []
+        caps: list[int] = []
+        where = self._resolver()
+        for i in range(n):
+            try:
+                region, base = where(bufl[i], caps_in[i] or 1)
+                off = base + int(offs[i])
+                cap = caps_in[i] if caps_in[i] is not None else region.size - off
+                if offs[i] < 0 or cap <= 0 or off + cap > region.size:
+                    raise E.InvalidParams(
+                        f"range [{off}, {off + max(cap, 0)}) is outside the registered buffer "
+                        f"of {region.size} bytes"
+                    )
+                bufs.append((region, off))
+                caps.append(cap)
+            except E.StoreError as e:
+                bufs.append(e)
+                caps.append(0)
+        return self._finish(self._get_regions(ks, bufs, caps), batch)
+
+    def get(self, keys: Any) -> Any:
+        """Objects as ``bytes`` (one copy out of a staging buffer)."""
+        ks, batch = self._listify(keys)
+        n = len(ks)
+        out: list[Any] = [None] * n
+        idx = []
+        for i, k in enumerate(ks):
+            err = _key_error(k)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        if not idx:
+            return self._finish(BatchResults(out), batch)
+        looked = self._lookup([ks[i] for i in idx])  # one RPC: sizes, replicas and leases
+        sizes = looked[1]
+        total = sum(sz for c, sz in zip(looked[0], sizes) if c == 0)
+        stage = self._staging.acquire(max(1, total))
+        try:
+            region, arr = stage
+            bufs: list[Any] = [None] * n
+            caps = [0] * n
+            pos = 0
+            for j, i in enumerate(idx):
+                bufs[i] = (region, pos)
+                caps[i] = sizes[j]
+                pos += sizes[j] if looked[0][j] == 0 else 0
+            res = self._read(ks, idx, bufs, caps, looked, out)
+            results = BatchResults(
+                [
+                    arr[bufs[i][1] : bufs[i][1] + r].tobytes() if isinstance(r, int) else r
+                    for i, r in enumerate(res)
+                ],
+                res.transports,
+            )
+        finally:
+            self._staging.release(stage)
+        return self._finish(results, batch)
+
+    # ------------------------------------------------------------------ metadata
+
+    def exists(self, keys: Any) -> Any:
+        """True if a COMPLETE object has the key (no lease is taken)."""
+        ks, batch = self._listify(keys)
+        out: list[Any] = [None] * len(ks)
+        idx = []
+        for i, k in enumerate(ks):
+            err = _key_error(k)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        for start in range(0, len(idx), MAX_KEYS_PER_RPC):
+            part = idx[start : start + MAX_KEYS_PER_RPC]
+            pk = [ks[i] for i in part]
+            resp = self.rpc.call(lambda rid, pk=pk: P.ExistsReq(rid, pk))
+            if type(resp) is P.CodesResp:
+                for i, c in zip(part, resp.codes):
+                    out[i] = bool(c)
+            else:
+                err = _whole_error(resp)
+                for i in part:
+                    out[i] = err
+        return self._finish(BatchResults(out), batch)
+
+    def get_size(self, keys: Any) -> Any:
+        ks, batch = self._listify(keys)
+        out: list[Any] = [None] * len(ks)
+        idx = []
+        for i, k in enumerate(ks):
+            err = _key_error(k)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        for start in range(0, len(idx), MAX_KEYS_PER_RPC):
+            part = idx[start : start + MAX_KEYS_PER_RPC]
+            pk = [ks[i] for i in part]
+            resp = self.rpc.call(lambda rid, pk=pk: P.GetSizeReq(rid, pk))
+            if type(resp) is P.SizesResp:
+                for i, c, s in zip(part, resp.codes, resp.sizes):
+                    out[i] = s if c == 0 else E.error_for(c, f"get_size of {ks[i]!r}")
+            else:
+                err = _whole_error(resp)
+                for i in part:
+                    out[i] = err
+        return self._finish(BatchResults(out), batch)
+
+    def remove(self, keys: Any, *, force: bool = False) -> Any:
+        """Remove objects. A key with a live read lease answers ObjectHasLease unless
+        ``force`` (then readers holding a lease may get LeaseExpired)."""
+        ks, batch = self._listify(keys)
+        out: list[Any] = [None] * len(ks)
+        idx = []
+        for i, k in enumerate(ks):
+            err = _key_error(k)
+            if err is not None:
+                out[i] = err
+            else:
+                idx.append(i)
+        for start in range(0, len(idx), MAX_KEYS_PER_RPC):
+            part = idx[start : start + MAX_KEYS_PER_RPC]
+            pk = [ks[i] for i in part]
+            resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
+            if type(resp) is P.CodesResp:
+                for i, c in zip(part, resp.codes):
+                    out[i] = None if c == 0 else E.error_for(c, f"remove of {ks[i]!r}")
+            else:
+                err = _whole_error(resp)
+                for i in part:
+                    out[i] = err
+        return self._finish(BatchResults(out), batch)
+
+    def remove_all(self, *, force: bool = False) -> int:
+        """Remove every object (leased ones too with ``force``); returns how many."""
+        resp = self.rpc.mutate(lambda rid, s: P.RemoveAllReq(rid, s, force))
+        if type(resp) is not P.CountResp:
+            raise _whole_error(resp)
+        return resp.count
+
+    def status(self) -> dict[str, Any]:
+        """The leader's view (members, term, segments, usage, objects, leases)."""
+        resp = self.rpc.call(lambda rid: P.StatusReq(rid))
+        if type(resp) is not P.StatusResp:
+            raise _whole_error(resp)
+        return resp.info
+
+    # ------------------------------------------------------------------ tensors
+
+    def put_tensor(self, key: str, tensor: Any, *, upsert: bool = False) -> None:
+        """Store a contiguous CPU tensor's bytes (zero-copy when it lies in registered
+        memory, else through staging). Shape/dtype are the caller's to remember."""
+        t = tensor.detach()
+        if not t.is_contiguous():
+            raise E.InvalidParams("put_tensor needs a contiguous tensor")
+        nbytes = t.numel() * t.element_size()
+        try:
+            self._region_of(t.data_ptr(), nbytes)
+        except E.NotRegistered:
+            data = t.cpu().contiguous().view(-1).numpy().view(np.uint8) if nbytes else b""
+            return (self.upsert if upsert else self.put)(key, data)
+        return self._put_api(key, t.data_ptr(), 0, nbytes, upsert, None)
+
+    def get_tensor(self, key: str, into: Any) -> Any:
+        """Read an object into ``into`` (a contiguous CPU tensor of at least its size);
+        returns ``into``."""
+        if not into.is_contiguous():
+            raise E.InvalidParams("get_tensor needs a contiguous tensor")
+        nbytes = into.numel() * into.element_size()
+        try:
+            self._region_of(into.data_ptr(), nbytes)
+        except E.NotRegistered:
+            data = self.get(key)
+            if len(data) > nbytes:
+                raise E.BufferOverflow(
+                    f"object {key!r} has {len(data)} bytes; the tensor holds {nbytes}"
+                ) from None
+            into.view(-1).numpy().view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+            return into
+        self.get_into(key, into.data_ptr(), 0, nbytes)
+        return into
+
+
+def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:
+    """Engine requests moving one copy's slices to/from the caller's memory: ``buf`` is
+    ``(region, offset)`` (contiguous) or a list of ``(region, offset, length)`` pieces that
+    the object's bytes fill in order (the multi-buffer forms)."""
+    out = []
+    if type(buf) is tuple:
+        region, pos = buf
+        for sl in replica.slices:
+            out.append((owner, region, pos, sl.endpoint, sl.segment, sl.offset, sl.length))
+            pos += sl.length
+        return out
+    pi, used = 0, 0
+    for sl in replica.slices:
+        left, roff = sl.length, sl.offset
+        while left > 0:
+            region, off, ln = buf[pi]
+            take = min(left, ln - used)
+            out.append((owner, region, off + used, sl.endpoint, sl.segment, roff, take))
+            used += take
+            roff += take
+            left -= take
+            if used == ln:
+                pi, used = pi + 1, 0
+    return out
+
+
+def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
+    if batch and isinstance(value, (list, tuple, np.ndarray)):
+        vals = list(value)
+        if len(vals) != n:
+            raise E.InvalidParams(f"{n} keys but {len(vals)} {what}")
+        return [None if v is None else int(v) for v in vals]
+    return [None if value is None else int(value)] * n
+
+
+def _whole_error(resp: Any) -> E.StoreError:
+    if type(resp) is P.ErrorResp:
+        return E.error_for(resp.code, resp.message)
+    return E.StoreError(f"unexpected reply {type(resp).__name__}")

@@ -1,0 +1,294 @@
+"""Log entries of the store master and their results (one tagged msgspec union each).
+
+Every mutation of the master's metadata is one of these commands, proposed by the leader as
+ONE log entry and applied by :class:`~kvmesh.store.master.state.StoreStateMachine` on every
+replica. All are batch-shaped (a list of keys, one result code per key) so that a client's
+batch is one RPC and at most one entry. Time and randomness enter only as values inside the
+commands: ``now`` is the proposing leader's wall clock in seconds, and the "random" placement
+strategy is seeded from the entry's log index.
+
+Commands (effect per key unless noted) and their results:
+
+* ``Mount``: add a segment of ``size`` bytes owned by ``node_id``. ``Codes`` (one code).
+* ``Unmount``: ``grace=0`` drops the segment and every copy in it now; ``grace>0`` stops
+  allocating in it and keeps its copies readable until ``now+grace``, then a later
+  ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
+* ``ExpireNodes``: drop every segment of each node and every copy in them. ``ExpireResult``.
+* ``PutStart``: allocate PROCESSING copies (``ObjectExists`` if COMPLETE, ``ReplicaNotReady``
+  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``.
+* ``PutEnd``: PROCESSING -> COMPLETE, only for the put named by ``versions``. ``Codes``.
+* ``PutRevoke``: free a PROCESSING put (named by ``versions``). ``Codes``.
+* ``Upsert``: like PutStart, but a COMPLETE key is replaced (its allocation reused when size
+  and copy count match). ``PutStartResult``.
+* ``Remove``: free COMPLETE objects (``ReplicaNotReady`` for PROCESSING ones; ``hold`` keeps
+  the bytes allocated until ``Release``). ``Codes``.
+* ``RemoveAll``: remove every COMPLETE object except ``skip``. ``RemoveAllResult``.
+* ``Reclaim``: free PROCESSING puts started before ``now - put_timeout``; finish graceful
+  unmounts whose grace has passed. ``ReclaimResult``.
+* ``Evict``: free the victims the leader chose, re-checking each. ``EvictResult``.
+* ``Pin`` / ``Unpin``: set / clear soft (TTL) or hard pins. ``Codes``.
+* ``Release``: free the bytes held under these tags (log indices). ``Codes`` (per tag).
+
+Leases are leader soft state (``leases.py``): the service refuses ``Remove``/``Upsert``/
+``Evict`` of leased keys before proposing them (``ObjectHasLease``), or proposes a forced
+``Remove`` with ``hold=True`` and a ``Release`` once the leases are over, so leased bytes are
+never freed or reused.
+
+Versions: the log index of a key's ``PutStart``/``Upsert`` is its ``version``. ``PutEnd`` and
+``PutRevoke`` must name the versions they act on (one per key, else ``InvalidParams``), so a
+late or foreign call never publishes or frees another writer's put; ``Evict`` may (an empty list
+skips the check). A stale version gets ``InvalidWrite`` (``NotEvictable`` for Evict).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..types import ObjectReplica, ReplicateConfig
+
+__all__ = [
+    "COMMAND_TYPES",
+    "Codes",
+    "Command",
+    "Evict",
+    "EvictResult",
+    "ExpireNodes",
+    "ExpireResult",
+    "Mount",
+    "Pin",
+    "PutEnd",
+    "PutRevoke",
+    "PutStart",
+    "PutStartResult",
+    "Reclaim",
+    "ReclaimResult",
+    "Release",
+    "Remove",
+    "RemoveAll",
+    "RemoveAllResult",
+    "Result",
+    "Unmount",
+    "Unpin",
+    "Upsert",
+    "decode_command",
+    "decode_result",
+    "encode_command",
+    "encode_result",
+]
+
+_S = {"array_like": True, "frozen": True}
+
+
+class Mount(msgspec.Struct, tag="mount", **_S):
+    """Storage node ``node_id`` (on host ``host_id``, transfer engine at ``endpoint``)
+    contributes segment ``segment`` of ``size`` bytes. Refused (``SegmentExists``) while a
+    segment of that name is mounted or draining."""
+
+    node_id: str
+    segment: str
+    endpoint: str
+    host_id: str
+    size: int
+    now: float
+
+
+class Unmount(msgspec.Struct, tag="unmount", **_S):
+    """Node ``node_id`` withdraws ``segment`` (``SegmentNotFound`` if it has no such one)."""
+
+    node_id: str
+    segment: str
+    now: float
+    grace: float = 0.0
+
+
+class ExpireNodes(msgspec.Struct, tag="expire", **_S):
+    """The leader saw no heartbeat from these nodes for the TTL: unmount all their segments
+    at once and drop every copy in them (objects left without copies disappear)."""
+
+    node_ids: list[str]
+    now: float
+
+
+class PutStart(msgspec.Struct, tag="put_start", **_S):
+    """Allocate copies for ``keys[i]`` of ``sizes[i]`` bytes with ``config``."""
+
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig
+    now: float
+    pin_ttl: float = 1800.0  # soft pin lifetime when config.soft_pin
+
+
+class PutEnd(msgspec.Struct, tag="put_end", **_S):
+    """Publish the puts named by ``versions[i]`` (from PutStartResult; required, one per
+    key: a missing or stale version gets ``InvalidParams`` / ``InvalidWrite``)."""
+
+    keys: list[str]
+    versions: list[int] = []
+
+
+class PutRevoke(msgspec.Struct, tag="put_revoke", **_S):
+    """Free the PROCESSING puts named by ``versions[i]`` (required, as for PutEnd)."""
+
+    keys: list[str]
+    versions: list[int] = []
+
+
+class Upsert(msgspec.Struct, tag="upsert", **_S):
+    """Put that replaces a COMPLETE key (the service checked it is not leased)."""
+
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig
+    now: float
+    pin_ttl: float = 1800.0
+
+
+class Remove(msgspec.Struct, tag="remove", **_S):
+    """Remove COMPLETE objects; a PROCESSING key answers ``ReplicaNotReady`` (its writer may
+    still be writing; PutRevoke or Reclaim free it). ``force`` records that the caller
+    overrode read leases, which the leader implements with ``hold``: the bytes stay
+    allocated (invisible to readers, not reusable) until a ``Release`` naming this entry's
+    index. ``apply`` acts on ``hold`` only."""
+
+    keys: list[str]
+    force: bool = False
+    hold: bool = False
+
+
+class RemoveAll(msgspec.Struct, tag="remove_all", **_S):
+    """Remove every COMPLETE object except ``skip`` (the keys the leader knows to be
+    leased; with ``force`` the leader passes none and sets ``hold``)."""
+
+    skip: list[str] = []
+    force: bool = False
+    hold: bool = False
+
+
+class Reclaim(msgspec.Struct, tag="reclaim", **_S):
+    """Periodic housekeeping proposed by the leader: free PROCESSING puts whose writer
+    started them before ``now - put_timeout`` and finish due graceful unmounts. Writers
+    must stop writing ``put_timeout`` after they sent PutStart (their own clock)."""
+
+    now: float
+    put_timeout: float
+
+
+class Evict(msgspec.Struct, tag="evict", **_S):
+    """Free the victims chosen by the leader's eviction policy. ``apply`` re-checks each:
+    it must be COMPLETE, not hard-pinned, not soft-pinned unless ``allow_soft`` or the pin
+    expired at ``now``, and (if given) still at ``versions[i]``; else ``NotEvictable``."""
+
+    keys: list[str]
+    versions: list[int] = []
+    now: float = 0.0
+    allow_soft: bool = False
+
+
+class Pin(msgspec.Struct, tag="pin", **_S):
+    """Pin COMPLETE or PROCESSING keys: ``hard`` forever, else soft until ``now + ttl``."""
+
+    keys: list[str]
+    hard: bool
+    now: float
+    ttl: float = 1800.0
+
+
+class Unpin(msgspec.Struct, tag="unpin", **_S):
+    keys: list[str]
+
+
+class Release(msgspec.Struct, tag="release", **_S):
+    """Free the bytes held by the ``hold`` removes applied at these log indices."""
+
+    tags: list[int]
+
+
+Command = (
+    Mount
+    | Unmount
+    | ExpireNodes
+    | PutStart
+    | PutEnd
+    | PutRevoke
+    | Upsert
+    | Remove
+    | RemoveAll
+    | Reclaim
+    | Evict
+    | Pin
+    | Unpin
+    | Release
+)
+COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------
+# Results
+
+
+class Codes(msgspec.Struct, tag="codes", **_S):
+    """One code per key (or per node / tag): 0 or a ``kvmesh.store.errors.Code``."""
+
+    codes: list[int]
+
+
+class PutStartResult(msgspec.Struct, tag="put_start", **_S):
+    """Per key: ``codes[i]``; when 0, ``replicas[i]`` are the copies to write and
+    ``versions[i]`` the put's version (pass it to PutEnd/PutRevoke)."""
+
+    codes: list[int]
+    replicas: list[list[ObjectReplica] | None]
+    versions: list[int]
+
+
+class ExpireResult(msgspec.Struct, tag="expire", **_S):
+    """``codes`` per node (``NodeNotFound`` if it had no segment; for ``Unmount`` one code
+    for the segment); ``lost``: COMPLETE keys
+    whose last copy was dropped (they no longer exist). PROCESSING puts that lost a copy's
+    node are dropped too, silently: their PutEnd answers ``ObjectNotFound``."""
+
+    codes: list[int]
+    lost: list[str]
+
+
+class RemoveAllResult(msgspec.Struct, tag="remove_all", **_S):
+    removed: int
+
+
+class ReclaimResult(msgspec.Struct, tag="reclaim", **_S):
+    """Keys whose stale PROCESSING put was freed; segments whose graceful unmount finished;
+    COMPLETE keys that lost their last copy with those segments."""
+
+    keys: list[str]
+    unmounted: list[str]
+    lost: list[str] = []
+
+
+class EvictResult(msgspec.Struct, tag="evict", **_S):
+    codes: list[int]
+    freed: int  # bytes returned to the allocator
+
+
+Result = Codes | PutStartResult | ExpireResult | RemoveAllResult | ReclaimResult | EvictResult
+
+_enc = msgspec.msgpack.Encoder()
+_cmd_dec = msgspec.msgpack.Decoder(Command)
+_res_dec = msgspec.msgpack.Decoder(Result)
+
+
+def encode_command(cmd: Command) -> bytes:
+    return _enc.encode(cmd)
+
+
+def decode_command(data: bytes) -> Command:
+    """Decode one entry (``msgspec.ValidationError``/``DecodeError`` on bad bytes)."""
+    return _cmd_dec.decode(data)
+
+
+def encode_result(res: Result) -> bytes:
+    return _enc.encode(res)
+
+
+def decode_result(data: bytes) -> Result:
+    return _res_dec.decode(data)

@@ -1,0 +1,169 @@
+"""Leader soft state: read leases, access order for eviction, node heartbeats.
+
+None of this is replicated: it lives in the current leader only, is fed an explicit ``now``
+(the service's clock) and is rebuilt from scratch by a new leader. That is safe because a
+new leader starts pessimistic: :class:`LeaseTable` treats *every* key as leased for one lease
+period from its start (leases granted by the old leader end within that period), and
+:class:`HeartbeatTable.reset` gives every node a full TTL.
+
+The service consults these tables before proposing anything that frees memory (Remove,
+Upsert of an existing key, Evict, Release): ``apply`` never sees a lease.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_NODE_TTL", "AccessStats", "HeartbeatTable", "LeaseTable"]
+
+DEFAULT_LEASE_TTL = 5.0
+"""Seconds a read lease lasts (Mooncake's default_kv_lease_ttl is 5000 ms)."""
+
+DEFAULT_NODE_TTL = 10.0
+"""Seconds without a heartbeat after which the leader expires a storage node."""
+
+
+class LeaseTable:
+    """Read leases per key, plus removal blocks.
+
+    ``LeaseTable(start=now, grace=ttl)`` on becoming leader: until ``start + grace`` every
+    key counts as leased. ``grant`` records ``now + ttl`` (keeping the later of an existing
+    expiry); a key under :meth:`block` (a removal in flight) gets no lease.
+    """
+
+    def __init__(self, start: float = float("-inf"), grace: float = 0.0) -> None:
+        self.blanket_until = start + grace
+        self._until: dict[str, float] = {}
+        self._order: deque[tuple[float, str]] = deque()
+        self._blocked: dict[str, int] = {}
+
+    def grant(self, keys: Iterable[str], now: float, ttl: float = DEFAULT_LEASE_TTL) -> list[float]:
+        """Lease ``keys`` until ``now + ttl``; per key the expiry, or 0.0 if blocked."""
+        until = now + ttl
+        out = []
+        u = self._until
+        if len(self._order) > 2 * len(u) + 4096:
+            self.purge(now)  # keep the expiry queue proportional to the live leases
+        for k in keys:
+            if k in self._blocked:
+                out.append(0.0)
+                continue
+            if u.get(k, float("-inf")) < until:
+                u[k] = until
+                self._order.append((until, k))
+            out.append(until)
+        return out
+
+    def leased(self, key: str, now: float) -> bool:
+        """True if a reader may still be copying ``key`` at ``now``."""
+        return now < self.blanket_until or self._until.get(key, float("-inf")) > now
+
+    def expiry(self, key: str) -> float:
+        """When ``key``'s lease ends (``-inf`` if none; the blanket period counts)."""
+        return max(self.blanket_until, self._until.get(key, float("-inf")))
+
+    def leased_keys(self, keys: Iterable[str], now: float) -> list[str]:
+        return [k for k in keys if self.leased(k, now)]
+
+    def all_leased(self, now: float) -> list[str]:
+        """Keys with a live lease of their own (the blanket period is not expanded)."""
+        return [k for k, t in self._until.items() if t > now]
+
+    def block(self, keys: Iterable[str]) -> None:
+        """A removal of ``keys`` is in flight: refuse new leases until :meth:`unblock`
+        (counted, so overlapping removals nest)."""
+        b = self._blocked
+        for k in keys:
+            b[k] = b.get(k, 0) + 1
+
+    def unblock(self, keys: Iterable[str]) -> None:
+        b = self._blocked
+        for k in keys:
+            n = b.get(k, 0) - 1
+            if n <= 0:
+                b.pop(k, None)
+            else:
+                b[k] = n
+
+    def blocked(self, key: str) -> bool:
+        return key in self._blocked
+
+    def purge(self, now: float, limit: int = 100_000) -> int:
+        """Forget up to ``limit`` expired leases (memory only); returns how many."""
+        n = 0
+        q, u = self._order, self._until
+        while q and n < limit and q[0][0] <= now:
+            t, k = q.popleft()
+            if u.get(k) == t:
+                del u[k]
+                n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+class AccessStats:
+    """Approximate LRU order of keys as the leader observed accesses (reads, puts).
+
+    A plain insertion-ordered dict: :meth:`touch` moves a key to the young end. A new
+    leader :meth:`reset`s it with the state machine's keys (all equally old, in table order).
+    Keys the table no longer has are skipped and dropped lazily by :meth:`oldest`.
+    """
+
+    def __init__(self) -> None:
+        self._order: dict[str, None] = {}
+
+    def reset(self, keys: Iterable[str]) -> None:
+        self._order = dict.fromkeys(keys)
+
+    def touch(self, keys: Iterable[str]) -> None:
+        o = self._order
+        for k in keys:
+            o.pop(k, None)
+            o[k] = None
+
+    def forget(self, keys: Iterable[str]) -> None:
+        o = self._order
+        for k in keys:
+            o.pop(k, None)
+
+    def oldest(self) -> Iterator[str]:
+        """Keys from least to most recently used (a snapshot: safe to mutate while iterating)."""
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._order
+
+
+class HeartbeatTable:
+    """Last heartbeat per storage node; :meth:`expired` lists the nodes to expire."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def reset(self, node_ids: Iterable[str], now: float) -> None:
+        """New leader: every known node gets a full TTL from ``now``."""
+        self._last = dict.fromkeys(node_ids, now)
+
+    def beat(self, node_id: str, now: float) -> None:
+        if self._last.get(node_id, float("-inf")) < now:
+            self._last[node_id] = now
+
+    def forget(self, node_ids: Iterable[str]) -> None:
+        for n in node_ids:
+            self._last.pop(n, None)
+
+    def last(self, node_id: str) -> float | None:
+        return self._last.get(node_id)
+
+    def expired(self, now: float, ttl: float = DEFAULT_NODE_TTL) -> list[str]:
+        """Nodes silent for more than ``ttl`` (sorted, so proposals are reproducible)."""
+        return sorted(n for n, t in self._last.items() if now - t > ttl)
+
+    def __len__(self) -> int:
+        return len(self._last)

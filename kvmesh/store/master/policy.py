@@ -1,0 +1,109 @@
+"""The leader's rules for proposing commands that free memory (pure; the service calls these).
+
+``apply`` never sees leases, so whoever proposes ``Remove``, ``Upsert``, ``Evict`` or
+``Release`` must apply the lease rules first. They live here, once, for the service, the
+simulator and the transcript tests:
+
+* :func:`plan_remove`: leased keys answer ``ObjectHasLease`` without a log entry, unless
+  ``force``: then they are removed with ``hold=True`` (invisible at once, bytes kept until
+  the leases end) and :class:`HoldTracker` remembers when the hold may be released.
+* :func:`plan_upsert`: an existing key that is leased answers ``ObjectHasLease`` (upsert would
+  rewrite or free memory a reader is copying).
+* :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker was not
+  told about (holds of an earlier leader, or slices of copies that lost a node, which
+  ``apply`` holds by itself) are due one lease TTL after the tracker first sees them, and
+  not before the new leader's blanket period ends: every lease on them was granted before.
+
+Around every proposal that may free or rewrite a key's bytes (Remove, Upsert, Evict) the
+service calls ``LeaseTable.block(keys)`` right after the lease check and ``unblock`` once
+the entry applied (or the proposal failed), so no new lease is granted on a key in between:
+the simulator finds that race otherwise (a reader leased a key between the check and the
+apply, and its bytes were freed under it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from ..errors import Code
+from .commands import Release, Remove, Upsert
+from .leases import DEFAULT_LEASE_TTL, LeaseTable
+
+__all__ = ["RemovePlan", "UpsertPlan", "plan_remove", "plan_upsert", "HoldTracker"]
+
+
+class RemovePlan(msgspec.Struct, frozen=True):
+    """``codes[i]`` is final for keys refused here (non-zero) and ``0`` for keys in
+    ``command`` (their code comes from the applied entry). ``command`` is None when nothing
+    needs proposing. ``release_at``: when a hold may be released (0.0 if no hold)."""
+
+    codes: list[int]
+    command: Remove | None
+    release_at: float = 0.0
+
+
+class UpsertPlan(msgspec.Struct, frozen=True):
+    codes: list[int]
+    command: Upsert | None
+
+
+def plan_remove(leases: LeaseTable, keys: list[str], now: float, force: bool = False) -> RemovePlan:
+    codes = []
+    send = []
+    release_at = 0.0
+    for k in keys:
+        if leases.leased(k, now):
+            if not force:
+                codes.append(int(Code.OBJECT_HAS_LEASE))
+                continue
+            release_at = max(release_at, leases.expiry(k))
+        codes.append(0)
+        send.append(k)
+    if not send:
+        return RemovePlan(codes, None)
+    hold = release_at > 0.0
+    return RemovePlan(codes, Remove(send, force=force, hold=hold), release_at if hold else 0.0)
+
+
+def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float) -> UpsertPlan:
+    """``exists[i]``: whether ``cmd.keys[i]`` is in the table (``sm.exists`` or PROCESSING)."""
+    codes = []
+    keys, sizes = [], []
+    for k, size, ex in zip(cmd.keys, cmd.sizes, exists):
+        if ex and leases.leased(k, now):
+            codes.append(int(Code.OBJECT_HAS_LEASE))
+            continue
+        codes.append(0)
+        keys.append(k)
+        sizes.append(size)
+    if not keys:
+        return UpsertPlan(codes, None)
+    return UpsertPlan(codes, msgspec.structs.replace(cmd, keys=keys, sizes=sizes))
+
+
+class HoldTracker:
+    """When each held tag (log index of the entry that held the bytes) may be released."""
+
+    def __init__(self, ttl: float = DEFAULT_LEASE_TTL) -> None:
+        self.ttl = ttl
+        self._at: dict[int, float] = {}
+
+    def note(self, tag: int, release_at: float) -> None:
+        self._at[tag] = release_at
+
+    def due(self, held_tags: Iterable[int], leases: LeaseTable, now: float) -> Release | None:
+        """A ``Release`` for every held tag whose leases are over, or None."""
+        tags = []
+        for t in held_tags:
+            at = self._at.get(t)
+            if at is None:
+                at = self._at[t] = now + self.ttl
+            if now >= at and now >= leases.blanket_until:
+                tags.append(t)
+        return Release(sorted(tags)) if tags else None
+
+    def forget(self, tags: Iterable[int]) -> None:
+        for t in tags:
+            self._at.pop(t, None)

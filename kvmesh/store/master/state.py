@@ -1,0 +1,1001 @@
+"""The store master's replicated state machine (kvmesh.replog ``StateMachine``).
+
+:class:`StoreStateMachine` holds the object table (key -> :class:`~.objects.Obj`), the mounted
+segments with one :class:`~.allocator.SegmentAllocator` each, and the bytes held for leases by
+forced removes. ``apply`` executes one :mod:`.commands` entry; it is deterministic (no clock,
+no global randomness: ``now`` and the log index come from the entry), so every replica
+computes the same offsets. Read-only queries (:meth:`lookup`, :meth:`exists`,
+:meth:`get_size`, :meth:`segments`, :meth:`usage`) serve the service without a log entry;
+the service must have confirmed leadership (read index or lease) first.
+
+Placement of one object (``_place``): the size is cut into slices of at most
+``MasterConfig.slice_limit`` bytes; for each copy and each slice a segment is chosen among
+the mounted segments whose largest free extent fits, whose node holds no other copy of the
+object, preferring (1) ``preferred_segment`` for the first copy, (2) nodes already holding
+this copy's earlier slices, then (3) the strategy: ``local`` = segments on ``writer_host``,
+most free bytes first; ``most_free``; ``random`` = a SplitMix64 draw seeded by (log index,
+key position, copy, slice). Inside the segment the allocator takes the best fit. If any slice
+finds no segment, everything allocated for the object is returned and the key gets
+``NoSpace`` (the service then evicts and retries).
+
+Snapshots are CRC-framed chunks (``kvmesh.replog.snapfile.pack_chunk``): a header (config,
+segments with their free extents, held bytes) then the objects, ``CHUNK_ITEMS`` per chunk,
+encoded lazily from a shallow copy (:meth:`snapshot_chunks`). Object records are compact
+``gc=False`` array-like structs with the slices packed in 12 bytes each, so 1,000,000
+objects fit well under 1 GiB and restore in a few seconds.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import crc32c
+import msgspec
+from msgspec.structs import replace
+
+from ...replog.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
+from ..errors import Code
+from ..types import (
+    MAX_BATCH_KEYS,
+    MAX_KEY_BYTES,
+    MAX_OBJECT_SIZE,
+    MAX_REPLICAS,
+    MAX_SLICES_PER_BATCH,
+    ObjectLookup,
+    ObjectReplica,
+    ReplicaDesc,
+    ReplicateConfig,
+    SegmentInfo,
+    Usage,
+    key_error,
+)
+from .allocator import SegmentAllocator
+from .commands import (
+    Codes,
+    Command,
+    Evict,
+    EvictResult,
+    ExpireNodes,
+    ExpireResult,
+    Mount,
+    Pin,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    PutStartResult,
+    Reclaim,
+    ReclaimResult,
+    Release,
+    Remove,
+    RemoveAll,
+    RemoveAllResult,
+    Result,
+    Unmount,
+    Unpin,
+    Upsert,
+    decode_command,
+)
+from .objects import (
+    PIN_HARD,
+    PIN_NONE,
+    PIN_SOFT,
+    SLICE,
+    Event,
+    Obj,
+    State,
+    n_slices,
+    next_state,
+    pack_layout,
+    slice_lengths,
+    unpack_layout,
+)
+
+__all__ = ["CHUNK_ITEMS", "SNAPSHOT_FORMAT", "MasterConfig", "StoreStateMachine"]
+
+CHUNK_ITEMS = 50_000
+SNAPSHOT_FORMAT = 1
+_P, _C = int(State.PROCESSING), int(State.COMPLETE)
+_STRATEGIES = ("local", "random", "most_free")
+MOUNTED, DRAINING = "mounted", "draining"
+_M64 = (1 << 64) - 1
+_NONE: frozenset[str] = frozenset()
+
+
+class MasterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Replicated configuration: every master replica must use the same one (a snapshot
+    carries it and restore adopts it). ``slice_limit``: longest slice of one copy;
+    ``align``: allocation granularity (power of two)."""
+
+    slice_limit: int = 16 << 20
+    align: int = 64
+    remount_quarantine: float = 60.0
+    """Seconds (of entry time) during which a dropped segment's name cannot be mounted
+    again: a reader still copying under a lease from the old segment must not read the
+    new segment's bytes at the same name and offsets, nor a writer that is still writing
+    until its put timeout. Keep it >= max(read lease TTL, put timeout)."""
+
+
+class _Seg:
+    __slots__ = (
+        "alloc",
+        "deadline",
+        "endpoint",
+        "generation",
+        "host_id",
+        "id",
+        "keys",
+        "name",
+        "node_id",
+        "size",
+        "slices",
+        "state",
+    )  # fmt: skip
+
+    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
+                 size: int, alloc: SegmentAllocator, state: str, deadline: float,
+                 generation: int) -> None:  # fmt: skip
+        self.id = sid
+        self.name = name
+        self.node_id = node_id
+        self.endpoint = endpoint
+        self.host_id = host_id
+        self.size = size
+        self.alloc = alloc
+        self.state = state
+        self.deadline = deadline
+        self.generation = generation
+        self.keys: set[str] = set()  # keys with at least one slice here
+        self.slices = 0  # slices of live objects placed here
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(
+            name=self.name, node_id=self.node_id, endpoint=self.endpoint, host_id=self.host_id,
+            size=self.size, used=self.alloc.used, objects=self.slices, state=self.state,
+            generation=self.generation, drain_deadline=self.deadline,
+        )  # fmt: skip
+
+
+class _SegRec(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    id: int
+    name: str
+    node_id: str
+    endpoint: str
+    host_id: str
+    size: int
+    state: str
+    deadline: float
+    generation: int
+    free: list[int]  # start, end, start, end, ...
+
+
+class _Header(msgspec.Struct, array_like=True, frozen=True):
+    format: int
+    config: MasterConfig
+    applied: int
+    next_seg: int
+    segments: list[_SegRec]
+    held: list[tuple[int, list[int]]]  # tag -> seg id, offset, length, ...
+    objects: int
+    retired: dict[str, float] = {}
+
+
+_enc = msgspec.msgpack.Encoder()
+_hdr_dec = msgspec.msgpack.Decoder(_Header)
+_chunk_dec = msgspec.msgpack.Decoder(tuple[list[str], list[Obj]])
+
+
+def _mix(x: int) -> int:
+    """SplitMix64 finaliser: a well-spread 64-bit hash of ``x`` (deterministic)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+_HANDLERS: dict[type, str] = {
+    Mount: "_mount",
+    Unmount: "_unmount",
+    ExpireNodes: "_expire",
+    PutStart: "_put_start",
+    Upsert: "_upsert",
+    PutEnd: "_put_end",
+    PutRevoke: "_put_revoke",
+    Remove: "_remove",
+    RemoveAll: "_remove_all",
+    Reclaim: "_reclaim",
+    Evict: "_evict",
+    Pin: "_pin",
+    Unpin: "_unpin",
+    Release: "_release",
+}
+"""Command type -> handler method name (looked up per call, so a test can patch a handler
+on the class, as the simulator's negative controls do)."""
+
+
+class StoreStateMachine:
+    """Deterministic store metadata; see the module docstring. ``apply`` never raises for a
+    well-formed entry: bad input gets per-key codes."""
+
+    result_type: Any = Result
+
+    def __init__(self, config: MasterConfig | None = None) -> None:
+        self.config = config or MasterConfig()
+        self.objects: dict[str, Obj] = {}
+        self.segs: dict[int, _Seg] = {}  # by id, in mount order
+        self.by_name: dict[str, int] = {}
+        self.processing: dict[str, None] = {}  # PROCESSING keys, oldest put first
+        self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
+        self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
+        self.next_seg = 1
+        self.applied = 0
+        self.complete = 0
+
+    # ================================================================== replog protocol
+
+    def apply(self, index: int, data: bytes) -> Result:
+        """Apply one encoded command (log entry ``index``) and return its result."""
+        self.applied = index
+        try:
+            cmd = decode_command(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return Codes([int(Code.INVALID_PARAMS)])
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
+
+    def apply_command(self, index: int, cmd: Command) -> Result:
+        """``apply`` for an already-decoded command (tests, the embedded single-replica mode)."""
+        self.applied = index
+        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
+
+    # ================================================================== read-only queries
+
+    def lookup(self, keys: Iterable[str], host: str | None = None) -> list[ObjectLookup]:
+        """Per key: its COMPLETE copies (``ObjectNotFound`` for absent or PROCESSING keys).
+        With ``host``, copies having a slice on that host come first."""
+        out = []
+        objs = self.objects
+        for k in keys:
+            o = objs.get(k) if type(k) is str else None
+            if o is None or o.state != _C:
+                out.append(ObjectLookup(int(Code.OBJECT_NOT_FOUND)))
+                continue
+            out.append(ObjectLookup(0, o.size, self._replicas(o, host), o.version))
+        return out
+
+    def exists(self, keys: Iterable[str]) -> list[bool]:
+        """COMPLETE objects only."""
+        objs = self.objects
+        out = []
+        for k in keys:
+            o = objs.get(k) if type(k) is str else None
+            out.append(o is not None and o.state == _C)
+        return out
+
+    def get_size(self, keys: Iterable[str]) -> list[int]:
+        """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
+        objs = self.objects
+        out = []
+        for k in keys:
+            o = objs.get(k) if type(k) is str else None
+            out.append(o.size if o is not None and o.state == _C else int(Code.OBJECT_NOT_FOUND))
+        return out
+
+    def state_of(self, key: str) -> State:
+        o = self.objects.get(key)
+        return State.GONE if o is None else State(o.state)
+
+    def version_of(self, key: str) -> int:
+        o = self.objects.get(key)
+        return 0 if o is None else o.version
+
+    def segments(self) -> list[SegmentInfo]:
+        return [s.info() for s in self.segs.values()]
+
+    def nodes(self) -> dict[str, list[str]]:
+        """node id -> names of its segments (mounted or draining)."""
+        out: dict[str, list[str]] = {}
+        for s in self.segs.values():
+            out.setdefault(s.node_id, []).append(s.name)
+        return out
+
+    def usage(self) -> Usage:
+        cap = used = 0
+        for s in self.segs.values():
+            cap += s.alloc.size
+            used += s.alloc.used
+        a = self.config.align
+        held = sum((ln + a - 1) & -a for v in self.held.values() for _, _, ln in v)
+        return Usage(
+            capacity=cap, used=used, objects=len(self.objects), complete=self.complete,
+            processing=len(self.processing), segments=len(self.segs), held_bytes=held,
+        )  # fmt: skip
+
+    def object_count(self) -> int:
+        return len(self.objects)
+
+    def keys(self) -> Iterator[str]:
+        """All keys (PROCESSING included), in table order (a copy: safe across applies)."""
+        return iter(list(self.objects))
+
+    def processing_keys(self) -> list[str]:
+        return list(self.processing)
+
+    def held_tags(self) -> list[int]:
+        """Log indices of hold removes whose bytes are not yet released."""
+        return list(self.held)
+
+    def object_bytes(self, key: str) -> int:
+        """Allocated bytes of all copies of ``key`` (0 if absent)."""
+        o = self.objects.get(key)
+        return 0 if o is None else self._bytes(o)
+
+    def evict_info(self, key: str) -> tuple[int, int, int, float] | None:
+        """``(version, allocated bytes, pin, pin_until)`` of a COMPLETE object, else None."""
+        o = self.objects.get(key)
+        if o is None or o.state != _C:
+            return None
+        return o.version, self._bytes(o), o.pin, o.pin_until
+
+    def placement(self, key: str) -> list[list[tuple[str, int, int]]]:
+        """Per copy, per slice ``(segment, offset, length)`` of any object (tests, tools)."""
+        o = self.objects.get(key)
+        if o is None:
+            return []
+        lim = self.config.slice_limit
+        lens = slice_lengths(o.size, lim)
+        return [
+            [(self.segs[sid].name, off, ln) for (sid, off), ln in zip(copy, lens)]
+            for copy in unpack_layout(o.layout, len(lens))
+        ]
+
+    # ================================================================== snapshots
+
+    def snapshot_chunks(self) -> Iterator[bytes]:
+        """Consistent image at the current applied index: the header is encoded now, the
+        object table is shallow-copied now and encoded lazily, one chunk per ``next()``.
+        Records are immutable (``apply`` replaces them), so the copy cannot change."""
+        header = pack_chunk(_enc.encode(self._header()))
+        keys = list(self.objects)
+        vals = list(self.objects.values())
+
+        def gen() -> Iterator[bytes]:
+            yield header
+            for lo in range(0, len(keys), CHUNK_ITEMS):
+                yield pack_chunk(
+                    _enc.encode((keys[lo : lo + CHUNK_ITEMS], vals[lo : lo + CHUNK_ITEMS]))
+                )
+
+        return gen()
+
+    def snapshot(self) -> bytes:
+        return b"".join(self.snapshot_chunks())
+
+    def restore(self, data: bytes) -> None:
+        """Replace the whole state with a snapshot image (``SnapshotCorruptionError`` if a
+        chunk fails its CRC or the image is incomplete)."""
+        chunks = iter_chunks(data)
+        try:
+            first = next(chunks)
+        except StopIteration:
+            raise SnapshotCorruptionError("store snapshot: empty image") from None
+        try:
+            hdr = _hdr_dec.decode(first)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise SnapshotCorruptionError(f"store snapshot: bad header: {e}") from None
+        if hdr.format != SNAPSHOT_FORMAT:
+            raise SnapshotCorruptionError(
+                f"store snapshot: format {hdr.format}, expected {SNAPSHOT_FORMAT}"
+            )
+        objects: dict[str, Obj] = {}
+        for chunk in chunks:
+            try:
+                ks, vs = _chunk_dec.decode(chunk)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise SnapshotCorruptionError(f"store snapshot: bad object chunk: {e}") from None
+            objects.update(zip(ks, vs))
+        if len(objects) != hdr.objects:
+            raise SnapshotCorruptionError(
+                f"store snapshot: {len(objects)} objects, header says {hdr.objects}"
+            )
+        self.config = hdr.config
+        self.applied = hdr.applied
+        self.next_seg = hdr.next_seg
+        self.segs = {}
+        self.by_name = {}
+        for r in hdr.segments:
+            free = list(zip(r.free[0::2], r.free[1::2]))
+            alloc = SegmentAllocator(r.size, self.config.align, free=free)
+            seg = _Seg(
+                r.id,
+                r.name,
+                r.node_id,
+                r.endpoint,
+                r.host_id,
+                r.size,
+                alloc,
+                r.state,
+                r.deadline,
+                r.generation,
+            )
+            self.segs[r.id] = seg
+            self.by_name[r.name] = r.id
+        self.retired = dict(hdr.retired)
+        self.held = {
+            tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
+        }  # type: ignore[misc]
+        self.objects = objects
+        try:
+            self._rebuild_indexes()
+        except (KeyError, struct.error) as e:
+            raise SnapshotCorruptionError(f"store snapshot: inconsistent image: {e!r}") from None
+
+    def digest(self) -> int:
+        """Checksum of the whole replicated state (replicas must agree)."""
+        h = 0
+        for c in self.snapshot_chunks():
+            h = crc32c.crc32c(c, h)
+        return h
+
+    def _header(self) -> _Header:
+        segs = []
+        for s in self.segs.values():
+            flat: list[int] = []
+            for a, b in s.alloc.free_extents():
+                flat.append(a)
+                flat.append(b)
+            segs.append(
+                _SegRec(
+                    s.id,
+                    s.name,
+                    s.node_id,
+                    s.endpoint,
+                    s.host_id,
+                    s.size,
+                    s.state,
+                    s.deadline,
+                    s.generation,
+                    flat,
+                )
+            )
+        held = [(tag, [x for t in ext for x in t]) for tag, ext in self.held.items()]
+        return _Header(
+            SNAPSHOT_FORMAT,
+            self.config,
+            self.applied,
+            self.next_seg,
+            segs,
+            held,
+            len(self.objects),
+            dict(self.retired),
+        )
+
+    def _rebuild_indexes(self) -> None:
+        segs = self.segs
+        for s in segs.values():
+            s.keys = set()
+            s.slices = 0
+        self.processing = {}
+        complete = 0
+        lim = self.config.slice_limit
+        processing: list[tuple[int, str]] = []
+        for k, o in self.objects.items():
+            if o.state == _C:
+                complete += 1
+            else:
+                processing.append((o.version, k))
+            lay = o.layout
+            if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
+                s = segs[int.from_bytes(lay[:4], "little")]
+                s.keys.add(k)
+                s.slices += 1
+                continue
+            for sid, _off in SLICE.iter_unpack(lay):
+                s = segs[sid]
+                s.keys.add(k)
+                s.slices += 1
+        processing.sort()
+        self.processing = dict.fromkeys(k for _, k in processing)
+        self.complete = complete
+
+    # ================================================================== internals
+
+    def _replicas(self, o: Obj, host: str | None = None) -> list[ObjectReplica]:
+        lim = self.config.slice_limit
+        segs = self.segs
+        if len(o.layout) == 12 and o.size <= lim:
+            sid, off = SLICE.unpack(o.layout)
+            s = segs[sid]
+            return [ObjectReplica([ReplicaDesc(s.name, s.node_id, s.endpoint, off, o.size)])]
+        lens = slice_lengths(o.size, lim)
+        reps = []
+        local = []
+        for copy in unpack_layout(o.layout, len(lens)):
+            sl = []
+            on_host = False
+            for (sid, off), ln in zip(copy, lens):
+                s = segs[sid]
+                sl.append(ReplicaDesc(s.name, s.node_id, s.endpoint, off, ln))
+                on_host = on_host or (host is not None and s.host_id == host)
+            (local if on_host else reps).append(ObjectReplica(sl))
+        return local + reps
+
+    def _bytes(self, o: Obj) -> int:
+        lim = self.config.slice_limit
+        a = self.config.align
+        ns = n_slices(o.size, lim)
+        copies = len(o.layout) // (12 * ns)
+        per = sum((ln + a - 1) & -a for ln in slice_lengths(o.size, lim))
+        return per * copies
+
+    def _copies(self, o: Obj) -> tuple[list[list[tuple[int, int]]], list[int]]:
+        lens = slice_lengths(o.size, self.config.slice_limit)
+        return unpack_layout(o.layout, len(lens)), lens
+
+    def _register(self, key: str, copies: list[list[tuple[int, int]]]) -> None:
+        segs = self.segs
+        for copy in copies:
+            for sid, _ in copy:
+                s = segs[sid]
+                s.keys.add(key)
+                s.slices += 1
+
+    def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
+        """Free (or hold under ``hold_tag``) every slice of ``o`` and unregister ``key``."""
+        copies, lens = self._copies(o)
+        segs = self.segs
+        held = self.held.setdefault(hold_tag, []) if hold_tag else None
+        for copy in copies:
+            for (sid, off), ln in zip(copy, lens):
+                s = segs[sid]
+                s.keys.discard(key)
+                s.slices -= 1
+                if held is not None:
+                    held.append((sid, off, ln))
+                else:
+                    s.alloc.free(off, ln)
+
+    def _drop(self, key: str, event: Event, hold_tag: int = 0) -> bool:
+        """Remove ``key`` through ``event`` if the lifecycle allows it; frees its bytes."""
+        o = self.objects.get(key)
+        if o is None or next_state(o.state, event) is not State.GONE:
+            return False
+        del self.objects[key]
+        if o.state == _C:
+            self.complete -= 1
+        else:
+            self.processing.pop(key, None)
+        self._release_copies(key, o, hold_tag)
+        return True
+
+    def _pick(
+        self,
+        n: int,
+        exclude: set[str] | frozenset[str],
+        prefer: set[str] | frozenset[str],
+        cfg: ReplicateConfig,
+        first: bool,
+        draw: int,
+        mounted: list[_Seg],
+    ) -> _Seg | None:
+        """The segment for one slice of ``n`` (aligned) bytes; see the module docstring."""
+        if first and cfg.preferred_segment is not None:
+            s = self.segs.get(self.by_name.get(cfg.preferred_segment, 0))
+            if (
+                s is not None
+                and s.state == MOUNTED
+                and s.node_id not in exclude
+                and s.alloc.largest() >= n
+            ):
+                return s
+        if exclude:
+            cands = [s for s in mounted if s.node_id not in exclude and s.alloc.largest() >= n]
+        else:
+            cands = [s for s in mounted if s.alloc.largest() >= n]
+        if not cands:
+            return None
+        if prefer:
+            same = [s for s in cands if s.node_id in prefer]
+            if same:
+                cands = same
+        strategy = cfg.strategy
+        if strategy == "random":
+            return cands[_mix(draw) % len(cands)]
+        if strategy == "local" and cfg.writer_host is not None:
+            loc = [s for s in cands if s.host_id == cfg.writer_host]
+            if loc:
+                cands = loc
+        return cands[0] if len(cands) == 1 else max(cands, key=_free_bytes)
+
+    def _place(
+        self, size: int, cfg: ReplicateConfig, index: int, pos: int, mounted: list[_Seg]
+    ) -> list[list[tuple[int, int]]] | None:
+        a = self.config.align
+        if cfg.replica_num == 1 and size <= self.config.slice_limit:  # the common case
+            s = self._pick(
+                (size + a - 1) & -a, _NONE, _NONE, cfg, True, (index << 24) ^ (pos << 12), mounted
+            )
+            return None if s is None else [[(s.id, s.alloc.alloc(size))]]
+        lens = slice_lengths(size, self.config.slice_limit)
+        used_nodes: set[str] = set()
+        copies: list[list[tuple[int, int]]] = []
+        done: list[tuple[_Seg, int, int]] = []
+        for r in range(cfg.replica_num):
+            nodes: set[str] = set()
+            copy = []
+            for j, ln in enumerate(lens):
+                draw = (index << 24) ^ (pos << 12) ^ (r << 8) ^ j
+                s = self._pick((ln + a - 1) & -a, used_nodes, nodes, cfg, r == 0, draw, mounted)
+                off = -1 if s is None else s.alloc.alloc(ln)
+                if s is None or off < 0:
+                    for seg, o, length in reversed(done):
+                        seg.alloc.free(o, length)
+                    return None
+                done.append((s, off, ln))
+                copy.append((s.id, off))
+                nodes.add(s.node_id)
+            used_nodes |= nodes
+            copies.append(copy)
+        return copies
+
+    def _drop_segment(self, seg: _Seg, now: float, tag: int) -> list[str]:
+        """Unmount ``seg`` now: drop every copy with a slice in it; returns the COMPLETE keys
+        left with no copy (removed; PROCESSING ones go silently, their PutEnd then fails).
+        Bytes held in it vanish with it. The other slices of a dropped copy (in segments
+        that stay) are held under ``tag``, not freed: a reader may hold a lease on them."""
+        lost = []
+        segs = self.segs
+        held = self.held.setdefault(tag, [])
+        for key in sorted(seg.keys):
+            o = self.objects[key]
+            copies, lens = self._copies(o)
+            keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
+            if not keep:
+                if next_state(o.state, Event.NODE_LOST) is State.GONE:
+                    del self.objects[key]
+                    if o.state == _C:
+                        self.complete -= 1
+                        lost.append(key)
+                    else:
+                        self.processing.pop(key, None)
+            else:
+                self.objects[key] = replace(o, layout=pack_layout(keep))
+            touched = set()
+            for c in copies:
+                if c in keep:
+                    continue
+                for (sid, off), ln in zip(c, lens):
+                    s = segs[sid]
+                    s.slices -= 1
+                    touched.add(sid)
+                    if sid != seg.id:
+                        held.append((sid, off, ln))
+            still = {sid for c in keep for sid, _ in c}
+            for sid in touched:
+                if sid not in still:
+                    segs[sid].keys.discard(key)
+        for t in list(self.held):
+            rest = [e for e in self.held[t] if e[0] != seg.id]
+            if rest:
+                self.held[t] = rest
+            else:
+                del self.held[t]
+        del segs[seg.id]
+        del self.by_name[seg.name]
+        self.retired[seg.name] = now
+        return lost
+
+    @staticmethod
+    def _batch_ok(keys: list[str], *others: list[Any]) -> bool:
+        n = len(keys)
+        return n <= MAX_BATCH_KEYS and all(len(x) == n for x in others)
+
+    # ================================================================== command handlers
+
+    def _mount(self, index: int, c: Mount) -> Codes:
+        if (
+            key_error(c.node_id) is not None
+            or key_error(c.segment) is not None
+            or len(c.endpoint) > MAX_KEY_BYTES
+            or len(c.host_id) > MAX_KEY_BYTES
+            or not (self.config.align <= c.size <= MAX_OBJECT_SIZE)
+        ):
+            return Codes([int(Code.INVALID_PARAMS)])
+        q = self.config.remount_quarantine
+        for name in [n for n, t in self.retired.items() if c.now >= t + q]:
+            del self.retired[name]
+        if c.segment in self.by_name or c.segment in self.retired:
+            return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
+        sid = self.next_seg
+        self.next_seg += 1
+        alloc = SegmentAllocator(c.size, self.config.align)
+        seg = _Seg(
+            sid, c.segment, c.node_id, c.endpoint, c.host_id, c.size, alloc, MOUNTED, 0.0, index
+        )
+        self.segs[sid] = seg
+        self.by_name[c.segment] = sid
+        return Codes([0])
+
+    def _unmount(self, index: int, c: Unmount) -> ExpireResult:
+        sid = self.by_name.get(c.segment)
+        seg = None if sid is None else self.segs[sid]
+        if seg is None or seg.node_id != c.node_id:
+            return ExpireResult([int(Code.SEGMENT_NOT_FOUND)], [])
+        if c.grace > 0:
+            if seg.state == MOUNTED:
+                seg.state = DRAINING
+                seg.deadline = c.now + c.grace
+            return ExpireResult([0], [])
+        return ExpireResult([0], self._drop_segment(seg, c.now, index))
+
+    def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
+        codes = []
+        lost: list[str] = []
+        for node in c.node_ids[:MAX_BATCH_KEYS]:
+            mine = [s for s in self.segs.values() if s.node_id == node]
+            if not mine:
+                codes.append(int(Code.CLIENT_NOT_FOUND))
+                continue
+            for s in mine:
+                lost.extend(self._drop_segment(s, c.now, index))
+            codes.append(0)
+        return ExpireResult(codes, lost)
+
+    def _check_put(self, c: PutStart | Upsert) -> int:
+        cfg = c.config
+        if not self._batch_ok(c.keys, c.sizes):
+            return int(Code.INVALID_PARAMS)
+        if not (1 <= cfg.replica_num <= MAX_REPLICAS) or cfg.strategy not in _STRATEGIES:
+            return int(Code.INVALID_PARAMS)
+        lim = self.config.slice_limit
+        work = sum(-(-z // lim) for z in c.sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
+        if work * cfg.replica_num > MAX_SLICES_PER_BATCH:
+            return int(Code.INVALID_PARAMS)  # bounded work per entry: split the batch
+        return 0
+
+    def _new_object(
+        self, index: int, pos: int, size: int, c: PutStart | Upsert, mounted: list[_Seg]
+    ) -> tuple[int, Obj | None, list]:
+        """Allocate (not yet registered) copies; ``(code, record, copies)``."""
+        copies = self._place(size, c.config, index, pos, mounted)
+        if copies is None:
+            return int(Code.NO_AVAILABLE_HANDLE), None, []
+        pin, until = _pin_of(c.config, c.now, c.pin_ttl)
+        return 0, Obj(size, _P, index, c.now, pack_layout(copies), pin, until), copies
+
+    def _put_start(self, index: int, c: PutStart) -> PutStartResult:
+        return self._put(index, c, upsert=False)
+
+    def _upsert(self, index: int, c: Upsert) -> PutStartResult:
+        return self._put(index, c, upsert=True)
+
+    def _put(self, index: int, c: PutStart | Upsert, upsert: bool) -> PutStartResult:
+        bad = self._check_put(c)
+        n = len(c.keys)
+        if bad:
+            return PutStartResult([bad] * n, [None] * n, [0] * n)
+        codes: list[int] = []
+        reps: list[list[ObjectReplica] | None] = []
+        vers: list[int] = []
+        objs = self.objects
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+        for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
+            code = 0
+            o = None
+            if (
+                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
+                and key_error(key) is not None
+            ):
+                code = int(Code.INVALID_KEY)
+            elif not 1 <= size <= MAX_OBJECT_SIZE:
+                code = int(Code.INVALID_PARAMS)
+            else:
+                old = objs.get(key)
+                if old is None:
+                    if next_state(State.GONE, Event.PUT_START) is State.PROCESSING:
+                        code, o, copies = self._new_object(index, pos, size, c, mounted)
+                        if o is not None:
+                            self._register(key, copies)
+                            objs[key] = o
+                            self.processing[key] = None
+                elif old.state != _C:
+                    code = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
+                elif not upsert:
+                    code = int(Code.OBJECT_ALREADY_EXISTS)
+                elif (
+                    old.size == size
+                    and len(old.layout) // (12 * n_slices(size, self.config.slice_limit))
+                    == c.config.replica_num
+                    and all(
+                        self.segs[sid].state == MOUNTED for sid, _ in SLICE.iter_unpack(old.layout)
+                    )
+                ):
+                    # Same shape: rewrite in place (the service made sure no reader holds a lease).
+                    pin, until = _pin_of(c.config, c.now, c.pin_ttl)
+                    nxt = int(next_state(old.state, Event.UPSERT_REUSE))  # type: ignore[arg-type]
+                    o = replace(
+                        old, state=nxt, version=index, started=c.now, pin=pin, pin_until=until
+                    )
+                    objs[key] = o
+                    self.complete -= 1
+                    self.processing[key] = None
+                else:
+                    # New allocation first, so a NoSpace leaves the old object intact.
+                    code, o, copies = self._new_object(index, pos, size, c, mounted)
+                    if o is not None:
+                        self.complete -= 1
+                        self._release_copies(key, old)
+                        self._register(key, copies)
+                        objs[key] = o  # PROCESSING: TRANSITIONS[(COMPLETE, UPSERT_REPLACE)]
+                        self.processing[key] = None
+            codes.append(code)
+            if o is None:
+                reps.append(None)
+                vers.append(0)
+            else:
+                reps.append(self._replicas(o))
+                vers.append(index)
+        return PutStartResult(codes, reps, vers)
+
+    def _put_end(self, index: int, c: PutEnd) -> Codes:
+        # versions are required: without them a late PutEnd could publish another
+        # writer's half-written put of the key (after a reclaim and a new put)
+        if not self._batch_ok(c.keys, c.versions):
+            return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
+        codes = []
+        for i, key in enumerate(c.keys):
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+            elif c.versions[i] != o.version:
+                codes.append(int(Code.INVALID_WRITE))
+            else:
+                nxt = next_state(o.state, Event.PUT_END)
+                if nxt is None:
+                    codes.append(int(Code.INVALID_WRITE))
+                    continue
+                if o.state == _P:
+                    self.processing.pop(key, None)
+                    self.complete += 1
+                    self.objects[key] = replace(o, state=int(nxt))
+                codes.append(0)
+        return Codes(codes)
+
+    def _put_revoke(self, index: int, c: PutRevoke) -> Codes:
+        # versions are required: a revoke must never free bytes another writer is writing
+        if not self._batch_ok(c.keys, c.versions):
+            return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
+        codes = []
+        for i, key in enumerate(c.keys):
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+            elif c.versions[i] != o.version or not self._drop(key, Event.PUT_REVOKE):
+                codes.append(int(Code.INVALID_WRITE))
+            else:
+                codes.append(0)
+        return Codes(codes)
+
+    def _remove(self, index: int, c: Remove) -> Codes:
+        if not self._batch_ok(c.keys):
+            return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
+        codes = []
+        tag = index if c.hold else 0
+        for key in c.keys:
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+            elif not self._drop(key, Event.REMOVE, tag):
+                codes.append(int(Code.REPLICA_IS_NOT_READY))
+            else:
+                codes.append(0)
+        if tag and not self.held.get(tag):
+            self.held.pop(tag, None)
+        return Codes(codes)
+
+    def _remove_all(self, index: int, c: RemoveAll) -> RemoveAllResult:
+        skip = set(c.skip)
+        tag = index if c.hold else 0
+        n = 0
+        for key in list(self.objects):
+            if key not in skip and self._drop(key, Event.REMOVE, tag):
+                n += 1
+        if tag and not self.held.get(tag):
+            self.held.pop(tag, None)
+        return RemoveAllResult(n)
+
+    def _reclaim(self, index: int, c: Reclaim) -> ReclaimResult:
+        cutoff = c.now - c.put_timeout
+        objs = self.objects
+        # (version, key) order: the same on a replica restored from a snapshot
+        stale = sorted(
+            (k for k in self.processing if objs[k].started < cutoff),
+            key=lambda k: (objs[k].version, k),
+        )
+        for k in stale:
+            self._drop(k, Event.RECLAIM)
+        due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
+        lost: list[str] = []
+        for s in due:
+            lost.extend(self._drop_segment(s, c.now, index))
+        return ReclaimResult(stale, [s.name for s in due], lost)
+
+    def _evict(self, index: int, c: Evict) -> EvictResult:
+        if not self._batch_ok(c.keys) or (c.versions and len(c.versions) != len(c.keys)):
+            return EvictResult([int(Code.INVALID_PARAMS)] * len(c.keys), 0)
+        codes = []
+        freed = 0
+        for i, key in enumerate(c.keys):
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+                continue
+            if (
+                (c.versions and c.versions[i] != o.version)
+                or o.pin == PIN_HARD
+                or (o.pin == PIN_SOFT and o.pin_until > c.now and not c.allow_soft)
+            ):
+                codes.append(int(Code.NOT_EVICTABLE))
+                continue
+            nbytes = self._bytes(o)
+            if not self._drop(key, Event.EVICT):
+                codes.append(int(Code.NOT_EVICTABLE))
+                continue
+            freed += nbytes
+            codes.append(0)
+        return EvictResult(codes, freed)
+
+    def _pin(self, index: int, c: Pin) -> Codes:
+        if not self._batch_ok(c.keys):
+            return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
+        codes = []
+        for key in c.keys:
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+                continue
+            if c.hard:
+                self.objects[key] = replace(o, pin=PIN_HARD, pin_until=0.0)
+            elif o.pin != PIN_HARD:
+                self.objects[key] = replace(
+                    o, pin=PIN_SOFT, pin_until=max(o.pin_until, c.now + c.ttl)
+                )
+            codes.append(0)
+        return Codes(codes)
+
+    def _unpin(self, index: int, c: Unpin) -> Codes:
+        if not self._batch_ok(c.keys):
+            return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
+        codes = []
+        for key in c.keys:
+            o = self.objects.get(key) if type(key) is str else None
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+                continue
+            self.objects[key] = replace(o, pin=PIN_NONE, pin_until=0.0)
+            codes.append(0)
+        return Codes(codes)
+
+    def _release(self, index: int, c: Release) -> Codes:
+        codes = []
+        for tag in c.tags[:MAX_BATCH_KEYS]:
+            ext = self.held.pop(tag, None)
+            if ext is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+                continue
+            for sid, off, ln in ext:
+                self.segs[sid].alloc.free(off, ln)
+            codes.append(0)
+        return Codes(codes)
+
+
+def _free_bytes(s: _Seg) -> int:
+    return s.alloc.free_bytes
+
+
+def _pin_of(cfg: ReplicateConfig, now: float, ttl: float) -> tuple[int, float]:
+    if cfg.hard_pin:
+        return PIN_HARD, 0.0
+    if cfg.soft_pin:
+        return PIN_SOFT, now + ttl
+    return PIN_NONE, 0.0

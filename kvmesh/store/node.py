@@ -1,0 +1,155 @@
+"""The storage-node role: give a shared-memory segment of this process to the store pool.
+
+A :class:`StorageNode` allocates ``size`` bytes with ``alloc_shared`` on the process's
+transfer engine, publishes them as a segment, mounts the segment through the master (one log
+entry), and heartbeats from a daemon thread. The master allocates replica space inside the
+segment; clients move bytes into and out of it with their own engines, never through the
+master or through this object. When the master answers a heartbeat with "unknown node" (it
+expired us after a pause longer than its node TTL, dropping our replicas) the node mounts
+again under a new segment name (see :meth:`StorageNode._remount`).
+:meth:`StorageNode.close` unmounts first, then keeps the memory for a grace period so that
+readers holding leases finish, then frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..transfer import MemoryRegion, TransferEngine, get_engine
+from . import errors as E
+from . import protocol as P
+from .rpc import MasterClient
+
+__all__ = ["StorageNode"]
+
+log = logging.getLogger(__name__)
+
+
+class StorageNode:
+    """``master``: a :class:`MasterClient`; ``size``: bytes to contribute; ``heartbeat_s``:
+    interval (keep it well under the master's node TTL, default 10 s)."""
+
+    def __init__(
+        self,
+        master: MasterClient,
+        size: int,
+        *,
+        engine: TransferEngine | None = None,
+        segment: str | None = None,
+        heartbeat_s: float = 2.0,
+    ) -> None:
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"segment size must be a positive int, got {size!r}")
+        self.master = master
+        self.engine = engine if engine is not None else get_engine()
+        self.node_id = self.engine.node_id
+        self._base = segment or f"kvstore-{self.node_id}"
+        self._generation = 0
+        self.segment = self._base
+        self.size = size
+        self.heartbeat_s = heartbeat_s
+        self.region: MemoryRegion | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.mounts = 0
+        self.heartbeats = 0
+
+    def start(self) -> StorageNode:
+        self.region = self.engine.alloc_shared(self.size, name=self.segment)
+        try:
+            self._mount()
+        except BaseException:
+            self.engine.unregister(self.region)
+            self.region = None
+            raise
+        self._thread = threading.Thread(
+            target=self._beat_loop, name=f"store-node-{self.segment}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _mount(self) -> None:
+        resp = self.master.mutate(
+            lambda rid, s: P.MountReq(
+                rid,
+                s,
+                self.node_id,
+                self.segment,
+                self.engine.address,
+                self.engine.host_id,
+                self.size,
+            )
+        )
+        code = _one_code(resp)
+        if code != 0:
+            raise E.error_for(code, f"mounting segment {self.segment!r} failed")
+        self.mounts += 1
+
+    def _remount(self) -> None:
+        """The master expired us (its copies in our memory are gone). Mount again under a
+        new segment name: the old name stays quarantined at the master, and republishing
+        invalidates every peer's handle on it, so a writer still holding an old descriptor
+        gets SegmentNotFound instead of writing into memory that is now allocated anew."""
+        assert self.region is not None
+        self._generation += 1
+        new = f"{self._base}.{self._generation}"
+        self.engine.unpublish(self.segment)
+        self.engine.publish(self.region, new)
+        self.segment = new
+        self._mount()
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                resp = self.master.call(
+                    lambda rid: P.HeartbeatReq(rid, self.node_id), timeout=self.heartbeat_s * 2
+                )
+                self.heartbeats += 1
+                if _one_code(resp) != 0 and not self._stop.is_set():
+                    log.warning(
+                        "store node %s: the master forgot this node; mounting again", self.node_id
+                    )
+                    self._remount()
+            except E.StoreError as e:
+                log.warning("store node %s: heartbeat failed: %s", self.node_id, e)
+            except Exception:
+                log.exception("store node %s: heartbeat failed", self.node_id)
+
+    def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
+        """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
+        copies at once; else they stay readable (no new allocations) for ``grace_s`` while
+        the memory is kept, plus ``lease_s`` (the master's lease TTL) for readers that were
+        granted a lease just before the end. Readers still copying when the memory goes get
+        a per-key error, never other bytes: the segment is unpublished, not reused."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.region is None:
+            return
+        try:
+            self.master.mutate(
+                lambda rid, s: P.UnmountReq(rid, s, self.node_id, self.segment, grace_s),
+                timeout=5.0,
+            )
+        except E.StoreError as e:
+            log.warning(
+                "store node %s: unmount failed (the master expires it later): %s", self.node_id, e
+            )
+        if grace_s > 0:
+            time.sleep(grace_s + lease_s)
+        region, self.region = self.region, None
+        try:
+            self.engine.unregister(region)
+        except Exception:
+            log.debug("store node %s: unregister failed", self.node_id, exc_info=True)
+
+
+def _one_code(resp: Any) -> int:
+    if type(resp) is P.CodesResp:
+        return int(resp.codes[0]) if resp.codes else 0
+    if type(resp) is P.ErrorResp:
+        return int(resp.code)
+    raise E.StoreError(f"unexpected reply {type(resp).__name__}")

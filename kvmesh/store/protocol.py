@@ -1,0 +1,320 @@
+"""The client <-> master RPC of the store: messages only (no sockets, no clocks).
+
+Every message is a msgspec Struct of one tagged union, msgpack-encoded and sent in the frames
+of :mod:`kvmesh.net.framing` on a connection that first passed the shared-secret handshake of
+:mod:`kvmesh.net.handshake` with service name :data:`SERVICE`. Requests carry a ``rid`` echoed
+by their reply, so one connection pipelines requests.
+
+Every request is batch-shaped (a list of keys) and is one RPC; a mutating request becomes at
+most one log entry. Mutating requests carry a :class:`Session` (``client_id`` from
+:class:`RegisterReq`, a per-client ``seq``, and ``ack`` = every seq below it was answered):
+the master proposes them through the replicated log's exactly-once sessions, so a retry with
+the same ``seq`` after a lost reply or a failover returns the first result instead of
+applying twice.
+
+Replies: the request's own reply type, :class:`Redirect` (this replica is not the leader;
+``leader_addr`` is the leader's store address when known) or :class:`ErrorResp` (a whole-
+request failure with a :mod:`kvmesh.store.errors` code). Per-key outcomes are ints in
+``codes`` (0 or a negative error code), so one bad key never fails a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .types import ObjectReplica, ReplicateConfig
+
+__all__ = [
+    "MUTATING",
+    "PROTOCOL_VERSION",
+    "SERVICE",
+    "CodesResp",
+    "CountResp",
+    "ErrorResp",
+    "ExistsReq",
+    "GetReplicasReq",
+    "GetSizeReq",
+    "HeartbeatReq",
+    "MountReq",
+    "PutEndReq",
+    "PutRevokeReq",
+    "PutStartReq",
+    "PutStartResp",
+    "Redirect",
+    "RegisterReq",
+    "RegisterResp",
+    "RemoveAllReq",
+    "RemoveReq",
+    "ReplicasResp",
+    "Request",
+    "Response",
+    "Session",
+    "SizesResp",
+    "StatusReq",
+    "StatusResp",
+    "UnmountReq",
+    "decode_request",
+    "decode_response",
+    "encode",
+    "request_keys",
+]
+
+SERVICE = "store"
+PROTOCOL_VERSION = 1
+
+
+class Session(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Exactly-once tag of a mutating request (see the replog's sessions)."""
+
+    client_id: int
+    seq: int
+    ack: int = 0
+
+
+# ------------------------------------------------------------------------------- requests
+
+
+class RegisterReq(msgspec.Struct, tag="register", array_like=True, frozen=True):
+    """Open an exactly-once session; reply :class:`RegisterResp`."""
+
+    rid: int
+
+
+class PutStartReq(msgspec.Struct, tag="put_start", array_like=True, frozen=True):
+    """Allocate PROCESSING replicas for ``keys`` (``sizes[i]`` bytes each); ``upsert``
+    replaces a COMPLETE object instead of answering ObjectExists. Reply :class:`PutStartResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    sizes: list[int]
+    config: ReplicateConfig
+    upsert: bool = False
+
+
+class PutEndReq(msgspec.Struct, tag="put_end", array_like=True, frozen=True):
+    """Mark the writer's PROCESSING replicas of ``keys`` COMPLETE; ``versions``: those
+    :class:`PutStartResp` returned (a reclaimed and re-put key then answers InvalidWrite
+    instead of completing someone else's put). Reply :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    versions: list[int] = []
+
+
+class PutRevokeReq(msgspec.Struct, tag="put_revoke", array_like=True, frozen=True):
+    """Free the PROCESSING replicas of ``keys`` (a failed write); reply :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    versions: list[int] = []
+
+
+class GetReplicasReq(msgspec.Struct, tag="get_replicas", array_like=True, frozen=True):
+    """COMPLETE replicas of ``keys`` under a read lease; reply :class:`ReplicasResp`.
+    Served by the leader after a read-index barrier, without a log entry. ``host``: the
+    reader's host id (copies on that host come first)."""
+
+    rid: int
+    keys: list[str]
+    host: str = ""
+
+
+class ExistsReq(msgspec.Struct, tag="exists", array_like=True, frozen=True):
+    """Per key 1 (a COMPLETE object) or 0 in :class:`CodesResp` ``codes``; no lease."""
+
+    rid: int
+    keys: list[str]
+
+
+class GetSizeReq(msgspec.Struct, tag="get_size", array_like=True, frozen=True):
+    """Object sizes; reply :class:`SizesResp` (code ObjectNotFound for a missing key)."""
+
+    rid: int
+    keys: list[str]
+
+
+class RemoveReq(msgspec.Struct, tag="remove", array_like=True, frozen=True):
+    """Remove ``keys``; a leased key answers ObjectHasLease unless ``force``. :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    force: bool = False
+
+
+class RemoveAllReq(msgspec.Struct, tag="remove_all", array_like=True, frozen=True):
+    """Remove every COMPLETE object (leased ones too with ``force``); :class:`CountResp`."""
+
+    rid: int
+    session: Session
+    force: bool = False
+
+
+class MountReq(msgspec.Struct, tag="mount", array_like=True, frozen=True):
+    """A storage node gives ``size`` bytes of segment ``segment`` (published on the transfer
+    engine at ``endpoint``) to the pool. :class:`CodesResp` with one code."""
+
+    rid: int
+    session: Session
+    node_id: str
+    segment: str
+    endpoint: str
+    host_id: str
+    size: int
+
+
+class UnmountReq(msgspec.Struct, tag="unmount", array_like=True, frozen=True):
+    """Take a segment out of the pool. ``grace`` 0: its replicas are dropped now; else no
+    new allocations and its copies stay readable for ``grace`` seconds. :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    node_id: str
+    segment: str
+    grace: float = 0.0
+
+
+class HeartbeatReq(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
+    """A storage node is alive (leader soft state, no log entry). :class:`CodesResp` with one
+    code: 0, or NodeNotFound when the master no longer knows the node (it must re-mount)."""
+
+    rid: int
+    node_id: str
+
+
+class StatusReq(msgspec.Struct, tag="status", array_like=True, frozen=True):
+    """This replica's view (no leader needed); reply :class:`StatusResp`."""
+
+    rid: int
+
+
+Request = (
+    RegisterReq
+    | PutStartReq
+    | PutEndReq
+    | PutRevokeReq
+    | GetReplicasReq
+    | ExistsReq
+    | GetSizeReq
+    | RemoveReq
+    | RemoveAllReq
+    | MountReq
+    | UnmountReq
+    | HeartbeatReq
+    | StatusReq
+)
+
+MUTATING = (PutStartReq, PutEndReq, PutRevokeReq, RemoveReq, RemoveAllReq, MountReq, UnmountReq)
+"""Requests that become a log entry (and so carry a :class:`Session`)."""
+
+# -------------------------------------------------------------------------------- replies
+
+
+class RegisterResp(msgspec.Struct, tag="registered", array_like=True, frozen=True):
+    rid: int
+    client_id: int
+
+
+class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=True):
+    """Per key a code and, when 0, the replicas to write (each a list of slices).
+    ``hold_ms``: how long the master keeps the PROCESSING allocation before it may reclaim
+    it (its put timeout); a writer must finish writing well within it, counted from before
+    it sent the request, or revoke."""
+
+    rid: int
+    codes: list[int]
+    replicas: list[list[ObjectReplica] | None]
+    versions: list[int]
+    hold_ms: int = 0
+
+
+class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):
+    rid: int
+    codes: list[int]
+
+
+class ReplicasResp(msgspec.Struct, tag="replicas", array_like=True, frozen=True):
+    """Per key a code, the object size and its COMPLETE replicas. ``lease_ms``: how long the
+    leases granted by this reply last, counted by the master from before it looked the keys
+    up; a client counts it from before it sent the request, so its view expires first."""
+
+    rid: int
+    codes: list[int]
+    sizes: list[int]
+    replicas: list[list[ObjectReplica] | None]
+    lease_ms: int
+
+
+class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):
+    rid: int
+    codes: list[int]
+    sizes: list[int]
+
+
+class CountResp(msgspec.Struct, tag="count", array_like=True, frozen=True):
+    rid: int
+    count: int
+
+
+class StatusResp(msgspec.Struct, tag="status", array_like=True, frozen=True):
+    rid: int
+    info: dict[str, Any]
+
+
+class Redirect(msgspec.Struct, tag="redirect", array_like=True, frozen=True):
+    """Not the leader. ``leader_addr``: the leader's store address ("" when unknown)."""
+
+    rid: int
+    leader_id: int = 0
+    leader_addr: str = ""
+
+
+class ErrorResp(msgspec.Struct, tag="error", array_like=True, frozen=True):
+    """The whole request failed: ``code`` from :mod:`kvmesh.store.errors`. ``retry``: the
+    outcome is unknown or transient (timeout, leader change) and the same request (same
+    session seq) may be sent again."""
+
+    rid: int
+    code: int
+    message: str
+    retry: bool = False
+
+
+Response = (
+    RegisterResp
+    | PutStartResp
+    | CodesResp
+    | ReplicasResp
+    | SizesResp
+    | CountResp
+    | StatusResp
+    | Redirect
+    | ErrorResp
+)
+
+_enc = msgspec.msgpack.Encoder()
+_req_dec = msgspec.msgpack.Decoder(Request)
+_resp_dec = msgspec.msgpack.Decoder(Response)
+
+
+def encode(msg: Any) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode_request(body: bytes | memoryview) -> Request:
+    """Decode one request (raises ``msgspec.DecodeError``/``ValidationError`` on junk)."""
+    return _req_dec.decode(body)
+
+
+def decode_response(body: bytes | memoryview) -> Response:
+    return _resp_dec.decode(body)
+
+
+def request_keys(req: Any) -> list[str]:
+    """The keys a request names (empty for requests without keys)."""
+    return getattr(req, "keys", None) or []

@@ -1,0 +1,280 @@
+"""The blocking, thread-safe connection of clients and storage nodes to the master group.
+
+:class:`MasterClient` finds the leader itself (following :class:`~.protocol.Redirect`,
+trying the next replica on connection errors and timeouts), keeps a small pool of
+authenticated connections per replica (threads never share one in-flight), and makes every
+mutating request exactly-once: it opens a replog session, numbers requests, and retries a
+request with the *same* ``seq`` until it gets an answer. After ``timeout`` seconds of
+failures a call raises :class:`~.errors.StoreUnavailable` (for a mutation: outcome unknown).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ..net import framing as _framing
+from ..net.errors import AuthFailed, NetError
+from ..net.handshake import client_handshake
+from ..net.limits import Deadline
+from ..net.security import SecurityConfig, client_ssl_context
+from ..replog.transport import parse_addr
+from . import errors as E
+from . import protocol as P
+
+__all__ = ["MasterClient"]
+
+log = logging.getLogger(__name__)
+
+_MAX_RESPONSE = 256 << 20  # replies of big batches (replica lists) are larger than requests
+
+
+class _Conn:
+    __slots__ = ("addr", "sock")
+
+    def __init__(self, addr: str, sock: socket.socket) -> None:
+        self.addr = addr
+        self.sock = sock
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class MasterClient:
+    """``addrs``: store RPC addresses of the master replicas (any subset that includes a
+    live one). ``timeout``: the longest one call keeps retrying; ``attempt_timeout``: how
+    long one replica gets to answer one attempt."""
+
+    def __init__(
+        self,
+        addrs: list[str],
+        security: SecurityConfig | None = None,
+        *,
+        name: str = "store-client",
+        timeout: float = 15.0,
+        attempt_timeout: float = 5.0,
+        max_pool: int = 8,
+    ) -> None:
+        if not addrs:
+            raise ValueError("no master addresses")
+        self.addrs = list(dict.fromkeys(addrs))
+        self.sec = security if security is not None else SecurityConfig.from_env()
+        self._ssl = client_ssl_context(self.sec)
+        # Unique per client: the master binds our session to this authenticated name.
+        self.name = f"{name}-{secrets.token_hex(6)}"
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self.max_pool = max_pool
+        self._lock = threading.Lock()
+        self._pool: dict[str, list[_Conn]] = {}
+        self._leader: str | None = None
+        self._rid = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._outstanding: set[int] = set()
+        self._client_id: int | None = None
+        self._reg_lock = threading.Lock()
+        self._closed = False
+        self._rng = random.Random()
+        self.redirects = 0
+        self.retries = 0
+
+    # ----------------------------------------------------------------- connections
+
+    def _connect(self, addr: str, deadline: float) -> _Conn:
+        host, port = parse_addr(addr)
+        left = max(0.01, deadline - time.monotonic())
+        sock = socket.create_connection((host, port), timeout=left)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=host)
+            client_handshake(
+                sock, self.sec, P.SERVICE, self.name, max(0.01, deadline - time.monotonic())
+            )
+        except BaseException:
+            sock.close()
+            raise
+        return _Conn(addr, sock)
+
+    def _take(self, addr: str, deadline: float) -> _Conn:
+        with self._lock:
+            if self._closed:
+                raise E.StoreUnavailable("the store client is closed")
+            idle = self._pool.get(addr)
+            if idle:
+                return idle.pop()
+        return self._connect(addr, deadline)
+
+    def _give(self, conn: _Conn) -> None:
+        with self._lock:
+            idle = self._pool.setdefault(conn.addr, [])
+            if not self._closed and len(idle) < self.max_pool:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _exchange(self, addr: str, req: Any, deadline: float) -> Any:
+        conn = self._take(addr, deadline)
+        ok = False
+        try:
+            conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            conn.sock.sendall(_framing.encode_frame(P.encode(req)))
+            while True:
+                body = _framing.read_frame(
+                    conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic())
+                )
+                resp = P.decode_response(body)
+                if resp.rid == req.rid:
+                    ok = True
+                    return resp
+                # A stale reply of an attempt we gave up on: skip it.
+        finally:
+            if ok:
+                self._give(conn)
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pools, self._pool = self._pool, {}
+        for idle in pools.values():
+            for c in idle:
+                c.close()
+
+    # ---------------------------------------------------------------------- calls
+
+    def _candidates(self) -> list[str]:
+        order = list(self.addrs)
+        self._rng.shuffle(order)
+        lead = self._leader
+        if lead is not None:
+            if lead in order:
+                order.remove(lead)
+            order.insert(0, lead)
+        return order
+
+    def call(self, make: Callable[[int], Any], *, timeout: float | None = None) -> Any:
+        """Send ``make(rid)`` until a replica answers definitely; returns the reply (never a
+        Redirect or a retryable ErrorResp). Raises StoreUnavailable after the deadline."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        backoff = 0.02
+        last = "no attempt"
+        while True:
+            redirected = False
+            for addr in self._candidates():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise E.StoreUnavailable(f"no master answered in time (last: {last})")
+                try:
+                    resp = self._exchange(
+                        addr, make(next(self._rid)), min(deadline, now + self.attempt_timeout)
+                    )
+                except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                    last = f"{addr}: {type(e).__name__}: {str(e)[:200]}"
+                    if self._leader == addr:
+                        self._leader = None
+                    self.retries += 1
+                    if isinstance(e, AuthFailed):
+                        # Retrying cannot help; the master is not at fault (wrong token).
+                        raise E.StoreUnavailable(
+                            f"master {addr} refused our credentials: {e}"
+                        ) from None
+                    continue
+                t = type(resp)
+                if t is P.Redirect:
+                    self.redirects += 1
+                    last = f"{addr}: not the leader"
+                    if resp.leader_addr and resp.leader_addr != addr:
+                        self._leader = resp.leader_addr
+                        if resp.leader_addr not in self.addrs:
+                            self.addrs.append(resp.leader_addr)
+                        redirected = True
+                        break
+                    if self._leader == addr:
+                        self._leader = None
+                    continue
+                if t is P.ErrorResp and resp.retry:
+                    last = f"{addr}: {resp.message[:200]}"
+                    self.retries += 1
+                    continue
+                self._leader = addr
+                return resp
+            if redirected:
+                continue
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 0.5)
+
+    def _session(self) -> int:
+        cid = self._client_id
+        if cid is not None:
+            return cid
+        with self._reg_lock:
+            if self._client_id is None:
+                resp = self.call(lambda rid: P.RegisterReq(rid))
+                if type(resp) is not P.RegisterResp:
+                    raise _error(resp)
+                self._client_id = resp.client_id
+            return self._client_id
+
+    def mutate(self, make: Callable[[int, P.Session], Any], *, timeout: float | None = None) -> Any:
+        """A mutating request, exactly once: ``make(rid, session)``; retries reuse the seq."""
+        for attempt in range(2):
+            cid = self._session()
+            with self._lock:
+                seq = next(self._seq)
+                self._outstanding.add(seq)
+            try:
+
+                def build(rid: int, seq: int = seq, cid: int = cid) -> Any:
+                    with self._lock:
+                        ack = min(self._outstanding) if self._outstanding else seq
+                    return make(rid, P.Session(cid, seq, ack))
+
+                try:
+                    resp = self.call(build, timeout=timeout)
+                except E.StoreUnavailable as e:
+                    raise E.StoreUnavailable(
+                        f"{e} (the outcome of this change is unknown)"
+                    ) from None
+            finally:
+                with self._lock:
+                    self._outstanding.discard(seq)
+            if type(resp) is P.ErrorResp and resp.message.startswith("session:"):
+                # The master forgot our session (e.g. a memory-mode master restarted). The
+                # command was not applied now; open a new session and send it again once.
+                with self._reg_lock:
+                    if self._client_id == cid:
+                        self._client_id = None
+                if attempt == 0:
+                    continue
+            return resp
+        return resp
+
+    def status(self, addr: str, timeout: float = 5.0) -> dict[str, Any]:
+        resp = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
+        if type(resp) is not P.StatusResp:
+            raise _error(resp)
+        return resp.info
+
+    @property
+    def leader(self) -> str | None:
+        return self._leader
+
+
+def _error(resp: Any) -> E.StoreError:
+    if type(resp) is P.ErrorResp:
+        return E.error_for(resp.code, resp.message)
+    return E.StoreError(f"unexpected reply {type(resp).__name__}")

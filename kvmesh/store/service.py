@@ -1,0 +1,958 @@
+"""The store master: one replica of a 1/3/5-replica group.
+
+A replica is a :class:`~kvmesh.replog.RaftNode` (durable data directory, or memory mode)
+running :class:`~kvmesh.store.master.state.StoreStateMachine`, plus an asyncio RPC server
+(:mod:`kvmesh.store.protocol` over :mod:`kvmesh.net` frames and handshake) and, while this
+replica leads, a ticker that proposes the time-driven commands (reclaim of stale PROCESSING
+objects, expiry of silent storage nodes, eviction) with the leader's ``now``.
+
+Who decides what:
+
+* the pure core (``kvmesh.store.master``) decides everything about objects, segments and
+  allocation inside ``apply`` -- this module only builds commands and proposes them;
+* leases, access statistics and node heartbeats are leader soft state (``master.leases``):
+  reads are served by the leader after a read-index barrier, without a log entry, and grant
+  leases there; Remove and Evict consult the leases *before* proposing, and keys with a
+  removal in flight get no new leases. A new leader treats everything as leased for one
+  lease period (``on_leader_change``), because the old leader's leases are unknown to it;
+* every mutating request is one RPC and one log entry, proposed under the client's
+  exactly-once session (``client_id``/``seq``): a retried request returns the first result.
+
+Server hardening: the handshake runs before anything is allocated for a connection
+(connection limiter with a separate cap on unauthenticated connections, pre-auth frames of
+a few KiB), then frames are capped at ``max_frame``, batches at ``max_batch_keys`` keys,
+requests in flight per connection at ``max_inflight``, and an idle connection is closed after
+``idle_timeout_s``. A connection that sends junk is closed; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any, Literal
+
+import msgspec
+
+from ..net import framing as _framing
+from ..net.errors import NetError
+from ..net.handshake import aserver_handshake
+from ..net.limits import ConnectionLimiter
+from ..net.security import SecurityConfig, check_bind, server_ssl_context
+from ..replog import (
+    CommandError,
+    NodeConfig,
+    NodeStopped,
+    NotLeaderError,
+    ProposalTimeout,
+    RaftConfig,
+    RaftNode,
+    ReadOnlyOption,
+    ReadTimeout,
+    ReplogError,
+    SessionExpiredError,
+)
+from ..replog.session import SessionRejected
+from ..replog.transport import parse_addr
+from . import errors as E
+from . import protocol as P
+from .master import commands as C
+from .master.eviction import choose_victims
+from .master.leases import AccessStats, HeartbeatTable, LeaseTable
+from .master.objects import State
+from .master.policy import HoldTracker, plan_remove, plan_upsert
+from .master.state import StoreStateMachine
+from .types import MAX_BATCH_KEYS, key_error
+
+__all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
+
+log = logging.getLogger(__name__)
+
+
+class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """One master replica (driver settings; the replicated core has its own
+    :class:`~kvmesh.store.master.state.MasterConfig`).
+
+    ``peers``: raft address of every replica (this one included); ``addrs``: store RPC
+    address of every replica (the ones clients and redirects use). A single replica needs
+    neither: ``ServiceConfig(listen="127.0.0.1:0", durability="memory")``.
+    """
+
+    node_id: int = 1
+    peers: dict[int, str] = {}
+    addrs: dict[int, str] = {}
+    listen: str | None = None  # default: addrs[node_id]
+    data_dir: str | None = None
+    durability: Literal["disk", "memory"] = "disk"
+    tick_s: float = 0.1
+    election_ticks: int = 10
+    lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
+    snapshot_threshold: int = 50_000
+    session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
+    # store policy (leader soft state and ticker)
+    lease_ttl_s: float = 5.0
+    put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
+    node_ttl_s: float = 10.0  # storage nodes silent for this long are unmounted
+    ticker_s: float = 0.25
+    high_watermark: float = 0.90
+    evict_ratio: float = 0.05
+    # server limits
+    max_frame: int = 8 << 20
+    max_batch_keys: int = 8192
+    max_connections: int = 1024
+    max_unauthenticated: int = 64
+    max_inflight: int = 64
+    handshake_timeout_s: float = 5.0
+    idle_timeout_s: float = 600.0
+    request_timeout_s: float = 10.0
+    metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT (0: off)
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
+            raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
+        if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
+            raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
+        if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
+            raise ValueError(
+                f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096"
+            )
+
+
+def _raft_config(cfg: ServiceConfig) -> RaftConfig:
+    return RaftConfig(
+        election_tick=cfg.election_ticks,
+        max_election_tick=2 * cfg.election_ticks,
+        heartbeat_tick=1,
+        check_quorum=True,
+        read_only_option=ReadOnlyOption.LEASE_BASED if cfg.lease_reads else ReadOnlyOption.SAFE,
+        max_committed_size_per_ready=8 << 20,
+    )
+
+
+class _Echoed(msgspec.Struct, array_like=True, frozen=True):
+    """What the log applies for a request: the core command plus what the driver decided
+    before proposing it (``codes``: per-key answers given without the log, e.g.
+    ObjectHasLease; ``release_at``/``proposer``: when the bytes held by a forced remove may
+    be released, on the proposing leader's clock). The session table caches the whole
+    result, so a retried request gets the *first* attempt's decisions back and its reply is
+    rebuilt exactly as the first time."""
+
+    body: bytes
+    codes: list[int] = []
+    release_at: float = 0.0
+    proposer: str = ""
+
+
+class _EchoResult(msgspec.Struct, array_like=True, frozen=True):
+    codes: list[int]
+    result: Any
+
+
+_echo_enc = msgspec.msgpack.Encoder()
+_echo_dec = msgspec.msgpack.Decoder(_Echoed)
+
+
+class _EchoMachine:
+    """Thin wrapper between the replog's session machine and the pure core: unwraps
+    :class:`_Echoed`, returns :class:`_EchoResult`, and reports hold removes (their log
+    index is the hold's tag) to ``on_hold``. Snapshots are the core's own."""
+
+    def __init__(self, inner: StoreStateMachine) -> None:
+        self.inner = inner
+        self.result_type = _make_result_type(getattr(inner, "result_type", Any))
+        self.on_hold: Any = None
+
+    def apply(self, index: int, data: bytes) -> Any:
+        env = _echo_dec.decode(data)
+        res = self.inner.apply(index, env.body)
+        if env.release_at and self.on_hold is not None:
+            self.on_hold(index, env.release_at, env.proposer)
+        return _EchoResult(env.codes, res)
+
+    def snapshot(self) -> bytes:
+        return self.inner.snapshot()
+
+    def snapshot_chunks(self) -> Any:
+        chunks = getattr(self.inner, "snapshot_chunks", None)
+        return chunks() if chunks is not None else iter((self.inner.snapshot(),))
+
+    def restore(self, data: bytes) -> None:
+        self.inner.restore(data)
+
+
+def _make_result_type(inner_rt: Any) -> Any:
+    if inner_rt is Any:
+        return _EchoResult
+    return msgspec.defstruct(
+        "EchoResultT", [("codes", list[int]), ("result", inner_rt)], array_like=True, frozen=True
+    )
+
+
+_MAX_NAME = 256  # node ids, segment names, endpoints, host ids
+_MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
+
+
+def _now() -> float:
+    """The leader's clock for commands: wall time, so that a successor leader on another
+    host compares PROCESSING ages against the same scale."""
+    return time.time()
+
+
+class MasterService:
+    """One master replica: create, ``await start()``, serve, ``await stop()``."""
+
+    def __init__(self, config: ServiceConfig, security: SecurityConfig | None = None) -> None:
+        self.cfg = config
+        self.sec = security if security is not None else SecurityConfig.from_env()
+        listen = config.listen or config.addrs.get(config.node_id)
+        if not listen:
+            raise ValueError("ServiceConfig needs listen or addrs[node_id]")
+        host, _ = parse_addr(listen)
+        check_bind(host, self.sec)
+        self._listen = listen
+        self.sm = StoreStateMachine()
+        self._machine = _EchoMachine(self.sm)
+        self.node: RaftNode | None = None
+        self.address = ""
+        self.server_id = f"store-master-{config.node_id}-{secrets.token_hex(4)}"
+        self._server: asyncio.base_events.Server | None = None
+        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
+        self._conns: set[asyncio.Task] = set()
+        self._ticker: asyncio.Task | None = None
+        # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
+        # this process's monotonic clock; commands carry wall time (_now).
+        self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
+        self.heartbeats = HeartbeatTable()
+        self.stats = AccessStats()
+        self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self._machine.on_hold = self._on_hold
+        self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        # session -> authenticated peer id (leader soft state; the oldest bindings are
+        # forgotten past _MAX_OWNERS and re-bound on next use)
+        self._owners: OrderedDict[int, str] = OrderedDict()
+        # Per-key answers decided before proposing, per (client, seq): a retry reaching this
+        # leader again reuses them (after a failover the log's cached result carries them).
+        self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
+        self.counters: dict[str, int] = {}
+        self.metrics: Any = None
+        self.status_cache: dict[str, Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    # ---------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        host, port = parse_addr(self._listen)
+        tls = server_ssl_context(self.sec)  # optional mutual TLS under the handshake
+        self._server = await asyncio.start_server(
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            limit=1 << 16,
+            backlog=256,
+            ssl=tls,
+            ssl_handshake_timeout=cfg.handshake_timeout_s if tls is not None else None,
+        )
+        bound = self._server.sockets[0].getsockname()
+        self.address = f"{host}:{bound[1]}"
+        peers = dict(cfg.peers) or {cfg.node_id: _free_addr(host)}
+        addrs = dict(cfg.addrs)
+        addrs[cfg.node_id] = self.address
+        ncfg = NodeConfig(
+            node_id=cfg.node_id,
+            peers=peers,
+            client_addrs=addrs,
+            data_dir=cfg.data_dir,
+            durability=cfg.durability,
+            tick_s=cfg.tick_s,
+            raft=_raft_config(cfg),
+            snapshot_threshold=cfg.snapshot_threshold,
+            session_ttl_s=cfg.session_ttl_s,
+            proposal_timeout_s=cfg.request_timeout_s,
+            read_timeout_s=min(cfg.request_timeout_s, cfg.lease_ttl_s),
+        )
+        self.node = RaftNode(ncfg, self._machine)
+        self.node.on_leader_change(self._on_leader_change)
+        try:
+            await self.node.start()
+        except BaseException:
+            self._server.close()
+            raise
+        self._ticker = asyncio.get_running_loop().create_task(
+            self._tick_loop(), name="store-ticker"
+        )
+        if cfg.metrics_port:
+            from .metrics import MasterMetrics, available
+
+            if available():
+                self.status_cache = self.status()
+                self.metrics = MasterMetrics(self)
+                self.metrics.serve(cfg.metrics_port)
+            else:
+                log.warning("store master: prometheus_client is not installed; metrics are off")
+        log.info(
+            "store master %d serving %s (raft %s, %s)",
+            cfg.node_id,
+            self.address,
+            peers[cfg.node_id],
+            cfg.durability,
+        )
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._ticker
+        for t in list(self._conns):
+            t.cancel()
+        for t in list(self._conns):
+            with contextlib.suppress(BaseException):
+                await t
+        if self.node is not None:
+            await self.node.stop()
+
+    # ---------------------------------------------------------------- leader soft state
+
+    def _on_leader_change(self, ch: Any) -> None:
+        if not ch.is_self:
+            return
+        now = time.monotonic()
+        # The previous leader's leases are unknown here: every key counts as leased for one
+        # lease period; nodes get a full heartbeat TTL from now. (A lone replica holding no
+        # object can have no earlier leases: it skips the blanket period.)
+        alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
+        self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
+        self.heartbeats = HeartbeatTable()
+        self.heartbeats.reset(self.sm.nodes(), now)
+        self.stats = AccessStats()
+        self.stats.reset(self.sm.keys())
+        # Holds noted by an earlier leadership are judged by the blanket period instead.
+        self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self._plans.clear()
+        self._owners.clear()
+
+    def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
+        # Called inside apply (before the proposer's future resolves, so the ticker can never
+        # see the tag unnoted). Only this process's own proposals carry a time on its clock.
+        if proposer == self.server_id:
+            self.holds.note(index, release_at)
+
+    async def _tick_loop(self) -> None:
+        cfg = self.cfg
+        last_reclaim = 0.0
+        while True:
+            await asyncio.sleep(cfg.ticker_s)
+            if self.metrics is not None:
+                with contextlib.suppress(Exception):
+                    self.status_cache = self.status()
+            node = self.node
+            if node is None or not node.is_leader:
+                continue
+            try:
+                mono = time.monotonic()
+                dead = self.heartbeats.expired(mono, cfg.node_ttl_s)
+                if dead:
+                    log.warning(
+                        "store master: storage nodes %s missed heartbeats; expiring them", dead
+                    )
+                    await self._propose_plain(C.ExpireNodes(node_ids=dead, now=_now()))
+                    self.heartbeats.forget(dead)
+                if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
+                    last_reclaim = mono
+                    draining = any(s.state != "mounted" for s in self.sm.segments())
+                    if draining or self.sm.processing_keys():
+                        await self._propose_plain(
+                            C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s)
+                        )
+                await self._release_held(mono)
+                await self._evict(mono)
+                self.leases.purge(mono)
+            except (TimeoutError, ReplogError) as e:
+                log.debug("store ticker: %s", e)
+            except Exception:
+                log.exception("store ticker failed")
+
+    async def _release_held(self, mono: float) -> None:
+        """Release the bytes of forced removes once every lease on them is over
+        (:class:`~kvmesh.store.master.policy.HoldTracker` decides)."""
+        tags = self.sm.held_tags()
+        if not tags:
+            return
+        rel = self.holds.due(tags, self.leases, mono)
+        if rel is not None:
+            await self._propose_plain(rel)
+            self.holds.forget(rel.tags)
+
+    async def _evict(self, mono: float, need: int = 0) -> int:
+        """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
+        Leases are judged on the monotonic clock; soft pins then look live (their expiry is
+        wall time), which only makes the choice more conservative -- ``apply`` re-checks
+        pins against the command's wall-clock ``now``."""
+        cfg = self.cfg
+        plan = choose_victims(
+            self.sm, self.leases, self.stats, mono, cfg.high_watermark, cfg.evict_ratio, need=need
+        )
+        if not plan.keys:
+            return 0
+        self.leases.block(plan.keys)
+        try:
+            res = await self._propose_plain(
+                C.Evict(
+                    keys=plan.keys, versions=plan.versions, now=_now(), allow_soft=plan.allow_soft
+                )
+            )
+        finally:
+            self.leases.unblock(plan.keys)
+        gone = [k for k, c in zip(plan.keys, res.codes) if c == 0]
+        self.stats.forget(gone)
+        self.counters["evicted"] = self.counters.get("evicted", 0) + len(gone)
+        return int(res.freed)
+
+    async def _propose_plain(self, cmd: Any) -> Any:
+        assert self.node is not None
+        data = _echo_enc.encode(_Echoed(C.encode_command(cmd)))
+        return (await self.node.propose(data)).result
+
+    # ------------------------------------------------------------------------- server
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        token = self._limiter.try_acquire()
+        if token is None:
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        inflight: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(self.cfg.max_inflight)
+        try:
+            try:
+                peer = await aserver_handshake(
+                    reader,
+                    writer,
+                    self.sec,
+                    P.SERVICE,
+                    self.server_id,
+                    self.cfg.handshake_timeout_s,
+                )
+            except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
+                log.info(
+                    "store master: handshake from %s refused: %s",
+                    writer.get_extra_info("peername"),
+                    str(e)[:200],
+                )
+                return
+            self._limiter.authenticated(token)
+            while True:
+                try:
+                    body = await asyncio.wait_for(
+                        _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
+                    )
+                except TimeoutError:
+                    return  # idle (or a frame that never completes)
+                try:
+                    req = P.decode_request(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.info("store master: undecodable request; closing: %s", str(e)[:200])
+                    return
+                await slots.acquire()
+                t = asyncio.get_running_loop().create_task(self._handle(req, writer, peer))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+                t.add_done_callback(lambda _t: slots.release())
+        except (NetError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.debug("store master: connection ended: %s", str(e)[:200])
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for t in inflight:
+                t.cancel()
+            self._limiter.release(token)
+            self._conns.discard(task)
+            writer.close()
+
+    async def _handle(self, req: Any, writer: asyncio.StreamWriter, peer: str = "") -> None:
+        started = time.perf_counter()
+        try:
+            resp = await self._dispatch(req, peer)
+        except NotLeaderError as e:
+            resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
+        except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
+            resp = P.ErrorResp(
+                req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
+            )
+        except SessionExpiredError as e:
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
+        except CommandError as e:
+            resp = P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
+        except NodeStopped as e:
+            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+        except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
+            resp = P.ErrorResp(
+                req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True
+            )
+        except E.StoreError as e:
+            resp = P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            log.warning("store master: request %s failed: %r", type(req).__name__, e)
+            resp = P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+        if self.metrics is not None:
+            rt = type(resp)
+            outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
+            self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
+        if writer.is_closing():
+            return
+        try:
+            writer.write(_framing.encode_frame(P.encode(resp)))
+            if writer.transport.get_write_buffer_size() > (4 << 20):
+                await writer.drain()  # a client that stops reading must not grow our buffer
+        except (ConnectionError, OSError):
+            pass
+
+    def _leader(self) -> RaftNode:
+        node = self.node
+        if node is None:
+            raise NodeStopped("not started")
+        if not node.is_leader:
+            lid = node.leader_id
+            raise NotLeaderError(lid, node.address_of(lid))
+        return node
+
+    def _check(self, req: Any) -> None:
+        # Conforming clients validate before sending; a request with a bad field comes from
+        # a broken or hostile peer and is refused whole, before any work.
+        keys = P.request_keys(req)
+        if len(keys) > self.cfg.max_batch_keys:
+            raise E.InvalidParams(
+                f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
+            )
+        for k in keys:
+            why = key_error(k)
+            if why is not None:
+                raise E.InvalidKey(why)
+        for name in ("sizes", "versions"):
+            vals = getattr(req, name, None)
+            if vals and len(vals) != len(keys):
+                raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
+        sizes = getattr(req, "sizes", None)
+        if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
+            raise E.InvalidParams("sizes must be positive, one per key")
+        for name in ("node_id", "segment", "endpoint", "host_id"):
+            v = getattr(req, name, None)
+            if v is not None and not 0 < len(v) <= _MAX_NAME:
+                raise E.InvalidParams(f"{name} must be 1..{_MAX_NAME} characters")
+
+    async def _dispatch(self, req: Any, peer: str = "") -> Any:
+        t = type(req)
+        self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
+        if t is P.StatusReq:
+            return P.StatusResp(req.rid, self.status())
+        self._check(req)
+        node = self._leader()
+        sess = getattr(req, "session", None)
+        if sess is not None:
+            # A session belongs to the authenticated peer that used it first on this leader
+            # (after a failover: first use again). Another peer naming it -- a confused or
+            # buggy client -- could otherwise get someone else's cached results or move
+            # their acknowledgement floor.
+            owner = self._owners.get(sess.client_id)
+            if owner is None:
+                owner = self._owners[sess.client_id] = peer
+                if len(self._owners) > _MAX_OWNERS:
+                    self._owners.popitem(last=False)
+            if owner != peer:
+                raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
+        if t is P.GetReplicasReq:
+            return await self._get_replicas(node, req)
+        if t is P.ExistsReq:
+            await node.read_index()
+            self._leader()
+            return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
+        if t is P.GetSizeReq:
+            await node.read_index()
+            self._leader()
+            sizes = self.sm.get_size(req.keys)
+            return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
+        if t is P.HeartbeatReq:
+            known = req.node_id in self.sm.nodes()
+            if known:
+                self.heartbeats.beat(req.node_id, time.monotonic())
+            return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
+        if t is P.RegisterReq:
+            cid = await node.register_session()
+            self._owners[cid] = peer
+            return P.RegisterResp(req.rid, cid)
+        if t is P.PutStartReq:
+            return await self._put_start(node, req)
+        if t is P.RemoveReq:
+            return await self._remove(node, req)
+        if t is P.RemoveAllReq:
+            return await self._remove_all(node, req)
+        if t is P.PutEndReq:
+            res = await self._propose(
+                node, req.session, C.PutEnd(keys=req.keys, versions=req.versions)
+            )
+            self.stats.touch(k for k, c in zip(req.keys, res.codes) if c == 0)
+            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.PutRevokeReq:
+            res = await self._propose(
+                node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions)
+            )
+            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.MountReq:
+            if req.size <= 0:
+                raise E.InvalidParams("segment size must be positive")
+            cmd = C.Mount(
+                node_id=req.node_id,
+                segment=req.segment,
+                endpoint=req.endpoint,
+                host_id=req.host_id,
+                size=req.size,
+                now=_now(),
+            )
+            code = _code_of(await self._propose(node, req.session, cmd))
+            if code == 0:
+                self.heartbeats.beat(req.node_id, time.monotonic())
+            return P.CodesResp(req.rid, [code])
+        if t is P.UnmountReq:
+            if not 0.0 <= req.grace <= 3600.0:
+                raise E.InvalidParams("grace must be within 0..3600 s")
+            cmd = C.Unmount(node_id=req.node_id, segment=req.segment, now=_now(), grace=req.grace)
+            return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
+        raise E.InvalidParams(f"unsupported request {t.__name__}")
+
+    async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
+        return (await self._propose_echo(node, sess, _Echoed(C.encode_command(cmd)))).result
+
+    async def _propose_echo(self, node: RaftNode, sess: P.Session, env: _Echoed) -> Any:
+        res = await node.propose(_echo_enc.encode(env), sess.client_id, sess.seq, sess.ack)
+        if isinstance(res, SessionRejected):
+            raise SessionExpiredError(f"session {res.client_id} seq {res.seq}: {res.reason}")
+        return res
+
+    def _planned(self, sess: P.Session, make: Any) -> tuple[list[int], float]:
+        """The per-key answers (and hold release time) planned for this request: computed by
+        ``make()`` the first time, reused for a retry of the same ``(client, seq)``."""
+        k = (sess.client_id, sess.seq)
+        plan = self._plans.get(k)
+        if plan is None:
+            plan = self._plans[k] = make()
+            while len(self._plans) > 4096:
+                self._plans.popitem(last=False)
+        return plan
+
+    @staticmethod
+    def _merge(planned: list[int], applied: list[int]) -> list[int]:
+        """Per key: the planned refusal, or the applied entry's code (in order)."""
+        it = iter(applied)
+        out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
+        return out
+
+    async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
+        await node.read_index()
+        self._leader()
+        mono = time.monotonic()  # before the lookup: the lease is never longer than promised
+        ttl = self.cfg.lease_ttl_s
+        keys = req.keys
+        found = self.sm.lookup(keys, req.host or None)
+        codes = [f.code for f in found]
+        ok = [i for i, c in enumerate(codes) if c == 0]
+        if self._removing_all:
+            until = [0.0] * len(ok)
+        else:
+            until = self.leases.grant([keys[i] for i in ok], mono, ttl)
+        replicas: list[Any] = [None] * len(keys)
+        sizes = [0] * len(keys)
+        granted = []
+        for i, u in zip(ok, until):
+            if u == 0.0:
+                # A removal of this key is in flight: no lease on memory about to be freed.
+                codes[i] = E.ObjectNotFound.code
+                continue
+            replicas[i] = found[i].replicas
+            sizes[i] = found[i].size
+            granted.append(keys[i])
+        self.stats.touch(granted)
+        self.hits += len(granted)
+        self.misses += len(keys) - len(granted)
+        return P.ReplicasResp(req.rid, codes, sizes, replicas, int(ttl * 1000))
+
+    async def _put_start(self, node: RaftNode, req: P.PutStartReq) -> P.PutStartResp:
+        keys = req.keys
+        n = len(keys)
+        now = _now()
+        if req.upsert:
+            # The core's rule: an existing, leased key answers ObjectHasLease (an upsert would
+            # rewrite or free memory a reader is copying).
+            full = C.Upsert(keys=keys, sizes=req.sizes, config=req.config, now=now)
+
+            def make() -> tuple[list[int], float]:
+                exists = [self.sm.state_of(k) != State.GONE for k in keys]
+                return plan_upsert(self.leases, exists, full, time.monotonic()).codes, 0.0
+
+            planned, _ = self._planned(req.session, make)
+        else:
+            planned = [0] * n
+        todo = [i for i in range(n) if not planned[i]]
+        tk = [keys[i] for i in todo]
+        ts = [req.sizes[i] for i in todo]
+        # Make room first when the pool is short: a put reports NoSpace only when nothing is
+        # evictable (the put itself stays one entry under the client's session).
+        need = sum(ts) * max(1, req.config.replica_num)
+        usage = self.sm.usage()
+        if tk and usage.capacity and usage.capacity - usage.used < need:
+            await self._evict(time.monotonic(), need=need - (usage.capacity - usage.used))
+        cls = C.Upsert if req.upsert else C.PutStart
+        cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
+        if req.upsert:
+            self.leases.block(tk)
+        try:
+            res = await self._propose_echo(
+                node, req.session, _Echoed(C.encode_command(cmd), planned)
+            )
+        finally:
+            if req.upsert:
+                self.leases.unblock(tk)
+        planned, r = res.codes or [0] * n, res.result
+        if len(planned) != n:
+            raise E.InvalidParams("a retried put named different keys than the first attempt")
+        codes = list(planned)
+        replicas: list[Any] = [None] * n
+        versions = [0] * n
+        j = 0
+        for i in range(n):
+            if planned[i]:
+                continue
+            codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
+            j += 1
+        return P.PutStartResp(
+            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
+        )
+
+    async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
+        """The core's rule (``plan_remove``): leased keys answer ObjectHasLease, or with
+        ``force`` are removed with their bytes held until the leases are over."""
+        keys = req.keys
+        plan = None
+
+        def make() -> tuple[list[int], float]:
+            nonlocal plan
+            plan = plan_remove(self.leases, keys, time.monotonic(), req.force)
+            return plan.codes, plan.release_at
+
+        planned, release_at = self._planned(req.session, make)
+        todo = [k for k, c in zip(keys, planned) if not c]
+        if plan is None:  # a retry: rebuild the command from the first attempt's decisions
+            plan_cmd = C.Remove(todo, force=req.force, hold=release_at > 0.0)
+        else:
+            plan_cmd = plan.command or C.Remove([], force=req.force)
+        self.leases.block(todo)
+        try:
+            env = _Echoed(C.encode_command(plan_cmd), planned, release_at, self.server_id)
+            res = await self._propose_echo(node, req.session, env)
+        finally:
+            self.leases.unblock(todo)
+        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
+        if len(out) != len(keys):
+            raise E.InvalidParams("a retried remove named different keys than the first attempt")
+        self.stats.forget(k for k, c in zip(keys, out) if c == 0)
+        return P.CodesResp(req.rid, out)
+
+    async def _remove_all(self, node: RaftNode, req: P.RemoveAllReq) -> P.CountResp:
+        mono = time.monotonic()
+        self._removing_all += 1  # no new leases anywhere while it is in flight
+        try:
+            release_at = 0.0
+            if mono < self.leases.blanket_until:
+                leased = list(self.sm.keys())
+            else:
+                leased = self.leases.all_leased(mono)
+            if req.force:
+                release_at = max((self.leases.expiry(k) for k in leased), default=0.0)
+                cmd = C.RemoveAll(force=True, hold=release_at > 0.0)
+            else:
+                cmd = C.RemoveAll(skip=leased)
+            env = _Echoed(C.encode_command(cmd), [], release_at, self.server_id)
+            res = (await self._propose_echo(node, req.session, env)).result
+        finally:
+            self._removing_all -= 1
+        return P.CountResp(req.rid, int(res.removed))
+
+    # ------------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        node = self.node
+        st: dict[str, Any] = {"node_id": self.cfg.node_id, "address": self.address}
+        if node is not None:
+            with contextlib.suppress(ReplogError):
+                rs = node.status()
+                st.update(
+                    {
+                        k: rs[k]
+                        for k in (
+                            "role",
+                            "term",
+                            "leader",
+                            "commit",
+                            "applied",
+                            "voters",
+                            "durability",
+                        )
+                    }
+                )
+                st["leader_addr"] = node.address_of(node.leader_id) or ""
+        st["addrs"] = {
+            str(k): v for k, v in (self.cfg.addrs or {self.cfg.node_id: self.address}).items()
+        }
+        st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
+        st["usage"] = msgspec.to_builtins(self.sm.usage())
+        st["objects"] = self.sm.object_count()
+        st["leases"] = len(self.leases.all_leased(time.monotonic()))
+        st["hits"] = self.hits
+        st["misses"] = self.misses
+        st["requests"] = dict(self.counters)
+        return st
+
+
+def _code_of(res: Any) -> int:
+    codes = getattr(res, "codes", None)
+    if codes is not None:
+        return int(codes[0]) if codes else 0
+    return int(getattr(res, "code", 0))
+
+
+def _free_addr(host: str) -> str:
+    from ..replog.server import free_ports
+
+    return f"{host}:{free_ports(1, host)[0]}"
+
+
+# --------------------------------------------------------------------------- process
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> int:
+    """Run one replica until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3)."""
+    import signal
+
+    svc = MasterService(cfg, sec)
+    await svc.start()
+    assert svc.node is not None
+    print(f"READY {cfg.node_id} {svc.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = loop.create_task(stop.wait())
+    dead = loop.create_task(svc.node.wait_stopped())
+    await asyncio.wait([waiter, dead], return_when=asyncio.FIRST_COMPLETED)
+    fatal = svc.node.fatal_error
+    await svc.stop()
+    waiter.cancel()
+    return 3 if fatal is not None else 0
+
+
+def build_arg_parser() -> Any:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="kvmesh master", description="one replica of the store master group"
+    )
+    p.add_argument("--id", type=int, default=1)
+    p.add_argument("--peers", default="", help="ID=HOST:PORT,... raft addresses of all replicas")
+    p.add_argument(
+        "--addrs", default="", help="ID=HOST:PORT,... store RPC addresses of all replicas"
+    )
+    p.add_argument(
+        "--listen",
+        default=None,
+        help="store RPC address (default: this id in --addrs, else 127.0.0.1:7700)",
+    )
+    p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
+    p.add_argument("--durability", choices=["disk", "memory"], default="disk")
+    p.add_argument("--tick-ms", type=float, default=100.0)
+    p.add_argument("--election-ticks", type=int, default=10)
+    p.add_argument("--lease-ttl-s", type=float, default=5.0)
+    p.add_argument("--put-timeout-s", type=float, default=60.0)
+    p.add_argument("--node-ttl-s", type=float, default=10.0)
+    p.add_argument("--high-watermark", type=float, default=0.90)
+    p.add_argument("--evict-ratio", type=float, default=0.05)
+    p.add_argument("--handshake-timeout-s", type=float, default=5.0)
+    p.add_argument("--idle-timeout-s", type=float, default=600.0)
+    p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
+    )
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(a: Any) -> ServiceConfig:
+    from ..replog.node import parse_peers
+
+    return ServiceConfig(
+        node_id=a.id,
+        peers=parse_peers(a.peers) if a.peers else {},
+        addrs=parse_peers(a.addrs) if a.addrs else {},
+        listen=a.listen or (None if a.addrs else "127.0.0.1:7700"),
+        data_dir=a.dir,
+        durability=a.durability,
+        tick_s=a.tick_ms / 1000.0,
+        election_ticks=a.election_ticks,
+        lease_ttl_s=a.lease_ttl_s,
+        put_timeout_s=a.put_timeout_s,
+        node_ttl_s=a.node_ttl_s,
+        high_watermark=a.high_watermark,
+        evict_ratio=a.evict_ratio,
+        handshake_timeout_s=a.handshake_timeout_s,
+        idle_timeout_s=a.idle_timeout_s,
+        max_unauthenticated=a.max_unauthenticated,
+        metrics_port=a.metrics_port,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    a = build_arg_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, a.log_level.upper(), logging.WARNING),
+        format=f"%(asctime)s master{a.id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(a)
+        if cfg.durability == "disk" and not cfg.data_dir:
+            raise ValueError("--durability disk needs --dir")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.data_dir:
+        os.makedirs(cfg.data_dir, exist_ok=True)
+    _install_uvloop()
+    try:
+        return asyncio.run(run_master(cfg))
+    except OSError as e:
+        print(f"error: master {cfg.node_id} cannot start: {e}", file=sys.stderr)
+        return 5
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

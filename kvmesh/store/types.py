@@ -1,0 +1,163 @@
+"""Value types shared by the store master core, the service, storage nodes and clients.
+
+These are the contract between ``kvmesh.store.master`` (pure, deterministic) and the drivers
+around it (``service.py``, ``node.py``, ``client.py``). Everything is a frozen msgspec Struct;
+the ones that travel in bulk (replica descriptors, lookups) are ``array_like`` so their
+msgpack form is a short array, not a map.
+
+Limits
+------
+* Keys are non-empty ``str`` of at most :data:`MAX_KEY_BYTES` UTF-8 bytes, without NUL
+  (:func:`key_error` says why one is refused).
+* Object sizes are ``1 .. MAX_OBJECT_SIZE`` bytes.
+* An object is stored as whole copies (:class:`ObjectReplica`); a copy is one or more
+  contiguous slices (:class:`ReplicaDesc`), each at most the master's slice limit long.
+  Slices of one copy may lie in different segments (even of different nodes); the copies of
+  one object never share a node.
+
+Stability: additions only (new optional trailing fields with defaults).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "MAX_BATCH_KEYS",
+    "MAX_KEY_BYTES",
+    "MAX_OBJECT_SIZE",
+    "MAX_REPLICAS",
+    "MAX_SLICES_PER_BATCH",
+    "ObjectLookup",
+    "ObjectReplica",
+    "ReplicaDesc",
+    "ReplicateConfig",
+    "SegmentInfo",
+    "Strategy",
+    "Usage",
+    "key_error",
+]
+
+MAX_KEY_BYTES = 1024
+"""Longest key accepted (UTF-8 bytes). SGLang page keys are ~70 bytes."""
+
+MAX_OBJECT_SIZE = 1 << 40
+"""Largest object (1 TiB, also the largest segment)."""
+
+MAX_BATCH_KEYS = 65536
+"""Most keys in one batch command (one log entry); larger batches are refused whole with
+``InvalidParams`` so one request cannot make an unbounded entry."""
+
+MAX_REPLICAS = 16
+"""Most copies of one object."""
+
+MAX_SLICES_PER_BATCH = 1 << 18
+"""Most slices (copies x slices per copy, summed over the keys) one put batch may ask for:
+bounds the work of one log entry; a larger batch is refused whole with ``InvalidParams``."""
+
+Strategy = Literal["local", "random", "most_free"]
+
+
+class ReplicaDesc(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One contiguous byte range of a copy: ``length`` bytes at ``offset`` of ``segment``,
+    a segment published by storage node ``node_id`` whose transfer engine listens at
+    ``endpoint``. A reader/writer moves exactly these bytes with the transfer engine."""
+
+    segment: str
+    node_id: str
+    endpoint: str
+    offset: int
+    length: int
+
+
+class ObjectReplica(msgspec.Struct, array_like=True, frozen=True):
+    """One full copy of an object: its slices in byte order (lengths sum to the size)."""
+
+    slices: list[ReplicaDesc]
+
+
+class ReplicateConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a put places its copies.
+
+    * ``replica_num``: copies, each on a different storage node (1 .. MAX_REPLICAS).
+    * ``preferred_segment``: try this segment first for every slice of the first copy
+      (a hint: other segments are used when it is full or absent).
+    * ``strategy``: ``"local"`` prefers segments on ``writer_host`` (the writer's host id,
+      so same-host readers copy through shared memory), then the most free; ``"random"``
+      draws segments from a generator seeded by the log index (spreads load, same result on
+      every replica); ``"most_free"`` takes the segment with the most free bytes.
+    * ``soft_pin``: evicted only when nothing unpinned is evictable, until the pin's TTL
+      passes; ``hard_pin``: never evicted (removed only explicitly).
+    """
+
+    replica_num: int = 1
+    preferred_segment: str | None = None
+    strategy: Strategy = "local"
+    writer_host: str | None = None
+    soft_pin: bool = False
+    hard_pin: bool = False
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A mounted segment as the master sees it. ``used`` counts allocated bytes (slices
+    rounded up to the allocator's alignment), ``objects`` the slices placed in it.
+    ``state`` is ``"mounted"`` or ``"draining"`` (graceful unmount in progress: no new
+    allocations, existing copies readable until ``drain_deadline``). ``generation`` is the
+    log index of the mount (a re-mounted segment of the same name has a new one)."""
+
+    name: str
+    node_id: str
+    endpoint: str
+    host_id: str
+    size: int
+    used: int
+    objects: int
+    state: str = "mounted"
+    generation: int = 0
+    drain_deadline: float = 0.0
+
+
+class ObjectLookup(msgspec.Struct, array_like=True, frozen=True):
+    """Per-key answer of a read-only lookup. ``code`` is 0 or an error code
+    (``ObjectNotFound`` for absent or not yet COMPLETE keys); ``version`` is the log index
+    of the put that wrote the object (a new put of the same key gets a new version)."""
+
+    code: int
+    size: int = 0
+    replicas: list[ObjectReplica] = []
+    version: int = 0
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Pool totals over mounted (and draining) segments."""
+
+    capacity: int
+    used: int
+    objects: int
+    complete: int
+    processing: int
+    segments: int
+    held_bytes: int = 0  # freed by a forced remove but still held for live leases
+
+    @property
+    def ratio(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+def key_error(key: object) -> str | None:
+    """Why ``key`` is not a valid object key, or None if it is."""
+    if not isinstance(key, str):
+        return "key must be a str"
+    if not key:
+        return "key is empty"
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "key is not valid UTF-8 (lone surrogate)"
+    if n > MAX_KEY_BYTES:
+        return f"key is {n} bytes, limit {MAX_KEY_BYTES}"
+    if "\0" in key:
+        return "key contains NUL"
+    return None

@@ -1,0 +1,201 @@
+"""Hostile input against a live master process: garbage, huge length prefixes, slow and
+half-open connections, junk after authentication, oversized batches, connection floods.
+After every attack the master still serves a real client."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+
+from kvmesh.net import framing
+from kvmesh.net.errors import AuthFailed
+from kvmesh.net.handshake import client_handshake
+from kvmesh.net.limits import Deadline
+from kvmesh.net.security import SecurityConfig
+from kvmesh.store import StoreClient
+from kvmesh.store import errors as E
+from kvmesh.store import protocol as P
+from kvmesh.store.cluster import StoreCluster
+
+from .e2e_util import TOKEN
+
+HANDSHAKE_S = 1.0
+MAX_UNAUTH = 8
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    d = tmp_path_factory.mktemp("store-hostile")
+    cl = StoreCluster(
+        str(d),
+        1,
+        token=TOKEN,
+        durability="memory",
+        extra_args=[
+            "--handshake-timeout-s",
+            str(HANDSHAKE_S),
+            "--idle-timeout-s",
+            "3",
+            "--max-unauthenticated",
+            str(MAX_UNAUTH),
+        ],
+    )
+    cl.start_all()
+    client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
+    try:
+        yield cl, client
+    finally:
+        client.close()
+        cl.close()
+
+
+def _addr(cl: StoreCluster) -> tuple[str, int]:
+    host, port = cl.addrs[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the peer closes the connection within ``seconds`` (reading whatever it sends)."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def _still_serves(cl, client: StoreClient, tag: str) -> None:
+    assert cl.alive(1)
+    client.put(f"alive-{tag}", tag.encode())
+    assert client.get(f"alive-{tag}") == tag.encode()
+
+
+def _authed(cl) -> socket.socket:
+    s = socket.create_connection(_addr(cl), timeout=5)
+    client_handshake(s, SecurityConfig(token=TOKEN), P.SERVICE, "attacker", 5.0)
+    return s
+
+
+def test_garbage_before_auth(master):
+    cl, client = master
+    s = socket.create_connection(_addr(cl))
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 50)
+    assert _closed_within(s, 5)
+    s.close()
+    _still_serves(cl, client, "garbage")
+
+
+def test_huge_length_prefix_before_auth(master):
+    cl, client = master
+    s = socket.create_connection(_addr(cl))
+    s.sendall(struct.pack("<I", 0xFFFFFFF0) + b"\0" * 64)
+    assert _closed_within(s, 5)
+    s.close()
+    _still_serves(cl, client, "hugepre")
+
+
+def test_slow_connection_is_dropped_at_the_handshake_deadline(master):
+    cl, client = master
+    s = socket.create_connection(_addr(cl))
+    t0 = time.monotonic()
+    assert _closed_within(s, HANDSHAKE_S + 5)
+    assert time.monotonic() - t0 < HANDSHAKE_S + 4
+    s.close()
+    _still_serves(cl, client, "slow")
+
+
+def test_wrong_mac_is_refused(master):
+    cl, client = master
+    s = socket.create_connection(_addr(cl), timeout=5)
+    with pytest.raises(AuthFailed):
+        client_handshake(s, SecurityConfig(token="guess"), P.SERVICE, "attacker", 5.0)
+    assert _closed_within(s, 5)
+    s.close()
+    _still_serves(cl, client, "mac")
+
+
+def test_junk_after_auth(master):
+    cl, client = master
+    s = _authed(cl)
+    s.sendall(framing.encode_frame(b"\xc1\xc1 not msgpack"))
+    assert _closed_within(s, 5)
+    s.close()
+    s = _authed(cl)
+    s.sendall(struct.pack("<I", 0x7FFFFFFF) + b"x" * 1000)  # far above the frame cap
+    assert _closed_within(s, 5)
+    s.close()
+    s = _authed(cl)  # a truncated frame, then silence: the idle deadline closes it
+    s.sendall(struct.pack("<I", 100) + b"x" * 10)
+    assert _closed_within(s, 8)
+    s.close()
+    _still_serves(cl, client, "junk")
+
+
+def test_forged_and_oversized_requests_get_errors_not_crashes(master):
+    cl, client = master
+    s = _authed(cl)
+    # A mutation under a session nobody registered: refused, nothing applied.
+    forged = P.PutStartReq(7, P.Session(999_999, 1, 0), ["forged"], [100], client.config)
+    s.sendall(framing.encode_frame(P.encode(forged)))
+    r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+    assert type(r) is P.ErrorResp and r.rid == 7
+    # Too many keys in one batch.
+    big = P.ExistsReq(8, ["k"] * 100_000)
+    s.sendall(framing.encode_frame(P.encode(big)))
+    r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+    assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code
+    # Mismatched list lengths, negative sizes, invalid keys.
+    for rid, req in enumerate(
+        [
+            P.PutStartReq(9, P.Session(1, 1, 0), ["a", "b"], [1], client.config),
+            P.GetReplicasReq(10, ["", "\udc80"]),
+        ],
+        start=9,
+    ):
+        try:
+            s.sendall(framing.encode_frame(P.encode(req)))
+        except UnicodeEncodeError:
+            continue  # the encoder itself refuses lone surrogates
+        r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+        assert r.rid == rid
+        assert type(r) is P.ErrorResp or any(c != 0 for c in getattr(r, "codes", [1]))
+    s.close()
+    assert client.exists("forged") is False
+    _still_serves(cl, client, "forged")
+
+
+def test_connection_flood(master):
+    cl, client = master
+    socks = []
+    try:
+        for _ in range(MAX_UNAUTH * 4):
+            socks.append(socket.create_connection(_addr(cl)))
+        closed = sum(1 for s in socks[MAX_UNAUTH + 2 :] if _closed_within(s, 0.5))
+        assert closed > 0  # past the unauthenticated cap, connections are dropped at once
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.5)
+    _still_serves(cl, client, "flood")
+
+
+def test_a_client_cannot_use_another_clients_session(master):
+    cl, client = master
+    victim = client.rpc._session()
+    s = _authed(cl)  # another authenticated peer
+    forged = P.RemoveAllReq(5, P.Session(victim, 999_999, 999_999), True)
+    s.sendall(framing.encode_frame(P.encode(forged)))
+    r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+    assert (
+        type(r) is P.ErrorResp and r.code == E.InvalidParams.code and "another client" in r.message
+    )
+    s.close()
+    _still_serves(cl, client, "session")  # the victim's session still works

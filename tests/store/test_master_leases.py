@@ -1,0 +1,126 @@
+"""Leader soft state: leases, access order, heartbeats, eviction choice, the lease policy."""
+
+from __future__ import annotations
+
+from kvmesh.store.errors import Code
+from kvmesh.store.master.commands import (
+    Mount,
+    Pin,
+    PutEnd,
+    PutStart,
+    Remove,
+    Upsert,
+    encode_command,
+)
+from kvmesh.store.master.eviction import choose_victims
+from kvmesh.store.master.leases import AccessStats, HeartbeatTable, LeaseTable
+from kvmesh.store.master.policy import HoldTracker, plan_remove, plan_upsert
+from kvmesh.store.master.state import MasterConfig, StoreStateMachine
+from kvmesh.store.types import ReplicateConfig
+
+
+def test_lease_table_grants_expires_and_blocks() -> None:
+    t = LeaseTable()
+    assert t.grant(["a", "b"], 10.0, 5.0) == [15.0, 15.0]
+    assert t.leased("a", 14.9) and not t.leased("a", 15.0)
+    t.grant(["a"], 8.0, 5.0)  # an earlier expiry never shortens a lease
+    assert t.expiry("a") == 15.0
+    t.block(["b"])
+    t.block(["b"])
+    assert t.grant(["b"], 11.0, 5.0) == [0.0]
+    t.unblock(["b"])
+    assert t.blocked("b")
+    t.unblock(["b"])
+    assert not t.blocked("b") and t.grant(["b"], 11.0, 5.0) == [16.0]
+    assert sorted(t.all_leased(15.5)) == ["b"]
+    assert t.purge(20.0) >= 1 and len(t) == 0
+
+
+def test_new_leader_treats_everything_as_leased_for_one_period() -> None:
+    t = LeaseTable(start=100.0, grace=5.0)
+    assert t.leased("never-seen", 104.9)
+    assert not t.leased("never-seen", 105.0)
+    assert t.expiry("x") == 105.0
+
+
+def test_heartbeats_and_access_order() -> None:
+    hb = HeartbeatTable()
+    hb.reset(["n1", "n2"], 0.0)
+    hb.beat("n1", 8.0)
+    hb.beat("n1", 3.0)  # late, out-of-order beats do not move time back
+    assert hb.expired(10.5, 10.0) == ["n2"]
+    hb.forget(["n2"])
+    assert hb.expired(30.0, 10.0) == ["n1"] and hb.last("n1") == 8.0
+    st = AccessStats()
+    st.reset(["a", "b", "c"])
+    st.touch(["a"])
+    assert list(st.oldest()) == ["b", "c", "a"]
+    st.forget(["c"])
+    assert list(st.oldest()) == ["b", "a"] and "a" in st and len(st) == 2
+
+
+def _filled(n: int = 10, size: int = 1000) -> StoreStateMachine:
+    sm = StoreStateMachine(MasterConfig(align=8))
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", n * size, 0.0)))
+    keys = [f"k{i}" for i in range(n)]
+    sm.apply(2, encode_command(PutStart(keys, [size] * n, ReplicateConfig(), 0.0)))
+    sm.apply(3, encode_command(PutEnd(keys, [2] * n)))
+    return sm
+
+
+def test_choose_victims_oldest_first_skipping_leased_and_pinned() -> None:
+    sm = _filled()
+    leases = LeaseTable()
+    stats = AccessStats()
+    stats.reset(sm.keys())
+    stats.touch(["k0", "k1"])  # now the youngest
+    leases.grant(["k2"], 0.0, 5.0)
+    sm.apply(4, encode_command(Pin(["k3"], True, 0.0)))
+    sm.apply(5, encode_command(Pin(["k4"], False, 0.0, ttl=100.0)))
+    plan = choose_victims(sm, leases, stats, 1.0, high_watermark=0.9, evict_ratio=0.2)
+    assert plan.keys == ["k5", "k6"] and not plan.allow_soft
+    assert plan.skipped_leased == 1 and plan.skipped_pinned == 1
+    assert plan.versions == [2, 2] and plan.bytes == 2000
+    # below the watermark: nothing, unless a put asked for space
+    sm.apply(6, encode_command(Remove(["k9"])))
+    assert choose_victims(sm, leases, stats, 1.0, high_watermark=0.95).keys == []
+    assert choose_victims(sm, leases, stats, 1.0, high_watermark=0.95, need=1).keys == ["k5"]
+
+
+def test_soft_pinned_victims_only_when_needed() -> None:
+    sm = _filled(n=3)
+    sm.apply(4, encode_command(Pin(["k0", "k1", "k2"], False, 0.0, ttl=100.0)))
+    stats = AccessStats()
+    stats.reset(sm.keys())
+    plan = choose_victims(sm, LeaseTable(), stats, 1.0, need=500)
+    assert plan.keys == ["k0"] and plan.allow_soft
+    later = choose_victims(sm, LeaseTable(), stats, 200.0, need=500)  # pins expired
+    assert later.keys == ["k0"] and not later.allow_soft
+
+
+def test_plan_remove_and_upsert_follow_leases() -> None:
+    leases = LeaseTable()
+    leases.grant(["a"], 0.0, 5.0)
+    p = plan_remove(leases, ["a", "b"], 1.0)
+    assert p.codes == [Code.OBJECT_HAS_LEASE, 0] and p.command == Remove(["b"])
+    f = plan_remove(leases, ["a", "b"], 1.0, force=True)
+    assert f.codes == [0, 0] and f.command == Remove(["a", "b"], force=True, hold=True)
+    assert f.release_at == 5.0
+    assert plan_remove(leases, ["a"], 1.0).command is None
+    up = Upsert(["a", "b", "c"], [1, 2, 3], ReplicateConfig(), 1.0)
+    u = plan_upsert(leases, [True, True, False], up, 1.0)
+    assert u.codes == [Code.OBJECT_HAS_LEASE, 0, 0]
+    assert u.command is not None and u.command.keys == ["b", "c"] and u.command.sizes == [2, 3]
+
+
+def test_hold_tracker() -> None:
+    leases = LeaseTable(start=0.0, grace=5.0)
+    h = HoldTracker(ttl=5.0)
+    h.note(7, 3.0)
+    assert h.due([7], leases, 4.0) is None  # the blanket period is not over
+    assert h.due([7], leases, 5.0).tags == [7]
+    assert h.due([9], leases, 6.0) is None  # unknown: first seen now
+    assert h.due([9], leases, 10.9) is None
+    assert h.due([7, 9], leases, 11.0).tags == [7, 9]
+    h.forget([7, 9])
+    assert h.due([], leases, 20.0) is None

@@ -1,0 +1,381 @@
+"""StoreStateMachine: lifecycle table, fuzzed commands, determinism across snapshots, codes."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from kvmesh.replog.session import Command as SessionCommand
+from kvmesh.replog.session import Register, SessionStateMachine, encode_envelope
+from kvmesh.replog.snapfile import SnapshotCorruptionError
+from kvmesh.store import errors
+from kvmesh.store.errors import Code, error_for
+from kvmesh.store.master import invariants
+from kvmesh.store.master.commands import (
+    Codes,
+    Evict,
+    ExpireNodes,
+    Mount,
+    Pin,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+    PutStartResult,
+    Reclaim,
+    Release,
+    Remove,
+    RemoveAll,
+    Unmount,
+    Unpin,
+    Upsert,
+    decode_result,
+    encode_command,
+    encode_result,
+)
+from kvmesh.store.master.objects import TRANSITIONS, Event, State
+from kvmesh.store.master.state import MasterConfig, StoreStateMachine
+from kvmesh.store.types import MAX_KEY_BYTES, ReplicateConfig, key_error
+
+CFG = MasterConfig(slice_limit=512, align=64, remount_quarantine=3.0)
+
+
+def _sm() -> StoreStateMachine:
+    return StoreStateMachine(CFG)
+
+
+def test_error_codes_match_mooncake() -> None:
+    # mooncake-store/include/types.h ErrorCode values
+    assert Code.OBJECT_NOT_FOUND == -704
+    assert Code.OBJECT_ALREADY_EXISTS == -705
+    assert Code.OBJECT_HAS_LEASE == -706
+    assert Code.LEASE_EXPIRED == -707
+    assert Code.NO_AVAILABLE_HANDLE == -200
+    assert Code.INVALID_KEY == -400
+    assert isinstance(error_for(-704, "k"), errors.ObjectNotFound)
+    assert isinstance(error_for(-704), KeyError)
+    assert isinstance(error_for(-400), ValueError)
+    unknown = error_for(-12345)
+    assert type(unknown) is errors.StoreError and unknown.code == -12345
+    for code, cls in errors.ERROR_CLASSES.items():
+        assert cls.code == code and isinstance(error_for(code), cls)
+    with pytest.raises(errors.NoSpace):
+        errors.raise_for(-200)
+    errors.raise_for(0)
+
+
+def test_key_limits() -> None:
+    assert key_error("k") is None
+    assert key_error("") is not None
+    assert key_error("x" * (MAX_KEY_BYTES + 1)) is not None
+    assert key_error("é" * (MAX_KEY_BYTES // 2)) is None
+    assert key_error("é" * (MAX_KEY_BYTES // 2 + 1)) is not None
+    assert key_error("a\0b") is not None
+    assert key_error("\udcff") is not None
+    assert key_error(3) is not None
+
+
+def test_lifecycle_table_is_what_apply_follows() -> None:
+    """Every transition apply performs is in TRANSITIONS, and events the table lacks are
+    refused: checked by driving each (state, event) pair and comparing."""
+    assert (State.PROCESSING, Event.REMOVE) not in TRANSITIONS  # never free under a writer
+    assert (State.PROCESSING, Event.EVICT) not in TRANSITIONS
+    assert (State.COMPLETE, Event.PUT_REVOKE) not in TRANSITIONS
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 16, 0.0)))
+    cfg = ReplicateConfig()
+
+    def fresh(key: str, complete: bool, idx: int) -> None:
+        r = sm.apply(idx, encode_command(PutStart([key], [100], cfg, 0.0)))
+        assert r.codes == [0]
+        if complete:
+            assert sm.apply(idx + 1, encode_command(PutEnd([key], [idx]))).codes == [0]
+
+    cases = {
+        Event.PUT_END: lambda k: PutEnd([k], [sm.version_of(k)]),
+        Event.PUT_REVOKE: lambda k: PutRevoke([k], [sm.version_of(k)]),
+        Event.REMOVE: lambda k: Remove([k]),
+        Event.EVICT: lambda k: Evict([k], now=0.0),
+    }
+    idx = 10
+    for st in (State.PROCESSING, State.COMPLETE):
+        for ev, make in cases.items():
+            idx += 10
+            key = f"{st.name}-{ev.name}"
+            fresh(key, st == State.COMPLETE, idx)
+            r = sm.apply(idx + 5, encode_command(make(key)))
+            after = sm.state_of(key)
+            want = TRANSITIONS.get((st, ev))
+            if want is None:
+                assert r.codes[0] != 0 and after == st, (st, ev, r)
+            else:
+                assert r.codes[0] == 0 and after == want, (st, ev, r, after)
+    assert not invariants.check(sm)
+
+
+def _random_command(rng: random.Random, now: float, held: list[int], version_of=lambda k: 0):
+    bad = rng.random() < 0.15  # mostly valid input, so that state builds up
+    names = ["a", "b", "c", "d", "e", "f", "g"] + (["", "x" * 2000] if bad else [])
+    keys = [rng.choice(names) for _ in range(rng.randint(1, 4))]
+    sizes = [
+        rng.choice([1, 64, 500, 513, 1500, 3000] + ([0, -3, 1 << 41] if bad else [])) for _ in keys
+    ]
+    if bad and rng.random() < 0.3:
+        sizes = sizes[:-1]
+    cfg = ReplicateConfig(
+        replica_num=rng.choice([1, 1, 2, 3] + ([0, 99] if bad else [])),
+        strategy=rng.choice(["local", "random", "most_free"]),
+        writer_host=rng.choice([None, "h0", "h1"]),
+        preferred_segment=rng.choice([None, "s0", "s9"]),
+        soft_pin=rng.random() < 0.2,
+        hard_pin=rng.random() < 0.1,
+    )
+    node = rng.choice(["n0", "n1", "n2", "n3"])
+    vers = (
+        [rng.randrange(60) for _ in keys] if rng.random() < 0.3 else [version_of(k) for k in keys]
+    )
+    return rng.choice(
+        [
+            lambda: Mount(
+                node,
+                "s" + node[1],
+                "ep",
+                "h" + str(int(node[1]) % 2),
+                rng.choice([4096, 8192, 0 if bad else 4096]),
+                now,
+            ),
+            lambda: Mount(node, "s" + node[1], "ep", "h" + str(int(node[1]) % 2), 8192, now),
+            lambda: Unmount(node, "s" + node[1], now, rng.choice([0.0, 0.0, 2.0])),
+            lambda: ExpireNodes([node], now),
+            lambda: PutStart(keys, sizes, cfg, now),
+            lambda: PutStart(keys, sizes, cfg, now),
+            lambda: Upsert(keys, sizes, cfg, now),
+            lambda: PutEnd(keys, vers),
+            lambda: PutEnd(keys, [version_of(k) for k in keys]),
+            lambda: PutEnd(keys),
+            lambda: PutRevoke(keys, vers),
+            lambda: Remove(keys, hold=rng.random() < 0.5),
+            lambda: RemoveAll([], hold=rng.random() < 0.5),
+            lambda: Reclaim(now, 5.0),
+            lambda: Evict(keys, vers, now, rng.random() < 0.5),
+            lambda: Pin(keys, rng.random() < 0.5, now, 3.0),
+            lambda: Unpin(keys),
+            lambda: Release(
+                [rng.choice(held) if held and rng.random() < 0.8 else rng.randrange(300)]
+            ),
+        ]
+    )()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzzed_commands_keep_invariants_and_replicas_agree(seed: int) -> None:
+    """Random (often invalid) commands never raise, keep every invariant, and a replica
+    restored from a snapshot mid-way ends identical to one that applied everything."""
+    rng = random.Random(seed)
+    a = _sm()
+    b = None
+    cut = rng.randrange(50, 250)
+    for idx in range(1, 300):
+        data = encode_command(_random_command(rng, idx * 0.1, a.held_tags(), a.version_of))
+        if rng.random() < 0.03:
+            data = rng.randbytes(rng.randrange(20))
+        ra = a.apply(idx, data)
+        errs = invariants.check(a)
+        assert not errs, (idx, errs)
+        decode_result(encode_result(ra))  # results are wire-encodable
+        if idx == cut:
+            b = StoreStateMachine()
+            b.restore(a.snapshot())
+        elif b is not None:
+            rb = b.apply(idx, data)
+            assert encode_result(ra) == encode_result(rb), idx
+    assert b is not None and a.digest() == b.digest()
+    assert a.usage().objects == a.object_count()
+
+
+def test_garbage_entry_is_a_per_entry_error() -> None:
+    sm = _sm()
+    assert sm.apply(1, b"\xff\x00garbage") == Codes([int(Code.INVALID_PARAMS)])
+    assert sm.apply(2, encode_command(Mount("n", "s", "e", "h", 4096, 0.0))).codes == [0]
+
+
+def test_batches_report_per_key() -> None:
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1024, 0.0)))
+    r = sm.apply(
+        2,
+        encode_command(
+            PutStart(["a", "", "b", "a", "big"], [10, 10, 10, 10, 4096], ReplicateConfig(), 0.0)
+        ),
+    )
+    assert r.codes == [0, Code.INVALID_KEY, 0, Code.REPLICA_IS_NOT_READY, Code.NO_AVAILABLE_HANDLE]
+    assert r.replicas[1] is None and r.versions == [2, 0, 2, 0, 0]
+    mismatched = sm.apply(3, encode_command(PutStart(["x", "y"], [10], ReplicateConfig(), 0.0)))
+    assert mismatched.codes == [Code.INVALID_PARAMS] * 2
+    assert sm.apply(4, encode_command(PutEnd(["a", "b", "zz"], [2, 2, 0]))).codes == [
+        0,
+        0,
+        Code.OBJECT_NOT_FOUND,
+    ]
+    assert sm.exists(["a", "b", "zz"]) == [True, True, False]
+    assert sm.get_size(["a", "zz"]) == [10, Code.OBJECT_NOT_FOUND]
+
+
+def test_batch_work_is_bounded() -> None:
+    """A batch asking for more slices than MAX_SLICES_PER_BATCH is refused whole, before any
+    allocation (a hostile entry cannot stall every replica)."""
+    sm = _sm()  # slice limit 512
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 30, 0.0)))
+    huge = PutStart(
+        [f"k{i}" for i in range(64)], [1 << 30] * 64, ReplicateConfig(replica_num=2), 0.0
+    )
+    r = sm.apply(2, encode_command(huge))
+    assert r.codes == [Code.INVALID_PARAMS] * 64 and sm.usage().used == 0
+    ok = sm.apply(3, encode_command(PutStart(["big"], [1 << 20], ReplicateConfig(), 0.0)))
+    assert ok.codes == [0] and len(ok.replicas[0][0].slices) == 2048
+
+
+def test_lookup_puts_copies_on_the_readers_host_first() -> None:
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n1", "s1", "e1", "h1", 4096, 0.0)))
+    sm.apply(2, encode_command(Mount("n2", "s2", "e2", "h2", 4096, 0.0)))
+    sm.apply(
+        3,
+        encode_command(
+            PutStart(["k"], [700], ReplicateConfig(replica_num=2, writer_host="h1"), 0.0)
+        ),
+    )
+    sm.apply(4, encode_command(PutEnd(["k"], [3])))
+    (plain,) = sm.lookup(["k"])
+    assert [c.slices[0].segment for c in plain.replicas] == ["s1", "s2"]
+    (near,) = sm.lookup(["k"], host="h2")
+    assert [c.slices[0].segment for c in near.replicas] == ["s2", "s1"]
+    assert [d.length for d in near.replicas[0].slices] == [512, 188]  # slice limit 512
+
+
+def test_snapshot_corruption_is_detected() -> None:
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0)))
+    sm.apply(2, encode_command(PutStart(["a"], [10], ReplicateConfig(), 0.0)))
+    snap = bytearray(sm.snapshot())
+    snap[-3] ^= 0x40
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(bytes(snap))
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(b"")
+
+
+def test_inconsistent_snapshot_is_refused() -> None:
+    """Well-framed (CRCs fine) but wrong images are refused: an object count that disagrees
+    with the header, an undecodable object chunk."""
+    from kvmesh.replog.snapfile import iter_chunks, pack_chunk
+    from kvmesh.store.master.objects import Obj
+
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0)))
+    header = next(iter_chunks(sm.snapshot()))
+    bad = pack_chunk(msgspec.msgpack.encode((["k"], [Obj(10, 2, 1, 0.0, b"\x09" + bytes(11))])))
+    img = pack_chunk(header) + bad
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(img)  # object count mismatch (header says 0)
+    with pytest.raises(SnapshotCorruptionError):
+        StoreStateMachine().restore(pack_chunk(header) + pack_chunk(b"\xc1"))
+
+
+def test_snapshot_is_consistent_while_apply_continues() -> None:
+    """snapshot_chunks copies the table when called; applies after that do not leak in."""
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 20, 0.0)))
+    sm.apply(
+        2,
+        encode_command(
+            PutStart([f"k{i}" for i in range(100)], [100] * 100, ReplicateConfig(), 0.0)
+        ),
+    )
+    want = sm.digest()
+    chunks = sm.snapshot_chunks()
+    sm.apply(3, encode_command(PutEnd([f"k{i}" for i in range(100)], [2] * 100)))
+    sm.apply(4, encode_command(Pin(["k1"], True, 0.0)))
+    sm.apply(5, encode_command(Remove(["k2"])))
+    clone = StoreStateMachine()
+    clone.restore(b"".join(chunks))
+    assert clone.digest() == want != sm.digest()
+
+
+def test_session_wrapper_caches_typed_results() -> None:
+    """Exactly-once retries through kvmesh.replog sessions give back the same result."""
+    sm = SessionStateMachine(StoreStateMachine(CFG))
+    cid = sm.apply(1, encode_envelope(Register()))
+    sm.apply(
+        2,
+        encode_envelope(
+            SessionCommand(cid, 1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0)))
+        ),
+    )
+    body = encode_command(PutStart(["k"], [100], ReplicateConfig(), 0.0))
+    first = sm.apply(3, encode_envelope(SessionCommand(cid, 2, body)))
+    again = sm.apply(4, encode_envelope(SessionCommand(cid, 2, body)))
+    assert isinstance(again, PutStartResult) and again == first
+    assert sm.inner.object_count() == 1
+
+
+def test_mount_validates_its_fields() -> None:
+    sm = _sm()
+    for bad in (
+        Mount("", "s", "e", "h", 4096, 0.0),
+        Mount("n", "", "e", "h", 4096, 0.0),
+        Mount("n", "s" * 2000, "e", "h", 4096, 0.0),
+        Mount("n", "s", "e" * 2000, "h", 4096, 0.0),
+        Mount("n", "s", "e", "h", 63, 0.0),
+        Mount("n", "s", "e", "h", 1 << 41, 0.0),
+    ):
+        assert sm.apply(1, encode_command(bad)).codes == [Code.INVALID_PARAMS], bad
+    assert sm.segments() == []
+
+
+def test_snapshot_inside_the_session_wrapper() -> None:
+    """The production composition: sessions around the store; a replica restored from the
+    wrapper's snapshot continues identically (same results, same state)."""
+    a = SessionStateMachine(StoreStateMachine(CFG))
+    cid = a.apply(1, encode_envelope(Register()))
+    bodies = [
+        Mount("n", "s", "e", "h", 1 << 16, 0.0),
+        PutStart(["x", "y"], [700, 64], ReplicateConfig(), 0.0),
+        PutEnd(["x", "y"], [3, 3]),
+        Remove(["y"], hold=True),
+        PutStart(["z"], [100], ReplicateConfig(), 1.0),
+        Release([5]),
+        PutStart(["w"], [64], ReplicateConfig(), 2.0),
+    ]
+    envs = [
+        encode_envelope(SessionCommand(cid, seq, encode_command(b)))
+        for seq, b in enumerate(bodies, 1)
+    ]
+    for idx, env in enumerate(envs[:4], 2):
+        a.apply(idx, env)
+    b = SessionStateMachine(StoreStateMachine())
+    b.restore(a.snapshot())
+    for idx, env in enumerate(envs[4:], 6):
+        assert encode_result(a.apply(idx, env)) == encode_result(b.apply(idx, env))
+    assert a.inner.digest() == b.inner.digest() and a.snapshot() == b.snapshot()
+    assert b.inner.placement("w") == a.inner.placement("w")
+
+
+def test_remount_waits_for_the_quarantine() -> None:
+    sm = _sm()
+    assert sm.apply(1, encode_command(Mount("n", "s", "e", "h", 4096, 0.0))).codes == [0]
+    assert sm.apply(2, encode_command(ExpireNodes(["n"], 10.0))).codes == [0]
+    assert sm.apply(3, encode_command(Mount("n", "s", "e", "h", 4096, 12.0))).codes == [
+        Code.SEGMENT_ALREADY_EXISTS
+    ]
+    assert sm.apply(4, encode_command(Mount("n", "s", "e", "h", 4096, 13.0))).codes == [0]
+    seg = sm.segments()[0]
+    assert seg.generation == 4 and seg.state == "mounted"
+
+
+def test_results_round_trip_on_the_wire() -> None:
+    r = PutStartResult([0, -704], [[], None], [3, 0])
+    assert decode_result(encode_result(r)) == r
+    with pytest.raises(msgspec.DecodeError):
+        decode_result(b"\xc1")
