@@ -23,9 +23,9 @@ only in ``advance``). A snapshot taken at any yield records exactly these
 (:meth:`ReadyPath.snapshot_point`).
 
 Every write-side storage (``MemoryStorage``, ``DiskStorage``, the simulator's ``SimDisk``)
-inherits :class:`~kvmesh.replog.memstorage.ReadyWriter`: the same ``write(ready)``, ``stage_snapshot``,
-``stage_local_snapshot``/``commit_local_snapshot`` and ``sync`` entry points, so no driver
-branches on the storage type.
+inherits :class:`~kvmesh.replog.memstorage.ReadyWriter`: the same ``write(ready)``,
+``stage_snapshot``, ``stage_local_snapshot``/``commit_local_snapshot`` and ``sync`` entry
+points, so no driver branches on the storage type.
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ class ReadyHost(Protocol):
 class ReadyPath:
     """One core's Ready processing (see the module docstring)."""
 
-    def __init__(self, core: RaftCore, storage: ReadyWriter, host: ReadyHost, apply_slice: int = APPLY_SLICE) -> None:
+    def __init__(
+        self, core: RaftCore, storage: ReadyWriter, host: ReadyHost, apply_slice: int = APPLY_SLICE
+    ) -> None:
         self.core = core
         self.storage = storage
         self.host = host

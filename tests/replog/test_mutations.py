@@ -10,14 +10,14 @@ and by what.
 ========================================  =========================================  =========
 planted bug                               caught by                                  seeds
 ========================================  =========================================  =========
-(a) driver sends append acks before its   invariant persist-before-ack, CI seeds     1 CI seed
-    fsync (shared Ready path, node.py)
-(b) install a snapshot older than the     invariant commit-monotonic, stale_snapshot see SEEDS
-    commit index                          schedule
-(c) install any snapshot unconditionally  same                                       see SEEDS
-(d) commit an older-term entry by         invariant commit-current-term, figure8     see SEEDS
+(a) driver sends append acks before its   invariants vote-durability /               CI seed 0
+    fsync (shared Ready path, node.py)    persist-before-ack
+(b) install a snapshot older than the     invariant commit-monotonic (or the         5-11
+    commit index                          storage's refusal), stale_snapshot
+(c) install any snapshot unconditionally  same                                       2-7
+(d) commit an older-term entry by         invariant commit-current-term, figure8     0-3
     counting replicas (Figure 8)          schedule
-(e) no vote suppression while a leader    invariant lease-overlap, vote_suppression  see SEEDS
+(e) no vote suppression while a leader    invariant lease-overlap, vote_suppression  0, 6, 24
     is alive                              schedule (lease reads)
 (f) quorum-durability invariant asking    test_sim.py::test_commit_durability_*      unit test
     quorum_size(len(voters) - 1)
@@ -68,23 +68,45 @@ def first_caught(seeds, **over):
 
 
 # Planted bugs: (class, attribute, old, new) source patches.
+_SYNC = "    if need_sync:\n        yield SYNC\n"
+_SEND_AFTER = "    if rd.send_after_persist:\n        host.send(rd.send_after_persist, True)\n"
 MUTANTS = {
     "acks_before_fsync": (
         ReadyPath,
         "run",
-        "    if need_sync:\n        yield SYNC\n    if rd.send_after_persist:\n        host.send(rd.send_after_persist, True)\n",
-        "    if rd.send_after_persist:\n        host.send(rd.send_after_persist, True)\n    if need_sync:\n        yield SYNC\n",
+        _SYNC + _SEND_AFTER,
+        _SEND_AFTER + _SYNC,
     ),
-    "stale_snapshot_below_commit": (RaftCore, "_restore", "    if meta.index <= log.committed:\n        return False\n", ""),
+    "stale_snapshot_below_commit": (
+        RaftCore,
+        "_restore",
+        "    if meta.index <= log.committed:\n        return False\n",
+        "",
+    ),
     "any_snapshot": (
         RaftCore,
         "_restore",
         "    if meta.index <= log.committed:\n        return False\n",
         "    if False:\n        return False\n",
     ),
-    "figure8": (RaftLog, "maybe_commit", "if index > self.committed and self.zero_term(index) == term:", "if index > self.committed:"),
-    "no_vote_suppression": (RaftCore, "_in_lease", "    if not self.cfg.check_quorum", "    return False\n    if not self.cfg.check_quorum"),
-    "snapshot_conf_before_batch": (ReadyPath, "snapshot_point", "return self.applied, self.applied_conf", "return self.applied, self.core.conf_state"),
+    "figure8": (
+        RaftLog,
+        "maybe_commit",
+        "if index > self.committed and self.zero_term(index) == term:",
+        "if index > self.committed:",
+    ),
+    "no_vote_suppression": (
+        RaftCore,
+        "_in_lease",
+        "    if not self.cfg.check_quorum",
+        "    return False\n    if not self.cfg.check_quorum",
+    ),
+    "snapshot_conf_before_batch": (
+        ReadyPath,
+        "snapshot_point",
+        "return self.applied, self.applied_conf",
+        "return self.applied, self.core.conf_state",
+    ),
 }
 # (c) also ignores that it already has the entries a snapshot covers: both checks go.
 MUTANTS_EXTRA = {
@@ -114,7 +136,9 @@ def test_a_acks_before_fsync_in_the_driver_path(monkeypatch):
     """The driver (the shared Ready path that node.py runs) sends append acks and votes
     before its fsync: the simulator runs that very path, so its durable-state oracles see
     acks for entries that are not durable yet."""
-    check_caught(monkeypatch, "acks_before_fsync", [0, 1], ("persist-before-ack", "vote-durability"))
+    check_caught(
+        monkeypatch, "acks_before_fsync", [0, 1], ("persist-before-ack", "vote-durability")
+    )
 
 
 def test_a_the_node_runs_the_same_path(monkeypatch, tmp_path):
@@ -148,8 +172,8 @@ def test_a_the_node_runs_the_same_path(monkeypatch, tmp_path):
 
 def test_b_snapshot_older_than_commit_index(monkeypatch):
     """The stale_snapshot schedule delivers delayed duplicate InstallSnapshots; installing
-    one at or below the commit index rewinds the follower (its storage refuses a snapshot
-    older than its own: the replica stops, exception:StorageError)."""
+    one at or below the commit index rewinds the follower (commit-monotonic), or its
+    storage refuses a snapshot older than its own (the replica stops: StorageError)."""
     check_caught(
         monkeypatch,
         "stale_snapshot_below_commit",
@@ -175,7 +199,13 @@ def test_d_figure8_commit_by_counting(monkeypatch):
 
 def test_e_no_vote_suppression(monkeypatch):
     """Lease-read seeds (0, 6 and 24 are LEASE_BASED) with the vote_suppression schedule."""
-    check_caught(monkeypatch, "no_vote_suppression", [0, 6, 24], ("lease-overlap", "linearizability"), faults=("vote_suppression",))
+    check_caught(
+        monkeypatch,
+        "no_vote_suppression",
+        [0, 6, 24],
+        ("lease-overlap", "linearizability"),
+        faults=("vote_suppression",),
+    )
 
 
 def test_f_quorum_durability_invariant_with_four_voters(monkeypatch):
@@ -186,7 +216,9 @@ def test_f_quorum_durability_invariant_with_four_voters(monkeypatch):
     from .test_sim import test_commit_durability_needs_a_majority_of_four_voters as unit
 
     unit()
-    monkeypatch.setattr(Invariants, "quorum", staticmethod(lambda voters: quorum_size(max(1, len(voters) - 1))))
+    monkeypatch.setattr(
+        Invariants, "quorum", staticmethod(lambda voters: quorum_size(max(1, len(voters) - 1)))
+    )
     with pytest.raises(pytest.fail.Exception):
         unit()
 
