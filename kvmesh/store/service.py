@@ -276,8 +276,10 @@ class MasterService:
             session_ttl_s=cfg.session_ttl_s,
             proposal_timeout_s=cfg.request_timeout_s,
             read_timeout_s=min(cfg.request_timeout_s, cfg.lease_ttl_s),
+            security=self.sec,  # the replica port authenticates with the same cluster token
         )
-        self.node = RaftNode(ncfg, self._machine)
+        # Snapshots from the leader are proven on a fresh machine before they are persisted.
+        self.node = RaftNode(ncfg, self._machine, state_machine_factory=lambda: _EchoMachine(StoreStateMachine()))
         self.node.on_leader_change(self._on_leader_change)
         try:
             await self.node.start()
