@@ -66,7 +66,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, key_error
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, key_error
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -543,8 +543,13 @@ class MasterService:
             if vals and len(vals) != len(keys):
                 raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
         sizes = getattr(req, "sizes", None)
-        if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
-            raise E.InvalidParams("sizes must be positive, one per key")
+        if sizes is not None and (
+            len(sizes) != len(keys) or any(not 0 < s <= MAX_OBJECT_SIZE for s in sizes)
+        ):
+            raise E.InvalidParams(f"sizes must be 1..{MAX_OBJECT_SIZE}, one per key")
+        config = getattr(req, "config", None)
+        if config is not None and not 1 <= config.replica_num <= MAX_REPLICAS:
+            raise E.InvalidParams(f"replica_num must be 1..{MAX_REPLICAS}")
         for name in ("node_id", "segment", "endpoint", "host_id"):
             v = getattr(req, name, None)
             if v is not None and not 0 < len(v) <= _MAX_NAME:
@@ -705,11 +710,15 @@ class MasterService:
         tk = [keys[i] for i in todo]
         ts = [req.sizes[i] for i in todo]
         # Make room first when the pool is short: a put reports NoSpace only when nothing is
-        # evictable (the put itself stays one entry under the client's session).
-        need = sum(ts) * max(1, req.config.replica_num)
+        # evictable (the put itself stays one entry under the client's session). Only for
+        # copies that could fit once room is made: a key larger than the whole pool, or more
+        # copies than there are storage nodes, would evict everything and still not fit.
+        copies = req.config.replica_num
         usage = self.sm.usage()
-        if tk and usage.capacity and usage.capacity - usage.used < need:
-            await self._evict(time.monotonic(), need=need - (usage.capacity - usage.used))
+        need = sum(z * copies for z in ts if z * copies <= usage.capacity)
+        free = usage.capacity - usage.used
+        if need > free and copies <= len(self.sm.nodes()):
+            await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
         cls = C.Upsert if req.upsert else C.PutStart
         cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
