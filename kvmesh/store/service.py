@@ -106,6 +106,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_connections: int = 1024
     max_unauthenticated: int = 64
     max_inflight: int = 64
+    # replica descriptors of one GetReplicas reply (later keys answer InvalidParams)
+    max_reply_bytes: int = 8 << 20
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0
     request_timeout_s: float = 10.0
@@ -667,7 +669,7 @@ class MasterService:
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys
-        found = self.sm.lookup(keys, req.host or None)
+        found = self.sm.lookup(keys, req.host or None, self.cfg.max_reply_bytes)
         codes = [f.code for f in found]
         ok = [i for i, c in enumerate(codes) if c == 0]
         if self._removing_all:

@@ -106,3 +106,56 @@ def test_a_put_that_can_never_fit_does_not_evict_the_pool(master):
         p.close()
     _byte_exact(client, values)
     client.remove(list(values))
+
+
+def _mount_fake(p: Peer, name: str, size: int = 1 << 40) -> None:
+    """A 'storage node' that lies: a huge segment at an endpoint where nothing listens."""
+    r = p.call(P.MountReq(2, p.session(), f"{name}-node", name, "127.0.0.1:1", "nohost", size))
+    assert type(r) is P.CodesResp and r.codes == [0], r
+
+
+def _unmount_fake(p: Peer, name: str) -> None:
+    r = p.call(P.UnmountReq(3, p.session(), f"{name}-node", name, 0.0))
+    assert type(r) is P.CodesResp and r.codes == [0], r
+
+
+def test_get_replicas_reply_is_bounded_whatever_the_request_names(master):
+    """One ~20 KB GetReplicas naming a 16 GiB object (1024 slices) 2048 times used to make
+    a ~94 MB reply (and ~0.4 GB of master RSS, the event loop blocked for seconds; with a
+    1 TiB object the master runs out of memory). Now a reply carries at most
+    ``max_reply_bytes`` of descriptors; later keys answer InvalidParams."""
+    cl, client = master
+    p = Peer(cl)
+    try:
+        _mount_fake(p, "liar")
+        # The lying node's segment takes puts; their writes fail, nothing is published.
+        res = client.put(
+            ["lied-to"], [b"z" * 4096], config=ReplicateConfig(preferred_segment="liar")
+        )
+        assert res.codes[0] != 0
+        assert client.exists("lied-to") is False
+        cfg = ReplicateConfig(preferred_segment="liar")
+        r = p.call(P.PutStartReq(4, p.session(), ["big"], [16 << 30], cfg))
+        assert r.codes == [0] and len(r.replicas[0][0].slices) == 1024
+        assert p.call(P.PutEndReq(5, p.session(), ["big"], r.versions)).codes == [0]
+        before = _proc(cl)
+        t0 = time.monotonic()
+        req = P.GetReplicasReq(6, ["big"] * 2048)
+        p.sock.sendall(framing.encode_frame(P.encode(req)))
+        body = framing.read_frame(p.sock, 1 << 30, Deadline(60))
+        took = time.monotonic() - t0
+        resp = P.decode_response(body)
+        after = _proc(cl)
+        grew = (after["VmHWM"] - before["VmHWM"]) // 1024
+        assert len(body) <= 9 << 20, f"reply of {len(body)} bytes, peak RSS +{grew} MiB"
+        assert grew < 150, f"master peak RSS grew by {grew} MiB ({before} -> {after}, {took:.2f}s)"
+        assert type(resp) is P.ReplicasResp
+        assert resp.codes[0] == 0 and len(resp.replicas[0][0].slices) == 1024
+        assert set(resp.codes[1:]) <= {0, E.InvalidParams.code}
+        assert E.InvalidParams.code in resp.codes
+        _unmount_fake(p, "liar")
+    finally:
+        p.close()
+    values = {"after-amp": b"ok" * 1000}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
