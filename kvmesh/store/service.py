@@ -22,7 +22,10 @@ Server hardening: the handshake runs before anything is allocated for a connecti
 (connection limiter with a separate cap on unauthenticated connections, pre-auth frames of
 a few KiB), then frames are capped at ``max_frame``, batches at ``max_batch_keys`` keys,
 requests in flight per connection at ``max_inflight``, and an idle connection is closed after
-``idle_timeout_s``. A connection that sends junk is closed; the server keeps serving.
+``idle_timeout_s``. Replies are bounded (``max_reply_bytes`` of replica descriptors) and
+written one at a time; a peer that leaves more than 1 MiB of them unread for
+``request_timeout_s`` is disconnected. A connection that sends junk is closed; the server keeps
+serving.
 """
 
 from __future__ import annotations
@@ -453,7 +456,10 @@ class MasterService:
                 )
                 return
             self._limiter.authenticated(token)
+            out = _Replies(writer, self.cfg.request_timeout_s)
             while True:
+                # Read no further request while the peer leaves our replies unread.
+                await out.wait_writable()
                 try:
                     body = await asyncio.wait_for(
                         _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
@@ -466,7 +472,7 @@ class MasterService:
                     log.info("store master: undecodable request; closing: %s", str(e)[:200])
                     return
                 await slots.acquire()
-                t = asyncio.get_running_loop().create_task(self._handle(req, writer, peer))
+                t = asyncio.get_running_loop().create_task(self._handle(req, out, peer))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
                 t.add_done_callback(lambda _t: slots.release())
@@ -481,7 +487,15 @@ class MasterService:
             self._conns.discard(task)
             writer.close()
 
-    async def _handle(self, req: Any, writer: asyncio.StreamWriter, peer: str = "") -> None:
+    async def _handle(self, req: Any, out: _Replies, peer: str = "") -> None:
+        # A GetReplicas reply is the one large reply (up to max_reply_bytes): one at a time
+        # per connection, from the lookup until it is handed to the socket, so a peer that
+        # pipelines them makes us hold one, not max_inflight of them.
+        big = out.big if type(req) is P.GetReplicasReq else contextlib.nullcontext()
+        async with big:
+            await self._handle_one(req, out, peer)
+
+    async def _handle_one(self, req: Any, out: _Replies, peer: str) -> None:
         started = time.perf_counter()
         try:
             resp = await self._dispatch(req, peer)
@@ -510,14 +524,7 @@ class MasterService:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
             self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
-        if writer.is_closing():
-            return
-        try:
-            writer.write(_framing.encode_frame(P.encode(resp)))
-            if writer.transport.get_write_buffer_size() > (4 << 20):
-                await writer.drain()  # a client that stops reading must not grow our buffer
-        except (ConnectionError, OSError):
-            pass
+        await out.send(_framing.encode_frame(P.encode(resp)))
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -831,6 +838,53 @@ class MasterService:
         st["misses"] = self.misses
         st["requests"] = dict(self.counters)
         return st
+
+
+_WRITE_HIGH = 1 << 20  # unread reply bytes above which a connection stops and waits
+
+
+class _Replies:
+    """The reply side of one connection: writes one frame at a time and, above
+    :data:`_WRITE_HIGH` unread bytes, waits for the peer to read (at most ``timeout`` s,
+    then the connection is aborted), so a peer that stops reading holds at most that much
+    of our memory plus the reply being written."""
+
+    __slots__ = ("big", "lock", "timeout", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter, timeout: float) -> None:
+        self.writer = writer
+        self.timeout = timeout
+        self.lock = asyncio.Lock()
+        self.big = asyncio.Lock()
+
+    async def _drain(self) -> None:
+        w = self.writer
+        if w.transport.get_write_buffer_size() <= _WRITE_HIGH:
+            return
+        try:
+            await asyncio.wait_for(w.drain(), self.timeout)
+        except TimeoutError:
+            log.info(
+                "store master: a peer left %d reply bytes unread; closing it",
+                w.transport.get_write_buffer_size(),
+            )
+            w.transport.abort()
+        except (ConnectionError, OSError):
+            w.transport.abort()
+
+    async def wait_writable(self) -> None:
+        async with self.lock:
+            await self._drain()
+
+    async def send(self, frame: bytes) -> None:
+        async with self.lock:
+            if self.writer.is_closing():
+                return
+            try:
+                self.writer.write(frame)
+            except (ConnectionError, OSError):
+                return
+            await self._drain()
 
 
 def _code_of(res: Any) -> int:

@@ -159,3 +159,46 @@ def test_get_replicas_reply_is_bounded_whatever_the_request_names(master):
     values = {"after-amp": b"ok" * 1000}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
+
+
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
+    """Pipelining GetReplicas requests whose (bounded, ~8 MiB) replies are never read used
+    to grow the master by ~200 MB a second per connection (every handler wrote its reply
+    before checking the buffer): two such connections took it past 2 GB in 10 s. Now one
+    connection has one large reply in the making at a time, writes wait for the peer to
+    read, and a peer that reads nothing for ``request_timeout_s`` is disconnected."""
+    cl, client = master
+    p = Peer(cl)
+    hogs: list[socket.socket] = []
+    try:
+        _mount_fake(p, "liar2")
+        cfg = ReplicateConfig(preferred_segment="liar2")
+        r = p.call(P.PutStartReq(4, p.session(), ["big2"], [16 << 30], cfg))
+        assert p.call(P.PutEndReq(5, p.session(), ["big2"], r.versions)).codes == [0]
+        before = _proc(cl)
+        req = framing.encode_frame(P.encode(P.GetReplicasReq(6, ["big2"] * 2048)))
+        for i in range(2):
+            h = Peer(cl, f"hog{i}").sock
+            h.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            h.settimeout(0.2)
+            hogs.append(h)
+            sent = 0
+            with __import__("contextlib").suppress(TimeoutError, OSError):
+                for _ in range(100):  # ~2 MB of requests, ~800 MB of replies
+                    h.sendall(req)
+                    sent += 1
+        peak = before
+        for _ in range(6):
+            time.sleep(0.5)
+            peak = _proc(cl)
+        grew = (peak["VmRSS"] - before["VmRSS"]) // 1024
+        assert grew < 150, f"master RSS grew by {grew} MiB ({before} -> {peak})"
+        assert peak["Threads"] <= before["Threads"] + 2
+        _unmount_fake(p, "liar2")
+    finally:
+        for h in hogs:
+            h.close()
+        p.close()
+    values = {"after-hog": b"hog" * 1000}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
