@@ -239,6 +239,8 @@ class MasterService:
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
+        # storage node id -> the peer that mounted it (same rules as _owners)
+        self._node_owners: OrderedDict[str, str] = OrderedDict()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -343,6 +345,7 @@ class MasterService:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._plans.clear()
         self._owners.clear()
+        self._node_owners.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -584,6 +587,9 @@ class MasterService:
                     self._owners.popitem(last=False)
             if owner != peer:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
+        node_id = getattr(req, "node_id", None)
+        if node_id is not None:
+            self._check_node_owner(node_id, peer)
         if t is P.GetReplicasReq:
             return await self._get_replicas(node, req)
         if t is P.ExistsReq:
@@ -635,6 +641,10 @@ class MasterService:
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
                 self.heartbeats.beat(req.node_id, time.monotonic())
+                self._node_owners[req.node_id] = peer
+                self._node_owners.move_to_end(req.node_id)
+                while len(self._node_owners) > _MAX_OWNERS:
+                    self._node_owners.popitem(last=False)
             return P.CodesResp(req.rid, [code])
         if t is P.UnmountReq:
             if not 0.0 <= req.grace <= 3600.0:
@@ -669,6 +679,24 @@ class MasterService:
         it = iter(applied)
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
+
+    def _check_node_owner(self, node_id: str, peer: str) -> None:
+        """A storage node id with mounted segments belongs to the authenticated peer that
+        mounted them (on this leader; after a failover, to the first peer naming it, like a
+        session). Node ids and segment names are in every replica descriptor, so without
+        this any peer could unmount another node's segment (dropping its objects), keep a
+        dead node alive with heartbeats, or mount under another node's id. A node id with no
+        segment left (expired, unmounted) is free again: a restarted node may reuse it."""
+        owners = self._node_owners
+        if node_id not in self.sm.nodes():
+            return  # nothing to protect; a successful Mount binds it
+        owner = owners.get(node_id)
+        if owner is None:
+            owners[node_id] = peer
+            while len(owners) > _MAX_OWNERS:
+                owners.popitem(last=False)
+        elif owner != peer:
+            raise E.InvalidParams(f"storage node {node_id[:_MAX_NAME]!r} belongs to another peer")
 
     async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
         await node.read_index()

@@ -202,3 +202,34 @@ def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
     values = {"after-hog": b"hog" * 1000}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
+
+
+def test_a_peer_cannot_act_for_another_storage_node(master):
+    """Node ids and segment names are public (every replica descriptor carries them). Any
+    authenticated peer used to be able to unmount another node's segment (dropping every
+    object in it), heartbeat for a dead node (keeping its copies advertised) or mount
+    segments under another node's id. Now a node id belongs to the peer that mounted it on
+    the current leader, like a client session."""
+    cl, client = master
+    values = {f"victim-{i}": bytes([i + 1]) * 4096 for i in range(8)}
+    assert client.put(list(values), list(values.values())).codes == [0] * 8
+    p = Peer(cl)
+    try:
+        desc = p.call(P.GetReplicasReq(1, ["victim-0"])).replicas[0][0].slices[0]
+        node, seg = desc.node_id, desc.segment
+        for req in [
+            P.UnmountReq(2, p.session(), node, seg, 0.0),
+            P.MountReq(3, p.session(), node, "squat", "127.0.0.1:1", "h", 1 << 20),
+            P.HeartbeatReq(4, node),
+        ]:
+            r = p.call(req)
+            assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code, (req, r)
+        # A segment name that is taken stays taken (no overlap), for anyone.
+        r = p.call(P.MountReq(5, p.session(), "other-node", seg, "127.0.0.1:1", "h", 1 << 20))
+        assert type(r) is P.CodesResp and r.codes == [E.SegmentExists.code], r
+    finally:
+        p.close()
+    assert [s["name"] for s in client.rpc.status(cl.addrs[1])["segments"]] == [seg]
+    _byte_exact(client, values)
+    client.remove(list(values))
+
