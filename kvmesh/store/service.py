@@ -432,7 +432,7 @@ class MasterService:
     # ------------------------------------------------------------------------- server
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        token = self._limiter.try_acquire()
+        token = self._limiter.try_acquire(on_evict=writer.transport.abort)
         if token is None:
             writer.close()
             return
@@ -458,7 +458,8 @@ class MasterService:
                     str(e)[:200],
                 )
                 return
-            self._limiter.authenticated(token)
+            if not self._limiter.authenticated(token):
+                return  # evicted to make room while it was still unauthenticated
             out = _Replies(writer, self.cfg.request_timeout_s)
             while True:
                 # Read no further request while the peer leaves our replies unread.

@@ -233,3 +233,29 @@ def test_a_peer_cannot_act_for_another_storage_node(master):
     _byte_exact(client, values)
     client.remove(list(values))
 
+
+def test_silent_unauthenticated_connections_cannot_lock_clients_out(master):
+    """``max_unauthenticated`` (64) silent connections used to make every new connection be
+    refused until the handshake deadline dropped them -- and an attacker without the token
+    simply opens them again: a new client got StoreUnavailable. Now a new connection takes
+    the place of the oldest unauthenticated one."""
+    cl, client = master
+    host, port = cl.addrs[1].rsplit(":", 1)
+    before = _proc(cl)
+    silent = [socket.create_connection((host, int(port))) for _ in range(64 + 16)]
+    try:
+        t0 = time.monotonic()
+        fresh = StoreClient(cl.address, token=TOKEN, timeout=3)
+        try:
+            assert fresh.exists("nothing-here") is False
+        finally:
+            fresh.close()
+        assert time.monotonic() - t0 < 3
+        during = _proc(cl)
+        assert during["fds"] <= before["fds"] + 64 + 4, (before, during)
+    finally:
+        for s in silent:
+            s.close()
+    values = {"after-loris": b"l" * 3000}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
