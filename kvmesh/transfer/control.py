@@ -4,10 +4,14 @@ Plain blocking TCP sockets and threads: the engine is called from synchronous co
 threads (SGLang workers), blocking ``recv_into``/``sendmsg`` move bulk bytes fastest from
 Python, and a blocked thread costs no CPU (an idle engine stays near 0 %).
 
-* :class:`ControlServer` accepts connections, authenticates them and answers requests:
-  segment descriptors, pings, transport calls, and the TCP data path (``WriteReq`` payloads
-  are received straight into the target segment, ``ReadReq`` answers are pushed straight
-  from it).
+* :class:`ControlServer` accepts connections, authenticates them with :mod:`kvmesh.net`
+  (service ``"transfer"``) and answers requests: segment descriptors, pings, transport calls,
+  and whatever the engine installs as handlers (the TCP transport's server half:
+  ``transports/tcp.py``). What one peer may cost is bounded: connections in total and in
+  their handshake (:class:`~kvmesh.net.ConnectionLimiter`; excess ones are closed at once,
+  so threads and fds are bounded), one absolute handshake deadline with 4 KiB pre-auth
+  frames, a frame limit after it, a deadline per request, an idle timeout per connection.
+  The accept loop survives any failure (a failed ``Thread.start`` closes that one socket).
 * :class:`PeerClient` is this engine's view of one remote engine: a pool of authenticated
   connections and a *watch* connection whose closing (process death, engine close) marks the
   peer dead at once, so in-flight transfers to it fail fast instead of hanging.
@@ -19,30 +23,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
+import select
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
+from kvmesh.net import (
+    AuthFailed,
+    ClientHandshake,
+    ConnectionLimiter,
+    Deadline,
+    FrameDecoder,
+    FrameTooLarge,
+    HandshakeError,
+    NetError,
+    PeerClosed,
+    SecurityConfig,
+    ServerHandshake,
+    Slot,
+    check_bind,
+    run_client,
+    run_server,
+)
+from kvmesh.net.framing import CHUNK
+
 from . import protocol as P
+from . import sockio
 from .errors import (
     AuthError,
     EngineClosed,
-    InvalidLength,
+    InvalidArgument,
     PeerDeadError,
     ProtocolError,
-    SegmentNotFound,
+    RequestTooLarge,
     TransferError,
     TransferTimeout,
-    TransportUnavailable,
     error_from_code,
 )
-from .ranges import check_ranges
 from .transports.base import PeerLiveness
 from .types import EngineConfig, SegmentDescriptor
 
@@ -58,6 +80,21 @@ class Identity:
         self.node_id = node_id
         self.engine_id = engine_id
         self.host_id = host_id
+
+
+def security_of(config: EngineConfig) -> SecurityConfig:
+    """The :mod:`kvmesh.net` security settings of an engine configuration."""
+    token = config.token
+    if config.token_file is not None:
+        if token is not None:
+            raise InvalidArgument("set token or token_file, not both")
+        with open(config.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise InvalidArgument(f"token file {config.token_file!r} is empty")
+    if token == "":
+        raise InvalidArgument("an empty token would authenticate everyone; leave it unset")
+    return SecurityConfig(token=token, allow_insecure=config.allow_insecure)
 
 
 def _tune(sock: socket.socket, keepalive: bool) -> None:
@@ -85,13 +122,57 @@ def primary_ip() -> str:
         probe.close()
 
 
-def _offsets(raw: bytes) -> np.ndarray:
-    if len(raw) % 8:
-        raise ProtocolError(f"offset/length array of {len(raw)} bytes is not a uint64 array")
-    return np.frombuffer(raw, dtype="<u8")
+class _Throttle:
+    """Logs one line per kind of event per interval, with a count of what it held back.
+
+    A flood of bad connections must not become a flood of log lines.
+    """
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e9) < self._interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        if held:
+            msg += f" (and {held} more like it in the last {self._interval:g} s)"
+        log.log(level, msg, *args, exc_info=exc_info)
 
 
-SegmentLookup = Callable[[str, int], "tuple[SegmentDescriptor, object]"]
+class Served:
+    """One connection of the control server, as handlers see it."""
+
+    __slots__ = ("sock", "deadline", "region", "peer_id")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.deadline: Deadline | None = None  # of the request being served
+        self.region: Any = None  # the region a request of this connection holds
+        self.peer_id = ""
+
+    def hold(self, region: Any) -> None:
+        """Acquire ``region`` for this request (``ControlServer.end_users_of`` can cut it)."""
+        self.region = region
+        try:
+            region.acquire()
+        except BaseException:
+            self.region = None
+            raise
+
+    def unhold(self, region: Any) -> None:
+        self.region = None
+        region.release()
+
+
+Handler = Callable[[Served, Any], None]
 
 
 class ControlServer:
@@ -103,16 +184,26 @@ class ControlServer:
         identity: Identity,
         config: EngineConfig,
         *,
-        lookup: Callable[[str], "tuple[SegmentDescriptor, object]"],
+        lookup: Callable[[str], tuple[SegmentDescriptor, object]],
         list_segments: Callable[[], list[SegmentDescriptor]],
         call: Callable[[str, bytes], bytes],
+        handlers: dict[type, Handler] | None = None,
+        max_frame: int = 64 << 10,
     ) -> None:
         host, port = P.split_host_port(listen)
+        self._sec = security_of(config)
+        check_bind(host, self._sec)
         self.identity = identity
         self.config = config
         self._lookup = lookup
         self._list = list_segments
         self._call = call
+        self._handlers = dict(handlers or {})
+        # Requests are small apart from the data path's offset arrays (its handler's limit).
+        self._max_frame = max(max_frame, CHUNK)
+        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
+        self._throttle = _Throttle()
+        self._info = P.encode_info(P.ServerInfo(identity.node_id, identity.host_id))
         self._lsock = socket.create_server((host, port), backlog=128)
         bound = self._lsock.getsockname()
         bhost = bound[0]
@@ -122,94 +213,176 @@ class ControlServer:
             bhost = f"[{bhost}]"
         self.address = config.advertise or f"{bhost}:{bound[1]}"
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, Served] = {}
         self._watchers: dict[socket.socket, threading.Lock] = {}
         self._closed = False
         self._threads: set[threading.Thread] = set()
         self._accept = threading.Thread(target=self._accept_loop, name="kvmesh-accept", daemon=True)
         self._accept.start()
 
+    @property
+    def limiter(self) -> ConnectionLimiter:
+        return self._limiter
+
     # --- accept / connection threads ------------------------------------------------------
     def _accept_loop(self) -> None:
+        # Never dies while the server is open: a failure costs one connection, never the port.
         while True:
             try:
                 sock, _ = self._lsock.accept()
-            except OSError:
-                return  # listening socket shut down by close()
-            with self._lock:
+            except Exception as exc:
                 if self._closed:
-                    sock.close()
                     return
-                self._conns.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock,), name="kvmesh-conn", daemon=True)
-                self._threads.add(t)
-            t.start()
+                # EMFILE/ENFILE and the like: back off a moment so closing connections free fds.
+                self._throttle.log(logging.WARNING, "accept",
+                                   "control server: accept failed: %r", exc)
+                time.sleep(0.05)
+                continue
+            try:
+                self._admit(sock)
+            except Exception as exc:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                self._throttle.log(logging.WARNING, "admit", "control server: dropped a "
+                                   "connection it could not serve: %r", exc)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _admit(self, sock: socket.socket) -> None:
+        slot = self._limiter.try_acquire()
+        if slot is None:
+            sock.close()
+            self._throttle.log(logging.WARNING, "limit", "control server: connection limit "
+                               "reached (%r); closing new connections", self._limiter)
+            return
+        conn = Served(sock)
+        t = threading.Thread(target=self._serve, args=(conn, slot), name="kvmesh-conn", daemon=True)
+        with self._lock:
+            if self._closed:
+                self._limiter.release(slot)
+                sock.close()
+                return
+            self._conns[sock] = conn
+            self._threads.add(t)
+        try:
+            t.start()
+        except BaseException:
+            with self._lock:
+                self._conns.pop(sock, None)
+                self._threads.discard(t)
+            self._limiter.release(slot)
+            raise
+
+    def _serve(self, conn: Served, slot: Slot) -> None:
+        sock = conn.sock
         try:
             _tune(sock, self.config.tcp_keepalive)
-            if self._handshake(sock):
-                buf = bytearray(4096)
-                while True:
-                    msg = P.recv_msg(sock, buf)
-                    self._dispatch(sock, msg)
-        except (TransferError, OSError) as exc:
-            if not self._closed and not isinstance(exc, PeerDeadError):
-                log.debug("control connection ended: %r", exc)
+            info = self._handshake(conn)
+            self._limiter.authenticated(slot)
+            if info.watch:
+                with self._lock:
+                    self._watchers[sock] = threading.Lock()
+                sock.settimeout(None)
+                # The client never sends on a watch connection: block until it closes.
+                while sock.recv(1):
+                    pass
+                return
+            self._requests(conn)
+        except (TransferError, NetError, OSError) as exc:
+            if not self._closed and not isinstance(exc, (PeerDeadError, PeerClosed)):
+                self._throttle.log(logging.DEBUG, "ended", "control connection ended: %r", exc)
         except Exception:  # a bug must cost one connection, never the server
-            log.exception("control connection failed")
+            self._throttle.log(logging.ERROR, "bug", "control connection failed", exc_info=True)
         finally:
             with self._lock:
-                self._conns.discard(sock)
+                self._conns.pop(sock, None)
                 self._watchers.pop(sock, None)
                 self._threads.discard(threading.current_thread())
+            self._limiter.release(slot)
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def _handshake(self, sock: socket.socket) -> bool:
-        sock.settimeout(self.config.connect_timeout)
-        nonce = secrets.token_bytes(16)
-        token = self.config.token
+    def _handshake(self, conn: Served) -> P.ClientInfo:
         ident = self.identity
-        P.send_msg(
-            sock,
-            P.Challenge(nonce, ident.node_id, ident.engine_id, ident.host_id, P.PROTOCOL_VERSION, token is not None),
-        )
-        hello = P.recv_msg(sock)
-        if not isinstance(hello, P.Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-        if hello.version != P.PROTOCOL_VERSION:
-            P.send_msg(sock, P.Error("protocol", f"protocol version {hello.version} != {P.PROTOCOL_VERSION}"))
-            return False
-        if not P.mac_ok(token, nonce, hello.engine_id, hello.mac):
-            why = "wrong token" if hello.mac is not None else "no token given"
-            if token is None:
-                why = "this peer has no token configured"
-            P.send_msg(sock, P.Error("auth", f"authentication failed for node {hello.node_id!r}: {why}"))
-            log.warning("refused connection from node %r: %s", hello.node_id, why)
-            return False
-        P.send_msg(sock, P.Welcome(P.mac(token, hello.nonce, ident.engine_id)))
-        if hello.watch:
-            with self._lock:
-                self._watchers[sock] = threading.Lock()
-            sock.settimeout(None)
-            # The client never sends on a watch connection: block until it closes.
-            while sock.recv(1):
-                pass
-            return False
-        sock.settimeout(None)  # idle data connections wait without cost
-        return True
+        hs = ServerHandshake(self._sec, P.SERVICE, ident.engine_id, info=self._info)
+        try:
+            conn.peer_id = run_server(conn.sock, hs, Deadline(self.config.connect_timeout))
+        except AuthFailed as exc:
+            self._throttle.log(logging.WARNING, "auth", "refused a connection from %s: %s",
+                               _peer_name(conn.sock), exc)
+            raise
+        info = P.decode_info(hs.peer_info, P.ClientInfo)
+        if info.version != P.PROTOCOL_VERSION:
+            why = f"transfer protocol {info.version} != {P.PROTOCOL_VERSION}"
+            P.send_msg(conn.sock, P.Error("protocol", why))
+            raise ProtocolError("peer speaks another transfer protocol version")
+        return info
 
-    def _dispatch(self, sock: socket.socket, msg: P.Message) -> None:
-        if isinstance(msg, P.WriteReq):
-            self._write(sock, msg)
-        elif isinstance(msg, P.ReadReq):
-            self._read(sock, msg)
+    def _requests(self, conn: Served) -> None:
+        sock = conn.sock
+        cfg = self.config
+        # Blocking mode with a kernel timeout tick (sockio.py): requests cost no more
+        # syscalls than without deadlines, and deadlines and the idle timeout hold to a tick.
+        sockio.kernel_timeouts(sock, max(0.05, min(cfg.request_timeout, cfg.idle_timeout) / 4))
+        head = bytearray(4)
+        while True:
+            body = self._next_frame(conn, head)
+            if body is None:
+                return
+            try:
+                msg = P.decode_request(body)
+            except TransferError as exc:
+                # The stream cannot be trusted past a malformed request (its payload length
+                # is unknown): answer, then close.
+                with contextlib.suppress(OSError):
+                    P.send_msg(sock, P.error_reply(exc))
+                raise
+            self._dispatch(conn, msg)
+
+    def _next_frame(self, conn: Served, head: bytearray) -> bytes | None:
+        """Wait (up to the idle timeout) for the next request; read its frame under a new
+        request deadline. None when the client closed or stayed idle too long."""
+        sock = conn.sock
+        idle_until = time.monotonic() + self.config.idle_timeout
+        while True:
+            try:
+                got = sock.recv_into(head)
+                break
+            except BlockingIOError:  # a tick of the idle wait
+                if time.monotonic() >= idle_until:
+                    return None  # the client's pool opens a new connection when needed
+        if not got:
+            return None
+        conn.deadline = deadline = Deadline(self.config.request_timeout)
+        if got < 4:
+            sockio.recv_exact(sock, memoryview(head)[got:], deadline)
+        size = int.from_bytes(head, "little")
+        if size <= CHUNK:  # the common case (every limit is above CHUNK): one exact buffer
+            body = bytearray(size)
+            sockio.recv_exact(sock, memoryview(body), deadline)
+            return body
+        dec = FrameDecoder(self._max_frame)  # big frames: buffers grow only as bytes arrive
+        try:
+            frames = dec.feed(head)  # refuses an announced size above the limit, unread
+        except FrameTooLarge as exc:
+            with contextlib.suppress(OSError):
+                P.send_msg(sock, P.error_reply(RequestTooLarge(str(exc))))
+            raise
+        scratch = memoryview(bytearray(CHUNK))
+        while not frames:
+            n = min(size - dec.buffered, CHUNK)
+            sockio.recv_exact(sock, scratch[:n], deadline)  # never past the frame's end
+            frames = dec.feed(scratch[:n])
+        return frames[0]
+
+    def _dispatch(self, conn: Served, msg: P.Message) -> None:
+        sock = conn.sock
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(conn, msg)
         elif isinstance(msg, P.GetSegment):
             try:
                 desc, _ = self._lookup(msg.name)
             except TransferError as exc:
-                P.send_msg(sock, P.Error(exc.code, str(exc)))
+                P.send_msg(sock, P.error_reply(exc))
             else:
                 P.send_msg(sock, P.SegmentInfo(desc))
         elif isinstance(msg, P.ListSegments):
@@ -220,58 +393,31 @@ class ControlServer:
             try:
                 reply = self._call(msg.kind, msg.payload)
             except TransferError as exc:
-                P.send_msg(sock, P.Error(exc.code, str(exc)))
+                P.send_msg(sock, P.error_reply(exc))
             except Exception as exc:  # a transport bug must not kill the connection silently
-                log.exception("transport call %s failed", msg.kind)
-                P.send_msg(sock, P.Error("transfer", f"{msg.kind} call failed: {exc!r}"))
+                self._throttle.log(logging.ERROR, "call", "transport call %r failed", msg.kind[:64],
+                                   exc_info=True)
+                why = f"{msg.kind[:64]} call failed: {exc!r}"[:1000]
+                P.send_msg(sock, P.Error("transfer", why))
             else:
                 P.send_msg(sock, P.CallReply(reply))
         else:
-            raise ProtocolError(f"unexpected {type(msg).__name__} on a control connection")
+            why = f"unexpected {type(msg).__name__} on a control connection"
+            P.send_msg(sock, P.Error("protocol", why))
+            raise ProtocolError(why)
 
-    def _resolve(self, name: str, seg_id: int, offsets: np.ndarray, lengths: np.ndarray, total: int):
-        desc, region = self._lookup(name)
-        if desc.seg_id != seg_id:
-            raise SegmentNotFound(f"segment {name!r} was replaced (descriptor {seg_id} is stale)")
-        if not desc.kind.is_host:
-            raise TransportUnavailable(f"segment {name!r} is GPU memory; the TCP path moves host memory only")
-        nbytes = check_ranges(f"request on segment {name!r}", lengths,
-                              (offsets, desc.size, f"segment {name!r}"))
-        if nbytes != total:
-            raise InvalidLength(f"payload size {total} does not match the request lengths")
-        region.acquire()
-        return region
+    def end_users_of(self, region: object) -> int:
+        """End the served connections whose current request holds ``region``; how many.
 
-    def _write(self, sock: socket.socket, req: P.WriteReq) -> None:
-        offsets, lengths = _offsets(req.offsets), _offsets(req.lengths)
-        try:
-            region = self._resolve(req.segment, req.seg_id, offsets, lengths, req.total)
-        except TransferError as exc:
-            P.drain(sock, req.total)  # keep the stream in sync, then refuse
-            P.send_msg(sock, P.Error(exc.code, str(exc)))
-            return
-        try:
-            mv = memoryview(region.array())
-            views = [mv[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
-            P.recv_into_views(sock, views)
-        finally:
-            region.release()
-        P.send_msg(sock, P.Ack(req.total))
-
-    def _read(self, sock: socket.socket, req: P.ReadReq) -> None:
-        offsets, lengths = _offsets(req.offsets), _offsets(req.lengths)
-        try:
-            region = self._resolve(req.segment, req.seg_id, offsets, lengths, req.total)
-        except TransferError as exc:
-            P.send_msg(sock, P.Error(exc.code, str(exc)))
-            return
-        try:
-            mv = memoryview(region.array())
-            views = [memoryview(P.encode(P.ReadResp(req.total)))]
-            views += [mv[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist())]
-            P.send_views(sock, views)
-        finally:
-            region.release()
+        ``unregister`` calls it so that a stalled peer cannot pin memory being given back:
+        the blocked receive or send fails at once and the request releases the region.
+        """
+        with self._lock:
+            socks = [c.sock for c in self._conns.values() if c.region is region]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        return len(socks)
 
     # --- notifications --------------------------------------------------------------------
     def notify(self, msg: P.Message) -> None:
@@ -311,14 +457,22 @@ class ControlServer:
             t.join(2.0)
 
 
-class Connection:
-    """One authenticated client connection (blocking socket + scratch buffer)."""
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
 
-    __slots__ = ("sock", "buf")
+
+class Connection:
+    """One authenticated client connection (blocking socket)."""
+
+    __slots__ = ("sock", "last_used")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buf = bytearray(4096)
+        self.last_used = time.monotonic()
 
     def request(self, msg: P.Message, timeout: float) -> P.Message:
         self.sock.settimeout(timeout)
@@ -327,10 +481,28 @@ class Connection:
 
     def reply(self, timeout: float) -> P.Message:
         self.sock.settimeout(timeout)
-        msg = P.recv_msg(self.sock, self.buf)
+        msg = P.recv_msg(self.sock)
         if isinstance(msg, P.Error):
             raise error_from_code(msg.code, msg.message)
         return msg
+
+    def stale(self, max_idle: float) -> bool:
+        """Idle too long, or closed (or written to) by the server while it sat in the pool.
+
+        Checked only after a second in the pool: a server closes idle connections after its
+        idle timeout, and a connection used a moment ago costs no extra syscall.
+        """
+        idle = time.monotonic() - self.last_used
+        if idle > max_idle:
+            return True
+        if idle < 1.0:
+            return False
+        try:
+            p = select.poll()
+            p.register(self.sock, select.POLLIN)
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -353,6 +525,7 @@ class PeerClient:
         self.address = address
         self._me = me
         self._config = config
+        self._sec = security_of(config)
         self._lock = threading.Lock()
         self._idle: list[Connection] = []
         self._watch: socket.socket | None = None
@@ -366,40 +539,45 @@ class PeerClient:
     # --- connections ----------------------------------------------------------------------
     def _connect(self, watch: bool, timeout: float | None = None) -> Connection:
         host, port = P.split_host_port(self.address)
-        timeout = self._config.connect_timeout if timeout is None else min(timeout, self._config.connect_timeout)
+        limit = self._config.connect_timeout
+        timeout = limit if timeout is None else min(timeout, limit)
+        deadline = Deadline(timeout)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             if isinstance(exc, TimeoutError):
-                raise TransferTimeout(f"connecting to peer {self.address}: timed out after {timeout}s") from None
+                raise TransferTimeout(
+                    f"connecting to peer {self.address}: timed out after {timeout}s"
+                ) from None
             raise PeerDeadError(f"cannot connect to peer {self.address}: {exc}") from None
         try:
             _tune(sock, self._config.tcp_keepalive)
-            conn = Connection(sock)
-            sock.settimeout(timeout)
-            ch = _expect(P.recv_msg(sock), P.Challenge)
-            if ch.version != P.PROTOCOL_VERSION:
-                raise ProtocolError(f"peer {self.address} speaks protocol {ch.version}")
-            if self.engine_id and ch.engine_id != self.engine_id:
-                raise PeerDeadError(f"peer {self.address} restarted (engine {self.engine_id} is gone)")
-            token = self._config.token
-            if (token is None) != (not ch.auth):
-                raise AuthError(
-                    f"token mismatch with peer {self.address}: "
-                    + ("we have a token, the peer has none" if token else "the peer requires a token")
-                )
-            nonce = secrets.token_bytes(16)
-            P.send_msg(
-                sock,
-                P.Hello(self._me.node_id, self._me.engine_id, nonce,
-                        P.mac(token, ch.nonce, self._me.engine_id), watch=watch),
-            )
-            welcome = _expect(conn.reply(timeout), P.Welcome)
-            if not P.mac_ok(token, nonce, ch.engine_id, welcome.mac):
-                raise AuthError(f"peer {self.address} could not prove it knows the token")
-            self.node_id, self.engine_id, self.host_id = ch.node_id, ch.engine_id, ch.host_id
+            me = self._me
+            hs = ClientHandshake(self._sec, P.SERVICE, me.engine_id,
+                                 info=P.encode_info(P.ClientInfo(me.node_id, watch)),
+                                 expect_server_id=self.engine_id or None)
+            try:
+                engine_id = run_client(sock, hs, deadline)
+            except AuthFailed as exc:
+                raise AuthError(f"peer {self.address}: {exc}") from None
+            except HandshakeError as exc:
+                if exc.code == "identity":
+                    raise PeerDeadError(
+                        f"peer {self.address} restarted (engine {self.engine_id} is gone)"
+                    ) from None
+                raise ProtocolError(f"peer {self.address}: {exc}") from None
+            except PeerClosed:
+                raise PeerDeadError(
+                    f"peer {self.address} closed the connection during the handshake"
+                ) from None
+            except (OSError, NetError) as exc:
+                raise P.io_error(exc, f"authenticating with peer {self.address}") from None
+            info = P.decode_info(hs.peer_info, P.ServerInfo)
+            if info.version != P.PROTOCOL_VERSION:
+                raise ProtocolError(f"peer {self.address} speaks transfer protocol {info.version}")
+            self.node_id, self.engine_id, self.host_id = info.node_id, engine_id, info.host_id
             sock.settimeout(None)
-            return conn
+            return Connection(sock)
         except BaseException:
             sock.close()
             raise
@@ -414,18 +592,26 @@ class PeerClient:
     def connection(self, timeout: float | None = None) -> Iterator[Connection]:
         """A pooled connection; closed instead of returned if anything went wrong on it.
 
-        ``timeout`` bounds opening a new connection (a caller's deadline).
+        ``timeout`` bounds opening a new connection (a caller's deadline). Pooled connections
+        the server may have closed (idle longer than half the idle timeout, or readable while
+        idle) are dropped instead of used.
         """
         self.check_alive()
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect(watch=False, timeout=timeout)
+        conn = None
+        while conn is None:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = self._connect(watch=False, timeout=timeout)
+            elif conn.stale(self._config.idle_timeout / 2):
+                conn.close()
+                conn = None
         try:
             yield conn
         except BaseException:
             conn.close()
             raise
+        conn.last_used = time.monotonic()
         with self._lock:
             if len(self._idle) < self._config.tcp_max_idle and self.liveness.alive:
                 self._idle.append(conn)
@@ -468,35 +654,22 @@ class PeerClient:
     def call(self, kind: str, payload: bytes, timeout: float | None = None) -> bytes:
         return _expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload
 
-    # --- TCP data path --------------------------------------------------------------------
-    def write(
-        self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray, views: list[memoryview], total: int, timeout: float
-    ) -> None:
+    # --- TCP data path (kept for the NIXL transport's owner-push READs) ------------------
+    def write(self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray,
+              views: list[memoryview], total: int, timeout: float) -> None:
         """Push ``views`` into ``desc`` at ``offsets``; returns once the owner acknowledged."""
-        req = P.WriteReq(desc.name, desc.seg_id, offsets.astype("<u8", copy=False).tobytes(), lengths.astype("<u8", copy=False).tobytes(), total)
-        with self.connection(timeout) as conn:
-            conn.sock.settimeout(timeout)
-            try:
-                P.send_views(conn.sock, [memoryview(P.encode(req))] + views)
-            except OSError as exc:
-                raise P._io_error(exc, f"writing to {self.address}") from None
-            _expect(conn.reply(timeout), P.Ack)
+        from .transports import tcp
 
-    def read(
-        self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray, views: list[memoryview], total: int, timeout: float
-    ) -> None:
+        tcp.client_write(self, desc, offsets, lengths, total, timeout,
+                         lambda sock, head: tcp.send_views(sock, [memoryview(head), *views]))
+
+    def read(self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray,
+             views: list[memoryview], total: int, timeout: float) -> None:
         """Ask the owner to push the ranges; receive them straight into ``views``."""
-        req = P.ReadReq(desc.name, desc.seg_id, offsets.astype("<u8", copy=False).tobytes(), lengths.astype("<u8", copy=False).tobytes(), total)
-        with self.connection(timeout) as conn:
-            resp = _expect(conn.request(req, timeout), P.ReadResp)
-            if resp.total != total:
-                raise ProtocolError(
-                    f"peer {self.address} answered {resp.total} bytes for a {total} byte read"
-                )
-            try:
-                P.recv_into_views(conn.sock, views)
-            except OSError as exc:
-                raise P._io_error(exc, f"reading from {self.address}") from None
+        from .transports import tcp
+
+        tcp.client_read(self, desc, offsets, lengths, total, timeout,
+                        lambda sock: tcp.recv_into_views(sock, views))
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from . import fence
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
@@ -54,6 +55,7 @@ from .memory import (
 from .ranges import as_int64, as_op, as_requests
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import Transport, TransportContext, TransferJob
+from .transports.tcp import TcpServer
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
 log = logging.getLogger("kvmesh.transfer")
@@ -160,6 +162,7 @@ class TransferEngine:
             note_batch=self._note_batch,
         )
         try:
+            tcp_server = TcpServer(self._table.lookup, cfg)  # the TCP data path's owner side
             self._server = ControlServer(
                 cfg.listen,
                 Identity(self.node_id, self.engine_id, self.host_id),
@@ -167,6 +170,8 @@ class TransferEngine:
                 lookup=self._table.lookup,
                 list_segments=self._table.list,
                 call=self._handle_call,
+                handlers=tcp_server.handlers(),
+                max_frame=tcp_server.max_frame,
             )
         except BaseException:
             self._executor.close()
@@ -307,12 +312,21 @@ class TransferEngine:
         return region
 
     def unregister(self, region: MemoryRegion, *, timeout: float = 10.0) -> None:
-        """Unpublish and unregister ``region``; waits (bounded) for jobs still using it."""
+        """Unpublish and unregister ``region``; waits (bounded) for jobs still using it.
+
+        When this returns no job of this or any same-host peer process touches the memory
+        any more ("Memory lifetime" in docs/transfer.md). ``TransferTimeout`` means some job
+        still may: the region stays registered (closed to new jobs) and its memory must not
+        be reused; calling again waits again.
+        """
         if region not in self._regions:
             raise NotRegistered(f"{region!r} is not registered with this engine")
         for name in self._table.names_of(region):
             self.unpublish(name)
+        self._server.end_users_of(region)  # a stalled peer's request must not pin it
+        end = time.monotonic() + timeout
         region.close(timeout)
+        fence.revoke(region.region_id, max(0.0, end - time.monotonic()))
         self._regions.remove(region)
         for t in self._transports:
             try:
@@ -359,6 +373,7 @@ class TransferEngine:
             shm_name=shm.name if shm is not None else None,
             shm_offset=region.shm_offset,
             shm_size=shm.size if shm is not None else 0,
+            fence=fence.publish(region.region_id),
             meta=dict(meta or {}),
         )
         fields: dict[str, Any] = {}
@@ -667,7 +682,9 @@ class TransferEngine:
         except ValueError:
             t = None
         if t is None:
-            raise TransportUnavailable(f"transport {kind!r} is not enabled on {self.node_id}")
+            raise TransportUnavailable(f"transport {kind[:64]!r} is not enabled on {self.node_id}")
+        if type(t).handle_call is Transport.handle_call:
+            raise TransportUnavailable(f"transport {kind!r} takes no peer calls")
         return t.handle_call(payload)
 
     def _on_segment_removed(self, peer: PeerClient, name: str, seg_id: int) -> None:

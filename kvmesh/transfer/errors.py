@@ -60,6 +60,12 @@ class TensorMismatch(InvalidArgument):
     code = "tensor_mismatch"
 
 
+class RequestTooLarge(InvalidArgument):
+    """A request over the owner's limits (pieces or bytes per request, frame size)."""
+
+    code = "too_large"
+
+
 class AuthError(TransferError):
     """The peer refused our shared-secret token, or we refused theirs."""
 
@@ -119,6 +125,7 @@ ERROR_CODES: dict[str, type[TransferError]] = {
         SegmentNotFound,
         SegmentExists,
         TensorMismatch,
+        RequestTooLarge,
         AuthError,
         PeerDeadError,
         TransferTimeout,

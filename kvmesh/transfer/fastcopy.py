@@ -90,13 +90,14 @@ def copy_ranges(
     """Copy ``lengths[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + dst_offsets[i]``.
 
     One native call per range, GIL released, so several threads copy in parallel. ``check`` is
-    called every few MiB so that a long copy stays abortable (dead peer, deadline).
+    called every few MiB so that a long copy stays abortable (dead peer, deadline, removed
+    segment); callers cut ranges longer than that first (``transports.base.cut``).
     """
     if len(lengths) <= 4:  # numpy call overhead would dominate a few small copies
         for d, s, n in zip(dst_offsets.tolist(), src_offsets.tolist(), lengths.tolist()):
             copy(dst_base + d, src_base + s, n)
-        if check is not None:
-            check()
+            if check is not None:
+                check()
         return
     dsts = dst_offsets + np.uint64(dst_base)
     srcs = src_offsets + np.uint64(src_base)

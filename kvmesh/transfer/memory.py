@@ -18,18 +18,17 @@ import ctypes.util
 import itertools
 import mmap
 import os
-import secrets
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from . import shmfile
 from .errors import EngineClosed, InvalidArgument, InvalidLength, NotRegistered, TransferTimeout
+from .shmfile import SHM_DIR, SHM_PREFIX
 from .types import MemoryKind
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvmesh-"
 _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -79,50 +78,48 @@ def unmap(addr: int, size: int) -> None:
 class SharedBuffer:
     """Host memory in a ``/dev/shm`` file, mapped into this process.
 
-    The creating process owns the name: ``close()`` unmaps and unlinks it. Peers attach with
-    :meth:`attach` (the shared-memory transport does that) and only unmap on close.
+    The creating process owns the name: it keeps the file open with its liveness lock held
+    (see :mod:`kvmesh.transfer.shmfile`), and ``close()`` unmaps and unlinks it. Peers attach
+    with :meth:`attach` (the shared-memory transport does that) and only unmap on close.
     """
 
-    __slots__ = ("name", "size", "addr", "owner", "_closed", "__weakref__")
+    __slots__ = ("name", "size", "addr", "owner", "_fd", "_closed", "__weakref__")
 
-    def __init__(self, name: str, size: int, addr: int, owner: bool) -> None:
+    def __init__(self, name: str, size: int, addr: int, owner: bool, fd: int = -1) -> None:
         self.name = name
         self.size = size
         self.addr = addr
         self.owner = owner
+        self._fd = fd  # the owner's open file, holding the liveness lock
         self._closed = False
 
     @classmethod
-    def create(cls, size: int, *, name: str | None = None, populate: bool = True) -> "SharedBuffer":
+    def create(cls, size: int, *, populate: bool = True) -> "SharedBuffer":
         """Allocate ``size`` bytes (rounded up to pages) in a new ``/dev/shm`` file."""
         if size <= 0:
             raise InvalidLength(f"shared buffer size must be positive, got {size}")
         size = (size + _PAGE - 1) // _PAGE * _PAGE
-        if name is None:
-            name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        if "/" in name or not name:
-            raise InvalidArgument(f"bad shared-memory name {name!r}")
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        name, fd = shmfile.create(size)
         try:
-            try:
-                os.ftruncate(fd, size)
-                addr = map_file(fd, size, populate=populate)
-            except BaseException:
-                os.unlink(path)
-                raise
-        finally:
+            addr = map_file(fd, size, populate=populate)
+        except BaseException:
+            os.unlink(os.path.join(SHM_DIR, name))
             os.close(fd)
-        buf = cls(name, size, addr, owner=True)
+            raise
+        buf = cls(name, size, addr, owner=True, fd=fd)
         _register_shared(buf)
         return buf
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = True) -> "SharedBuffer":
-        """Map an existing ``/dev/shm`` file created by another process (whole file)."""
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        """Map a ``/dev/shm`` file created by another engine (whole file).
+
+        ``name`` usually comes from a peer: it is checked and opened as
+        :func:`~kvmesh.transfer.shmfile.open_peer` says (``InvalidArgument`` if refused).
+        """
+        fd, st = shmfile.open_peer(name)
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size == 0:
                 raise InvalidLength(f"shared-memory file {name!r} is empty")
             addr = map_file(fd, size, populate=populate)
@@ -151,6 +148,7 @@ class SharedBuffer:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+            os.close(self._fd)
         unmap(self.addr, self.size)
 
     def __repr__(self) -> str:
@@ -187,34 +185,8 @@ def shared_buffer_at(ptr: int, size: int) -> SharedBuffer | None:
 
 
 def sweep_dead_shared(prefix: str = SHM_PREFIX) -> list[str]:
-    """Unlink ``/dev/shm`` files of kvmesh processes on this host that no longer exist."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        try:
-            pid = int(name[len(prefix) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, other user
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    """Unlink ``/dev/shm`` files of kvmesh owners (of our uid) that are gone (see shmfile)."""
+    return shmfile.sweep(prefix)
 
 
 _region_ids = itertools.count(1)

@@ -1,75 +1,77 @@
-"""The control protocol: messages, framing and copy-free socket helpers.
+"""The control protocol: messages and their framing on the engine's control connections.
 
-Every message is a msgspec Struct in one tagged union, sent as a 4-byte little-endian length
-followed by its msgpack body. Bulk bytes never go through msgpack: a ``WriteReq`` frame is
-followed by ``total`` raw payload bytes, and a ``ReadResp`` frame likewise; both sides move
-them with ``sendmsg``/``recv_into`` straight between registered memory and the socket.
+Every message is a msgspec Struct in one tagged union, sent as a :mod:`kvmesh.net` frame
+(4-byte little-endian length, msgpack body). Bulk bytes never go through msgpack: a
+``WriteReq`` frame is followed by ``total`` raw payload bytes, and a ``ReadResp`` frame
+likewise; the TCP transport (``transports/tcp.py``) moves them straight between registered
+memory and the socket.
 
-Connection opening (both sides prove they hold the same optional shared secret)::
+A connection opens with the shared :mod:`kvmesh.net` handshake for service ``"transfer"``
+(server id and client id: the engines' ``engine_id``; the ``info`` blobs are
+:class:`ServerInfo` / :class:`ClientInfo`). After that the client sends requests and reads
+one reply each (``GetSegment`` -> ``SegmentInfo``, ``WriteReq`` + payload -> ``Ack``,
+``ReadReq`` -> ``ReadResp`` + payload, ...). A connection opened with ``ClientInfo(watch=True)``
+instead receives pushed ``SegmentRemoved``/``Bye`` frames; its closing tells the client that
+the peer is gone.
 
-    server -> Challenge(nonce, identity, auth)
-    client -> Hello(identity, client_nonce, mac = HMAC(token, nonce + client engine id))
-    server -> Welcome(mac = HMAC(token, client_nonce + server engine id)) | Error("auth")
-
-After that the client sends requests and reads one reply each (``GetSegment`` ->
-``SegmentInfo``, ``WriteReq`` + payload -> ``Ack``, ``ReadReq`` -> ``ReadResp`` + payload,
-...). A connection opened with ``Hello(watch=True)`` instead receives pushed
-``SegmentRemoved``/``Bye`` frames; its closing tells the client that the peer is gone.
+Every field a peer sends is bounded in the types below (``Meta``) or, where the bound is a
+setting (pieces and bytes per request), checked by the server before any work.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import socket
-import struct
-from typing import Union
+from typing import Annotated, TypeVar
 
 import msgspec
 
-from .errors import PeerDeadError, ProtocolError, TransferTimeout
+from kvmesh.net import (
+    Deadline,
+    DeadlineExceeded,
+    FrameTooLarge,
+    PeerClosed,
+    encode_frame,
+    read_frame,
+)
+from kvmesh.net.errors import clip
+
+from .errors import InvalidArgument, PeerDeadError, ProtocolError, TransferTimeout
 from .types import SegmentDescriptor
 
-PROTOCOL_VERSION = 1
-MAX_FRAME = 64 << 20  # a frame is metadata only; anything bigger is a protocol violation
-_LEN = struct.Struct("<I")
-# iovecs per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux). A receive returns what
-# has arrived (often 64-256 KiB on loopback) and CPython acquires every buffer of the list on
-# each call, so receives take fewer at a time than sends.
-_IOV_SEND = 256
-_IOV_RECV = 64
-_SMALL_PIECE = 64 << 10  # below this, scatter many pieces per syscall
+PROTOCOL_VERSION = 2
+SERVICE = "transfer"  # the kvmesh.net service name bound into the handshake
+MAX_FRAME = 64 << 20  # largest reply a client accepts (a segment list); requests: see tcp.py
+MAX_NAME = 1024  # segment names, transport kinds
+MAX_MESSAGE = 4096  # error messages
+
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+_Id = Annotated[str, msgspec.Meta(max_length=256)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class Challenge(msgspec.Struct, tag="challenge"):
-    nonce: bytes
-    node_id: str
-    engine_id: str
-    host_id: str
-    version: int
-    auth: bool  # the server has a token configured
+class ServerInfo(msgspec.Struct, frozen=True):
+    """``info`` of the server's handshake challenge."""
 
-
-class Hello(msgspec.Struct, tag="hello"):
-    node_id: str
-    engine_id: str
-    nonce: bytes
-    mac: bytes | None
+    node_id: _Id
+    host_id: _Id
     version: int = PROTOCOL_VERSION
+
+
+class ClientInfo(msgspec.Struct, frozen=True):
+    """``info`` of the client's hello."""
+
+    node_id: _Id
     watch: bool = False
-
-
-class Welcome(msgspec.Struct, tag="welcome"):
-    mac: bytes | None
+    version: int = PROTOCOL_VERSION
 
 
 class Error(msgspec.Struct, tag="error"):
-    code: str
-    message: str
+    code: Annotated[str, msgspec.Meta(max_length=64)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE)]
 
 
 class GetSegment(msgspec.Struct, tag="get_segment"):
-    name: str
+    name: _Name
 
 
 class SegmentInfo(msgspec.Struct, tag="segment_info"):
@@ -95,11 +97,11 @@ class Pong(msgspec.Struct, tag="pong"):
 class WriteReq(msgspec.Struct, tag="write"):
     """Followed by ``total`` payload bytes: the pieces, in request order."""
 
-    segment: str
-    seg_id: int
+    segment: _Name
+    seg_id: _Count
     offsets: bytes  # little-endian uint64 array
     lengths: bytes  # little-endian uint64 array
-    total: int
+    total: _Count
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -107,11 +109,11 @@ class Ack(msgspec.Struct, tag="ack"):
 
 
 class ReadReq(msgspec.Struct, tag="read"):
-    segment: str
-    seg_id: int
+    segment: _Name
+    seg_id: _Count
     offsets: bytes
     lengths: bytes
-    total: int
+    total: _Count
 
 
 class ReadResp(msgspec.Struct, tag="read_resp"):
@@ -121,7 +123,7 @@ class ReadResp(msgspec.Struct, tag="read_resp"):
 
 
 class Call(msgspec.Struct, tag="call"):
-    kind: str  # TransportKind value
+    kind: Annotated[str, msgspec.Meta(max_length=64)]  # TransportKind value
     payload: bytes
 
 
@@ -130,61 +132,66 @@ class CallReply(msgspec.Struct, tag="call_reply"):
 
 
 class SegmentRemoved(msgspec.Struct, tag="segment_removed"):
-    name: str
+    name: _Name
     seg_id: int
 
 
 class Bye(msgspec.Struct, tag="bye"):
-    reason: str
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE)]
 
 
-Message = Union[
-    Challenge,
-    Hello,
-    Welcome,
-    Error,
-    GetSegment,
-    SegmentInfo,
-    ListSegments,
-    SegmentList,
-    Ping,
-    Pong,
-    WriteReq,
-    Ack,
-    ReadReq,
-    ReadResp,
-    Call,
-    CallReply,
-    SegmentRemoved,
-    Bye,
-]
+Message = (
+    Error
+    | GetSegment
+    | SegmentInfo
+    | ListSegments
+    | SegmentList
+    | Ping
+    | Pong
+    | WriteReq
+    | Ack
+    | ReadReq
+    | ReadResp
+    | Call
+    | CallReply
+    | SegmentRemoved
+    | Bye
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def mac(token: str | None, nonce: bytes, engine_id: str) -> bytes | None:
-    """HMAC proving knowledge of ``token`` for this nonce and identity (None without a token)."""
-    if token is None:
-        return None
-    return hmac.new(token.encode(), nonce + engine_id.encode(), hashlib.sha256).digest()
-
-
-def mac_ok(token: str | None, nonce: bytes, engine_id: str, got: bytes | None) -> bool:
-    want = mac(token, nonce, engine_id)
-    if want is None or got is None:
-        return want is None and got is None
-    return hmac.compare_digest(want, got)
-
-
 def encode(msg: Message) -> bytes:
-    body = _encoder.encode(msg)
-    return _LEN.pack(len(body)) + body
+    return encode_frame(_encoder.encode(msg))
 
 
-def _io_error(exc: BaseException, what: str) -> Exception:
-    if isinstance(exc, (socket.timeout, TimeoutError)):
+def encode_info(info: ServerInfo | ClientInfo) -> bytes:
+    return _encoder.encode(info)
+
+
+_Info = TypeVar("_Info", ServerInfo, ClientInfo)
+
+
+def decode_info(raw: bytes, cls: type[_Info]) -> _Info:
+    """The handshake ``info`` blob of the other side."""
+    try:
+        return msgspec.msgpack.decode(raw, type=cls)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad handshake info from peer: {clip(str(exc))}") from None
+
+
+def error_reply(exc: BaseException, code: str | None = None) -> Error:
+    """The ``Error`` frame for a refusal (message bounded)."""
+    return Error(code or getattr(exc, "code", "transfer"), str(exc)[:1000])
+
+
+def io_error(exc: BaseException, what: str) -> Exception:
+    """Map a socket/net failure to the transfer error a caller expects."""
+    if isinstance(exc, TimeoutError):  # socket.timeout and kvmesh.net deadlines alike
         return TransferTimeout(f"{what}: timed out")
+    if isinstance(exc, FrameTooLarge):
+        return ProtocolError(f"{what}: {exc}")
     return PeerDeadError(f"{what}: {exc.__class__.__name__}: {exc}")
 
 
@@ -192,101 +199,41 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
     try:
         sock.sendall(encode(msg))
     except OSError as exc:
-        raise _io_error(exc, "sending to peer") from None
+        raise io_error(exc, "sending to peer") from None
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket; EOF before it is full means the peer is gone."""
-    while len(view):
-        n = sock.recv_into(view)
-        if n == 0:
-            raise PeerDeadError("peer closed the connection")
-        view = view[n:]
-
-
-def recv_msg(sock: socket.socket, buf: bytearray | None = None) -> Message:
-    """Read one frame. ``buf`` is a reusable scratch buffer (grown as needed)."""
+def decode(body: bytes | bytearray | memoryview) -> Message:
     try:
-        head = bytearray(4)
-        recv_exact(sock, memoryview(head))
-        (size,) = _LEN.unpack(head)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME} byte limit")
-        if buf is None or len(buf) < size:
-            buf = bytearray(max(size, 256))
-        view = memoryview(buf)[:size]
-        recv_exact(sock, view)
-    except OSError as exc:
-        raise _io_error(exc, "receiving from peer") from None
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable frame from peer: {clip(str(exc))}") from None
+
+
+def decode_request(body: bytes | bytearray | memoryview) -> Message:
+    """Server side: a malformed field is the peer's invalid argument, garbage a protocol error."""
     try:
-        return _decoder.decode(view)
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(f"invalid request: {clip(str(exc))}") from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable frame from peer: {exc}") from None
+        raise ProtocolError(f"undecodable frame from peer: {clip(str(exc))}") from None
 
 
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every byte of ``views`` in order, gathering many buffers per syscall."""
-    i = 0
-    n = len(views)
-    while i < n:
-        chunk = views[i : i + _IOV_SEND]
-        sent = sock.sendmsg(chunk)
-        # Skip fully sent buffers; keep the unsent tail of a partially sent one.
-        for v in chunk:
-            lv = len(v)
-            if sent >= lv:
-                sent -= lv
-                i += 1
-            else:
-                if sent:
-                    views[i] = v[sent:]
-                break
-
-
-def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every buffer of ``views`` in order, straight from the socket (no staging copy)."""
-    i = 0
-    n = len(views)
-    while i < n:
-        cur = views[i]
-        if len(cur) >= _SMALL_PIECE:
-            got = sock.recv_into(cur)
-            if got == 0:
-                raise PeerDeadError("peer closed the connection mid-transfer")
-            if got == len(cur):
-                i += 1
-            else:
-                views[i] = cur[got:]
-            continue
-        chunk = views[i : i + _IOV_RECV]
-        got = sock.recvmsg_into(chunk)[0]
-        if got == 0:
-            raise PeerDeadError("peer closed the connection mid-transfer")
-        for v in chunk:
-            lv = len(v)
-            if got >= lv:
-                got -= lv
-                i += 1
-            else:
-                if got:
-                    views[i] = v[got:]
-                break
-
-
-def drain(sock: socket.socket, nbytes: int) -> None:
-    """Read and discard ``nbytes`` (payload of a refused request), keeping the stream in sync."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
-    while nbytes > 0:
-        got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
-        if got == 0:
-            raise PeerDeadError("peer closed the connection mid-transfer")
-        nbytes -= got
+def recv_msg(
+    sock: socket.socket, max_frame: int = MAX_FRAME, deadline: Deadline | None = None
+) -> Message:
+    """Read and decode one frame (within ``deadline``, else the socket's timeout)."""
+    try:
+        body = read_frame(sock, max_frame, deadline)
+    except PeerClosed:
+        raise PeerDeadError("peer closed the connection") from None
+    except (OSError, DeadlineExceeded, FrameTooLarge) as exc:
+        raise io_error(exc, "receiving from peer") from None
+    return decode(body)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
-    from .errors import InvalidArgument
-
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise InvalidArgument(f"bad address {address!r}: expected 'host:port'")

@@ -87,6 +87,7 @@ class SegmentDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     shm_name: str | None = None  # file name under /dev/shm when kind is SHM
     shm_offset: int = 0  # where the segment starts inside that file
     shm_size: int = 0  # size of the whole file (peers map it once for all its segments)
+    fence: str | None = None  # the owner's fence file under /dev/shm (kvmesh/transfer/fence.py)
     cuda_ipc: bytes | None = None  # cudaIpcMemHandle_t of the allocation holding the segment
     cuda_ipc_offset: int = 0  # segment start minus the allocation base
     nixl_agent: str | None = None
@@ -112,6 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     advertise: str | None = None  # address given to peers (default: the bound address)
     host_id: str | None = None  # override locality detection (tests force "other host")
     token: str | None = None  # shared secret; peers must prove they know it
+    token_file: str | None = None  # read the shared secret from this file instead
+    allow_insecure: bool = False  # allow listening on a non-loopback address without a token
     transport: TransportKind | None = None  # force one transport for every remote segment
     transports_allow: list[TransportKind] | None = None  # None: every available transport
     transports_disable: list[TransportKind] = []
@@ -122,6 +125,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     inline_bytes: int = 1 << 20  # local/shm jobs up to this size run in the submitting thread
     split_bytes: int = 16 << 20  # larger jobs are cut into parts that run in parallel
     tcp_max_idle: int = 8  # idle data connections kept per peer
+    # Limits of the control server (what one peer may cost this engine; docs/transfer.md).
+    max_connections: int = 1024  # served connections in total; more are closed at once
+    max_unauthenticated: int = 64  # connections still in their handshake
+    request_timeout: float = 60.0  # one request: its frame, payload and reply
+    idle_timeout: float = 300.0  # a data connection with no request for this long is closed
+    max_request_pieces: int = 1 << 20  # (offset, length) pieces in one WRITE/READ request
+    max_request_bytes: int = 1 << 30  # payload bytes of one WRITE/READ request
     tcp_keepalive: bool = True  # detect half-open peers on real networks
     shm_populate: bool = True  # pre-fault shared mappings (first touch is 5x slower)
     shm_sweep: bool = True  # unlink /dev/shm files left by dead kvmesh processes on this host
@@ -143,6 +153,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidArgument(f"unknown transport in engine configuration ({exc}); known: {known}") from None
         if self.workers < 1:
             raise InvalidArgument(f"workers must be >= 1, got {self.workers}")
+        for name in ("max_connections", "max_unauthenticated", "max_request_pieces",
+                     "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "idle_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "EngineConfig":

@@ -229,9 +229,11 @@ def test_mutual_tls_refuses_a_client_without_a_trusted_cert(certs):
     box: dict = {}
     addr, t = _serve_tls(sec, box)
     raw = socket.create_connection(addr, timeout=5)
-    with pytest.raises((ssl.SSLError, OSError, EOFError)):
-        with client_ssl_context(stranger).wrap_socket(raw) as s:
-            client_handshake(s, stranger, "store", "cli", 5.0)
+    with (
+        pytest.raises((ssl.SSLError, OSError, EOFError)),
+        client_ssl_context(stranger).wrap_socket(raw) as s,
+    ):
+        client_handshake(s, stranger, "store", "cli", 5.0)
     t.join(5)
     assert isinstance(box.get("error"), ssl.SSLError), box
     # A client that does not trust the server's certificate refuses it as well.

@@ -23,7 +23,7 @@ def test_bench_quick_tiny(tmp_path):
     labels = ["local", "shm", "tcp"] + (["nixl", "nixl-tcp"] if nixl.available() else [])
     cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--quick", "--json", str(out),
            "--pages", "16384,65536", "--batches", "8", "--reps", "1", "--latency-samples", "20",
-           "--pool-mib", "4", "--tcp-mib", "16", "--idle-seconds", "0.3",
+           "--pool-mib", "4", "--tcp-mib", "16", "--idle-seconds", "0.5",
            "--transports", ",".join(labels)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -57,6 +57,12 @@ def test_bench_quick_tiny(tmp_path):
     assert {(r["path"], r["op"]) for r in lat} == {(p, op) for p in labels for op in ("read", "write")}
     for r in lat:
         assert 0 < r["p50_us"] <= r["p99_us"] and r["page_bytes"] == 4096 and r["gbps"] is None
-    idle = [r for r in recs if r["case"] == "idle"]
-    assert len(idle) == 2 and all(r["cpu_pct"] >= 0 for r in idle)
+    # Idle engines block in the kernel: docs/transfer.md's target is < 5 % of a core per engine
+    # (2-3 % with a NIXL agent polling at 1 ms). Both processes measured 2 % here (one 10 ms
+    # tick in the 0.5 s window), also at load average 13 on 2 cores; 12 % leaves room for a
+    # few ticks more, while busy-polling threads fail it even on that box (peer 13-17 %, this
+    # process 51-99 % with the workers planted to spin on their queue).
+    idle = {r["path"].split(" (")[0]: r["cpu_pct"] for r in recs if r["case"] == "idle"}
+    assert set(idle) == {"peer engine", "this process"}, idle
+    assert 0 <= idle["peer engine"] < 12 and 0 <= idle["this process"] < 12, idle
     assert data["targets"] and all("met" in t for t in data["targets"])

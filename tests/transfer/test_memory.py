@@ -2,6 +2,7 @@
 
 import gc
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -169,19 +170,48 @@ def test_shared_buffer_attach_sees_writes_and_owner_unlinks():
         SharedBuffer.create(0)
 
 
-def test_sweep_removes_files_of_dead_processes_only():
+# Holds an OFD write lock on byte 0 of a new file, as a live owner does, until stdin closes.
+_HOLDER = r"""
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 1, 0))
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sweep_judges_liveness_by_the_owners_lock_not_its_pid():
+    # Every name encodes a pid that is dead here, as an owner in another pid namespace would.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = os.path.join(SHM_DIR, f"kvmesh-{dead.pid}-deadbeef")
-    mine = os.path.join(SHM_DIR, f"kvmesh-{os.getpid()}-cafe")
-    for p in (stale, mine):
-        with open(p, "wb") as f:
-            f.write(b"x")
+    names = {k: f"kvmesh-{dead.pid}-{secrets.token_hex(6)}" for k in ("held", "orphan", "foreign")}
+    path = {k: os.path.join(SHM_DIR, n) for k, n in names.items()}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, path["held"]], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    mine = SharedBuffer.create(4096)  # alive in this very process: no shortcut for our own pid
     try:
+        assert holder.stdout.readline().strip() == "locked"
+        for k in ("orphan", "foreign"):
+            with open(path[k], "wb") as f:
+                f.write(b"x")
+        other_uid = os.getuid() == 0
+        if other_uid:  # only root can give a file away
+            os.chown(path["foreign"], 4242, 4242)
         removed = sweep_dead_shared()
-        assert f"kvmesh-{dead.pid}-deadbeef" in removed
-        assert not os.path.exists(stale) and os.path.exists(mine)
+        assert names["orphan"] in removed and not os.path.exists(path["orphan"])
+        assert names["held"] not in removed and os.path.exists(path["held"])
+        assert mine.name not in removed and os.path.exists(os.path.join(SHM_DIR, mine.name))
+        if other_uid:
+            assert names["foreign"] not in removed and os.path.exists(path["foreign"])
+        # The holder dies: the kernel drops its lock, and the next sweep takes the file.
+        holder.stdin.close()
+        holder.wait(10)
+        assert names["held"] in sweep_dead_shared() and not os.path.exists(path["held"])
     finally:
-        for p in (stale, mine):
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        mine.close()
+        for p in path.values():
             if os.path.exists(p):
                 os.unlink(p)

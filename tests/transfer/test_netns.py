@@ -23,7 +23,7 @@ addr = sys.argv[1]
 out = {}
 for label, host in (("far", "host-a"), ("near", None)):
     eng = TransferEngine(config=EngineConfig(listen="10.77.%s.1:0" % sys.argv[2], host_id=host,
-                                             transports_disable=["nixl"]))
+                                             transports_disable=["nixl"], token="netns-secret"))
     buf = eng.register(np.zeros(8 << 20, np.uint8))
     seg = eng.open_segment(addr, "pool")
     r = eng.read(buf, 0, seg, 0, 8 << 20)
@@ -71,8 +71,9 @@ def test_transfers_across_a_veth_pair(namespaces):
     na, nb, subnet = namespaces
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The peer runs inside namespace b on the wildcard address: it must advertise its veth
-    # address (the one on its default route), not 0.0.0.0.
-    with Peer("--size", str(16 << 20), "--listen", "0.0.0.0:0",
+    # address (the one on its default route), not 0.0.0.0. A non-loopback listener needs a
+    # token (kvmesh.net check_bind).
+    with Peer("--size", str(16 << 20), "--listen", "0.0.0.0:0", "--token", "netns-secret",
               prefix=("ip", "netns", "exec", nb)) as peer:
         assert peer.address.startswith(f"10.77.{subnet}.2:")
         out = subprocess.run(["ip", "netns", "exec", na, sys.executable, "-c", CLIENT, peer.address, subnet],

@@ -36,6 +36,7 @@ Rules for implementations:
 from __future__ import annotations
 
 import abc
+import itertools
 import time
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -177,6 +178,38 @@ class TransferJob:
         if self._coalesced is None:
             self._coalesced = coalesce(self.local_offsets, self.remote_offsets, self.lengths)
         return self._coalesced
+
+
+CHUNK_BYTES = 8 << 20  # most bytes a long copy moves between two job checks
+
+
+def cut(
+    local_offsets: np.ndarray, remote_offsets: np.ndarray, lengths: np.ndarray, most: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same ranges with every one longer than ``most`` cut at multiples of ``most``."""
+    if len(lengths) == 0 or int(lengths.max()) <= most:
+        return local_offsets, remote_offsets, lengths
+    m = np.uint64(most)
+    pieces = (lengths + (m - np.uint64(1))) // m
+    src = np.repeat(np.arange(len(lengths)), pieces.astype(np.int64))
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces.astype(np.int64))
+    skip = (np.arange(len(src), dtype=np.uint64) - first) * m
+    return (
+        local_offsets[src] + skip,
+        remote_offsets[src] + skip,
+        np.minimum(lengths[src] - skip, m),
+    )
+
+
+def chunks(
+    local_offsets: np.ndarray, remote_offsets: np.ndarray, lengths: np.ndarray, most: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Consecutive runs of the (cut) ranges, each moving less than ``2 * most`` bytes."""
+    lo, ro, ln = cut(local_offsets, remote_offsets, lengths, most)
+    bucket = (np.cumsum(ln) - ln) // np.uint64(most)
+    edges = np.flatnonzero(bucket[1:] != bucket[:-1]) + 1
+    bounds = [0, *edges.tolist(), len(ln)]
+    return [(lo[a:b], ro[a:b], ln[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def coalesce(

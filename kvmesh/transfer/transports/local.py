@@ -13,7 +13,7 @@ from ..errors import SegmentNotFound, TransportUnavailable
 from ..fastcopy import copy_ranges
 from ..memory import MemoryRegion
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import Transport, TransferJob
+from .base import CHUNK_BYTES, TransferJob, Transport, cut
 
 
 def _cuda_usable() -> bool:
@@ -53,7 +53,16 @@ class LocalTransport(Transport):
             raise SegmentNotFound(f"segment {job.remote.name!r} was unregistered by its owner") from None
         try:
             lo, ro, ln = job.coalesced()
-            check = job.check if job.nbytes > (8 << 20) else None
+            check = None
+            if job.nbytes > CHUNK_BYTES:
+                lo, ro, ln = cut(lo, ro, ln, CHUNK_BYTES)
+
+                def check() -> None:
+                    job.check()
+                    if region.closed:  # unregister() is waiting for us: stop between chunks
+                        raise SegmentNotFound(
+                            f"segment {job.remote.name!r} was unregistered by its owner"
+                        )
             if job.op is Op.WRITE:
                 dst, dst_off, src, src_off = region.ptr, ro, job.local.ptr, lo
             else:

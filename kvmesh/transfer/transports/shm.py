@@ -5,6 +5,10 @@ pre-faulted (the first touch of a lazy mapping wrote at 1.5 GB/s, a warm one at 
 unmapped when the last route using them closes. A mapping stays valid even after the owner
 unlinks the file or dies, so a copy in flight never faults; the engine's liveness watch turns
 the owner's death into ``PeerDeadError`` for the batch.
+
+Every job runs inside the owner's fence (:mod:`kvmesh.transfer.fence`) and long ones are cut
+into chunks with a check between them, so nothing lands after the owner's ``unregister``
+returned: the job fails with ``SegmentNotFound`` instead.
 """
 
 from __future__ import annotations
@@ -12,20 +16,22 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..errors import TransportUnavailable
+from .. import fence
+from ..errors import InvalidArgument, TransportUnavailable
 from ..fastcopy import copy_ranges
 from ..memory import MemoryRegion, SharedBuffer
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import Transport, TransferJob
+from .base import CHUNK_BYTES, TransferJob, Transport, cut
 
 
 class _Route:
-    __slots__ = ("name", "base", "buf")
+    __slots__ = ("name", "base", "buf", "fence")
 
-    def __init__(self, name: str, base: int, buf: SharedBuffer) -> None:
+    def __init__(self, name: str, base: int, buf: SharedBuffer, fc: fence.FenceClient) -> None:
         self.name = name
         self.base = base
         self.buf = buf
+        self.fence = fc
 
 
 class ShmTransport(Transport):
@@ -44,24 +50,39 @@ class ShmTransport(Transport):
             local.is_host
             and remote.kind is MemoryKind.SHM
             and remote.shm_name is not None
+            and remote.fence is not None
             and remote.host_id == self.ctx.host_id
         )
 
     def open(self, remote: SegmentDescriptor) -> Any:
         name = remote.shm_name
-        assert name is not None
+        assert name is not None and remote.fence is not None
+        try:
+            fc = fence.attach(remote.fence)
+        except (OSError, InvalidArgument) as exc:
+            raise TransportUnavailable(
+                f"cannot open the fence of segment {remote.name!r}: {exc}"
+            ) from None
+        try:
+            return self._map(remote, name, fc)
+        except BaseException:
+            fence.detach(fc)
+            raise
+
+    def _map(self, remote: SegmentDescriptor, name: str, fc: fence.FenceClient) -> _Route:
         with self._lock:
             entry = self._maps.get(name)
             if entry is None:
                 try:
                     buf = SharedBuffer.attach(name, populate=self.ctx.config.shm_populate)
-                except OSError as exc:
+                except (OSError, InvalidArgument) as exc:
                     # Same host id but the file is not visible here (container with its own
-                    # /dev/shm, other user): let the engine fall back to the next transport.
+                    # /dev/shm, other user), or a name we refuse: let the engine fall back.
                     raise TransportUnavailable(f"cannot map shared segment {name!r}: {exc}") from None
                 entry = (buf, 0)
             buf, n = entry
-            if remote.shm_offset + remote.size > buf.size:
+            off, size = remote.shm_offset, remote.size
+            if off < 0 or size <= 0 or off + size > buf.size:
                 if n == 0:
                     buf.close()
                 raise TransportUnavailable(
@@ -69,9 +90,10 @@ class ShmTransport(Transport):
                     f"{remote.shm_offset + remote.size}"
                 )
             self._maps[name] = (buf, n + 1)
-        return _Route(name, buf.addr + remote.shm_offset, buf)
+        return _Route(name, buf.addr + remote.shm_offset, buf, fc)
 
     def close_route(self, route: Any) -> None:
+        fence.detach(route.fence)
         with self._lock:
             buf, n = self._maps[route.name]
             if n > 1:
@@ -81,12 +103,25 @@ class ShmTransport(Transport):
         buf.close()
 
     def execute(self, job: TransferJob) -> None:
+        route: _Route = job.route
+        fc, rid, name = route.fence, job.remote.region_id, job.remote.name
         lo, ro, ln = job.coalesced()
-        check = job.check if job.nbytes > (8 << 20) else None
-        if job.op is Op.WRITE:
-            copy_ranges(job.route.base, ro, job.local.ptr, lo, ln, check)
-        else:
-            copy_ranges(job.local.ptr, lo, job.route.base, ro, ln, check)
+        check = None
+        if job.nbytes > CHUNK_BYTES:
+            lo, ro, ln = cut(lo, ro, ln, CHUNK_BYTES)
+
+            def check() -> None:
+                job.check()
+                fc.check(rid, name)
+
+        fc.enter(rid, name)
+        try:
+            if job.op is Op.WRITE:
+                copy_ranges(route.base, ro, job.local.ptr, lo, ln, check)
+            else:
+                copy_ranges(job.local.ptr, lo, route.base, ro, ln, check)
+        finally:
+            fc.leave(rid)
 
     def mapped(self) -> list[str]:
         """Names of the shared files currently mapped (diagnostics, tests)."""
