@@ -61,6 +61,7 @@ from ..replog import (
 )
 from ..replog.session import SessionRejected
 from ..replog.transport import parse_addr
+from ..replog.types import ProposalTooLarge
 from . import errors as E
 from . import protocol as P
 from .master import commands as C
@@ -515,6 +516,13 @@ class MasterService:
             resp = P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:
             resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+        except ProposalTooLarge as e:  # deterministic: the same request can never fit
+            resp = P.ErrorResp(
+                req.rid,
+                E.InvalidParams.code,
+                f"request too large for one log entry, split the batch: {e}"[:500],
+                retry=False,
+            )
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
             resp = P.ErrorResp(
                 req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True

@@ -259,3 +259,29 @@ def test_silent_unauthenticated_connections_cannot_lock_clients_out(master):
     values = {"after-loris": b"l" * 3000}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
+
+
+def test_a_batch_larger_than_one_log_entry_is_split_or_refused_at_once(master):
+    """The replicated log takes entries of at most 1 MiB; a valid batch of 4096 keys of
+    ~300 bytes (keys may have 1024) is larger. Its ProposalTooLarge was answered as a
+    retryable error: the client retried the same doomed proposal for its whole timeout
+    and raised StoreUnavailable ("outcome unknown"). Now the client splits batches by
+    key bytes, and the master answers an oversized request InvalidParams, not retryable."""
+    cl, client = master
+    keys = [f"{j:05d}" + "k" * 300 for j in range(4096)]
+    t0 = time.monotonic()
+    res = client.put(keys, [k[:5].encode() for k in keys])
+    assert res.codes == [0] * len(keys)
+    assert time.monotonic() - t0 < 8
+    sample = keys[::512]
+    assert list(client.get(sample)) == [k[:5].encode() for k in sample]
+    assert client.remove(keys, force=True).codes == [0] * len(keys)
+    p = Peer(cl)
+    try:
+        big = [f"{j:04d}" + "q" * 1000 for j in range(2000)]  # 2 MB of keys in one request
+        t0 = time.monotonic()
+        r = p.call(P.PutEndReq(9, p.session(), big, [1] * len(big)))
+        assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code and not r.retry, r
+        assert time.monotonic() - t0 < 3
+    finally:
+        p.close()
