@@ -112,6 +112,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_inflight: int = 64
     # replica descriptors of one GetReplicas reply (later keys answer InvalidParams)
     max_reply_bytes: int = 8 << 20
+    # mounted segments in the pool (placement scans them on every put); more are refused
+    max_segments: int = 1024
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0
     request_timeout_s: float = 10.0
@@ -639,6 +641,10 @@ class MasterService:
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
+            if self.sm.usage().segments >= self.cfg.max_segments:
+                raise E.InvalidParams(
+                    f"the pool holds {self.cfg.max_segments} segments, its limit (max_segments)"
+                )
             cmd = C.Mount(
                 node_id=req.node_id,
                 segment=req.segment,
@@ -997,6 +1003,7 @@ def build_arg_parser() -> Any:
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument("--max-segments", type=int, default=1024, help="mounted segments at most")
     p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
     )
@@ -1024,6 +1031,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
+        max_segments=a.max_segments,
         metrics_port=a.metrics_port,
     )
 

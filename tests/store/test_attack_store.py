@@ -285,3 +285,38 @@ def test_a_batch_larger_than_one_log_entry_is_split_or_refused_at_once(master):
         assert time.monotonic() - t0 < 3
     finally:
         p.close()
+
+
+def test_segment_count_is_capped(master):
+    """Mount takes any name and size and the master never touches the memory, so one peer
+    could mount segments without end; placement scans them on every put (3000 fake
+    segments made a 256-key put 20x slower, and the table only grew). Now the master
+    holds at most ``max_segments`` (default 1024) and refuses more."""
+    cl, client = master
+    p = Peer(cl)
+    names = []
+    try:
+        refused = None
+        seq0 = p.seq
+        for b in range(0, 1100, 64):  # pipelined, 64 at a time
+            batch = list(range(b, min(1100, b + 64)))
+            for i in batch:
+                p.seq += 1
+                s = P.Session(p.cid, p.seq, seq0 + 1)
+                req = P.MountReq(i, s, f"cap-{i}", f"cap-{i}", "127.0.0.1:1", "h", 1 << 20)
+                p.sock.sendall(framing.encode_frame(P.encode(req)))
+            for _ in batch:
+                r = P.decode_response(framing.read_frame(p.sock, 1 << 20, Deadline(30)))
+                if type(r) is P.CodesResp and r.codes == [0]:
+                    names.append(f"cap-{r.rid}")
+                elif refused is None:
+                    refused = r
+        assert len(names) < 1024, f"{len(names)} segments mounted"
+        assert type(refused) is P.ErrorResp and refused.code == E.InvalidParams.code, refused
+    finally:
+        for n in names:
+            p.call(P.UnmountReq(1, p.session(), n, n, 0.0))
+        p.close()
+    values = {"after-cap": b"c" * 5000}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
