@@ -202,6 +202,7 @@ def _make_result_type(inner_rt: Any) -> Any:
 
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
+_MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 
 
 def _now() -> float:
@@ -244,6 +245,8 @@ class MasterService:
         self._owners: OrderedDict[int, str] = OrderedDict()
         # storage node id -> the peer that mounted it (same rules as _owners)
         self._node_owners: OrderedDict[str, str] = OrderedDict()
+        # (key, version) of a put this leader started -> the session that started it
+        self._writers: OrderedDict[tuple[str, int], int] = OrderedDict()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -349,6 +352,7 @@ class MasterService:
         self._plans.clear()
         self._owners.clear()
         self._node_owners.clear()
+        self._writers.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -627,17 +631,8 @@ class MasterService:
             return await self._remove(node, req)
         if t is P.RemoveAllReq:
             return await self._remove_all(node, req)
-        if t is P.PutEndReq:
-            res = await self._propose(
-                node, req.session, C.PutEnd(keys=req.keys, versions=req.versions)
-            )
-            self.stats.touch(k for k, c in zip(req.keys, res.codes) if c == 0)
-            return P.CodesResp(req.rid, list(res.codes))
-        if t is P.PutRevokeReq:
-            res = await self._propose(
-                node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions)
-            )
-            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.PutEndReq or t is P.PutRevokeReq:
+            return await self._finish_put(node, req, t is P.PutEndReq)
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
@@ -794,9 +789,48 @@ class MasterService:
                 continue
             codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
             j += 1
+        w = self._writers
+        for k, c, v in zip(keys, codes, versions):
+            if c == 0:
+                w[(k, v)] = req.session.client_id
+        while len(w) > _MAX_WRITERS:
+            w.popitem(last=False)  # oldest puts (long reclaimed, most likely)
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
         )
+
+    async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:
+        """PutEnd / PutRevoke. A put's version is its log index (easy to guess), so the
+        leader also remembers which session started each put it answered and refuses
+        (InvalidWrite) another session's PutEnd/PutRevoke of it: otherwise any peer could
+        publish a writer's half-written bytes or free them under it. Puts started under an
+        earlier leader are judged by version only."""
+        keys, vers = req.keys, req.versions
+        me = req.session.client_id
+
+        def make() -> tuple[list[int], float]:
+            if len(vers) != len(keys):  # apply answers InvalidParams per key
+                return [0] * len(keys), 0.0
+            w = self._writers
+            bad = int(E.InvalidWrite.code)
+            return [bad if w.get((k, v), me) != me else 0 for k, v in zip(keys, vers)], 0.0
+
+        planned, _ = self._planned(req.session, make)
+        todo = [i for i, c in enumerate(planned) if not c]
+        tk = [keys[i] for i in todo]
+        tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        cmd = C.PutEnd(keys=tk, versions=tv) if end else C.PutRevoke(keys=tk, versions=tv)
+        res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
+        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
+        if len(out) != len(keys):
+            raise E.InvalidParams("a retried put_end named different keys than the first attempt")
+        if len(vers) == len(keys):
+            for k, v, c in zip(keys, vers, out):
+                if c == 0:
+                    self._writers.pop((k, v), None)
+        if end:
+            self.stats.touch(k for k, c in zip(keys, out) if c == 0)
+        return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
         """The core's rule (``plan_remove``): leased keys answer ObjectHasLease, or with

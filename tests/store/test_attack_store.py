@@ -320,3 +320,26 @@ def test_segment_count_is_capped(master):
     values = {"after-cap": b"c" * 5000}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
+
+
+def test_a_peer_cannot_finish_or_revoke_another_writers_put(master):
+    """A put's version is its log index, so it is easy to guess (the status reply shows the
+    log's commit index, and one PutEnd may name the key with many versions). Another peer
+    used to be able to PutEnd a writer's half-written put -- readers then got bytes that
+    were never written -- or PutRevoke it. Now the leader answers InvalidWrite to a
+    PutEnd/PutRevoke from any session but the one that started the put."""
+    cl, client = master
+    writer, attacker = Peer(cl, "writer"), Peer(cl, "attacker")
+    try:
+        r = writer.call(P.PutStartReq(1, writer.session(), ["half"], [4096], ReplicateConfig()))
+        assert r.codes == [0]
+        v = r.versions[0]
+        guesses = list(range(max(1, v - 20), v + 20))
+        for Req in (P.PutEndReq, P.PutRevokeReq):
+            a = attacker.call(Req(2, attacker.session(), ["half"] * len(guesses), guesses))
+            assert type(a) is P.CodesResp and 0 not in a.codes, (Req.__name__, a)
+        assert client.exists("half") is False
+        assert writer.call(P.PutRevokeReq(3, writer.session(), ["half"], [v])).codes == [0]
+    finally:
+        writer.close()
+        attacker.close()
