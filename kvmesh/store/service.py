@@ -24,8 +24,8 @@ a few KiB), then frames are capped at ``max_frame``, batches at ``max_batch_keys
 requests in flight per connection at ``max_inflight``, and an idle connection is closed after
 ``idle_timeout_s``. Replies are bounded (``max_reply_bytes`` of replica descriptors) and
 written one at a time; a peer that leaves more than 1 MiB of them unread for
-``request_timeout_s`` is disconnected. A connection that sends junk is closed; the server keeps
-serving.
+``request_timeout_s`` is disconnected, as is one whose begun request frame does not end within
+it. A connection that sends junk is closed; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -473,10 +473,13 @@ class MasterService:
                 await out.wait_writable()
                 try:
                     body = await asyncio.wait_for(
-                        _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
+                        _framing.aread_frame(
+                            reader, self.cfg.max_frame, frame_timeout=self.cfg.request_timeout_s
+                        ),
+                        self.cfg.idle_timeout_s,
                     )
-                except TimeoutError:
-                    return  # idle (or a frame that never completes)
+                except TimeoutError:  # idle, or a begun frame that did not end in time
+                    return
                 try:
                     req = P.decode_request(body)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -1037,6 +1040,12 @@ def build_arg_parser() -> Any:
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=10.0,
+        help="longest proposal or read, and the time a begun request frame has to arrive",
+    )
     p.add_argument("--max-segments", type=int, default=1024, help="mounted segments at most")
     p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
@@ -1066,6 +1075,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
         max_segments=a.max_segments,
+        request_timeout_s=a.request_timeout_s,
         metrics_port=a.metrics_port,
     )
 
