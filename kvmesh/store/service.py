@@ -903,6 +903,7 @@ class MasterService:
                             "applied",
                             "voters",
                             "durability",
+                            "sessions",
                         )
                     }
                 )
