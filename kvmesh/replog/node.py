@@ -186,11 +186,11 @@ class RaftNode:
     cached results, ``query`` serves the replica server's reads;
     :class:`~kvmesh.replog.types.StateMachineBase` has defaults); the node wraps it for
     exactly-once sessions. ``state_machine`` must be fresh: the node restores it from the
-    newest snapshot on start. A snapshot received from the leader is restored into a new
-    machine from ``state_machine_factory`` (default: the machine's class called without
-    arguments) before it is persisted, and replaces the current one only once that
-    succeeded: read the machine through :attr:`state_machine` rather than keeping a
-    reference to it.
+    newest snapshot on start. A snapshot received from the leader is first restored into a
+    new machine from ``state_machine_factory`` (default: the machine's class called without
+    arguments, if that works) in a worker thread; only if that succeeds is it stepped into
+    the core, persisted, and restored into the live machine (in place: references to it
+    stay valid). A bad image is dropped, never fatal.
     """
 
     def __init__(
@@ -207,9 +207,9 @@ class RaftNode:
         self.sm = SessionStateMachine(state_machine)
         # A snapshot from the leader is restored into a fresh machine (made here) before it
         # is persisted; the current one stays in use until the new one is proven.
-        self._sm_factory: Callable[[], StateMachine] = state_machine_factory or type(state_machine)
+        self._sm_factory = state_machine_factory or _default_factory(state_machine)
         self._snap_check: asyncio.Task | None = None
-        self._proven: tuple[int, int, SessionStateMachine] | None = None
+        self._proven: tuple[int, int] | None = None  # (index, term) of the proven snapshot
         self._rng = rng
         self.storage: DiskStorage | MemoryStorage | None = None
         self.core: RaftCore | None = None
@@ -388,8 +388,7 @@ class RaftNode:
 
     @property
     def state_machine(self) -> StateMachine:
-        """The application's state machine (read it after :meth:`read_index`); a snapshot
-        installed from the leader replaces it with a new instance."""
+        """The application's state machine (read it after :meth:`read_index`)."""
         return self.user_sm
 
     def address_of(self, node_id: int | None) -> str | None:
@@ -645,10 +644,9 @@ class RaftNode:
         # message is stepped: a leader answering a follower's ReadIndex from a lease it
         # measured in stale ticks would serve a stale read (simulator scenario E3).
         self._catch_up_ticks()
-        if type(msg) is InstallSnapshot and self.core.snapshot_needed(msg):
-            proven = self._proven
+        if type(msg) is InstallSnapshot and self._sm_factory is not None and self.core.snapshot_needed(msg):
             meta = msg.snapshot.meta
-            if proven is None or proven[:2] != (meta.index, meta.term):
+            if self._proven != (meta.index, meta.term):
                 self._check_snapshot(msg)
                 return
         try:
@@ -669,9 +667,11 @@ class RaftNode:
 
     async def _prove_snapshot(self, msg: InstallSnapshot) -> None:
         meta = msg.snapshot.meta
+        assert self._sm_factory is not None
         try:
             fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
             await asyncio.to_thread(fresh.restore, msg.snapshot.data)
+            del fresh  # only the proof was needed: free the second image now
         except Exception as e:  # noqa: BLE001 - a peer's bytes must never stop the node
             self.metrics["snapshots_rejected"] += 1
             n = self.metrics["snapshots_rejected"]
@@ -683,7 +683,7 @@ class RaftNode:
             return
         if self.core is None or not self._running:
             return
-        self._proven = (meta.index, meta.term, fresh)
+        self._proven = (meta.index, meta.term)
         self._on_message(msg)
 
     def _on_unreachable(self, peer: int) -> None:
@@ -814,14 +814,11 @@ class RaftNode:
         self._notify_applied()
 
     def _install(self, snap: Snapshot) -> None:
-        proven, self._proven = self._proven, None
-        if proven is not None and proven[:2] == (snap.meta.index, snap.meta.term):
-            self.sm = proven[2]
-        else:  # not reached: the core installs only snapshots stepped after their proof
-            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
-            fresh.restore(snap.data)
-            self.sm = fresh
-        self.user_sm = self.sm.inner
+        # The image was proven on a fresh machine before the core could persist it (unless
+        # the machine has no factory); restore the live one in place, so that embedders'
+        # references to their state machine stay valid.
+        self._proven = None
+        self.sm.restore(snap.data)
         self._applied = self._snap_index = snap.meta.index
         self.metrics["snapshots_installed"] += 1
         # Pending proposals at or below the snapshot: their fate is unknown here.
@@ -967,6 +964,22 @@ class RaftNode:
             return index
         finally:
             self._snapshotting = False
+
+
+def _default_factory(sm: StateMachine) -> Callable[[], StateMachine] | None:
+    """``type(sm)`` if it builds a machine without arguments, else None (then leader
+    snapshots cannot be proven before they are persisted: pass ``state_machine_factory``)."""
+    cls = type(sm)
+    try:
+        cls()
+    except Exception:  # noqa: BLE001 - any constructor failure means "no default factory"
+        log.warning(
+            "replog: %s() needs arguments; pass state_machine_factory to RaftNode so that "
+            "snapshots from the leader are proven before they are persisted",
+            cls.__name__,
+        )
+        return None
+    return cls
 
 
 def parse_peers(spec: str) -> dict[int, str]:

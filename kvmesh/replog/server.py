@@ -31,7 +31,6 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from ..net import (
-    ConnectionLimiter,
     FrameDecoder,
     FrameTooLarge,
     InsecureBind,
@@ -70,7 +69,7 @@ from .protocol import (
     decode_request,
     encode,
 )
-from .transport import TransportConfig, parse_addr, read_frames
+from .transport import Admission, DeadlineWatch, TransportConfig, Watched, parse_addr, read_frames
 from .types import RaftConfig, ReadOnlyOption, StateMachine
 
 __all__ = [
@@ -91,7 +90,8 @@ _MAX_TOKEN = 64
 class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
     """What the client port accepts: a connection is refused (closed at once) beyond
     ``max_connections`` (``max_unauthenticated`` of them in the handshake, which must end
-    within ``handshake_timeout_s``); a request frame is at most ``max_request`` bytes, must
+    within ``handshake_timeout_s``; a newcomer evicts the oldest connection still in its
+    handshake, see :class:`~kvmesh.replog.transport.Admission`); a request frame is at most ``max_request`` bytes, must
     be complete ``frame_timeout_s`` after its first byte, and all connections together hold
     at most ``max_buffered_bytes`` of incomplete requests (the one that would exceed it is
     closed); a connection with more than ``max_inflight`` unanswered requests gets
@@ -159,7 +159,8 @@ class ReplicaServer(Generic[SM]):
         self.security = security if security is not None else node.cfg.security
         self.limits = limits or ServerLimits()
         self.query = query
-        self._limiter = ConnectionLimiter(self.limits.max_connections, self.limits.max_unauthenticated)
+        self._admission = Admission(self.limits.max_connections, self.limits.max_unauthenticated)
+        self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
         self._buffered = 0
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
@@ -177,6 +178,7 @@ class ReplicaServer(Generic[SM]):
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._watch.stop()
         for c in list(self._clients):
             c.writer.close()
         for t in list(self._conns):
@@ -197,7 +199,7 @@ class ReplicaServer(Generic[SM]):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        slot = self._limiter.try_acquire()
+        slot = self._admission.admit(writer)
         if slot is None:
             self.stats["refused_conns"] += 1
             writer.close()
@@ -206,6 +208,7 @@ class ReplicaServer(Generic[SM]):
         lim = self.limits
         sec = self.security
         c: _Client | None = None
+        watched: Watched | None = None
         try:
             try:
                 peer = await aserver_handshake(
@@ -215,7 +218,7 @@ class ReplicaServer(Generic[SM]):
                 self.stats["auth_failures"] += 1
                 log.info("client connection refused: %s", clip(str(e)))
                 return
-            self._limiter.authenticated(slot)
+            self._admission.authenticated(slot)
             authenticated = sec.token is not None or (sec.mutual_tls and writer.get_extra_info("peercert") is not None)
             c = _Client(writer, authenticated, peer)
             self._clients.add(c)
@@ -225,15 +228,12 @@ class ReplicaServer(Generic[SM]):
 
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             dec = FrameDecoder(lim.max_request)
+            client = c
+            # Waiting for its own answers is not idleness.
+            watched = self._watch.watch(writer, dec, lambda: client.inflight > 0)
+            charge = functools.partial(self._charge, c)
             while True:
-                try:
-                    bodies = await read_frames(
-                        reader, dec, lim.idle_timeout_s, lim.frame_timeout_s, functools.partial(self._charge, c)
-                    )
-                except TimeoutError:
-                    if dec.buffered == 0 and c.inflight > 0:
-                        continue  # waiting for answers is not idleness
-                    raise
+                bodies = await read_frames(reader, watched, charge)
                 self._charge(c, dec.buffered)
                 for body in bodies:
                     self._request(c, body)
@@ -245,10 +245,12 @@ class ReplicaServer(Generic[SM]):
             self.stats["closed_bad_frames"] += 1
             log.info("closing client connection: %s", clip(str(e)))
         finally:
+            if watched is not None:
+                self._watch.unwatch(watched)
             if c is not None:
                 self._charge(c, 0)
                 self._clients.discard(c)
-            self._limiter.release(slot)
+            self._admission.release(slot)
             self._conns.discard(task)
             writer.close()
 
