@@ -12,6 +12,8 @@ The modules that raise these errors re-export them under their historical names
 
 from __future__ import annotations
 
+from kvmesh.errors import ErrorTable
+
 __all__ = [
     "ERROR_CODES",
     "RETRYABLE",
@@ -78,6 +80,11 @@ class NotLeaderError(NotLeader):
         self.leader_addr = leader_addr
         where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
         super().__init__(leader_id, message or f"not the leader ({where})")
+
+    @classmethod
+    def from_wire(cls, message: str) -> NotLeaderError:
+        # The wire carries the leader separately (protocol.Response), not in the message.
+        return cls(None, None, message)
 
 
 class ProposalDropped(ReplogError):
@@ -261,9 +268,9 @@ class FrameError(ReplogError):
     code = "frame"
 
 
-ERROR_CODES: dict[str, type[ReplogError]] = {
-    cls.code: cls
-    for cls in (
+_TABLE: ErrorTable[ReplogError] = ErrorTable(
+    ReplogError,
+    (
         ReplogError,
         NotLeaderError,  # NotLeader shares its code; the richer class is rebuilt
         ProposalDropped,
@@ -293,9 +300,9 @@ ERROR_CODES: dict[str, type[ReplogError]] = {
         WalFatalError,
         SnapshotCorruptionError,
         FrameError,
-    )
-}
-assert len(ERROR_CODES) == 29, "two error classes share a code"
+    ),
+)
+ERROR_CODES: dict[str, type[ReplogError]] = _TABLE.by_code  # type: ignore[assignment]
 
 RETRYABLE: frozenset[str] = frozenset(
     c.code for c in (ProposalTimeout, ReadTimeout, ProposalDropped, ProposalLost, NodeStopped, Overloaded)
@@ -306,7 +313,4 @@ RETRYABLE: frozenset[str] = frozenset(
 def error_from_code(code: str, message: str) -> ReplogError:
     """Rebuild a local exception from a wire ``(code, message)`` pair (unknown codes give
     a plain :class:`ReplogError`)."""
-    cls = ERROR_CODES.get(code, ReplogError)
-    if cls is NotLeaderError:
-        return NotLeaderError(None, None, message)
-    return cls(message)
+    return _TABLE.error_for(code, message)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 
+from kvmesh.errors import ErrorTable
+
 __all__ = [
     "ERROR_CLASSES",
     "AuthFailed",
@@ -194,9 +196,9 @@ class AuthFailed(StoreError):
     code = Code.AUTH_FAILED
 
 
-ERROR_CLASSES: dict[int, type[StoreError]] = {
-    int(cls.code): cls
-    for cls in (
+_TABLE: ErrorTable[StoreError] = ErrorTable(
+    StoreError,
+    (
         InternalError,
         BufferOverflow,
         SegmentNotFound,
@@ -219,8 +221,11 @@ ERROR_CLASSES: dict[int, type[StoreError]] = {
         NotRegistered,
         StoreTimeout,
         AuthFailed,
-    )
-}
+    ),
+    # An unknown code still travels with the error (a newer peer's code is not lost).
+    unknown=lambda code, msg: StoreError(msg, code),  # type: ignore[arg-type]
+)
+ERROR_CLASSES: dict[int, type[StoreError]] = _TABLE.by_code  # type: ignore[assignment]
 
 
 def code_name(code: int) -> str:
@@ -234,10 +239,7 @@ def code_name(code: int) -> str:
 def error_for(code: int, msg: str = "") -> StoreError:
     """The exception for a non-zero wire ``code`` (an unknown code gives a plain
     :class:`StoreError` carrying it)."""
-    cls = ERROR_CLASSES.get(code)
-    if cls is None:
-        return StoreError(msg or code_name(code), code)
-    return cls(msg or code_name(code))
+    return _TABLE.error_for(code, msg or code_name(code))
 
 
 def raise_for(code: int, msg: str = "") -> None:

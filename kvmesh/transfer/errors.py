@@ -11,6 +11,8 @@ to classes on the receiving side, so a remote refusal raises the same class loca
 
 from __future__ import annotations
 
+from kvmesh.errors import ErrorTable
+
 
 class TransferError(Exception):
     """Base class of every kvmesh.transfer error."""
@@ -114,9 +116,9 @@ class Cancelled(TransferError):
     code = "cancelled"
 
 
-ERROR_CODES: dict[str, type[TransferError]] = {
-    cls.code: cls
-    for cls in (
+_TABLE: ErrorTable[TransferError] = ErrorTable(
+    TransferError,
+    (
         TransferError,
         InvalidArgument,
         InvalidLength,
@@ -134,10 +136,11 @@ ERROR_CODES: dict[str, type[TransferError]] = {
         BatchStateError,
         EngineClosed,
         Cancelled,
-    )
-}
+    ),
+)
+ERROR_CODES: dict[str, type[TransferError]] = _TABLE.by_code  # type: ignore[assignment]
 
 
 def error_from_code(code: str, message: str) -> TransferError:
     """Rebuild a local exception from a wire ``(code, message)`` pair."""
-    return ERROR_CODES.get(code, TransferError)(message)
+    return _TABLE.error_for(code, message)
