@@ -40,6 +40,7 @@ from ..net import (
     client_ssl_context,
     encode_frame,
 )
+from ..net.retry import LeaderFinder
 from .errors import (
     RETRYABLE,
     ClusterUnavailable,
@@ -191,25 +192,22 @@ class ReplogClient:
         security: SecurityConfig | None = None,
         name: str = "replog-client",
     ) -> None:
-        self.addrs = list(addrs.values()) if isinstance(addrs, dict) else list(addrs)
-        if not self.addrs:
+        addr_list = list(addrs.values()) if isinstance(addrs, dict) else list(addrs)
+        if not addr_list:
             raise ValueError("no replica addresses")
         self.security = security if security is not None else SecurityConfig.from_env()
         self.name = name
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_backoff = max_backoff
-        self._conns = {a: self._new_conn(a) for a in self.addrs}
-        self._leader: str | None = None
+        self._finder = LeaderFinder(addr_list, rng=random.Random(seed), max_backoff=max_backoff)
+        self._conns = {a: self._new_conn(a) for a in addr_list}
         self._rid = itertools.count(1)
-        self._rng = random.Random(seed)
         self._result_dec = msgspec.msgpack.Decoder(result_type)
         self.client_id: int | None = None
         self._token = b""
         self._outstanding: set[int] = set()
         self._next_seq = 1
-        self.redirects = 0
-        self.retries = 0
 
     def _new_conn(self, addr: str) -> _Conn:
         return _Conn(addr, self.security, self.name)
@@ -230,57 +228,36 @@ class ReplogClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def _candidates(self) -> list[str]:
-        order = list(self.addrs)
-        self._rng.shuffle(order)
-        if self._leader in order:
-            order.remove(self._leader)
-            order.insert(0, self._leader)
-        return order
-
     async def _call(self, make_req: Any, deadline: float) -> Response:
         """Send until some replica answers something other than a retryable error."""
-        backoff = 0.02
-        last_err = "no attempt"
-        while True:
-            redirected = False
-            for addr in self._candidates():
-                now = time.monotonic()
-                if now >= deadline:
-                    raise ClusterUnavailable(f"no usable answer before the deadline (last: {last_err})")
-                conn = self._conn(addr)
-                try:
-                    resp = await conn.call(make_req(next(self._rid)), min(self.attempt_timeout, deadline - now))
-                except (TimeoutError, OSError, ConnectionError) as e:
-                    last_err = f"{addr}: {type(e).__name__} {e}"
-                    if self._leader == addr:
-                        self._leader = None
-                    self.retries += 1
-                    continue
-                if resp.ok:
-                    self._leader = addr
-                    return resp
-                kind = resp.kind
-                last_err = f"{addr}: {kind}: {resp.error}"
-                if kind == _NOT_LEADER:
-                    self.redirects += 1
-                    if resp.leader_addr and resp.leader_addr != addr:
-                        self._leader = resp.leader_addr
-                        redirected = True
-                        break  # go straight to the named leader
-                    if self._leader == addr:
-                        self._leader = None
-                    continue
-                if kind in RETRYABLE:
-                    self.retries += 1
-                    if self._leader == addr and kind == "stopped":
-                        self._leader = None
-                    continue
-                return resp  # definite: session, command, bad_request, auth, ...
-            if redirected:
+        self._finder.max_backoff = self.max_backoff
+        tries = self._finder.attempts(deadline, self.attempt_timeout)
+        while (step := tries.next()) is not None:
+            addr = step.addr
+            if addr is None:
+                await asyncio.sleep(step.wait)
                 continue
-            await asyncio.sleep(min(backoff, self.max_backoff))
-            backoff = min(backoff * 2, self.max_backoff)
+            conn = self._conn(addr)
+            try:
+                resp = await conn.call(
+                    make_req(next(self._rid)), max(0.0, step.deadline - time.monotonic())
+                )
+            except (TimeoutError, OSError, ConnectionError) as e:
+                tries.failed(addr, f"{type(e).__name__} {e}")
+                continue
+            if resp.ok:
+                tries.succeeded(addr)
+                return resp
+            kind = resp.kind
+            reason = f"{kind}: {resp.error}"
+            if kind == _NOT_LEADER:
+                tries.redirected(addr, resp.leader_addr, reason)
+                continue
+            if kind in RETRYABLE:
+                tries.retry(addr, reason, forget_leader=kind == "stopped")
+                continue
+            return resp  # definite: session, command, bad_request, auth, ...
+        raise ClusterUnavailable(f"no usable answer before the deadline (last: {tries.last})")
 
     def _decode(self, resp: Response) -> Any:
         if resp.ok:
@@ -348,7 +325,19 @@ class ReplogClient:
 
     @property
     def leader_addr(self) -> str | None:
-        return self._leader
+        return self._finder.leader
+
+    @property
+    def addrs(self) -> list[str]:
+        return self._finder.addrs
+
+    @property
+    def redirects(self) -> int:
+        return self._finder.redirects
+
+    @property
+    def retries(self) -> int:
+        return self._finder.retries
 
 
 class KvClient(ReplogClient):

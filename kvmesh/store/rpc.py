@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import secrets
 import socket
 import threading
@@ -26,6 +25,7 @@ from ..net import framing as _framing
 from ..net.errors import AuthFailed, NetError
 from ..net.handshake import client_handshake
 from ..net.limits import Deadline
+from ..net.retry import LeaderFinder
 from ..net.security import SecurityConfig, client_ssl_context
 from ..replog.transport import parse_addr
 from . import errors as E
@@ -69,7 +69,7 @@ class MasterClient:
     ) -> None:
         if not addrs:
             raise ValueError("no master addresses")
-        self.addrs = list(dict.fromkeys(addrs))
+        self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
         # Unique per client: the master binds our session to this authenticated name.
@@ -79,16 +79,12 @@ class MasterClient:
         self.max_pool = max_pool
         self._lock = threading.Lock()
         self._pool: dict[str, list[_Conn]] = {}
-        self._leader: str | None = None
         self._rid = itertools.count(1)
         self._seq = itertools.count(1)
         self._outstanding: set[int] = set()
         self._client_id: int | None = None
         self._reg_lock = threading.Lock()
         self._closed = False
-        self._rng = random.Random()
-        self.redirects = 0
-        self.retries = 0
 
     # ----------------------------------------------------------------- connections
 
@@ -156,66 +152,36 @@ class MasterClient:
 
     # ---------------------------------------------------------------------- calls
 
-    def _candidates(self) -> list[str]:
-        order = list(self.addrs)
-        self._rng.shuffle(order)
-        lead = self._leader
-        if lead is not None:
-            if lead in order:
-                order.remove(lead)
-            order.insert(0, lead)
-        return order
-
     def call(self, make: Callable[[int], Any], *, timeout: float | None = None) -> Any:
         """Send ``make(rid)`` until a replica answers definitely; returns the reply (never a
         Redirect or a retryable ErrorResp). Raises StoreUnavailable after the deadline."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        backoff = 0.02
-        last = "no attempt"
-        while True:
-            redirected = False
-            for addr in self._candidates():
-                now = time.monotonic()
-                if now >= deadline:
-                    raise E.StoreUnavailable(f"no master answered in time (last: {last})")
-                try:
-                    resp = self._exchange(
-                        addr, make(next(self._rid)), min(deadline, now + self.attempt_timeout)
-                    )
-                except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
-                    last = f"{addr}: {type(e).__name__}: {str(e)[:200]}"
-                    if self._leader == addr:
-                        self._leader = None
-                    self.retries += 1
-                    if isinstance(e, AuthFailed):
-                        # Retrying cannot help; the master is not at fault (wrong token).
-                        raise E.StoreUnavailable(
-                            f"master {addr} refused our credentials: {e}"
-                        ) from None
-                    continue
-                t = type(resp)
-                if t is P.Redirect:
-                    self.redirects += 1
-                    last = f"{addr}: not the leader"
-                    if resp.leader_addr and resp.leader_addr != addr:
-                        self._leader = resp.leader_addr
-                        if resp.leader_addr not in self.addrs:
-                            self.addrs.append(resp.leader_addr)
-                        redirected = True
-                        break
-                    if self._leader == addr:
-                        self._leader = None
-                    continue
-                if t is P.ErrorResp and resp.retry:
-                    last = f"{addr}: {resp.message[:200]}"
-                    self.retries += 1
-                    continue
-                self._leader = addr
-                return resp
-            if redirected:
+        tries = self._finder.attempts(deadline, self.attempt_timeout)
+        while (step := tries.next()) is not None:
+            addr = step.addr
+            if addr is None:
+                time.sleep(step.wait)
                 continue
-            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-            backoff = min(backoff * 2, 0.5)
+            try:
+                resp = self._exchange(addr, make(next(self._rid)), step.deadline)
+            except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                tries.failed(addr, f"{type(e).__name__}: {str(e)[:200]}")
+                if isinstance(e, AuthFailed):
+                    # Retrying cannot help; the master is not at fault (wrong token).
+                    raise E.StoreUnavailable(
+                        f"master {addr} refused our credentials: {e}"
+                    ) from None
+                continue
+            t = type(resp)
+            if t is P.Redirect:
+                tries.redirected(addr, resp.leader_addr, "not the leader")
+                continue
+            if t is P.ErrorResp and resp.retry:
+                tries.retry(addr, resp.message[:200])
+                continue
+            tries.succeeded(addr)
+            return resp
+        raise E.StoreUnavailable(f"no master answered in time (last: {tries.last})")
 
     def _session(self) -> int:
         cid = self._client_id
@@ -271,7 +237,19 @@ class MasterClient:
 
     @property
     def leader(self) -> str | None:
-        return self._leader
+        return self._finder.leader
+
+    @property
+    def addrs(self) -> list[str]:
+        return self._finder.addrs
+
+    @property
+    def redirects(self) -> int:
+        return self._finder.redirects
+
+    @property
+    def retries(self) -> int:
+        return self._finder.retries
 
 
 def _error(resp: Any) -> E.StoreError:
