@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from ..launcher import ProcessCluster, free_ports
 from ..net import (
     FrameDecoder,
     FrameTooLarge,
@@ -534,31 +535,18 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` right now (all bound at once, then released)."""
-    import socket
-
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            socks.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class LocalCluster:
+class LocalCluster(ProcessCluster):
     """Replica processes on this host, for tests, benchmarks and development.
 
     Ports are picked free at construction; ``base_dir/N`` is replica N's data directory.
     ``extra_args`` are passed to every replica (e.g. ``["--durability", "memory"]``);
     ``token``: the cluster secret (written to ``base_dir/token``; clients use
     ``security``).
-    Replica logs go to ``base_dir/replicaN.log``.
+    Replica logs go to ``base_dir/replicaN.log``. Start/stop/kill/pause: the shared
+    :class:`kvmesh.launcher.ProcessCluster`.
     """
+
+    role = "replica"
 
     def __init__(
         self,
@@ -572,8 +560,7 @@ class LocalCluster:
         python: str | None = None,
         token: str | None = None,
     ) -> None:
-        self.base_dir = base_dir
-        os.makedirs(base_dir, exist_ok=True)
+        super().__init__(base_dir, list(range(1, n + 1)))
         # With a token, replicas read it from a 0600 file (never from argv: ps shows argv);
         # clients use ``self.security``.
         self.security = SecurityConfig(token=token)
@@ -584,18 +571,13 @@ class LocalCluster:
             with os.fdopen(fd, "w") as f:
                 f.write(token)
         ports = free_ports(2 * n, host)
-        self.ids = list(range(1, n + 1))
         self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
         self.client_addrs = {i: f"{host}:{ports[n + i - 1]}" for i in self.ids}
         self.tick_ms = tick_ms
         self.election_ticks = election_ticks
         self.extra_args = list(extra_args or [])
         self.python = python or sys.executable
-        self.procs: dict[int, Any] = {}
         self.restore_s: dict[int, float] = {}
-
-    def _spec(self, d: dict[int, str]) -> str:
-        return ",".join(f"{i}={a}" for i, a in sorted(d.items()))
 
     def command(self, i: int) -> list[str]:
         return [
@@ -610,100 +592,11 @@ class LocalCluster:
             *self.extra_args,
         ]  # fmt: skip
 
-    def start(self, i: int, wait: bool = True, timeout: float = 60.0) -> None:
-        import subprocess
-
-        if self.alive(i):
-            raise RuntimeError(f"replica {i} is already running")
-        logf = open(os.path.join(self.base_dir, f"replica{i}.log"), "ab")
-        self.procs[i] = subprocess.Popen(self.command(i), stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL)
-        logf.close()
-        if wait:
-            self.wait_ready(i, timeout)
+    def on_ready(self, i: int, line: str) -> float:
+        """``READY <id> <restore seconds>``: records and returns the restore time."""
+        self.restore_s[i] = float(line.split()[2])
+        return self.restore_s[i]
 
     def wait_ready(self, i: int, timeout: float = 60.0) -> float:
         """Wait for the replica's READY line; returns its restore time (seconds)."""
-        import select
-        import time
-
-        p = self.procs[i]
-        assert p.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"replica {i} not ready within {timeout}s (log: {self.log_tail(i)})")
-            r, _, _ = select.select([p.stdout], [], [], min(left, 0.5))
-            if r:
-                line = p.stdout.readline().decode()
-                if line.startswith("READY"):
-                    self.restore_s[i] = float(line.split()[2])
-                    return self.restore_s[i]
-                if not line and p.poll() is not None:
-                    raise RuntimeError(f"replica {i} exited with {p.returncode}: {self.log_tail(i)}")
-
-    def start_all(self, timeout: float = 60.0) -> None:
-        for i in self.ids:
-            self.start(i, wait=False)
-        for i in self.ids:
-            self.wait_ready(i, timeout)
-
-    def alive(self, i: int) -> bool:
-        p = self.procs.get(i)
-        return p is not None and p.poll() is None
-
-    def signal(self, i: int, sig: int) -> None:
-        p = self.procs[i]
-        if p.poll() is None:
-            p.send_signal(sig)
-
-    def kill(self, i: int) -> None:
-        """SIGKILL (no cleanup, like a crash) and reap."""
-        p = self.procs.get(i)
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-
-    def stop(self, i: int, timeout: float = 10.0) -> int | None:
-        """SIGTERM and wait (SIGKILL after ``timeout``); returns the exit code."""
-        import subprocess
-
-        p = self.procs.get(i)
-        if p is None:
-            return None
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return p.returncode
-
-    def pause(self, i: int) -> None:
-        self.signal(i, signal.SIGSTOP)
-
-    def resume(self, i: int) -> None:
-        self.signal(i, signal.SIGCONT)
-
-    def log_tail(self, i: int, n: int = 2000) -> str:
-        try:
-            with open(os.path.join(self.base_dir, f"replica{i}.log"), "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        for i in list(self.procs):
-            self.kill(i)
-            p = self.procs[i]
-            if p.stdout is not None:
-                p.stdout.close()
-        self.procs.clear()
-
-    def __enter__(self) -> LocalCluster:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        return super().wait_ready(i, timeout)
