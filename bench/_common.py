@@ -8,6 +8,7 @@
 * :func:`print_table` and :func:`write_json`: the human table and the JSON object;
 * :func:`timed`: median of repetitions after warm-up; :func:`percentiles`;
 * :class:`Child`: a helper process speaking JSON lines (peers that own remote memory);
+  :func:`peer_child`: a script's own ``--peer`` mode as a :class:`Child`;
 * :func:`cpu_seconds`: user+system CPU time of a process (idle-cost measurements).
 """
 
@@ -41,6 +42,7 @@ FIELDS = (
 )
 
 MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench_args(description: str, argv: Sequence[str] | None = None,
@@ -328,6 +330,18 @@ class Child:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def peer_child(script: str, *args: str, host_id: str | None = None) -> Child:
+    """``python script --peer args...`` as a :class:`Child`, with the repository importable.
+
+    ``host_id`` (``KVMESH_HOST_ID``) makes the peer look like another host, which forces the
+    network transport between it and this process.
+    """
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    if host_id:
+        env["KVMESH_HOST_ID"] = host_id
+    return Child([sys.executable, os.path.abspath(script), "--peer", *args], env=env)
 
 
 def serve_json_lines(handlers: dict[str, Callable[..., dict[str, Any]]],

@@ -37,8 +37,10 @@ sys.path.insert(0, os.path.join(_ROOT, "plugins"))
 
 from bench._common import (  # noqa: E402
     Child,
+    MiB,
     bench_args,
     memcpy_gbps,
+    peer_child,
     percentiles,
     print_table,
     record,
@@ -48,7 +50,6 @@ from bench._common import (  # noqa: E402
     write_json,
 )
 
-MiB = 1 << 20
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "page_size": 64, "mla_dim": 576}
 
 
@@ -61,11 +62,7 @@ def peer_main(master: str, segment: int) -> None:
 
 
 def _peer(master: str, segment: int, host_id: str | None) -> Child:
-    env = {"PYTHONPATH": os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")])}
-    if host_id:
-        env["KVMESH_HOST_ID"] = host_id
-    return Child([sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)],
-                 env=env)
+    return peer_child(__file__, master, str(segment), host_id=host_id)
 
 
 def _pools(kind: str, layout: str, pages: int) -> Any:

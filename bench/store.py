@@ -24,9 +24,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import (
+    FIELDS,
     Child,
+    MiB,
     bench_args,
     memcpy_gbps,
+    peer_child,
     percentiles,
     print_table,
     record,
@@ -35,8 +38,6 @@ from bench._common import (
     timed,
     write_json,
 )
-
-MiB = 1 << 20
 
 
 def peer_main(master: str, segment: int) -> None:
@@ -55,19 +56,7 @@ def peer_main(master: str, segment: int) -> None:
 
 
 def _peer(master: str, segment: int, host_id: str | None) -> Child:
-    env = {
-        "PYTHONPATH": os.pathsep.join(
-            [
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                os.environ.get("PYTHONPATH", ""),
-            ]
-        )
-    }
-    if host_id:
-        env["KVMESH_HOST_ID"] = host_id
-    return Child(
-        [sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)], env=env
-    )
+    return peer_child(__file__, master, str(segment), host_id=host_id)
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -318,21 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
         f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
     )
-    print_table(
-        rows,
-        (
-            "case",
-            "transport",
-            "op",
-            "page_bytes",
-            "batch",
-            "gbps",
-            "ops_per_s",
-            "p50_us",
-            "p99_us",
-            "ratio_memcpy",
-        ),
-    )
+    print_table(rows, [f for f in FIELDS if f != "ratio_tcp"])
     print(f"done in {time.monotonic() - t_start:.0f} s")
     if a.json:
         write_json(a.json, "store", limits, rows)

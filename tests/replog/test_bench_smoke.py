@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from tests.bench_format import RECORD_FIELDS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -22,7 +24,7 @@ def test_bench_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["bench"] == "replog" and data["smoke"] is True
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
-    fields = {"case", "transport", "op", "page_bytes", "batch", "gbps", "ops_per_s", "p50_us", "p99_us", "ratio_memcpy", "ratio_tcp"}
+    fields = set(RECORD_FIELDS)
     recs = data["records"]
     for r in recs:
         assert fields <= set(r), r

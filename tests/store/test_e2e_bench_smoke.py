@@ -9,20 +9,10 @@ import pathlib
 import subprocess
 import sys
 
+from tests.bench_format import RECORD_FIELDS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FIELDS = (
-    "case",
-    "transport",
-    "op",
-    "page_bytes",
-    "batch",
-    "gbps",
-    "ops_per_s",
-    "p50_us",
-    "p99_us",
-    "ratio_memcpy",
-    "ratio_tcp",
-)
+FIELDS = RECORD_FIELDS
 
 
 def test_store_bench_tiny(tmp_path):
