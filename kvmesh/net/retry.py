@@ -30,7 +30,7 @@ import random
 import time
 from typing import NamedTuple
 
-__all__ = ["Attempts", "LeaderFinder", "Step"]
+__all__ = ["Attempts", "LeaderFinder", "LeaderFinderViews", "Step"]
 
 
 class Step(NamedTuple):
@@ -154,3 +154,22 @@ class Attempts:
     def succeeded(self, addr: str) -> None:
         """``addr`` answered definitely: it is the leader from now on."""
         self.finder.leader = addr
+
+
+class LeaderFinderViews:
+    """Read-only views of a client's ``_finder`` (its replicas, counters), kept under the
+    clients' historical attribute names."""
+
+    _finder: LeaderFinder
+
+    @property
+    def addrs(self) -> list[str]:
+        return self._finder.addrs
+
+    @property
+    def redirects(self) -> int:
+        return self._finder.redirects
+
+    @property
+    def retries(self) -> int:
+        return self._finder.retries

@@ -40,7 +40,7 @@ from ..net import (
     client_ssl_context,
     encode_frame,
 )
-from ..net.retry import LeaderFinder
+from ..net.retry import LeaderFinder, LeaderFinderViews
 from .errors import (
     RETRYABLE,
     ClusterUnavailable,
@@ -169,7 +169,7 @@ class _Conn:
         self.writer = None
 
 
-class ReplogClient:
+class ReplogClient(LeaderFinderViews):
     """Leader-finding, retrying, exactly-once client.
 
     ``addrs``: client endpoints of the replicas. ``timeout``: overall deadline of one call;
@@ -326,18 +326,6 @@ class ReplogClient:
     @property
     def leader_addr(self) -> str | None:
         return self._finder.leader
-
-    @property
-    def addrs(self) -> list[str]:
-        return self._finder.addrs
-
-    @property
-    def redirects(self) -> int:
-        return self._finder.redirects
-
-    @property
-    def retries(self) -> int:
-        return self._finder.retries
 
 
 class KvClient(ReplogClient):

@@ -25,7 +25,7 @@ from ..net import framing as _framing
 from ..net.errors import AuthFailed, NetError
 from ..net.handshake import client_handshake
 from ..net.limits import Deadline
-from ..net.retry import LeaderFinder
+from ..net.retry import LeaderFinder, LeaderFinderViews
 from ..net.security import SecurityConfig, client_ssl_context
 from ..replog.transport import parse_addr
 from . import errors as E
@@ -52,7 +52,7 @@ class _Conn:
             pass
 
 
-class MasterClient:
+class MasterClient(LeaderFinderViews):
     """``addrs``: store RPC addresses of the master replicas (any subset that includes a
     live one). ``timeout``: the longest one call keeps retrying; ``attempt_timeout``: how
     long one replica gets to answer one attempt."""
@@ -238,18 +238,6 @@ class MasterClient:
     @property
     def leader(self) -> str | None:
         return self._finder.leader
-
-    @property
-    def addrs(self) -> list[str]:
-        return self._finder.addrs
-
-    @property
-    def redirects(self) -> int:
-        return self._finder.redirects
-
-    @property
-    def retries(self) -> int:
-        return self._finder.retries
 
 
 def _error(resp: Any) -> E.StoreError:
