@@ -20,7 +20,7 @@ Stability: additions only (new optional trailing fields with defaults).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -38,6 +38,7 @@ __all__ = [
     "Strategy",
     "Usage",
     "key_error",
+    "keys_valid",
 ]
 
 MAX_KEY_BYTES = 1024
@@ -161,3 +162,26 @@ def key_error(key: object) -> str | None:
     if "\0" in key:
         return "key contains NUL"
     return None
+
+
+def keys_valid(keys: list[Any]) -> bool:
+    """True when every key passes :func:`key_error`, decided for the whole batch at once with
+    C-level checks (no Python call per key). False means "check key by key" (some key may be
+    invalid, or the batch is not plain ``str`` keys), never that a given key is invalid."""
+    if set(map(type, keys)) != {str}:  # str subclasses (and empty batches) take the slow path
+        return False
+    lens = list(map(len, keys))
+    if min(lens) == 0:
+        return False
+    joined = "".join(keys)
+    if "\0" in joined:
+        return False
+    if joined.isascii():  # one byte per character
+        return max(lens) <= MAX_KEY_BYTES
+    if max(lens) * 4 > MAX_KEY_BYTES:  # UTF-8 takes at most 4 bytes per code point
+        return False
+    try:
+        joined.encode("utf-8")  # a lone surrogate anywhere fails here, as in key_error
+    except UnicodeEncodeError:
+        return False
+    return True
