@@ -851,7 +851,7 @@ class StoreClient:
                 pk = [ks[i] for i in part]
             resp = self.rpc.call(lambda rid, pk=pk: P.ExistsReq(rid, pk))
             if type(resp) is P.CodesResp and len(resp.codes) == len(pk):
-                flags = [c != 0 for c in resp.codes]
+                flags = list(map(bool, resp.codes))
                 if idx is None:
                     out[start : start + len(flags)] = flags
                 else:

@@ -70,7 +70,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, key_error
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, key_error, keys_valid
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -566,10 +566,11 @@ class MasterService:
             raise E.InvalidParams(
                 f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
-        for k in keys:
-            why = key_error(k)
-            if why is not None:
-                raise E.InvalidKey(why)
+        if not keys_valid(keys):  # the whole batch at once; key by key only to say why
+            for k in keys:
+                why = key_error(k)
+                if why is not None:
+                    raise E.InvalidKey(why)
         for name in ("sizes", "versions"):
             vals = getattr(req, name, None)
             if vals and len(vals) != len(keys):
