@@ -170,15 +170,15 @@ def keys_valid(keys: list[Any]) -> bool:
     invalid, or the batch is not plain ``str`` keys), never that a given key is invalid."""
     if set(map(type, keys)) != {str}:  # str subclasses (and empty batches) take the slow path
         return False
-    lens = list(map(len, keys))
-    if min(lens) == 0:
+    if "" in keys:
         return False
     joined = "".join(keys)
     if "\0" in joined:
         return False
+    longest = max(map(len, keys))
     if joined.isascii():  # one byte per character
-        return max(lens) <= MAX_KEY_BYTES
-    if max(lens) * 4 > MAX_KEY_BYTES:  # UTF-8 takes at most 4 bytes per code point
+        return longest <= MAX_KEY_BYTES
+    if longest * 4 > MAX_KEY_BYTES:  # UTF-8 takes at most 4 bytes per code point
         return False
     try:
         joined.encode("utf-8")  # a lone surrogate anywhere fails here, as in key_error
