@@ -66,7 +66,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, key_error
+from .types import MAX_BATCH_KEYS, bad_key
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -192,6 +192,7 @@ def _make_result_type(inner_rt: Any) -> Any:
     )
 
 
+_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 
@@ -453,9 +454,9 @@ class MasterService:
             self._limiter.authenticated(token)
             while True:
                 try:
-                    body = await asyncio.wait_for(
-                        _framing.aread_frame(reader, self.cfg.max_frame), self.cfg.idle_timeout_s
-                    )
+                    # asyncio.timeout, not wait_for: no extra task per request
+                    async with asyncio.timeout(self.cfg.idle_timeout_s):
+                        body = await _framing.aread_frame(reader, self.cfg.max_frame)
                 except TimeoutError:
                     return  # idle (or a frame that never completes)
                 try:
@@ -463,6 +464,8 @@ class MasterService:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     log.info("store master: undecodable request; closing: %s", str(e)[:200])
                     return
+                if type(req) in _LEASE_READS and self._reply_now(req, writer, peer):
+                    continue  # answered inline from the leader lease
                 await slots.acquire()
                 t = asyncio.get_running_loop().create_task(self._handle(req, writer, peer))
                 inflight.add(t)
@@ -479,43 +482,80 @@ class MasterService:
             self._conns.discard(task)
             writer.close()
 
+    def _reply_now(self, req: Any, writer: asyncio.StreamWriter, peer: str) -> bool:
+        """Answer a read request inline, without a task, when the leader's lease makes its
+        read index immediate (the common case): the same checks and replies as
+        :meth:`_dispatch` minus the scheduling. False: handle it as any request (no lease
+        now, or replies are piling up unread and the drain of :meth:`_handle` is needed)."""
+        node = self.node
+        if (
+            node is None
+            or node.lease_read_index() is None
+            or writer.transport.get_write_buffer_size() > (1 << 20)
+        ):
+            return False
+        started = time.perf_counter()
+        try:
+            self._admit(req, peer)
+            resp = self._read_now(req)
+        except Exception as e:  # noqa: BLE001 - mapped to a reply as in _handle
+            resp = self._error_reply(req, e)
+        self._write_reply(req, resp, writer, started)
+        return True
+
     async def _handle(self, req: Any, writer: asyncio.StreamWriter, peer: str = "") -> None:
         started = time.perf_counter()
         try:
             resp = await self._dispatch(req, peer)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            resp = self._error_reply(req, e)
+        if self._write_reply(req, resp, writer, started):
+            try:
+                await writer.drain()  # a client that stops reading must not grow our buffer
+            except (ConnectionError, OSError):
+                pass
+
+    def _error_reply(self, req: Any, exc: Exception) -> Any:
+        """The reply for a request whose handling raised ``exc``."""
+        try:
+            raise exc
         except NotLeaderError as e:
-            resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
+            return P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
         except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
-            resp = P.ErrorResp(
+            return P.ErrorResp(
                 req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
             )
         except SessionExpiredError as e:
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
+            return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
         except CommandError as e:
-            resp = P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
+            return P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+            return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
-            resp = P.ErrorResp(
+            return P.ErrorResp(
                 req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True
             )
         except E.StoreError as e:
-            resp = P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
+            return P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             log.warning("store master: request %s failed: %r", type(req).__name__, e)
-            resp = P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+            return P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+
+    def _write_reply(
+        self, req: Any, resp: Any, writer: asyncio.StreamWriter, started: float
+    ) -> bool:
+        """Send ``resp``; True if the write buffer has grown past 4 MiB (caller drains)."""
         if self.metrics is not None:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
             self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
         if writer.is_closing():
-            return
+            return False
         try:
             writer.write(_framing.encode_frame(P.encode(resp)))
-            if writer.transport.get_write_buffer_size() > (4 << 20):
-                await writer.drain()  # a client that stops reading must not grow our buffer
+            return writer.transport.get_write_buffer_size() > (4 << 20)
         except (ConnectionError, OSError):
-            pass
+            return False
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -534,10 +574,9 @@ class MasterService:
             raise E.InvalidParams(
                 f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
-        for k in keys:
-            why = key_error(k)
-            if why is not None:
-                raise E.InvalidKey(why)
+        why = bad_key(keys)
+        if why is not None:
+            raise E.InvalidKey(why)
         for name in ("sizes", "versions"):
             vals = getattr(req, name, None)
             if vals and len(vals) != len(keys):
@@ -550,11 +589,10 @@ class MasterService:
             if v is not None and not 0 < len(v) <= _MAX_NAME:
                 raise E.InvalidParams(f"{name} must be 1..{_MAX_NAME} characters")
 
-    async def _dispatch(self, req: Any, peer: str = "") -> Any:
-        t = type(req)
-        self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
-        if t is P.StatusReq:
-            return P.StatusResp(req.rid, self.status())
+    def _admit(self, req: Any, peer: str) -> RaftNode:
+        """Checks every request passes before any work: counted, well-formed, this replica
+        leads, and a session is used only by the peer that owns it."""
+        self.counters[type(req).__name__] = self.counters.get(type(req).__name__, 0) + 1
         self._check(req)
         node = self._leader()
         sess = getattr(req, "session", None)
@@ -570,17 +608,28 @@ class MasterService:
                     self._owners.popitem(last=False)
             if owner != peer:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
+        return node
+
+    def _read_now(self, req: Any) -> Any:
+        """A read request once the read index is applied here (no log entry)."""
+        t = type(req)
         if t is P.GetReplicasReq:
-            return await self._get_replicas(node, req)
+            return self._get_replicas(req)
         if t is P.ExistsReq:
-            await node.read_index()
-            self._leader()
             return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
-        if t is P.GetSizeReq:
+        sizes = self.sm.get_size(req.keys)
+        return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
+
+    async def _dispatch(self, req: Any, peer: str = "") -> Any:
+        t = type(req)
+        if t is P.StatusReq:
+            self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
+            return P.StatusResp(req.rid, self.status())
+        node = self._admit(req, peer)
+        if t in _LEASE_READS:
             await node.read_index()
             self._leader()
-            sizes = self.sm.get_size(req.keys)
-            return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
+            return self._read_now(req)
         if t is P.HeartbeatReq:
             known = req.node_id in self.sm.nodes()
             if known:
@@ -656,9 +705,7 @@ class MasterService:
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
 
-    async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
-        await node.read_index()
-        self._leader()
+    def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp:
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys

@@ -949,22 +949,29 @@ class StoreStateMachine:
         if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
-        for i, key in enumerate(c.keys):
-            o = self.objects.get(key) if type(key) is str else None
+        objs = self.objects
+        processing = self.processing
+        not_found, invalid = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_WRITE)
+        # the lifecycle's answer per current state, looked up once per batch
+        after = {st: next_state(st, Event.PUT_END) for st in (_P, _C)}
+        done = 0
+        for key, version in zip(c.keys, c.versions):
+            o = objs.get(key) if type(key) is str else None
             if o is None:
-                codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif c.versions[i] != o.version:
-                codes.append(int(Code.INVALID_WRITE))
+                codes.append(not_found)
+            elif version != o.version:
+                codes.append(invalid)
             else:
-                nxt = next_state(o.state, Event.PUT_END)
+                nxt = after.get(o.state)
                 if nxt is None:
-                    codes.append(int(Code.INVALID_WRITE))
+                    codes.append(invalid)
                     continue
                 if o.state == _P:
-                    self.processing.pop(key, None)
-                    self.complete += 1
-                    self.objects[key] = replace(o, state=int(nxt))
+                    processing.pop(key, None)
+                    done += 1
+                    objs[key] = replace(o, state=int(nxt))
                 codes.append(0)
+        self.complete += done
         return Codes(codes)
 
     def _put_revoke(self, index: int, c: PutRevoke) -> Codes:
