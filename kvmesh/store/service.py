@@ -95,6 +95,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # a graceful stop snapshots first, so the next start restores the image instead of
     # replaying the log since the last snapshot (a batch entry holds thousands of keys)
     snapshot_on_stop: bool = True
+    # also snapshot after this many keys applied since the last one (a restart after a
+    # crash replays at most about that many keys; snapshot_threshold counts entries)
+    snapshot_keys: int = 500_000
     session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
     # store policy (leader soft state and ticker)
     lease_ttl_s: float = 5.0
@@ -227,6 +230,8 @@ class MasterService:
         self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
         self._conns: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self._snap_task: asyncio.Task | None = None
+        self._keys_at_snapshot = 0
         # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
         # this process's monotonic clock; commands carry wall time (_now).
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
@@ -315,6 +320,9 @@ class MasterService:
             self._ticker.cancel()
             with contextlib.suppress(BaseException):
                 await self._ticker
+        if self._snap_task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._snap_task, 30.0)
         for t in list(self._conns):
             t.cancel()
         for t in list(self._conns):
@@ -363,7 +371,10 @@ class MasterService:
                 with contextlib.suppress(Exception):
                     self.status_cache = self.status()
             node = self.node
-            if node is None or not node.is_leader:
+            if node is None:
+                continue
+            self._snapshot_by_keys(node)
+            if not node.is_leader:
                 continue
             try:
                 mono = time.monotonic()
@@ -388,6 +399,24 @@ class MasterService:
                 log.debug("store ticker: %s", e)
             except Exception:
                 log.exception("store ticker failed")
+
+    def _snapshot_by_keys(self, node: RaftNode) -> None:
+        """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
+        since the last one this replica started: on every replica, leader or not."""
+        done = self.sm.applied_keys
+        if not _durable(self.cfg) or done - self._keys_at_snapshot < self.cfg.snapshot_keys:
+            return
+        if self._snap_task is not None and not self._snap_task.done():
+            return
+        self._keys_at_snapshot = done
+
+        async def snap() -> None:
+            try:
+                await node.snapshot_now()
+            except Exception as e:  # noqa: BLE001 - the log still has everything
+                log.warning("store master: snapshot by keys failed: %r", e)
+
+        self._snap_task = asyncio.get_running_loop().create_task(snap(), name="store-snapshot")
 
     async def _release_held(self, mono: float) -> None:
         """Release the bytes of forced removes once every lease on them is over
@@ -960,6 +989,12 @@ def build_arg_parser() -> Any:
     p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
     )
+    p.add_argument(
+        "--snapshot-keys",
+        type=int,
+        default=500_000,
+        help="snapshot after this many keys applied (bounds the log replayed after a crash)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -985,6 +1020,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
         metrics_port=a.metrics_port,
+        snapshot_keys=a.snapshot_keys,
     )
 
 

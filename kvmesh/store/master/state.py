@@ -231,6 +231,9 @@ class StoreStateMachine:
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
+        # keys named by the entries this replica applied since it started (not replicated
+        # state: the driver uses it to snapshot by work done, as one entry may hold thousands)
+        self.applied_keys = 0
 
     # ================================================================== replog protocol
 
@@ -241,6 +244,7 @@ class StoreStateMachine:
             cmd = decode_command(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
+        self.applied_keys += len(getattr(cmd, "keys", ()))
         return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     def apply_command(self, index: int, cmd: Command) -> Result:
