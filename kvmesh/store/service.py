@@ -199,6 +199,9 @@ def _make_result_type(inner_rt: Any) -> Any:
 
 
 _LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
+# Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
+# buffered on one connection never hold the event loop for long.
+_INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 
@@ -522,14 +525,20 @@ class MasterService:
     def _reply_now(self, req: Any, writer: asyncio.StreamWriter, peer: str) -> bool:
         """Answer a read request inline, without a task, when the leader's lease makes its
         read index immediate (the common case): the same checks and replies as
-        :meth:`_dispatch` minus the scheduling. False: handle it as any request (no lease
-        now, or replies are piling up unread and the drain of :meth:`_handle` is needed)."""
+        :meth:`_dispatch` minus the scheduling. False: handle it as any request (a big
+        batch, no lease now, or replies piling up unread so the drain of :meth:`_handle`
+        is needed)."""
         node = self.node
         if (
             node is None
-            or node.lease_read_index() is None
+            or len(req.keys) > _INLINE_KEYS
             or writer.transport.get_write_buffer_size() > (1 << 20)
         ):
+            return False
+        try:
+            if node.lease_read_index() is None:
+                return False
+        except ReplogError:  # stopped: the task path answers with the right error
             return False
         started = time.perf_counter()
         try:
