@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import sys
@@ -492,6 +493,11 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="working directory for replica data (default: a temp dir)")
     p.add_argument("--smoke", action="store_true", help="a tiny run of every code path (tests)")
     args = p.parse_args()
+    if not os.environ.get("KVMESH_TOKEN") and not os.environ.get("KVMESH_TOKEN_FILE"):
+        # Replicas and clients authenticate as in a deployment (kvmesh.net): one random
+        # cluster token for this run, inherited by the replica processes; the admin
+        # snapshot request of the restart case needs it.
+        os.environ["KVMESH_TOKEN"] = secrets.token_hex(16)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
     out = asyncio.run(run(args))

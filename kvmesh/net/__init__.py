@@ -31,7 +31,9 @@ Refinements of the API announced in the net-api brief (same names and semantics 
   it) and ``PeerClosed`` (a ``ConnectionError``: EOF mid-frame).
 * ``read_frame(sock, max_frame, deadline=None)`` returns the body (a bytearray) and never reads
   past its frame; ``send_frame(sock, frame, deadline=None)`` sends an encoded frame.
-* ``ConnectionLimiter.try_acquire()`` returns a :class:`~.limits.Slot` (or None).
+* ``ConnectionLimiter.try_acquire(on_evict=None)`` returns a :class:`~.limits.Slot` (or
+  None); with ``on_evict`` the slot may be evicted for a newer connection while it is
+  unauthenticated, and ``authenticated(slot)`` returns False for an evicted slot.
 * ``check_bind`` also accepts mutual TLS (``tls_cert`` + ``tls_ca``) as authentication.
 * An empty token is rejected (it would authenticate everyone); ``KVMESH_TOKEN`` and
   ``KVMESH_TOKEN_FILE`` together are an error. ``repr(SecurityConfig)`` hides the token.

@@ -10,7 +10,8 @@ and below it buffers still grow only as bytes arrive (at most doubling what has 
 * :func:`read_frame` / :func:`send_frame` drive a blocking socket under an optional
   :class:`~kvmesh.net.limits.Deadline`. ``read_frame`` never reads past the end of its frame,
   so raw payload bytes that follow a frame (the transfer engine's data path) stay in the socket.
-* :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``).
+* :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``; its
+  ``frame_timeout`` bounds the body of a frame once its length prefix arrived).
 """
 
 from __future__ import annotations
@@ -137,18 +138,35 @@ def send_frame(sock: socket.socket, frame: bytes, deadline: Deadline | None = No
         raise
 
 
-async def aread_frame(reader: asyncio.StreamReader, max_frame: int) -> bytes:
-    """Read one frame from an asyncio stream (wrap in ``asyncio.wait_for`` for a deadline)."""
+async def aread_frame(
+    reader: asyncio.StreamReader, max_frame: int, *, frame_timeout: float | None = None
+) -> bytes:
+    """Read one frame from an asyncio stream (wrap in ``asyncio.wait_for`` for a deadline
+    on the whole wait). ``frame_timeout``: once the length prefix has arrived, the body must
+    arrive within this many seconds (else :class:`DeadlineExceeded`), so a server may wait
+    long for a peer's next request but not for the rest of one it began -- a peer that
+    stops in the middle of a large frame would otherwise hold what it sent that long."""
     try:
         head = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(head)
         if size > max_frame:
             raise _too_large(size, max_frame)
-        if size <= CHUNK:
-            return await reader.readexactly(size)
-        parts = bytearray()
-        while len(parts) < size:
-            parts += await reader.readexactly(min(size - len(parts), max(CHUNK, len(parts))))
-        return bytes(parts)
+        if frame_timeout is None:
+            return await _abody(reader, size)
+        try:
+            return await asyncio.wait_for(_abody(reader, size), frame_timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"a frame of {size} bytes did not arrive within {frame_timeout:g} s"
+            ) from None
     except asyncio.IncompleteReadError:
         raise PeerClosed("peer closed the connection") from None
+
+
+async def _abody(reader: asyncio.StreamReader, size: int) -> bytes:
+    if size <= CHUNK:
+        return await reader.readexactly(size)
+    parts = bytearray()
+    while len(parts) < size:
+        parts += await reader.readexactly(min(size - len(parts), max(CHUNK, len(parts))))
+    return bytes(parts)

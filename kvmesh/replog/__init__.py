@@ -9,7 +9,9 @@ Layers (see docs/replog.md):
   proposals resolved after apply, read-index, snapshots), with exactly-once client sessions
   (:class:`SessionStateMachine`);
 * :class:`ReplicaServer` / ``python -m kvmesh.replog`` - a replica process with a client
-  endpoint; :class:`ReplogClient` / :class:`KvClient` - leader-finding, retrying clients;
+  endpoint (:mod:`.protocol`); :class:`ReplogClient` / :class:`KvClient` - leader-finding,
+  retrying clients; both ports authenticate with :mod:`kvmesh.net`;
+* :mod:`.errors` - every exception, with wire codes;
 * :mod:`.linearizability` - the Porcupine-style history checker used by the tests;
 * :mod:`.sim` - the deterministic simulator.
 """
@@ -32,7 +34,14 @@ from .node import (
     ReadTimeout,
     SessionExpiredError,
 )
-from .server import LocalCluster, ReplicaServer
+from .errors import (
+    ERROR_CODES,
+    BadRequest,
+    Overloaded,
+    SessionDenied,
+    Unauthorized,
+)
+from .server import LocalCluster, ReplicaServer, ServerLimits
 from .session import SessionStateMachine, SessionTracker
 from .types import (
     ConfChange,
@@ -79,6 +88,7 @@ __all__ = [
     "KvCas",
     "KvBatch",
     "ReplicaServer",
+    "ServerLimits",
     "LocalCluster",
     "ReplogClient",
     "KvClient",
@@ -88,6 +98,11 @@ __all__ = [
     "KvOp",
     "check",
     "ReplogError",
+    "ERROR_CODES",
+    "BadRequest",
+    "Overloaded",
+    "SessionDenied",
+    "Unauthorized",
     "NotLeader",
     "NotLeaderError",
     "ProposalDropped",

@@ -9,10 +9,14 @@ original result instead of applying twice.
 Outcomes of :meth:`ReplogClient.submit`:
 
 * a result: the command was applied exactly once;
-* :class:`~kvmesh.replog.node.CommandError`: the state machine rejected it (applied as a
+* :class:`~kvmesh.replog.errors.CommandError`: the state machine rejected it (applied as a
   no-op, deterministically);
-* :class:`~kvmesh.replog.node.ProposalTimeout` after ``timeout``: unknown outcome;
-* :class:`~kvmesh.replog.node.SessionExpiredError`: unknown outcome, session gone.
+* :class:`~kvmesh.replog.errors.ProposalTimeout` after ``timeout``: unknown outcome;
+* :class:`~kvmesh.replog.errors.SessionExpiredError`: unknown outcome, session gone;
+* any other :class:`~kvmesh.replog.errors.ReplogError` rebuilt from the replica's error code.
+
+Connections authenticate with :mod:`kvmesh.net` (service ``"replog-client"``); the
+session token from registration travels with every command.
 
 :class:`KvClient` adds ``put/get/delete/cas`` for :class:`~kvmesh.replog.kvsm.KvStateMachine`.
 """
@@ -23,36 +27,57 @@ import asyncio
 import itertools
 import logging
 import random
-import struct
 import time
 from typing import Any
 
 import msgspec
 
+from ..net import (
+    NetError,
+    SecurityConfig,
+    aclient_handshake,
+    aread_frame,
+    client_ssl_context,
+    encode_frame,
+)
+from .errors import (
+    RETRYABLE,
+    ClusterUnavailable,
+    NotLeader,
+    ProposalTimeout,
+    ReadTimeout,
+    error_from_code,
+)
 from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, encode_command
-from .node import CommandError, NodeStopped, ProposalTimeout, ReadTimeout, SessionExpiredError
-from .server import ReqRead, ReqRegister, ReqSnapshot, ReqStatus, ReqSubmit, Response
+from .protocol import (
+    CLIENT_SERVICE,
+    MAX_RESPONSE,
+    ReqRead,
+    ReqRegister,
+    ReqSnapshot,
+    ReqStatus,
+    ReqSubmit,
+    Response,
+    SessionGrant,
+    decode_response,
+    encode,
+)
 from .transport import parse_addr
-from .types import ReplogError
 
-__all__ = ["ReplogClient", "KvClient", "ClusterUnavailable"]
+__all__ = ["ClusterUnavailable", "KvClient", "ReplogClient"]
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
-_enc = msgspec.msgpack.Encoder()
-_resp_dec = msgspec.msgpack.Decoder(Response)
-
-
-class ClusterUnavailable(ReplogError, TimeoutError):
-    """No replica answered usefully before the deadline."""
+_NOT_LEADER = NotLeader.code
 
 
 class _Conn:
     """One pipelined connection to one replica."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, security: SecurityConfig, name: str) -> None:
         self.addr = addr
+        self.security = security
+        self.name = name
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.waiters: dict[int, asyncio.Future] = {}
@@ -67,23 +92,34 @@ class _Conn:
             if self.writer is not None and not self.writer.is_closing():
                 return
             host, port = parse_addr(self.addr)
-            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-            sock = self.writer.get_extra_info("socket")
+            sec = self.security
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=client_ssl_context(sec)), timeout
+            )
+            try:
+                await aclient_handshake(reader, writer, sec, CLIENT_SERVICE, self.name, timeout)
+            except NetError as e:
+                writer.close()
+                raise ConnectionError(f"{self.addr}: {e}") from None
+            except BaseException:
+                writer.close()
+                raise
+            sock = writer.get_extra_info("socket")
             if sock is not None:
                 import socket
 
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.task = asyncio.get_running_loop().create_task(self._read_loop(self.reader))
+            self.reader, self.writer = reader, writer
+            self.task = asyncio.get_running_loop().create_task(self._read_loop(reader))
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                (n,) = _LEN.unpack(await reader.readexactly(4))
-                resp = _resp_dec.decode(await reader.readexactly(n))
+                resp = decode_response(await aread_frame(reader, MAX_RESPONSE))
                 f = self.waiters.pop(resp.rid, None)
                 if f is not None and not f.done():
                     f.set_result(resp)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, msgspec.DecodeError) as e:
+        except (ConnectionError, OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
             self._fail(ConnectionError(f"connection to {self.addr} lost: {e or type(e).__name__}"))
         except asyncio.CancelledError:
             self._fail(ConnectionError(f"connection to {self.addr} closed"))
@@ -110,13 +146,11 @@ class _Conn:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.waiters[req.rid] = fut
-        data = _enc.encode(req)
         # Requests issued in the same loop iteration share one send.
         if self.outbuf is None:
             self.outbuf = []
             loop.call_soon(self._flush)
-        self.outbuf.append(_LEN.pack(len(data)))
-        self.outbuf.append(data)
+        self.outbuf.append(encode_frame(encode(req)))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -139,7 +173,10 @@ class ReplogClient:
 
     ``addrs``: client endpoints of the replicas. ``timeout``: overall deadline of one call;
     ``attempt_timeout``: how long to wait for one replica before trying another;
-    ``max_backoff``: longest pause between rounds over all replicas (no leader known).
+    ``max_backoff``: longest pause between rounds over all replicas (no leader known);
+    ``security``: the cluster token / TLS files (default: from the environment,
+    :meth:`kvmesh.net.SecurityConfig.from_env`); ``name``: the id this client presents in
+    the handshake (logs only).
     """
 
     def __init__(
@@ -151,29 +188,43 @@ class ReplogClient:
         result_type: Any = Any,
         seed: int | None = None,
         max_backoff: float = 0.5,
+        security: SecurityConfig | None = None,
+        name: str = "replog-client",
     ) -> None:
         self.addrs = list(addrs.values()) if isinstance(addrs, dict) else list(addrs)
         if not self.addrs:
             raise ValueError("no replica addresses")
+        self.security = security if security is not None else SecurityConfig.from_env()
+        self.name = name
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_backoff = max_backoff
-        self._conns = {a: _Conn(a) for a in self.addrs}
+        self._conns = {a: self._new_conn(a) for a in self.addrs}
         self._leader: str | None = None
         self._rid = itertools.count(1)
         self._rng = random.Random(seed)
         self._result_dec = msgspec.msgpack.Decoder(result_type)
         self.client_id: int | None = None
+        self._token = b""
         self._outstanding: set[int] = set()
         self._next_seq = 1
         self.redirects = 0
         self.retries = 0
 
+    def _new_conn(self, addr: str) -> _Conn:
+        return _Conn(addr, self.security, self.name)
+
+    def _conn(self, addr: str) -> _Conn:
+        conn = self._conns.get(addr)
+        if conn is None:
+            conn = self._conns[addr] = self._new_conn(addr)
+        return conn
+
     async def close(self) -> None:
         for c in self._conns.values():
             await c.close()
 
-    async def __aenter__(self) -> "ReplogClient":
+    async def __aenter__(self) -> ReplogClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -197,12 +248,10 @@ class ReplogClient:
                 now = time.monotonic()
                 if now >= deadline:
                     raise ClusterUnavailable(f"no usable answer before the deadline (last: {last_err})")
-                if addr not in self._conns:
-                    self._conns[addr] = _Conn(addr)
-                conn = self._conns[addr]
+                conn = self._conn(addr)
                 try:
                     resp = await conn.call(make_req(next(self._rid)), min(self.attempt_timeout, deadline - now))
-                except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+                except (TimeoutError, OSError, ConnectionError) as e:
                     last_err = f"{addr}: {type(e).__name__} {e}"
                     if self._leader == addr:
                         self._leader = None
@@ -213,7 +262,7 @@ class ReplogClient:
                     return resp
                 kind = resp.kind
                 last_err = f"{addr}: {kind}: {resp.error}"
-                if kind == "not_leader":
+                if kind == _NOT_LEADER:
                     self.redirects += 1
                     if resp.leader_addr and resp.leader_addr != addr:
                         self._leader = resp.leader_addr
@@ -222,12 +271,12 @@ class ReplogClient:
                     if self._leader == addr:
                         self._leader = None
                     continue
-                if kind in ("timeout", "lost", "dropped", "stopped"):
+                if kind in RETRYABLE:
                     self.retries += 1
                     if self._leader == addr and kind == "stopped":
                         self._leader = None
                     continue
-                return resp  # definite: session, command, bad_request, error
+                return resp  # definite: session, command, bad_request, auth, ...
             if redirected:
                 continue
             await asyncio.sleep(min(backoff, self.max_backoff))
@@ -236,13 +285,7 @@ class ReplogClient:
     def _decode(self, resp: Response) -> Any:
         if resp.ok:
             return self._result_dec.decode(resp.result)
-        if resp.kind == "session":
-            raise SessionExpiredError(resp.error)
-        if resp.kind == "command":
-            raise CommandError(resp.error)
-        if resp.kind == "stopped":
-            raise NodeStopped(resp.error)
-        raise ReplogError(f"{resp.kind}: {resp.error}")
+        raise error_from_code(resp.kind, resp.error)
 
     async def register(self) -> int:
         """Open the session (done automatically by the first :meth:`submit`)."""
@@ -250,8 +293,9 @@ class ReplogClient:
         resp = await self._call(lambda rid: ReqRegister(rid), deadline)
         if not resp.ok:
             self._decode(resp)
-        self.client_id = msgspec.msgpack.decode(resp.result, type=int)
-        return self.client_id
+        grant = msgspec.msgpack.decode(resp.result, type=SessionGrant)
+        self.client_id, self._token = grant.client_id, grant.token
+        return grant.client_id
 
     async def submit(self, body: bytes, timeout: float | None = None) -> Any:
         """Apply a state-machine command exactly once; returns its result."""
@@ -261,6 +305,7 @@ class ReplogClient:
         self._next_seq += 1
         self._outstanding.add(seq)
         cid = self.client_id
+        token = self._token
         assert cid is not None
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         try:
@@ -268,7 +313,7 @@ class ReplogClient:
             def make(rid: int) -> ReqSubmit:
                 # Everything below the oldest command still in flight has been answered.
                 ack = min(self._outstanding) if self._outstanding else self._next_seq
-                return ReqSubmit(rid, cid, seq, body, ack)
+                return ReqSubmit(rid, cid, seq, body, ack, token)
 
             try:
                 resp = await self._call(make, deadline)
@@ -289,15 +334,17 @@ class ReplogClient:
 
     async def status(self, addr: str, digest: bool = False) -> dict:
         """Status of one replica (no leader needed); ``digest`` adds the state digest."""
-        conn = self._conns.setdefault(addr, _Conn(addr))
-        resp = await conn.call(ReqStatus(next(self._rid), digest), self.attempt_timeout)
+        resp = await self._conn(addr).call(ReqStatus(next(self._rid), digest), self.attempt_timeout)
+        if not resp.ok:
+            self._decode(resp)
         return msgspec.msgpack.decode(resp.result)
 
     async def snapshot(self, addr: str, reset_lag: bool = False, timeout: float = 60.0) -> int:
         """Admin: make one replica snapshot now; returns the snapshot index."""
-        conn = self._conns.setdefault(addr, _Conn(addr))
-        resp = await conn.call(ReqSnapshot(next(self._rid), reset_lag), timeout)
-        return self._decode(resp)
+        resp = await self._conn(addr).call(ReqSnapshot(next(self._rid), reset_lag), timeout)
+        if not resp.ok:
+            self._decode(resp)
+        return msgspec.msgpack.decode(resp.result, type=int)
 
     @property
     def leader_addr(self) -> str | None:

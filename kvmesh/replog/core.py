@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 from .log import RaftLog
 from .progress import (
     PROBE,
@@ -86,7 +88,27 @@ from .types import (
     encode_conf_change,
 )
 
-__all__ = ["RaftCore"]
+__all__ = ["RaftCore", "next_conf_state"]
+
+
+def next_conf_state(cs: ConfState, cc: ConfChange) -> ConfState:
+    """The configuration after applying ``cc`` to ``cs`` (the one rule the core and drivers
+    share: a driver tracks the configuration entry by entry as it applies, so that a
+    snapshot records the configuration at exactly its index)."""
+    voters = set(cs.voters)
+    learners = set(cs.learners)
+    n, t = cc.node_id, cc.type
+    if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
+        learners.discard(n)
+        voters.add(n)
+    elif t == ConfChangeType.ADD_LEARNER:
+        if n not in voters:
+            learners.add(n)
+    elif t == ConfChangeType.REMOVE_NODE:
+        if voters - {n}:
+            voters.discard(n)
+        learners.discard(n)
+    return ConfState(tuple(sorted(voters)), tuple(sorted(learners)))
 
 FOLLOWER = Role.FOLLOWER
 PRE_CANDIDATE = Role.PRE_CANDIDATE
@@ -100,6 +122,18 @@ _CONF_CHANGE = int(EntryKind.CONF_CHANGE)
 # leave once everything stepped before them is durable.
 _AFTER_PERSIST = (AppendResp, VoteResp, PreVoteResp, InstallSnapshotResp)
 _LEADER_MSGS = (Append, Heartbeat, InstallSnapshot)
+_ENTRY_KINDS = frozenset(int(k) for k in EntryKind)
+
+
+def _valid_conf_change(data: bytes) -> bool:
+    try:
+        cc = decode_conf_change(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return cc.node_id > 0 and cc.type in _CC_TYPES
+
+
+_CC_TYPES = frozenset(int(t) for t in ConfChangeType)
 
 
 class RaftCore:
@@ -170,6 +204,7 @@ class RaftCore:
         self._commit_dirty = False
         self._lease_revoked = False
         self._ticks = 0  # ticks since this core was created (monotonic; leases, boot guard)
+        self.dropped_msgs = 0  # messages refused by the validation in step()
 
         self.msgs_now: list = []
         self.msgs_after: list = []
@@ -204,15 +239,23 @@ class RaftCore:
         self._hup(transfer=False)
 
     def step(self, m) -> None:
-        """Feed one message received from a peer."""
+        """Feed one message received from a peer.
+
+        Messages are validated against this node's state first; a malformed one (entries
+        that do not continue ``prev_index``, an acknowledgement beyond our log, a transfer
+        vote or ``TimeoutNow`` outside a leadership transfer, ...) is dropped and counted
+        in :attr:`dropped_msgs`, never raised: peers are not trusted to be well-formed."""
         if m.to != self.id or m.frm == self.id:
             return
         mt = type(m)
+        if not self._valid(m, mt):
+            self.dropped_msgs += 1
+            return
         if m.term > self.term:
             if mt is Vote or mt is PreVote:
                 if m.frm not in self.voters:
                     return  # removed or unknown nodes cannot disrupt the cluster
-                if not m.transfer and self._in_lease():
+                if self._in_lease() and not (mt is Vote and self._transfer_vote(m)):
                     return  # we heard from a live leader recently (thesis §4.2.3)
             if mt is PreVote:
                 pass  # a pre-vote never changes our term
@@ -241,6 +284,79 @@ class RaftCore:
             self._step_follower(m, mt)
         else:
             self._step_candidate(m, mt)
+
+    def _valid(self, m, mt) -> bool:
+        """Structural checks of one message against this node's state (see :meth:`step`)."""
+        if m.frm <= 0 or m.term < 0:
+            return False
+        if mt is Append:
+            return self._valid_append(m)
+        if mt is AppendResp:
+            if m.term != self.term or self.role != LEADER:
+                return True  # stale or term-raising: handled by the term rules
+            last = self.log.last_index()
+            # A success acknowledges entries we sent (all in our log); a rejection names
+            # the prev_index of an Append we sent.
+            return 0 <= m.index <= last and 0 <= m.hint_index and 0 <= m.hint_term <= self.term
+        if mt is InstallSnapshotResp:
+            return m.term != self.term or self.role != LEADER or 0 <= m.index <= self.log.last_index()
+        if mt is InstallSnapshot:
+            return self._valid_snapshot(m)
+        if mt is Heartbeat:
+            return m.commit >= 0 and m.ctx >= 0
+        if mt is TimeoutNow:
+            # Only the leader we follow, in our term, hands leadership over (its target is
+            # caught up, so it already follows that leader in that term). A TimeoutNow that
+            # would raise our term or comes from anyone else is not a transfer.
+            return m.term == self.term and m.frm == self.lead and self.role == FOLLOWER
+        if mt is ReadIndexResp:
+            return m.term != self.term or (m.frm == self.lead and m.index >= 0)
+        if mt is Vote or mt is PreVote:
+            return m.last_index >= 0 and 0 <= m.last_term <= m.term
+        return True
+
+    def _valid_append(self, m: Append) -> bool:
+        if m.prev_index < 0 or not 0 <= m.prev_term <= m.term or m.commit < 0:
+            return False
+        ents = m.entries
+        if not ents:
+            return True
+        # Entries continue prev_index without gaps, with terms that never decrease, start
+        # at or above prev_term and never exceed the sender's term.
+        i = m.prev_index
+        t = m.prev_term
+        for e in ents:
+            i += 1
+            if e.index != i or e.term < t or e.kind not in _ENTRY_KINDS:
+                return False
+            t = e.term
+            if e.kind == _CONF_CHANGE and not _valid_conf_change(e.data):
+                return False
+        return t <= m.term
+
+    def _valid_snapshot(self, m: InstallSnapshot) -> bool:
+        meta = m.snapshot.meta
+        if meta.index <= 0 or not 0 < meta.term <= m.term:
+            return False
+        cs = meta.conf_state
+        ids = (*cs.voters, *cs.learners)
+        return bool(cs.voters) and all(n > 0 for n in ids) and len(set(ids)) == len(ids)
+
+    def _transfer_vote(self, m: Vote) -> bool:
+        """Whether ``m`` may bypass the follower lease as part of a leadership transfer:
+        the target of a TimeoutNow campaigns at exactly the next term of the leader it (and
+        we) followed. A transfer flag claiming any other term is not a transfer (it would
+        otherwise let one message push every term arbitrarily high)."""
+        return m.transfer and self.lead != NONE and m.term == self.term + 1
+
+    def snapshot_needed(self, m: InstallSnapshot) -> bool:
+        """Whether stepping ``m`` would make this node install its snapshot (replace the
+        log). Drivers prove the image - restore it into a fresh state machine - before
+        stepping such a message, so that only a usable snapshot is ever persisted."""
+        if m.to != self.id or m.frm == self.id or m.term < self.term or not self._valid_snapshot(m):
+            return False
+        meta = m.snapshot.meta
+        return meta.index > self.log.committed and not self.log.match_term(meta.index, meta.term)
 
     def propose(self, data: bytes) -> int:
         """Append a command to the leader's log; returns its index (the entry's term is the
@@ -569,6 +685,7 @@ class RaftCore:
         if self.term != term:
             self.term = term
             self.vote = NONE
+            self._drop_stale_messages(term)
         self.lead = NONE
         self.election_elapsed = 0
         self.heartbeat_elapsed = 0
@@ -583,6 +700,16 @@ class RaftCore:
         self._need_flush = False
         self._commit_dirty = False
         self._lease_revoked = False
+
+    def _drop_stale_messages(self, term: int) -> None:
+        # Queued messages of an older term are void, and acknowledgements among them may
+        # promise entries that a newer leader's Append truncates before the next fsync:
+        # sent after that fsync they would claim indexes that are not durable (soak seed
+        # 700022). Dropping a message is always safe.
+        if self.msgs_now:
+            self.msgs_now = [m for m in self.msgs_now if m.term >= term]
+        if self.msgs_after:
+            self.msgs_after = [m for m in self.msgs_after if m.term >= term]
 
     def _become_follower(self, term: int, lead: int) -> None:
         self._reset(term)
@@ -984,21 +1111,8 @@ class RaftCore:
             raise ConfChangeError(f"unknown configuration change type {t}")
 
     def _apply_conf_change_to_sets(self, cc: ConfChange) -> None:
-        voters = set(self.voters)
-        learners = set(self.learners)
-        n, t = cc.node_id, cc.type
-        if t == ConfChangeType.ADD_VOTER or (t == ConfChangeType.PROMOTE_LEARNER and n in learners):
-            learners.discard(n)
-            voters.add(n)
-        elif t == ConfChangeType.ADD_LEARNER:
-            if n not in voters:
-                learners.add(n)
-        elif t == ConfChangeType.REMOVE_NODE:
-            if voters - {n}:
-                voters.discard(n)
-            learners.discard(n)
-        self.voters = tuple(sorted(voters))
-        self.learners = tuple(sorted(learners))
+        cs = next_conf_state(ConfState(self.voters, self.learners), cc)
+        self.voters, self.learners = cs.voters, cs.learners
 
     def _apply_conf_change(self, cc: ConfChange) -> None:
         self._apply_conf_change_to_sets(cc)

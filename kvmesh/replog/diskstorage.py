@@ -35,12 +35,13 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
 from . import snapfile
-from .memstorage import EntryLog
+from .errors import StorageCorruptionError, StorageLockedError
+from .memstorage import EntryLog, ReadyWriter
 from .snapfile import SnapshotCorruptionError
 from .types import (
     ConfState,
@@ -73,14 +74,6 @@ def remove_files(dirpath: str, paths: list[str]) -> None:
         fsync_dir(dirpath)
 
 
-class StorageCorruptionError(StorageError):
-    """The data directory is inconsistent or damaged; the node must not start on it."""
-
-
-class StorageLockedError(StorageError):
-    """Another process holds this data directory."""
-
-
 class _WEntries(msgspec.Struct, tag=1, array_like=True):
     entries: list[Entry]
 
@@ -108,7 +101,7 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(_Record)
 
 
-class DiskStorage(EntryLog):
+class DiskStorage(EntryLog, ReadyWriter):
     """Durable log storage in directory ``path``; create with :meth:`open`."""
 
     def __init__(self, path: str) -> None:
@@ -331,16 +324,26 @@ class DiskStorage(EntryLog):
         """One fdatasync covering everything written so far (group commit)."""
         self.wal.sync()
 
-    def write(self, rd: Ready, snapshot_path: str | None = None) -> bool:
-        """Write a Ready's snapshot, entries and hard state without syncing; returns whether
-        an fsync is needed before the Ready's ``send_after_persist`` messages may go out."""
-        if rd.snapshot_to_install is not None:
-            self.apply_snapshot(rd.snapshot_to_install, snapshot_path)
-        if rd.entries_to_append:
-            self.append(rd.entries_to_append)
-        if rd.hard_state is not None and rd.hard_state != self._hs:
-            self.set_hard_state(rd.hard_state)
-        return rd.must_sync or bool(rd.entries_to_append) or rd.snapshot_to_install is not None
+    # write(rd, staged) is ReadyWriter's (the one Ready write path of every storage).
+
+    def stage_snapshot(self, snap: Snapshot) -> str:
+        """Durably write a received snapshot's file (any thread); ``write`` then adds the WAL
+        marker that makes it the log's base."""
+        return snapfile.write_snapshot(self.snap_dir, snap)
+
+    def stage_local_snapshot(self, meta: SnapshotMeta, parts: list[bytes]) -> str:
+        """Durably write a local snapshot's file from the image's pieces (any thread; no
+        big join under the GIL)."""
+        return snapfile.write_snapshot(self.snap_dir, Snapshot(meta), 1 << 20, parts)
+
+    def commit_local_snapshot(self, meta: SnapshotMeta, staged: Any) -> bool:
+        """:meth:`commit_snapshot` without keeping the image in memory (it is read back from
+        the file only if a follower needs it)."""
+        self.commit_snapshot(Snapshot(meta), staged, keep_data=False)
+        return self._snap_meta.index == meta.index
+
+    def remove_snapshot_files(self, paths: list[str]) -> None:
+        remove_files(self.snap_dir, paths)
 
     def persist(self, rd: Ready) -> None:
         """:meth:`write` plus at most one WAL fsync (group commit)."""

@@ -5,6 +5,8 @@ snapshot."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .types import (
     ENTRY_OVERHEAD,
     ConfState,
@@ -12,13 +14,14 @@ from .types import (
     HardState,
     LogCompacted,
     LogUnavailable,
+    Ready,
     Snapshot,
     SnapshotMeta,
     StorageError,
     bootstrap_entries,
 )
 
-__all__ = ["EntryLog", "MemoryStorage", "limit_size"]
+__all__ = ["EntryLog", "MemoryStorage", "ReadyWriter", "limit_size"]
 
 
 def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
@@ -115,13 +118,62 @@ class EntryLog:
         return True
 
 
-class MemoryStorage(EntryLog):
+class ReadyWriter:
+    """The write side every storage shares. Subclasses provide ``apply_snapshot(snap,
+    staged)``, ``append``, ``set_hard_state`` and ``hard_state``; durable ones set
+    ``needs_fsync`` and override :meth:`sync` and the staging hooks."""
+
+    needs_fsync = True
+
+    def write(self, rd: Ready, staged: Any = None) -> bool:
+        """Write a Ready's snapshot (``staged``: what :meth:`stage_snapshot` returned for it),
+        entries and hard state, in that order, without syncing; returns whether an fsync is
+        needed before the Ready's ``send_after_persist`` may go out."""
+        snap = rd.snapshot_to_install
+        if snap is not None:
+            self.apply_snapshot(snap, staged)  # type: ignore[attr-defined]
+        if rd.entries_to_append:
+            self.append(rd.entries_to_append)  # type: ignore[attr-defined]
+        hs: HardState | None = rd.hard_state
+        if hs is not None and hs != self.hard_state:  # type: ignore[attr-defined]
+            self.set_hard_state(hs)  # type: ignore[attr-defined]
+        return self.needs_fsync and (rd.must_sync or bool(rd.entries_to_append) or snap is not None)
+
+    def stage_snapshot(self, snap: Snapshot) -> Any:
+        """Blocking preparation of a received snapshot before :meth:`write` (thread-safe)."""
+        return None
+
+    def stage_local_snapshot(self, meta: SnapshotMeta, parts: list[bytes]) -> Any:
+        """Blocking preparation of a local snapshot (thread-safe); default: the joined image."""
+        return b"".join(parts)
+
+    def commit_local_snapshot(self, meta: SnapshotMeta, staged: Any) -> bool:
+        """Make a staged local snapshot current; False if a newer one is there already."""
+        raise NotImplementedError
+
+    def obsolete_snapshot_files(self) -> list[str]:
+        return []
+
+    def remove_snapshot_files(self, paths: list[str]) -> None:
+        """Blocking: delete what :meth:`obsolete_snapshot_files` listed."""
+
+    def sync(self) -> None:
+        """Blocking: one fsync covering every write so far."""
+
+    def close(self) -> None:
+        """Release the storage (durable ones sync first)."""
+
+
+class MemoryStorage(EntryLog, ReadyWriter):
     """A log, hard state and snapshot held in memory.
 
     Read side: the :class:`LogStorage` protocol. Write side, used by drivers after handling a
-    Ready: :meth:`set_hard_state`, :meth:`append`, :meth:`apply_snapshot`; and by the
-    application: :meth:`create_snapshot`, :meth:`compact`.
+    Ready: :meth:`~ReadyWriter.write` (or :meth:`set_hard_state`, :meth:`append`,
+    :meth:`apply_snapshot`); and by the application: :meth:`create_snapshot`,
+    :meth:`compact`. Nothing is ever synced (``needs_fsync`` is False).
     """
+
+    needs_fsync = False
 
     def __init__(self, hard_state: HardState | None = None, snapshot: Snapshot | None = None) -> None:
         self._hs = hard_state or HardState()
@@ -159,7 +211,7 @@ class MemoryStorage(EntryLog):
         Entries already covered by the snapshot are skipped."""
         self._splice(self._new_suffix(entries))
 
-    def apply_snapshot(self, snap: Snapshot) -> None:
+    def apply_snapshot(self, snap: Snapshot, staged: Any = None) -> None:
         """Replace the whole log by ``snap`` (a snapshot the leader sent)."""
         if snap.meta.index < self._snap.meta.index:
             raise StorageError(
@@ -177,6 +229,12 @@ class MemoryStorage(EntryLog):
         snap = Snapshot(SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data)
         self._snap = snap
         return snap
+
+    def commit_local_snapshot(self, meta: SnapshotMeta, staged: Any) -> bool:
+        if meta.index <= self._snap.meta.index:
+            return False
+        self._snap = Snapshot(meta, staged)
+        return True
 
     def compact(self, index: int) -> None:
         """Discard entries up to and including ``index`` (the caller must have a snapshot at

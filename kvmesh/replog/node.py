@@ -5,7 +5,8 @@ One event loop per replica. The driver:
 
 * turns ``time.monotonic()`` into ``core.tick()`` (missed ticks after a stall are caught
   up, so tick-based leases never outlive real time);
-* runs the Ready loop: write the snapshot/entries/hard state (page cache) -> send
+* runs the Ready loop through :class:`~kvmesh.replog.readypath.ReadyPath` (the ordering the
+  simulator runs too): write the snapshot/entries/hard state (page cache) -> send
   ``send_now`` -> **one** fdatasync in a worker thread (group commit; messages and
   proposals keep being stepped in meanwhile and form the next batch) -> send
   ``send_after_persist`` -> restore/apply -> ``advance``;
@@ -38,27 +39,51 @@ import heapq
 import inspect
 import itertools
 import logging
+import os
 import random
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
-from . import snapfile
+from ..net import SecurityConfig
 from .core import RaftCore
-from .diskstorage import DiskStorage, remove_files
+from .diskstorage import DiskStorage
+from .errors import (
+    CommandError,
+    NodeStopped,
+    NotLeaderError,
+    ProposalLost,
+    ProposalTimeout,
+    ReadTimeout,
+    SessionDenied,
+    SessionExpiredError,
+)
 from .memstorage import MemoryStorage
-from .session import Command, Expire, Plain, Register, SessionRejected, SessionStateMachine, SessionTracker, encode_envelope
+from .protocol import SESSION_TOKEN_BYTES
+from .readypath import SYNC, YIELD, ReadyPath
+from .session import (
+    Command,
+    Expire,
+    Plain,
+    Register,
+    SessionRejected,
+    SessionStateMachine,
+    SessionTracker,
+    encode_envelope,
+)
 from .transport import Transport, TransportConfig
 from .types import (
     NONE,
     ConfChange,
     ConfChangeType,
     EntryKind,
+    InstallSnapshot,
     NotLeader,
-    ProposalDropped,
     RaftConfig,
+    Ready,
     ReplogError,
     Role,
     Snapshot,
@@ -69,17 +94,17 @@ from .types import (
 )
 
 __all__ = [
-    "NodeConfig",
-    "RaftNode",
+    "DEFAULT_RAFT",
+    "CommandError",
     "LeaderChange",
+    "NodeConfig",
+    "NodeStopped",
     "NotLeaderError",
     "ProposalLost",
     "ProposalTimeout",
+    "RaftNode",
     "ReadTimeout",
-    "NodeStopped",
     "SessionExpiredError",
-    "CommandError",
-    "DEFAULT_RAFT",
     "parse_peers",
 ]
 
@@ -92,46 +117,6 @@ DEFAULT_RAFT = RaftConfig(
 
 
 _APPLY_SLICE = 1000
-
-
-class NotLeaderError(NotLeader):
-    """This replica is not the leader. ``leader_id`` (or None) and ``leader_addr`` (the
-    address clients should use, or None) tell where to go."""
-
-    def __init__(self, leader_id: int | None, leader_addr: str | None) -> None:
-        self.leader_id = leader_id
-        self.leader_addr = leader_addr
-        where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
-        super().__init__(leader_id, f"not the leader ({where})")
-
-
-class ProposalLost(ProposalDropped):
-    """A different entry was committed at the proposal's index: it was definitely not
-    applied (retry it, ideally with the same session sequence number)."""
-
-
-class ProposalTimeout(ReplogError, TimeoutError):
-    """No result in time; the command may or may not be applied. Retry with the same
-    ``(client_id, seq)`` to get its result exactly once."""
-
-
-class ReadTimeout(ReplogError, TimeoutError):
-    """A read index could not be confirmed in time (no quorum, leader change)."""
-
-
-class NodeStopped(ReplogError):
-    """The node stopped (shutdown or a fatal storage error) before answering."""
-
-
-class SessionExpiredError(ReplogError):
-    """The client session is unknown (expired or never registered) or the sequence number
-    is below its acknowledged floor: the command was *not* applied now, and whether an
-    earlier attempt was applied cannot be known any more."""
-
-
-class CommandError(ReplogError):
-    """The state machine raised while applying the command (deterministically, on every
-    replica); the message is the exception's."""
 
 
 class LeaderChange(msgspec.Struct, frozen=True):
@@ -151,6 +136,8 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
       :class:`NotLeaderError` redirects (default: the raft address).
     * ``durability``: ``"disk"`` (WAL + fsync, needs ``data_dir``) or ``"memory"``.
     * ``join``: start without bootstrapping (a member being added to a running cluster).
+    * ``security``: the cluster token and optional TLS files; replica connections
+      authenticate with it (:mod:`kvmesh.net`, service ``"replog-peer"``).
     """
 
     node_id: int
@@ -168,6 +155,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
     session_ttl_s: float = 0.0  # 0: sessions never expire
     wal_segment_bytes: int = 64 << 20
     transport: TransportConfig = TransportConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.node_id not in self.peers:
@@ -183,7 +171,7 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("term", "fut")
+    __slots__ = ("fut", "term")
 
     def __init__(self, term: int, fut: asyncio.Future) -> None:
         self.term = term
@@ -193,24 +181,41 @@ class _Pending:
 class RaftNode:
     """One replica. Create, ``await start()``, use, ``await stop()``.
 
-    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (optionally
-    ``snapshot_chunks()`` for non-blocking snapshots and ``result_type`` for typed cached
-    results); the node wraps it for exactly-once sessions. ``state_machine`` must be fresh:
-    the node restores it from the newest snapshot on start.
+    ``state_machine`` implements :class:`~kvmesh.replog.types.StateMachine` (the whole
+    contract: ``snapshot_chunks()`` makes snapshots non-blocking, ``result_type`` types
+    cached results, ``query`` serves the replica server's reads;
+    :class:`~kvmesh.replog.types.StateMachineBase` has defaults); the node wraps it for
+    exactly-once sessions. ``state_machine`` must be fresh: the node restores it from the
+    newest snapshot on start. A snapshot received from the leader is first restored into a
+    new machine from ``state_machine_factory`` (default: the machine's class called without
+    arguments, if that works) in a worker thread; only if that succeeds is it stepped into
+    the core, persisted, and restored into the live machine (in place: references to it
+    stay valid). A bad image is dropped, never fatal.
     """
 
-    def __init__(self, config: NodeConfig, state_machine: StateMachine, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        state_machine: StateMachine,
+        *,
+        rng: random.Random | None = None,
+        state_machine_factory: Callable[[], StateMachine] | None = None,
+    ) -> None:
         self.cfg = config
         self.id = config.node_id
         self.user_sm = state_machine
         self.sm = SessionStateMachine(state_machine)
+        # A snapshot from the leader is restored into a fresh machine (made here) before it
+        # is persisted; the current one stays in use until the new one is proven.
+        self._sm_factory = state_machine_factory or _default_factory(state_machine)
+        self._snap_check: asyncio.Task | None = None
+        self._proven: tuple[int, int] | None = None  # (index, term) of the proven snapshot
         self._rng = rng
         self.storage: DiskStorage | MemoryStorage | None = None
         self.core: RaftCore | None = None
+        self._path: ReadyPath | None = None
         self.transport: Transport | None = None
         self._wake = asyncio.Event()
-        self._ready_idle = asyncio.Event()
-        self._ready_idle.set()
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
         self._deadline_seq = itertools.count()
@@ -240,6 +245,7 @@ class RaftNode:
             "proposals": 0,
             "snapshots_taken": 0,
             "snapshots_installed": 0,
+            "snapshots_rejected": 0,
             "lease_reads": 0,  # read_index answered from the leader lease without a Ready
         }
 
@@ -274,7 +280,12 @@ class RaftNode:
             gc.freeze()
         self._applied = self._snap_index = snap.meta.index
         self.restore_s = time.perf_counter() - t0
-        self.core = RaftCore(self.id, self.storage, cfg.raft, self._rng, applied=self._applied)
+        # Election timeouts come from OS randomness unless a caller (a test) passes a seeded
+        # RNG: the core's default, Random(node_id), would repeat the same timeout sequence
+        # on every restart and keep colliding with a peer that does the same.
+        rng = self._rng if self._rng is not None else random.Random(os.urandom(16))
+        self.core = RaftCore(self.id, self.storage, cfg.raft, rng, applied=self._applied)
+        self._path = ReadyPath(self.core, self.storage, self, _APPLY_SLICE)
         self._term = self.core.term
         listen = cfg.peers[self.id]
         self.transport = Transport(
@@ -285,13 +296,13 @@ class RaftNode:
             on_unreachable=self._on_unreachable,
             on_snapshot_status=self._on_snapshot_status,
             config=cfg.transport,
+            security=cfg.security,
         )
         try:
             await self.transport.start()
         except BaseException:
             # E.g. the address is in use: release the data directory before failing.
-            if isinstance(self.storage, DiskStorage):
-                self.storage.close()
+            self.storage.close()
             self.storage = None
             raise
         self._running = True
@@ -325,7 +336,7 @@ class RaftNode:
         if self.transport is not None:
             await self.transport.stop()
         self._fail_all(NodeStopped(f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")))
-        if isinstance(self.storage, DiskStorage):
+        if self.storage is not None:
             try:
                 # A WAL that failed an fsync refuses to sync again and just closes.
                 self.storage.close()
@@ -410,6 +421,11 @@ class RaftNode:
             "loop_lag_max_s": self._lag_max,
             "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
             "durability": self.cfg.durability,
+            # Hostile-input counters: messages the core refused, forged senders and bad
+            # frames/connections the transport dropped.
+            "core_dropped_msgs": core.dropped_msgs,
+            "forged_msgs": self.transport.forged_msgs if self.transport is not None else 0,
+            "peer_bad_frames": self.transport.bad_frames if self.transport is not None else 0,
             **self.metrics,
         }
 
@@ -449,16 +465,18 @@ class RaftNode:
         seq: int | None = None,
         ack: int = 0,
         timeout: float | None = None,
+        token: bytes = b"",
     ) -> asyncio.Future:
         """:meth:`propose` without a coroutine: appends now (raising NotLeaderError etc.
         immediately) and returns a future of the result (for RPC layers that answer from a
-        done-callback instead of spawning a task per request)."""
+        done-callback instead of spawning a task per request). ``token``: the session's,
+        from :meth:`open_session` (a wrong one fails with SessionDenied, nothing applied)."""
         if client_id is None:
             data = encode_envelope(Plain(cmd))
         else:
             if seq is None or seq <= 0:
                 raise ValueError("seq must be a positive int with client_id")
-            data = encode_envelope(Command(client_id, seq, cmd, ack))
+            data = encode_envelope(Command(client_id, seq, cmd, ack, token))
             if self.tracker is not None and self.is_leader:
                 self.tracker.touch(client_id, time.monotonic())
         return self._submit(data, timeout)
@@ -483,11 +501,25 @@ class RaftNode:
         return list(await asyncio.gather(*futs, return_exceptions=True))
 
     async def register_session(self, timeout: float | None = None) -> int:
-        """Open an exactly-once session; returns the client id to use with :meth:`propose`."""
+        """Open an exactly-once session without a token (in-process callers); returns the
+        client id to use with :meth:`propose`."""
         cid = await self._propose_data(encode_envelope(Register()), timeout)
         if self.tracker is not None:
             self.tracker.touch(cid, time.monotonic())
         return cid
+
+    async def open_session(self, timeout: float | None = None) -> tuple[int, bytes]:
+        """Open a session protected by a fresh random token (for sessions of remote
+        clients): returns ``(client_id, token)``; every command must carry the token."""
+        token = secrets.token_bytes(SESSION_TOKEN_BYTES)
+        cid = await self._propose_data(encode_envelope(Register(token)), timeout)
+        if self.tracker is not None:
+            self.tracker.touch(cid, time.monotonic())
+        return cid, token
+
+    def session_token(self, client_id: int) -> bytes | None:
+        """The token of an applied session (None if not known on this replica yet)."""
+        return self.sm.session_token(client_id)
 
     async def _propose_data(self, data: bytes, timeout: float | None) -> Any:
         return await self._submit(data, timeout)
@@ -565,7 +597,7 @@ class RaftNode:
         deadline = time.monotonic() + t
         try:
             index = await asyncio.wait_for(fut, t)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"read index not confirmed within {t}s") from None
         finally:
             self._reads.pop(ctx, None)
@@ -585,7 +617,7 @@ class RaftNode:
         self._apply_waiters.append((index, fut))
         try:
             await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ReadTimeout(f"index {index} not applied in time (applied {self._applied})") from None
 
     async def transfer_leadership(self, to: int, timeout: float = 5.0) -> None:
@@ -630,11 +662,47 @@ class RaftNode:
         # message is stepped: a leader answering a follower's ReadIndex from a lease it
         # measured in stale ticks would serve a stale read (simulator scenario E3).
         self._catch_up_ticks()
+        if type(msg) is InstallSnapshot and self._sm_factory is not None and self.core.snapshot_needed(msg):
+            meta = msg.snapshot.meta
+            if self._proven != (meta.index, meta.term):
+                self._check_snapshot(msg)
+                return
         try:
             self.core.step(msg)
-        except Exception:  # noqa: BLE001 - one bad message must not kill the transport
+        except Exception:
             log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
         self._wake.set()
+
+    def _check_snapshot(self, msg: InstallSnapshot) -> None:
+        """Restore ``msg``'s image into a fresh state machine (in a worker thread); step the
+        message into the core only if that succeeds. One check at a time: the leader
+        re-sends a snapshot that got no answer, so dropping extra copies is safe."""
+        if self._snap_check is not None and not self._snap_check.done():
+            return
+        self._snap_check = asyncio.get_running_loop().create_task(
+            self._prove_snapshot(msg), name=f"replog-{self.id}-snapcheck"
+        )
+
+    async def _prove_snapshot(self, msg: InstallSnapshot) -> None:
+        meta = msg.snapshot.meta
+        assert self._sm_factory is not None
+        try:
+            fresh = SessionStateMachine(self._sm_factory(), self.sm.max_results)
+            await asyncio.to_thread(fresh.restore, msg.snapshot.data)
+            del fresh  # only the proof was needed: free the second image now
+        except Exception as e:  # noqa: BLE001 - a peer's bytes must never stop the node
+            self.metrics["snapshots_rejected"] += 1
+            n = self.metrics["snapshots_rejected"]
+            if n <= 10 or n % 100 == 0:  # bounded logging under a flood
+                log.warning(
+                    "replog node %d: rejected snapshot at index %d term %d from node %d (%d so far): %s",
+                    self.id, meta.index, meta.term, msg.frm, n, str(e)[:200],
+                )  # fmt: skip
+            return
+        if self.core is None or not self._running:
+            return
+        self._proven = (meta.index, meta.term)
+        self._on_message(msg)
 
     def _on_unreachable(self, peer: int) -> None:
         if self.core is not None and self._running:
@@ -674,8 +742,7 @@ class RaftNode:
             # calls) that elections and leases must absorb.
             lag = max(0.0, time.monotonic() - nxt)
             self._lags.append(lag)
-            if lag > self._lag_max:
-                self._lag_max = lag
+            self._lag_max = max(self._lag_max, lag)
             self._catch_up_ticks()
             if self._deadlines:
                 self._expire_proposals(time.monotonic())
@@ -712,78 +779,63 @@ class RaftNode:
         except BaseException as e:  # noqa: BLE001 - storage/apply failures are fatal
             self._fatal(e)
 
-    async def _handle_ready(self, rd: Any) -> None:
-        self._ready_idle.clear()
-        try:
-            await self._process_ready(rd)
-        finally:
-            self._ready_idle.set()
-
-    async def _process_ready(self, rd: Any) -> None:
-        core = self.core
+    async def _handle_ready(self, rd: Ready) -> None:
+        """Run the shared Ready path, performing its effects with asyncio: the fsync and
+        file writes in worker threads (the loop keeps stepping messages meanwhile)."""
+        path = self._path
         storage = self.storage
-        tr = self.transport
-        assert core is not None and storage is not None and tr is not None
+        assert path is not None and storage is not None
         self.metrics["readies"] += 1
-        snap = rd.snapshot_to_install
-        disk = isinstance(storage, DiskStorage)
-        # 1. Write (page cache only).
-        if disk:
-            path = None
-            if snap is not None:
-                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, snap)
-            need_sync = storage.write(rd, path)
-        else:
-            if snap is not None:
-                storage.apply_snapshot(snap)
-            if rd.entries_to_append:
-                storage.append(rd.entries_to_append)
-            if rd.hard_state is not None:
-                storage.set_hard_state(rd.hard_state)
-            need_sync = False
         self.metrics["entries_persisted"] += len(rd.entries_to_append)
-        # 2. Messages that do not depend on this write (leader appends, heartbeats).
-        if rd.send_now:
-            tr.send(rd.send_now)
-        # 3. One fsync for the whole batch; the loop keeps stepping messages meanwhile.
-        if need_sync:
-            await asyncio.to_thread(storage.sync)
-            self.metrics["fsyncs"] += 1
-        # 4. Messages that promise durability (votes, append acks).
-        if rd.send_after_persist:
-            tr.send(rd.send_after_persist)
-        # 5. State machine.
-        if snap is not None:
-            self._install(snap)
-        if rd.committed_entries:
-            ents = rd.committed_entries
-            # Long batches (a follower catching up) are applied in slices so that
-            # heartbeats, votes and client requests keep being served in between.
-            for lo in range(0, len(ents), _APPLY_SLICE):
-                if lo:
-                    await asyncio.sleep(0)
-                self._apply(ents[lo : lo + _APPLY_SLICE])
+        gen = path.run(rd)
+        result: Any = None
+        while True:
+            try:
+                eff = gen.send(result)
+            except StopIteration:
+                break
+            result = None
+            if eff is SYNC:
+                await asyncio.to_thread(storage.sync)
+                self.metrics["fsyncs"] += 1
+            elif eff is YIELD:
+                await asyncio.sleep(0)
+            else:
+                result = await asyncio.to_thread(eff)
+        if not self._snapshotting and self._applied - self._snap_index >= self.cfg.snapshot_threshold:
+            self._snapshotting = True
+            asyncio.get_running_loop().create_task(self._snapshot_task())
+
+    # ReadyHost: what the shared path calls back.
+
+    def send(self, msgs: list, after_persist: bool) -> None:
+        assert self.transport is not None
+        self.transport.send(msgs)
+
+    def install(self, snap: Snapshot) -> None:
+        self._install(snap)
+
+    def apply(self, entries: list) -> None:
+        self._apply(entries)
+
+    def before_advance(self, rd: Ready) -> None:
         if rd.soft_state is not None:
             self._soft_state(rd.soft_state)
         for rs in rd.read_states:
             f = self._reads.get(rs.context)
             if f is not None and not f.done():
                 f.set_result(rs.index)
-        self._term = core.term
-        core.advance(rd)
+        assert self.core is not None
+        self._term = self.core.term
+
+    def after_advance(self, rd: Ready) -> None:
         self._notify_applied()
-        if snap is not None and disk:
-            doomed = storage.obsolete_snapshot_files()
-            if doomed:
-                await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
-        if (
-            not self._snapshotting
-            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
-        ):
-            self._snapshotting = True
-            asyncio.get_running_loop().create_task(self._snapshot_task())
 
     def _install(self, snap: Snapshot) -> None:
+        # The image was proven on a fresh machine before the core could persist it (unless
+        # the machine has no factory); restore the live one in place, so that embedders'
+        # references to their state machine stay valid.
+        self._proven = None
         self.sm.restore(snap.data)
         self._applied = self._snap_index = snap.meta.index
         self.metrics["snapshots_installed"] += 1
@@ -823,7 +875,8 @@ class RaftNode:
             elif err is not None:
                 p.fut.set_exception(err)
             elif type(result) is SessionRejected:
-                p.fut.set_exception(SessionExpiredError(f"client {result.client_id} seq {result.seq}: {result.reason}"))
+                cls = SessionDenied if result.reason == "bad_token" else SessionExpiredError
+                p.fut.set_exception(cls(f"client {result.client_id} seq {result.seq}: {result.reason}"))
             else:
                 p.fut.set_result(result)
         self.metrics["entries_applied"] += len(ents)
@@ -876,7 +929,7 @@ class RaftNode:
                 r = cb(change)
                 if inspect.isawaitable(r):
                     asyncio.ensure_future(r)
-            except Exception:  # noqa: BLE001 - a callback must not break the loop
+            except Exception:
                 log.exception("replog node %d: leader-change callback failed", self.id)
 
     # ------------------------------------------------------------------ snapshots
@@ -893,16 +946,15 @@ class RaftNode:
     async def _take_snapshot(self) -> int:
         self._snapshotting = True
         try:
-            core = self._core()
+            self._core()
             storage = self.storage
-            assert storage is not None
-            # Capture at one instant between Readies: applied index, configuration (the
-            # core applies membership changes on advance) and a shallow image.
-            await self._ready_idle.wait()
-            index = self._applied
-            conf = core.conf_state
-            chunks_fn = getattr(self.sm, "snapshot_chunks", None)
-            chunks = chunks_fn() if chunks_fn is not None else iter((self.sm.snapshot(),))
+            path = self._path
+            assert storage is not None and path is not None
+            # Capture at one instant: the applied index, the configuration at exactly that
+            # index (the path tracks it slice by slice; the core's lags until advance) and a
+            # shallow image. Any await point lies between two apply slices.
+            index, conf = path.snapshot_point()
+            chunks = self.sm.snapshot_chunks()
             t0 = time.perf_counter()
             parts = []
             for c in chunks:
@@ -914,23 +966,13 @@ class RaftNode:
             except StorageError:
                 return 0  # a snapshot from the leader replaced the log meanwhile
             meta = SnapshotMeta(index, term, conf)
-            if isinstance(storage, DiskStorage):
-                # The pieces go to the file as they are (no big join under the GIL); the
-                # image is read back from the file only if a follower needs it.
-                path = await asyncio.to_thread(snapfile.write_snapshot, storage.snap_dir, Snapshot(meta), 1 << 20, parts)
-                if self.storage is not storage:
-                    return 0
-                storage.commit_snapshot(Snapshot(meta), path, keep_data=False)
-                # Deleting an old 60 MB file can take a while: not on the loop.
-                doomed = storage.obsolete_snapshot_files()
-                if doomed:
-                    await asyncio.to_thread(remove_files, storage.snap_dir, doomed)
-            else:
-                if index <= storage.snapshot().meta.index:
-                    return 0
-                storage.create_snapshot(index, conf, b"".join(parts))
-            if storage.snapshot().meta.index != index:
+            staged = await asyncio.to_thread(storage.stage_local_snapshot, meta, parts)
+            if self.storage is not storage or not storage.commit_local_snapshot(meta, staged):
                 return 0
+            # Deleting an old 60 MB file can take a while: not on the loop.
+            doomed = storage.obsolete_snapshot_files()
+            if doomed:
+                await asyncio.to_thread(storage.remove_snapshot_files, doomed)
             self._snap_index = index
             compact_to = index - self.cfg.trailing_logs
             if compact_to >= storage.first_index():
@@ -940,6 +982,22 @@ class RaftNode:
             return index
         finally:
             self._snapshotting = False
+
+
+def _default_factory(sm: StateMachine) -> Callable[[], StateMachine] | None:
+    """``type(sm)`` if it builds a machine without arguments, else None (then leader
+    snapshots cannot be proven before they are persisted: pass ``state_machine_factory``)."""
+    cls = type(sm)
+    try:
+        cls()
+    except Exception:  # noqa: BLE001 - any constructor failure means "no default factory"
+        log.warning(
+            "replog: %s() needs arguments; pass state_machine_factory to RaftNode so that "
+            "snapshots from the leader are proven before they are persisted",
+            cls.__name__,
+        )
+        return None
+    return cls
 
 
 def parse_peers(spec: str) -> dict[int, str]:

@@ -2,18 +2,17 @@
 
 Run one replica of a 3-node cluster (client port = raft port + ``--client-port-offset``)::
 
-    python -m kvmesh.replog.server --id 1 \\
-        --peers 1=127.0.0.1:7001,2=127.0.0.1:7002,3=127.0.0.1:7003 --dir /data/replog1
+    KVMESH_TOKEN_FILE=/etc/kvmesh/token python -m kvmesh.replog.server --id 1 \\
+        --peers 1=10.0.0.1:7001,2=10.0.0.2:7001,3=10.0.0.3:7001 --dir /data/replog1
+
+Both ports authenticate every connection with the cluster token (:mod:`kvmesh.net`; from
+``--token-file``, ``KVMESH_TOKEN`` or ``KVMESH_TOKEN_FILE``); without one a replica refuses
+to bind anything but loopback unless ``--allow-insecure``. ``--tls-cert/--tls-key/--tls-ca``
+add (mutual) TLS on both ports.
 
 The example state machine is :class:`~kvmesh.replog.kvsm.KvStateMachine`; embedders pass
-their own to :class:`ReplicaServer` (it needs ``query(bytes)`` for reads).
-
-Client protocol: frames ``[len u32 LE][msgpack]`` carrying :data:`Request` structs (plus the
-admin :class:`ReqSnapshot`); every
-request has a ``rid`` echoed in its :class:`Response`, so requests pipeline on one
-connection. Results are msgpack bytes (``Response.result``); errors carry a ``kind``
-(``not_leader``, ``timeout``, ``lost``, ``dropped``, ``session``, ``command``, ``stopped``,
-``bad_request``) and, for ``not_leader``, the leader's id and client address.
+their own to :class:`ReplicaServer` with a ``query`` function for reads. The wire protocol
+is :mod:`kvmesh.replog.protocol`; what the port accepts is in :class:`ServerLimits`.
 """
 
 from __future__ import annotations
@@ -21,243 +20,319 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hmac
 import logging
 import os
 import signal
-import struct
 import sys
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from .kvsm import KvStateMachine
-from .node import (
-    CommandError,
-    NodeConfig,
-    NodeStopped,
-    NotLeaderError,
-    ProposalLost,
-    ProposalTimeout,
-    RaftNode,
-    ReadTimeout,
-    SessionExpiredError,
-    parse_peers,
+from ..net import (
+    FrameDecoder,
+    FrameTooLarge,
+    InsecureBind,
+    NetError,
+    SecurityConfig,
+    aserver_handshake,
+    check_bind,
+    clip,
+    encode_frame,
+    server_ssl_context,
 )
-from .transport import parse_addr
-from .snapfile import SnapshotCorruptionError
-from .types import ProposalDropped, RaftConfig, ReadOnlyOption, ReplogError, StorageError
-from .wal import WalCorruptionError
+from .errors import (
+    BadRequest,
+    NotLeaderError,
+    Overloaded,
+    ProposalTimeout,
+    ReplogError,
+    SessionDenied,
+    SnapshotCorruptionError,
+    StorageError,
+    Unauthorized,
+    WalCorruptionError,
+)
+from .kvsm import KvStateMachine
+from .node import NodeConfig, RaftNode, parse_peers
+from .protocol import (
+    CLIENT_SERVICE,
+    MAX_REQUEST,
+    ReqRead,
+    ReqRegister,
+    ReqSnapshot,
+    ReqStatus,
+    ReqSubmit,
+    Response,
+    SessionGrant,
+    decode_request,
+    encode,
+)
+from .transport import Admission, DeadlineWatch, TransportConfig, Watched, parse_addr, read_frames
+from .types import RaftConfig, ReadOnlyOption, StateMachine
 
 __all__ = [
-    "ReqRegister",
-    "ReqSubmit",
-    "ReqRead",
-    "ReqStatus",
-    "ReqSnapshot",
-    "Request",
-    "Response",
-    "ReplicaServer",
     "LocalCluster",
+    "ReplicaServer",
+    "ServerLimits",
+    "error_response",
     "free_ports",
     "main",
-    "MAX_REQUEST",
 ]
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
-MAX_REQUEST = 64 << 20
+SM = TypeVar("SM", bound=StateMachine)
+_MAX_TOKEN = 64
 
 
-class ReqRegister(msgspec.Struct, tag=1, array_like=True, frozen=True):
-    """Open an exactly-once session; result: the client id (int)."""
+class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
+    """What the client port accepts: a connection is refused (closed at once) beyond
+    ``max_connections`` (``max_unauthenticated`` of them in the handshake, which must end
+    within ``handshake_timeout_s``; a newcomer evicts the oldest connection still in its
+    handshake, see :class:`~kvmesh.replog.transport.Admission`); a request frame is at most ``max_request`` bytes, must
+    be complete ``frame_timeout_s`` after its first byte, and all connections together hold
+    at most ``max_buffered_bytes`` of incomplete requests (the one that would exceed it is
+    closed); a connection with more than ``max_inflight`` unanswered requests gets
+    ``overloaded``; one without any request for ``idle_timeout_s`` (and none in flight) is
+    closed."""
 
-    rid: int
-
-
-class ReqSubmit(msgspec.Struct, tag=2, array_like=True, frozen=True):
-    """Apply ``body`` (a state-machine command) exactly once for ``(client_id, seq)``."""
-
-    rid: int
-    client_id: int
-    seq: int
-    body: bytes
-    ack: int = 0
-
-
-class ReqRead(msgspec.Struct, tag=3, array_like=True, frozen=True):
-    """Linearizable read: read-index barrier, then ``state_machine.query(body)``."""
-
-    rid: int
-    body: bytes
+    max_request: int = MAX_REQUEST
+    max_buffered_bytes: int = 64 << 20
+    max_connections: int = 1024
+    max_unauthenticated: int = 64
+    max_inflight: int = 4096
+    handshake_timeout_s: float = 5.0
+    frame_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
 
 
-class ReqStatus(msgspec.Struct, tag=4, array_like=True, frozen=True):
-    """Node status (a dict), no leader needed. ``digest``: include the state machine's
-    ``digest()`` (costly on a large state)."""
-
-    rid: int
-    digest: bool = False
-
-
-class ReqSnapshot(msgspec.Struct, tag=5, array_like=True, frozen=True):
-    """Admin: take a snapshot now; result: its index (0 if one was already running).
-    ``reset_lag``: clear the event-loop lag statistics first (to measure the stall)."""
-
-    rid: int
-    reset_lag: bool = False
-
-
-Request = Union[ReqRegister, ReqSubmit, ReqRead, ReqStatus, ReqSnapshot]
-
-
-class Response(msgspec.Struct, array_like=True, frozen=True):
-    rid: int
-    ok: bool
-    result: bytes = b""  # msgpack of the result when ok
-    kind: str = ""
-    error: str = ""
-    leader_id: int = 0
-    leader_addr: str = ""
-
-
-_req_dec = msgspec.msgpack.Decoder(Request)
-_enc = msgspec.msgpack.Encoder()
-
-
-def _error_response(rid: int, e: BaseException) -> Response:
+def error_response(rid: int, e: BaseException) -> Response:
+    """The wire form of an error (its code from :mod:`kvmesh.replog.errors`)."""
     if isinstance(e, NotLeaderError):
-        return Response(rid, False, kind="not_leader", error=str(e), leader_id=e.leader_id or 0, leader_addr=e.leader_addr or "")
-    if isinstance(e, (ProposalTimeout, ReadTimeout, asyncio.TimeoutError)):
-        kind = "timeout"
-    elif isinstance(e, ProposalLost):
-        kind = "lost"
-    elif isinstance(e, ProposalDropped):
-        kind = "dropped"
-    elif isinstance(e, SessionExpiredError):
-        kind = "session"
-    elif isinstance(e, CommandError):
-        kind = "command"
-    elif isinstance(e, NodeStopped):
-        kind = "stopped"
-    else:
-        kind = "error"
-    return Response(rid, False, kind=kind, error=f"{type(e).__name__}: {e}")
+        return Response(rid, False, kind=e.code, error=str(e), leader_id=e.leader_id or 0, leader_addr=e.leader_addr or "")
+    if isinstance(e, asyncio.TimeoutError) and not isinstance(e, ReplogError):
+        e = ProposalTimeout(str(e) or "timed out")
+    if not isinstance(e, ReplogError):
+        e = BadRequest(f"{type(e).__name__}: {e}")
+    return Response(rid, False, kind=e.code, error=str(e)[:1000])
 
 
-class ReplicaServer:
-    """Serves the client protocol for one :class:`RaftNode`."""
+class _Client:
+    """One client connection's state."""
 
-    def __init__(self, node: RaftNode, listen_addr: str) -> None:
+    __slots__ = ("writer", "authenticated", "inflight", "held", "peer")
+
+    def __init__(self, writer: asyncio.StreamWriter, authenticated: bool, peer: str) -> None:
+        self.writer = writer
+        self.authenticated = authenticated
+        self.inflight = 0
+        self.held = 0  # bytes of an incomplete request charged to the server's budget
+        self.peer = peer
+
+
+def _query(sm: Any, body: bytes) -> Any:
+    return sm.query(body)
+
+
+class ReplicaServer(Generic[SM]):
+    """Serves the client protocol (:mod:`kvmesh.replog.protocol`) for one
+    :class:`RaftNode`, whatever its state machine: reads call ``query(state_machine, body)``
+    (default: the machine's own ``query`` method); results are msgpack-encoded.
+
+    ``security``: the cluster token / TLS files (default: the node's); ``limits``:
+    :class:`ServerLimits`. Admin requests (``ReqSnapshot``) need an authenticated
+    connection (a token or a verified client certificate)."""
+
+    def __init__(
+        self,
+        node: RaftNode,
+        listen_addr: str,
+        *,
+        security: SecurityConfig | None = None,
+        limits: ServerLimits | None = None,
+        query: Callable[[SM, bytes], Any] = _query,
+    ) -> None:
         self.node = node
         self.listen_addr = listen_addr
+        self.security = security if security is not None else node.cfg.security
+        self.limits = limits or ServerLimits()
+        self.query = query
+        self._admission = Admission(self.limits.max_connections, self.limits.max_unauthenticated)
+        self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
+        self._buffered = 0
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
+        self._clients: set[_Client] = set()
         self._out: dict[asyncio.StreamWriter, list[bytes]] = {}
+        self.stats = {"refused_conns": 0, "auth_failures": 0, "closed_bad_frames": 0, "denied": 0}
 
     async def start(self) -> None:
         host, port = parse_addr(self.listen_addr)
-        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        check_bind(host, self.security)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+        )
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self._watch.stop()
+        for c in list(self._clients):
+            c.writer.close()
         for t in list(self._conns):
             t.cancel()
         for t in list(self._conns):
             try:
                 await t
-            except BaseException:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001, S110 - shutting down
                 pass
+
+    def _charge(self, c: _Client, buffered: int) -> None:
+        delta = buffered - c.held
+        if delta > 0 and self._buffered + delta > self.limits.max_buffered_bytes:
+            raise FrameTooLarge(f"incomplete requests would hold more than {self.limits.max_buffered_bytes} bytes")
+        self._buffered += delta
+        c.held = buffered
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        slot = self._admission.admit(writer)
+        if slot is None:
+            self.stats["refused_conns"] += 1
+            writer.close()
+            return
         self._conns.add(task)
-        inflight: set[asyncio.Task] = set()
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            import socket
-
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lim = self.limits
+        sec = self.security
+        c: _Client | None = None
+        watched: Watched | None = None
         try:
+            try:
+                peer = await aserver_handshake(
+                    reader, writer, sec, CLIENT_SERVICE, f"replica-{self.node.id}", lim.handshake_timeout_s
+                )
+            except (NetError, OSError, asyncio.IncompleteReadError) as e:
+                self.stats["auth_failures"] += 1
+                log.info("client connection refused: %s", clip(str(e)))
+                return
+            self._admission.authenticated(slot)
+            authenticated = sec.token is not None or (sec.mutual_tls and writer.get_extra_info("peercert") is not None)
+            c = _Client(writer, authenticated, peer)
+            self._clients.add(c)
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                import socket
+
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            dec = FrameDecoder(lim.max_request)
+            client = c
+            # Waiting for its own answers is not idleness.
+            watched = self._watch.watch(writer, dec, lambda: client.inflight > 0)
+            charge = functools.partial(self._charge, c)
             while True:
-                (n,) = _LEN.unpack(await reader.readexactly(4))
-                if n > MAX_REQUEST:
-                    log.warning("client request of %d bytes refused; closing", n)
-                    return
-                body = await reader.readexactly(n)
-                try:
-                    req = _req_dec.decode(body)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    self._write(writer, Response(0, False, kind="bad_request", error=str(e)))
-                    continue
-                if type(req) is ReqSubmit:
-                    # Hot path: no task per command; the answer is written from the
-                    # future's done-callback when the entry is applied.
-                    try:
-                        fut = self.node.propose_nowait(req.body, req.client_id, req.seq, req.ack)
-                    except (ReplogError, ValueError) as e:
-                        self._write(writer, _error_response(req.rid, e))
-                    else:
-                        fut.add_done_callback(functools.partial(self._answer, writer, req.rid))
-                    if writer.transport.get_write_buffer_size() > (1 << 20):
-                        await writer.drain()
-                    continue
-                t = asyncio.get_running_loop().create_task(self._handle(req, writer))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
+                bodies = await read_frames(reader, watched, charge)
+                self._charge(c, dec.buffered)
+                for body in bodies:
+                    self._request(c, body)
+                if writer.transport.get_write_buffer_size() > (1 << 20):
+                    await writer.drain()  # a client that stops reading must not grow our buffer
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
+        except (TimeoutError, FrameTooLarge, NetError) as e:
+            self.stats["closed_bad_frames"] += 1
+            log.info("closing client connection: %s", clip(str(e)))
         finally:
-            for t in inflight:
-                t.cancel()
+            if watched is not None:
+                self._watch.unwatch(watched)
+            if c is not None:
+                self._charge(c, 0)
+                self._clients.discard(c)
+            self._admission.release(slot)
             self._conns.discard(task)
             writer.close()
 
-    def _answer(self, writer: asyncio.StreamWriter, rid: int, fut: asyncio.Future) -> None:
+    def _request(self, c: _Client, body: bytes) -> None:
+        try:
+            req = decode_request(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._write(c.writer, error_response(0, BadRequest(clip(str(e)))))
+            return
+        if c.inflight >= self.limits.max_inflight:
+            self._write(c.writer, error_response(req.rid, Overloaded(f"more than {self.limits.max_inflight} requests in flight")))
+            return
+        if type(req) is ReqSubmit:
+            # Hot path: no task per command; the answer is written from the future's
+            # done-callback when the entry is applied.
+            try:
+                fut = self._submit(req)
+            except (ReplogError, ValueError) as e:
+                self._write(c.writer, error_response(req.rid, e))
+            else:
+                c.inflight += 1
+                fut.add_done_callback(functools.partial(self._answer, c, req.rid))
+            return
+        c.inflight += 1
+        t = asyncio.get_running_loop().create_task(self._handle(req, c))
+        self._conns.add(t)
+        t.add_done_callback(self._conns.discard)
+
+    def _submit(self, req: ReqSubmit) -> asyncio.Future:
+        if req.client_id <= 0 or req.seq <= 0 or req.ack < 0 or len(req.token) > _MAX_TOKEN:
+            raise BadRequest("client_id and seq must be positive, ack >= 0, token <= 64 bytes")
+        known = self.node.session_token(req.client_id)
+        if known and not hmac.compare_digest(known, req.token):
+            # Refused before it costs a log entry; the apply-time check covers sessions this
+            # replica has not applied yet.
+            self.stats["denied"] += 1
+            raise SessionDenied(f"client {req.client_id}: the request does not carry the session's token")
+        return self.node.propose_nowait(req.body, req.client_id, req.seq, req.ack, token=req.token)
+
+    def _answer(self, c: _Client, rid: int, fut: asyncio.Future) -> None:
+        c.inflight -= 1
         if fut.cancelled():
             return
         exc = fut.exception()
         if exc is None:
             try:
-                resp = Response(rid, True, _enc.encode(fut.result()))
+                resp = Response(rid, True, encode_result(fut.result()))
             except (TypeError, msgspec.EncodeError) as e:
-                resp = Response(rid, False, kind="bad_request", error=f"result not encodable: {e}")
-        elif isinstance(exc, (ReplogError, asyncio.TimeoutError)):
-            resp = _error_response(rid, exc)
+                resp = error_response(rid, BadRequest(f"result not encodable: {e}"))
         else:
-            resp = Response(rid, False, kind="error", error=f"{type(exc).__name__}: {exc}")
-        self._write(writer, resp)
+            resp = error_response(rid, exc)
+        self._write(c.writer, resp)
 
     def _write(self, writer: asyncio.StreamWriter, resp: Response) -> None:
         if writer.is_closing():
             return
-        data = _enc.encode(resp)
         # Responses resolved in the same loop iteration (one applied batch) leave in one
         # send: a syscall per response would dominate the cost of small commands.
         buf = self._out.get(writer)
         if buf is None:
             buf = self._out[writer] = []
             asyncio.get_running_loop().call_soon(self._flush, writer)
-        buf.append(_LEN.pack(len(data)))
-        buf.append(data)
+        buf.append(encode_frame(encode(resp)))
 
     def _flush(self, writer: asyncio.StreamWriter) -> None:
         buf = self._out.pop(writer, None)
         if buf and not writer.is_closing():
             writer.write(b"".join(buf))
 
-    async def _handle(self, req: Any, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, req: Any, c: _Client) -> None:
         node = self.node
         t = type(req)
         try:
             if t is ReqRead:
                 await node.read_index()
-                result = node.state_machine.query(req.body)  # type: ignore[attr-defined]
+                result = self.query(node.state_machine, req.body)  # type: ignore[arg-type]
             elif t is ReqRegister:
-                result = await node.register_session()
+                cid, token = await node.open_session()
+                result = SessionGrant(cid, token)
             elif t is ReqSnapshot:
+                if not c.authenticated:
+                    raise Unauthorized("admin requests need an authenticated connection (a cluster token)")
                 if req.reset_lag:
                     node.reset_lag_stats()
                 result = await node.snapshot_now()
@@ -267,19 +342,23 @@ class ReplicaServer:
                 if digest is not None:
                     result["digest"] = digest()
             else:  # pragma: no cover - the decoder admits only the union
-                raise TypeError(f"unknown request {t.__name__}")
-            resp = Response(req.rid, True, _enc.encode(result))
-        except (ReplogError, asyncio.TimeoutError) as e:
-            resp = _error_response(req.rid, e)
+                raise BadRequest(f"unknown request {t.__name__}")
+            resp = Response(req.rid, True, encode_result(result))
+        except (TimeoutError, ReplogError) as e:
+            resp = error_response(req.rid, e)
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
-            log.warning("request %r failed: %r", req, e)
-            resp = Response(req.rid, False, kind="bad_request", error=f"{type(e).__name__}: {e}")
-        self._write(writer, resp)
-        if writer.transport.get_write_buffer_size() > (1 << 20):
-            try:
-                await writer.drain()  # a client that stops reading must not grow our buffer forever
-            except ConnectionError:
-                pass
+            log.warning("request %s failed: %s", t.__name__, clip(repr(e)))
+            resp = error_response(req.rid, BadRequest(f"{type(e).__name__}: {clip(str(e))}"))
+        finally:
+            c.inflight -= 1
+        self._write(c.writer, resp)
+
+
+_result_enc = msgspec.msgpack.Encoder()
+
+
+def encode_result(result: Any) -> bytes:
+    return _result_enc.encode(result)
 
 
 def client_addrs_for(peers: dict[int, str], offset: int) -> dict[int, str]:
@@ -307,11 +386,55 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ttl-s", type=float, default=0.0)
     p.add_argument("--join", action="store_true", help="do not bootstrap (member being added)")
     p.add_argument("--log-level", default="INFO")
+    g = p.add_argument_group("security (also from KVMESH_TOKEN, KVMESH_TOKEN_FILE, KVMESH_TLS_*)")
+    g.add_argument("--token-file", default=None, help="file holding the cluster shared secret")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate of this replica (both ports)")
+    g.add_argument("--tls-key", default=None)
+    g.add_argument("--tls-ca", default=None, help="CA peers' and clients' certificates must chain to")
+    g.add_argument("--allow-insecure", action="store_true", help="bind non-loopback addresses without a token")
+    g = p.add_argument_group("limits")
+    g.add_argument("--frame-timeout-s", type=float, default=10.0, help="a started frame must complete within this (both ports)")
+    g.add_argument("--idle-timeout-s", type=float, default=None, help="close connections idle this long (default: peers 60, clients 300)")
+    g.add_argument("--max-request-kb", type=int, default=MAX_REQUEST >> 10, help="largest client request frame")
+    g.add_argument("--peer-max-message-mb", type=int, default=256, help="largest reassembled replica message (snapshots)")
     return p
+
+
+def security_from_args(a: argparse.Namespace, environ: dict[str, str] | None = None) -> SecurityConfig:
+    """The environment's :class:`SecurityConfig`, overridden by the command line."""
+    env = dict(os.environ if environ is None else environ)
+    if a.token_file:
+        env.pop("KVMESH_TOKEN", None)
+        env["KVMESH_TOKEN_FILE"] = a.token_file
+    sec = SecurityConfig.from_env(env)
+    over: dict[str, Any] = {}
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(a, name):
+            over[name] = getattr(a, name)
+    if a.allow_insecure:
+        over["allow_insecure"] = True
+    return msgspec.structs.replace(sec, **over) if over else sec
+
+
+def limits_from_args(a: argparse.Namespace) -> tuple[TransportConfig, ServerLimits]:
+    msg = a.peer_max_message_mb << 20
+    tr = TransportConfig(
+        frame_timeout_s=a.frame_timeout_s,
+        idle_timeout_s=a.idle_timeout_s or 60.0,
+        max_message_bytes=msg,
+        max_buffered_bytes=max(2 * msg, TransportConfig().max_buffered_bytes),
+    )
+    sl = ServerLimits(
+        frame_timeout_s=a.frame_timeout_s,
+        idle_timeout_s=a.idle_timeout_s or 300.0,
+        max_request=a.max_request_kb << 10,
+    )
+    return tr, sl
 
 
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
     peers = parse_peers(a.peers)
+    transport, _ = limits_from_args(a)
     raft = RaftConfig(
         election_tick=a.election_ticks,
         max_election_tick=2 * a.election_ticks,
@@ -331,16 +454,27 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         snapshot_threshold=a.snapshot_threshold,
         trailing_logs=a.trailing_logs,
         session_ttl_s=a.session_ttl_s,
+        transport=transport,
+        security=security_from_args(a),
     )
 
 
-async def run_replica(cfg: NodeConfig, sm: Any = None) -> int:
+async def run_replica(cfg: NodeConfig, sm: Any = None, limits: ServerLimits | None = None) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3). ``main`` exits
-    4 when the data directory is damaged or locked, 5 on other start-up I/O errors."""
+    2 on a bad configuration (e.g. an insecure bind), 4 when the data directory is damaged
+    or locked, 5 on other start-up I/O errors."""
+    client_addr = cfg.client_addrs.get(cfg.node_id) or cfg.peers[cfg.node_id]
+    # Refuse an insecure bind before touching the data directory.
+    check_bind(parse_addr(cfg.peers[cfg.node_id])[0], cfg.security)
+    check_bind(parse_addr(client_addr)[0], cfg.security)
     node = RaftNode(cfg, sm if sm is not None else KvStateMachine())
     await node.start()
-    server = ReplicaServer(node, cfg.client_addrs.get(cfg.node_id) or cfg.peers[cfg.node_id])
-    await server.start()
+    server = ReplicaServer(node, client_addr, security=cfg.security, limits=limits)
+    try:
+        await server.start()
+    except BaseException:
+        await node.stop()
+        raise
     log.info(
         "replica %d up: raft %s, clients %s, durability=%s, restored %d in %.3fs",
         cfg.node_id,
@@ -373,13 +507,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = config_from_args(a)
-    except ValueError as e:
+        _, limits = limits_from_args(a)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
     try:
-        return asyncio.run(run_replica(cfg))
+        return asyncio.run(run_replica(cfg, limits=limits))
+    except InsecureBind as e:
+        print(f"error: replica {cfg.node_id}: {e}", file=sys.stderr)
+        return 2
     except (StorageError, WalCorruptionError, SnapshotCorruptionError) as e:
         # Fail stop with a clear message: a damaged or busy data directory is never
         # "repaired" by guessing. Wipe it to rejoin as a fresh replica (it catches up).
@@ -416,7 +554,9 @@ class LocalCluster:
     """Replica processes on this host, for tests, benchmarks and development.
 
     Ports are picked free at construction; ``base_dir/N`` is replica N's data directory.
-    ``extra_args`` are passed to every replica (e.g. ``["--durability", "memory"]``).
+    ``extra_args`` are passed to every replica (e.g. ``["--durability", "memory"]``);
+    ``token``: the cluster secret (written to ``base_dir/token``; clients use
+    ``security``).
     Replica logs go to ``base_dir/replicaN.log``.
     """
 
@@ -430,9 +570,19 @@ class LocalCluster:
         extra_args: list[str] | None = None,
         host: str = "127.0.0.1",
         python: str | None = None,
+        token: str | None = None,
     ) -> None:
         self.base_dir = base_dir
         os.makedirs(base_dir, exist_ok=True)
+        # With a token, replicas read it from a 0600 file (never from argv: ps shows argv);
+        # clients use ``self.security``.
+        self.security = SecurityConfig(token=token)
+        self.token_file: str | None = None
+        if token is not None:
+            self.token_file = os.path.join(base_dir, "token")
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
         ports = free_ports(2 * n, host)
         self.ids = list(range(1, n + 1))
         self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
@@ -456,6 +606,7 @@ class LocalCluster:
             "--dir", os.path.join(self.base_dir, str(i)),
             "--tick-ms", str(self.tick_ms),
             "--election-ticks", str(self.election_ticks),
+            *(["--token-file", self.token_file] if self.token_file else []),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -551,7 +702,7 @@ class LocalCluster:
                 p.stdout.close()
         self.procs.clear()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,6 +20,7 @@ never retry blindly.
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Iterator
 from typing import Any, Union
@@ -28,27 +29,33 @@ import crc32c
 import msgspec
 
 from .snapfile import SnapshotCorruptionError, pack_chunk
-from .types import StateMachine
+from .types import StateMachine, snapshot_chunks_of
 
 __all__ = [
-    "Register",
+    "MAX_RESULTS_PER_SESSION",
     "Command",
+    "Envelope",
     "Expire",
     "Plain",
-    "Envelope",
+    "Register",
     "SessionRejected",
     "SessionStateMachine",
     "SessionTracker",
-    "encode_envelope",
     "decode_envelope",
-    "MAX_RESULTS_PER_SESSION",
+    "encode_envelope",
 ]
 
 MAX_RESULTS_PER_SESSION = 4096
 
 
 class Register(msgspec.Struct, tag="reg", array_like=True, frozen=True):
-    """Open a session; the result is the new client id (this entry's log index)."""
+    """Open a session; the result is the new client id (this entry's log index).
+
+    ``token``: a secret chosen by the replica that proposed the registration (random
+    bytes; empty for in-process sessions): every later command of the session must carry
+    it, so a client cannot act in another client's session by naming its id."""
+
+    token: bytes = b""
 
 
 class Command(msgspec.Struct, tag="cmd", array_like=True, frozen=True):
@@ -59,6 +66,7 @@ class Command(msgspec.Struct, tag="cmd", array_like=True, frozen=True):
     seq: int
     body: bytes
     ack: int = 0
+    token: bytes = b""
 
 
 class Expire(msgspec.Struct, tag="exp", array_like=True, frozen=True):
@@ -78,7 +86,8 @@ Envelope = Union[Register, Command, Expire, Plain]
 
 class SessionRejected(msgspec.Struct, tag="session_rejected", array_like=True, frozen=True):
     """Result of a command that was *not* applied: ``reason`` is ``"unknown_session"``
-    (never registered or expired) or ``"stale_seq"`` (below the session's ack floor)."""
+    (never registered or expired), ``"stale_seq"`` (below the session's ack floor) or
+    ``"bad_token"`` (the command does not carry the session's token)."""
 
     client_id: int
     seq: int
@@ -100,6 +109,7 @@ def decode_envelope(data: bytes) -> Envelope:
 class _Session(msgspec.Struct, array_like=True):
     floor: int  # results for seq < floor were dropped (client acknowledged them)
     results: dict[int, bytes]  # seq -> msgpack-encoded result
+    token: bytes = b""  # commands must carry it (empty: in-process session, not checked)
 
 
 class _Table(msgspec.Struct, array_like=True):
@@ -122,7 +132,8 @@ class SessionStateMachine:
         self.max_results = max_results_per_session
         self.sessions: dict[int, _Session] = {}
         self.duplicates = 0  # commands answered from the cache (observability/tests)
-        self._res_dec = msgspec.msgpack.Decoder(getattr(inner, "result_type", Any))
+        self.result_type: Any = getattr(inner, "result_type", Any)
+        self._res_dec = msgspec.msgpack.Decoder(self.result_type)
 
     def apply(self, index: int, data: bytes) -> Any:
         env = _env_dec.decode(data)
@@ -132,7 +143,7 @@ class SessionStateMachine:
         if t is Plain:
             return self.inner.apply(index, env.body)
         if t is Register:
-            self.sessions[index] = _Session(0, {})
+            self.sessions[index] = _Session(0, {}, env.token)
             return index
         if t is Expire:
             for cid in env.client_ids:
@@ -144,6 +155,9 @@ class SessionStateMachine:
         s = self.sessions.get(cmd.client_id)
         if s is None:
             return SessionRejected(cmd.client_id, cmd.seq, "unknown_session")
+        if s.token and not hmac.compare_digest(s.token, cmd.token):
+            # Before any state is touched: a foreign command must not move the floor.
+            return SessionRejected(cmd.client_id, cmd.seq, "bad_token")
         if cmd.seq < s.floor:
             return SessionRejected(cmd.client_id, cmd.seq, "stale_seq")
         cached = s.results.get(cmd.seq)
@@ -168,13 +182,17 @@ class SessionStateMachine:
     def session_ids(self) -> list[int]:
         return list(self.sessions)
 
+    def session_token(self, client_id: int) -> bytes | None:
+        """The applied token of a session (None if unknown here)."""
+        s = self.sessions.get(client_id)
+        return None if s is None else s.token
+
     # ---------------------------------------------------------------- snapshots
 
     def snapshot_chunks(self) -> Iterator[bytes]:
         """Session table first (small: encoded now), then the inner machine's image."""
         table = pack_chunk(_enc.encode(_Table(self.sessions)))
-        inner_chunks = getattr(self.inner, "snapshot_chunks", None)
-        rest = inner_chunks() if inner_chunks is not None else iter((self.inner.snapshot(),))
+        rest = snapshot_chunks_of(self.inner)
 
         def gen() -> Iterator[bytes]:
             yield table
@@ -184,6 +202,10 @@ class SessionStateMachine:
 
     def snapshot(self) -> bytes:
         return b"".join(self.snapshot_chunks())
+
+    def query(self, data: bytes) -> Any:
+        """Read-only requests go to the inner machine (sessions have no queries)."""
+        return self.inner.query(data)
 
     def restore(self, data: bytes) -> None:
         mv = memoryview(data)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import crc32c
 import msgspec
 
+from .errors import SnapshotCorruptionError
 from .types import ConfState, Snapshot, SnapshotMeta
 from .wal import fsync_dir
 
@@ -49,10 +50,6 @@ FORMAT_VERSION = 1
 _MAGIC = b"KVMSNAP1"
 _HDR = struct.Struct("<II")
 _NAME = re.compile(r"^snap-([0-9a-f]{16})-([0-9a-f]{16})\.snap$")
-
-
-class SnapshotCorruptionError(Exception):
-    """A snapshot file or blob failed verification."""
 
 
 class SnapHeader(msgspec.Struct, array_like=True, frozen=True):

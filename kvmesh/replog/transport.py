@@ -1,14 +1,33 @@
-"""TCP transport between replicas: length-prefixed msgpack frames of Raft messages.
+"""TCP transport between replicas: authenticated connections carrying length-prefixed
+msgpack frames of Raft messages.
 
 Each node listens on its own address and opens one outbound connection per peer; a
-message from A to B always travels on A's connection to B. Frames are::
+message from A to B always travels on A's connection to B. A connection opens with the
+:mod:`kvmesh.net` handshake (service ``"replog-peer"``, peer ids = node ids): with the
+cluster token configured both sides prove they know it, and the listener learns the
+*authenticated* id of the connecting node. Then frames (:mod:`kvmesh.net.framing`: a u32 LE
+length, then the body) whose body is::
 
-    [body length u32 LE][kind u8][body]
+    [kind u8][payload]
 
-``kind``: ``HELLO`` (body: msgpack sender id, first frame of a connection), ``MSG`` (one
-encoded message), ``FRAG``/``FRAG_END`` (pieces of one large message, e.g. an
-InstallSnapshot carrying a big state-machine image). Fragments of one message are sent
-between other messages, so heartbeats keep flowing while a snapshot streams.
+``kind``: ``MSG`` (one encoded message), ``FRAG``/``FRAG_END`` (pieces of one large
+message, e.g. an InstallSnapshot carrying a big state-machine image). Fragments of one
+message are sent between other messages, so heartbeats keep flowing while a snapshot
+streams.
+
+What a listener accepts (everything else closes the connection or drops the message):
+
+* at most ``max_connections`` connections (``max_unauthenticated`` of them still in the
+  handshake, which must finish within ``handshake_timeout_s``; when a cap is reached a
+  newcomer evicts the oldest connection still in its handshake, :class:`Admission`),
+  ``max_conns_per_peer`` per authenticated node id;
+* frames up to ``max_frame`` bytes; a frame that has started must be complete within
+  ``frame_timeout_s`` (a truncated frame does not hold the connection), and a connection
+  with no frame for ``idle_timeout_s`` is closed;
+* a reassembled message of at most ``max_message_bytes``; fragments buffered per node id
+  (all its connections) and in total are capped the same way and by ``max_buffered_bytes``;
+* only messages whose ``frm`` is the connection's authenticated node id and whose ``to``
+  is this node (others are dropped and counted in ``forged_msgs``).
 
 Raft tolerates loss, so the transport never blocks the caller: :meth:`Transport.send`
 enqueues into a bounded per-peer queue; when a queue is full, a connection fails or a
@@ -21,26 +40,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable
 
 import msgspec
 
+from ..net import (
+    ConnectionLimiter,
+    FrameDecoder,
+    FrameTooLarge,
+    NetError,
+    SecurityConfig,
+    Slot,
+    aclient_handshake,
+    aserver_handshake,
+    check_bind,
+    client_ssl_context,
+    clip,
+    server_ssl_context,
+)
+from .errors import FrameError
+from .protocol import PEER_SERVICE
 from .types import InstallSnapshot, decode_message, encode_message
 
-__all__ = ["Transport", "TransportConfig", "parse_addr", "FrameError"]
+__all__ = ["Admission", "DeadlineWatch", "FrameError", "Transport", "TransportConfig", "parse_addr", "read_frames"]
 
 log = logging.getLogger(__name__)
 
-_HDR = struct.Struct("<IB")
-HELLO, MSG, FRAG, FRAG_END = 0, 1, 2, 3
-MAX_FRAME = 64 << 20  # one frame; larger messages are fragmented
-MAX_MESSAGE = 4 << 30  # reassembled message cap (a corrupt stream must not eat all memory)
-
-
-class FrameError(Exception):
-    """A peer sent a malformed frame; the connection is closed."""
+_HDR = struct.Struct("<IB")  # net framing's u32 length, then the kind byte (first body byte)
+MSG, FRAG, FRAG_END = 1, 2, 3
+_READ = 256 << 10
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -52,7 +83,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """Queue bounds, fragment size and timeouts of the replica transport."""
+    """Queue bounds, fragment size, timeouts and the listener's limits (module docstring)."""
 
     max_queue_msgs: int = 8192
     max_queue_bytes: int = 256 << 20
@@ -61,10 +92,168 @@ class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
     write_timeout_s: float = 5.0
     min_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
+    handshake_timeout_s: float = 5.0
+    max_frame: int = 4 << 20
+    max_message_bytes: int = 256 << 20
+    max_buffered_bytes: int = 512 << 20
+    max_connections: int = 64
+    max_unauthenticated: int = 16
+    max_conns_per_peer: int = 4
+    idle_timeout_s: float = 60.0
+    frame_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_frame < self.fragment_bytes + 1:
+            raise ValueError("max_frame must hold a whole fragment (fragment_bytes + 1)")
+        if self.max_message_bytes > self.max_buffered_bytes:
+            raise ValueError("max_message_bytes cannot exceed max_buffered_bytes")
+
+
+class Watched:
+    """A connection under a :class:`DeadlineWatch`: its reads report progress here."""
+
+    __slots__ = ("writer", "dec", "last", "started", "busy", "expired")
+
+    def __init__(self, writer: asyncio.StreamWriter, dec: FrameDecoder, busy: Callable[[], bool] | None, now: float) -> None:
+        self.writer = writer
+        self.dec = dec
+        self.last = now  # last time bytes arrived
+        self.started = 0.0  # when the frame being received began (0: none)
+        self.busy = busy  # a connection waiting for its own answers is not idle
+        self.expired = ""
+
+
+class DeadlineWatch:
+    """Idle and frame deadlines of one listener's connections, enforced by one sweeper
+    task instead of a timer per read (a per-read ``asyncio.timeout`` cost ~10 % of a
+    leader's CPU on small requests). A connection without a frame in progress is closed
+    after ``idle_s`` without bytes (unless ``busy()``); one whose frame started more than
+    ``frame_s`` ago is closed, however slowly its bytes trickle. Deadlines are checked every
+    ``min(idle_s, frame_s) / 4``, so they hold to within that."""
+
+    def __init__(self, idle_s: float, frame_s: float) -> None:
+        self.idle_s = idle_s
+        self.frame_s = frame_s
+        self._conns: dict[asyncio.StreamWriter, Watched] = {}
+        self._task: asyncio.Task | None = None
+        self.expired = 0
+
+    def watch(self, writer: asyncio.StreamWriter, dec: FrameDecoder, busy: Callable[[], bool] | None = None) -> Watched:
+        loop = asyncio.get_running_loop()
+        w = Watched(writer, dec, busy, loop.time())
+        self._conns[writer] = w
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._sweep(), name="replog-deadlines")
+        return w
+
+    def unwatch(self, w: Watched) -> None:
+        self._conns.pop(w.writer, None)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = max(0.01, min(self.idle_s, self.frame_s) / 4)
+        while self._conns:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for w in list(self._conns.values()):
+                if w.dec.buffered:
+                    if not w.started:
+                        w.started = w.last
+                    if now - w.started > self.frame_s:
+                        w.expired = f"a frame did not complete within {self.frame_s:g} s"
+                elif now - w.last > self.idle_s and not (w.busy is not None and w.busy()):
+                    w.expired = f"idle for more than {self.idle_s:g} s"
+                if w.expired:
+                    self.expired += 1
+                    self._conns.pop(w.writer, None)
+                    w.writer.transport.abort()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def read_frames(
+    reader: asyncio.StreamReader,
+    w: Watched,
+    on_buffered: Callable[[int], None] | None = None,
+) -> list[bytes]:
+    """The next complete frame bodies from ``reader`` (decoded by ``w.dec``), reporting
+    progress to ``w``'s :class:`DeadlineWatch`. Raises ``TimeoutError`` once the watch
+    closed the connection for a deadline, ``asyncio.IncompleteReadError`` at EOF,
+    ``FrameTooLarge``. ``on_buffered(n)`` is told how many bytes of an incomplete frame the
+    decoder holds after each read (it may raise to refuse them: a server-wide budget)."""
+    dec = w.dec
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            data = await reader.read(_READ)
+        except (ConnectionError, OSError):
+            if w.expired:
+                raise TimeoutError(w.expired) from None
+            raise
+        if not data:
+            if w.expired:
+                raise TimeoutError(w.expired)
+            raise asyncio.IncompleteReadError(b"", None)
+        now = loop.time()
+        w.last = now
+        out = dec.feed(data)
+        if dec.buffered:
+            if out or not w.started:
+                w.started = now  # the frame in progress began in this read
+        else:
+            w.started = 0.0
+        if out:
+            return out
+        if on_buffered is not None:
+            on_buffered(dec.buffered)
+
+
+class Admission:
+    """Connection admission for one listener: :class:`kvmesh.net.ConnectionLimiter`, plus
+    eviction of the oldest connection still in its handshake when a cap is reached. A peer
+    that opens connections and never finishes the handshake then delays a real replica or
+    client by about one handshake round trip, instead of locking it out for the handshake
+    deadline (or for as long as the attacker keeps refilling the slots)."""
+
+    def __init__(self, max_total: int, max_unauthenticated: int) -> None:
+        self.limiter = ConnectionLimiter(max_total, max_unauthenticated)
+        self._handshaking: dict[Slot, asyncio.StreamWriter] = {}  # oldest first
+        self.refused = 0
+        self.evicted = 0
+
+    def admit(self, writer: asyncio.StreamWriter) -> Slot | None:
+        slot = self.limiter.try_acquire()
+        if slot is None and self._handshaking:
+            oldest, w = next(iter(self._handshaking.items()))
+            self.release(oldest)  # idempotent: the evicted connection's own release is a no-op
+            w.transport.abort()
+            self.evicted += 1
+            slot = self.limiter.try_acquire()
+        if slot is None:
+            self.refused += 1
+            return None
+        self._handshaking[slot] = writer
+        return slot
+
+    def authenticated(self, slot: Slot) -> None:
+        self._handshaking.pop(slot, None)
+        self.limiter.authenticated(slot)
+
+    def release(self, slot: Slot) -> None:
+        self._handshaking.pop(slot, None)
+        self.limiter.release(slot)
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class _Peer:
-    def __init__(self, tr: "Transport", peer_id: int, addr: str) -> None:
+    def __init__(self, tr: Transport, peer_id: int, addr: str) -> None:
         self.tr = tr
         self.id = peer_id
         self.addr = addr
@@ -102,16 +291,23 @@ class _Peer:
             self.tr._report(self.id, had_snapshot)
 
     async def _connect(self) -> asyncio.StreamWriter:
+        tr = self.tr
         host, port = parse_addr(self.addr)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.tr.cfg.connect_timeout_s)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            import socket
-
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = msgspec.msgpack.encode(self.tr.node_id)
-        writer.write(_HDR.pack(len(hello), HELLO) + hello)
-        # We never read from an outbound connection; a closed peer shows up as a write error.
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=tr._client_ssl), tr.cfg.connect_timeout_s
+        )
+        try:
+            _nodelay(writer)
+            peer = await aclient_handshake(
+                reader, writer, tr.security, PEER_SERVICE, str(tr.node_id), tr.cfg.handshake_timeout_s
+            )
+            if peer != str(self.id):
+                raise ConnectionError(f"{self.addr} is node {clip(peer, 40)}, expected {self.id}")
+        except BaseException:
+            writer.close()
+            raise
+        # We never read from an outbound connection after the handshake; a closed peer
+        # shows up as a write error.
         return writer
 
     async def _run(self) -> None:
@@ -128,7 +324,7 @@ class _Peer:
                     self.connected = True
                     backoff = cfg.min_backoff_s
                 await self._drain_queue(self.writer)
-            except (OSError, asyncio.TimeoutError, ConnectionError) as e:
+            except (TimeoutError, OSError, ConnectionError, NetError) as e:
                 if self.connected or backoff == cfg.min_backoff_s:
                     log.info("replog transport %d -> %d (%s): %s", self.tr.node_id, self.id, self.addr, e or type(e).__name__)
                 self._close_writer()
@@ -144,7 +340,7 @@ class _Peer:
             parts: list[bytes] = []
             big: tuple[bytes, bool] | None = None
             while self.queue:
-                data, is_snap = self.queue[0]
+                data, _is_snap = self.queue[0]
                 if len(data) > frag:
                     if parts:
                         break
@@ -153,7 +349,7 @@ class _Peer:
                     break
                 self.queue.popleft()
                 self.queued_bytes -= len(data)
-                parts.append(_HDR.pack(len(data), MSG))
+                parts.append(_HDR.pack(len(data) + 1, MSG))
                 parts.append(data)
                 self.sent_msgs += 1
             if parts:
@@ -171,7 +367,7 @@ class _Peer:
             while pos < n:
                 end = min(n, pos + cfg.fragment_bytes)
                 kind = FRAG_END if end == n else FRAG
-                w.write(_HDR.pack(end - pos, kind))
+                w.write(_HDR.pack(end - pos + 1, kind))
                 w.write(mv[pos:end])
                 pos = end
                 await asyncio.wait_for(w.drain(), cfg.write_timeout_s)
@@ -180,7 +376,7 @@ class _Peer:
                 while self.queue and len(self.queue[0][0]) <= cfg.fragment_bytes:
                     d, _ = self.queue.popleft()
                     self.queued_bytes -= len(d)
-                    small.append(_HDR.pack(len(d), MSG))
+                    small.append(_HDR.pack(len(d) + 1, MSG))
                     small.append(d)
                     self.sent_msgs += 1
                 if small and pos < n:
@@ -219,9 +415,11 @@ class _Peer:
 class Transport:
     """Replica-to-replica messaging for one node.
 
-    ``on_message(msg)`` is called on the event loop for every decoded message;
-    ``on_unreachable(peer)`` when messages to ``peer`` were dropped;
-    ``on_snapshot_status(peer, ok)`` when an InstallSnapshot was fully written or failed.
+    ``on_message(msg)`` is called on the event loop for every decoded message (its
+    ``frm`` is the authenticated sender); ``on_unreachable(peer)`` when messages to
+    ``peer`` were dropped; ``on_snapshot_status(peer, ok)`` when an InstallSnapshot was
+    fully written or failed. ``security``: the cluster token / TLS files (default: none,
+    which :func:`kvmesh.net.check_bind` allows on loopback only).
     """
 
     def __init__(
@@ -233,10 +431,20 @@ class Transport:
         on_unreachable: Callable[[int], None] | None = None,
         on_snapshot_status: Callable[[int, bool], None] | None = None,
         config: TransportConfig | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.node_id = node_id
         self.listen_addr = listen_addr
-        self.cfg = config or TransportConfig()
+        self.cfg = cfg = config or TransportConfig()
+        self.security = security or SecurityConfig()
+        self._client_ssl = client_ssl_context(self.security)
+        self._admission = Admission(cfg.max_connections, cfg.max_unauthenticated)
+        self._watch = DeadlineWatch(cfg.idle_timeout_s, cfg.frame_timeout_s)
+        self._per_peer_conns: dict[int, int] = {}
+        self._per_peer_bytes: dict[int, int] = {}
+        self._buffered = 0
+        self.forged_msgs = 0
+        self.refused_conns = 0
         self.on_message = on_message
         self.on_unreachable = on_unreachable
         self.on_snapshot_status = on_snapshot_status
@@ -244,13 +452,17 @@ class Transport:
         self._initial = {p: a for p, a in peers.items() if p != node_id}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
+        self._conn_writers: set[asyncio.StreamWriter] = set()
         self._closing = False
         self.received_msgs = 0
         self.bad_frames = 0
 
     async def start(self) -> None:
         host, port = parse_addr(self.listen_addr)
-        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        check_bind(host, self.security)
+        self._server = await asyncio.start_server(
+            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+        )
         for p, a in self._initial.items():
             self.add_peer(p, a)
 
@@ -297,46 +509,107 @@ class Transport:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        slot = self._admission.admit(writer)
+        if slot is None:
+            self.refused_conns += 1
+            writer.close()
+            return
         self._conns.add(task)
+        self._conn_writers.add(writer)
+        cfg = self.cfg
+        peer = 0
+        dec = FrameDecoder(cfg.max_frame)
+        watched: Watched | None = None
         pending = bytearray()
+        held = 0  # bytes this connection holds against the per-peer and total budgets
         try:
-            hdr = await reader.readexactly(_HDR.size)
-            length, kind = _HDR.unpack(hdr)
-            if kind != HELLO or length > 64:
-                raise FrameError(f"expected HELLO, got kind {kind}")
-            peer = msgspec.msgpack.decode(await reader.readexactly(length), type=int)
+            try:
+                who = await aserver_handshake(
+                    reader, writer, self.security, PEER_SERVICE, str(self.node_id), cfg.handshake_timeout_s
+                )
+            except (NetError, OSError, asyncio.IncompleteReadError) as e:
+                raise FrameError(f"handshake failed: {clip(str(e))}") from None
+            if not who.isdigit() or not 0 < int(who) < 1 << 63 or int(who) == self.node_id:
+                raise FrameError(f"peer id {clip(who, 40)} is not a node id")
+            peer = int(who)
+            n = self._per_peer_conns.get(peer, 0)
+            if n >= cfg.max_conns_per_peer:
+                raise FrameError(f"node {peer} already has {n} connections")
+            self._per_peer_conns[peer] = n + 1
+            self._admission.authenticated(slot)
+            watched = self._watch.watch(writer, dec)
             while True:
-                hdr = await reader.readexactly(_HDR.size)
-                length, kind = _HDR.unpack(hdr)
-                if length > MAX_FRAME:
-                    raise FrameError(f"frame of {length} bytes from node {peer} exceeds {MAX_FRAME}")
-                body = await reader.readexactly(length)
-                if kind == MSG:
-                    data: bytes | bytearray = body
-                elif kind == FRAG:
-                    pending += body
-                    if len(pending) > MAX_MESSAGE:
-                        raise FrameError(f"fragmented message from node {peer} exceeds {MAX_MESSAGE} bytes")
-                    continue
-                elif kind == FRAG_END:
-                    pending += body
-                    data, pending = pending, bytearray()
-                else:
-                    raise FrameError(f"unknown frame kind {kind} from node {peer}")
-                try:
-                    msg = decode_message(data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    raise FrameError(f"undecodable message from node {peer}: {e}") from e
-                self.received_msgs += 1
-                self.on_message(msg)
+                bodies = await read_frames(reader, watched)
+                for body in bodies:
+                    if not body:
+                        raise FrameError(f"empty frame from node {peer}")
+                    kind = body[0]
+                    if kind == MSG:
+                        data: bytes | bytearray | memoryview = memoryview(body)[1:]
+                    elif kind == FRAG or kind == FRAG_END:
+                        size = len(body) - 1
+                        if len(pending) + size > cfg.max_message_bytes:
+                            raise FrameError(f"fragmented message from node {peer} exceeds {cfg.max_message_bytes} bytes")
+                        if (
+                            self._per_peer_bytes.get(peer, 0) + size > cfg.max_message_bytes
+                            or self._buffered + size > cfg.max_buffered_bytes
+                        ):
+                            raise FrameError(f"node {peer} exceeds the buffered-bytes budget")
+                        pending += memoryview(body)[1:]
+                        held += size
+                        self._per_peer_bytes[peer] = self._per_peer_bytes.get(peer, 0) + size
+                        self._buffered += size
+                        if kind == FRAG:
+                            continue
+                        data, pending = pending, bytearray()
+                        self._release(peer, held)
+                        held = 0
+                    else:
+                        raise FrameError(f"unknown frame kind {kind} from node {peer}")
+                    try:
+                        msg = decode_message(data)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        raise FrameError(f"undecodable message from node {peer}: {clip(str(e))}") from e
+                    if msg.frm != peer or msg.to != self.node_id:
+                        # The id is bound to the connection by the handshake: a message that
+                        # claims another sender (or is for someone else) is forged.
+                        self.forged_msgs += 1
+                        if self.forged_msgs <= 10 or self.forged_msgs % 1000 == 0:
+                            log.warning(
+                                "replog transport %d: dropped %s claiming %d->%d on node %d's connection (%d so far)",
+                                self.node_id, type(msg).__name__, msg.frm, msg.to, peer, self.forged_msgs,
+                            )  # fmt: skip
+                        continue
+                    self.received_msgs += 1
+                    self.on_message(msg)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
-        except FrameError as e:
+        except (TimeoutError, FrameError, FrameTooLarge) as e:
             self.bad_frames += 1
-            log.warning("replog transport %d: closing connection: %s", self.node_id, e)
+            log.warning("replog transport %d: closing connection from node %s: %s", self.node_id, peer or "?", e)
         finally:
+            if watched is not None:
+                self._watch.unwatch(watched)
+            self._release(peer, held)
+            if peer:
+                left = self._per_peer_conns.get(peer, 1) - 1
+                if left:
+                    self._per_peer_conns[peer] = left
+                else:
+                    self._per_peer_conns.pop(peer, None)
+            self._admission.release(slot)
             self._conns.discard(task)
+            self._conn_writers.discard(writer)
             writer.close()
+
+    def _release(self, peer: int, n: int) -> None:
+        if n:
+            self._buffered -= n
+            left = self._per_peer_bytes.get(peer, 0) - n
+            if left > 0:
+                self._per_peer_bytes[peer] = left
+            else:
+                self._per_peer_bytes.pop(peer, None)
 
     def stats(self) -> dict[int, dict[str, int | bool]]:
         return {
@@ -350,6 +623,9 @@ class Transport:
             self._server.close()
         for p in list(self._peers.values()):
             await p.stop()
+        self._watch.stop()
+        for w in list(self._conn_writers):
+            w.close()  # a read that missed its cancellation ends at EOF, not at a timeout
         for t in list(self._conns):
             t.cancel()
         for t in list(self._conns):
@@ -360,5 +636,5 @@ class Transport:
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

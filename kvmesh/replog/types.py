@@ -34,15 +34,33 @@ Change log
 * v1: initial contract.
 * v1.1: ``LeaderTransferError``; ``RaftConfig.lease_ticks`` subtracts one tick of
   granularity (see its docstring).
+* v1.2: the error classes live in ``errors.py`` (with wire codes) and are re-exported here.
+* v1.3: :class:`StateMachine` declares the whole contract (``snapshot_chunks``, ``query``,
+  ``result_type``, used before but undeclared); :class:`StateMachineBase` gives defaults.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from typing import Any, Protocol, Union, runtime_checkable
 
 import msgspec
+
+from .errors import (
+    ConfChangeError,
+    LeaderTransferError,
+    LogCompacted,
+    LogUnavailable,
+    NotLeader,
+    ProposalDropped,
+    ProposalTooLarge,
+    ReadyContractError,
+    ReplogError,
+    SnapshotTemporarilyUnavailable,
+    StorageError,
+)
 
 __all__ = [
     "NONE",
@@ -87,6 +105,8 @@ __all__ = [
     "Status",
     "LogStorage",
     "StateMachine",
+    "StateMachineBase",
+    "snapshot_chunks_of",
     "ReplogError",
     "NotLeader",
     "ProposalDropped",
@@ -572,8 +592,27 @@ class LogStorage(Protocol):
 
 @runtime_checkable
 class StateMachine(Protocol):
-    """The application's deterministic state machine. ``apply`` must not read clocks,
-    randomness or the environment; its result must be msgpack-encodable."""
+    """The application's deterministic state machine: the whole contract the replicated log
+    (driver, session layer, replica server, client) relies on.
+
+    * ``apply(index, data)``: apply one committed command; must not read clocks, randomness
+      or the environment; the result must be msgpack-encodable (it is cached for duplicate
+      commands and sent to clients).
+    * ``snapshot()`` / ``restore(data)``: the whole state as bytes and back.
+    * ``snapshot_chunks()``: the same image as an iterator of byte strings. The image must be
+      captured when the method is called (e.g. a shallow copy) and only *encoded* lazily:
+      the driver calls it at one applied index and pulls a chunk per event-loop iteration
+      while applying goes on (``b"".join(chunks)`` must equal ``snapshot()``).
+    * ``query(data)``: a read-only request, answered from the local state after a
+      linearizable read-index barrier (the replica server's read path); must not modify
+      the state.
+    * ``result_type``: the msgspec type of ``apply``'s results (``Any`` if untyped): cached
+      results of duplicates and client-side results are decoded with it.
+
+    :class:`StateMachineBase` supplies the last three for machines that do not need them.
+    """
+
+    result_type: Any
 
     def apply(self, index: int, data: bytes) -> Any: ...
 
@@ -581,57 +620,29 @@ class StateMachine(Protocol):
 
     def restore(self, data: bytes) -> None: ...
 
+    def snapshot_chunks(self) -> Iterator[bytes]: ...
 
-# --------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------
-
-
-class ReplogError(Exception):
-    """Base of all replicated-log errors."""
+    def query(self, data: bytes) -> Any: ...
 
 
-class NotLeader(ReplogError):
-    """This node cannot serve the request; ``leader_hint`` is the leader it knows of, or
-    None."""
+class StateMachineBase:
+    """Defaults for :class:`StateMachine`'s optional parts: untyped results, a snapshot in
+    one chunk, no queries."""
 
-    def __init__(self, leader_hint: int | None, message: str | None = None) -> None:
-        self.leader_hint = leader_hint
-        super().__init__(message or f"not the leader (leader hint: {leader_hint})")
+    result_type: Any = Any
 
+    def snapshot(self) -> bytes:  # pragma: no cover - subclasses implement it
+        raise NotImplementedError
 
-class ProposalDropped(ReplogError):
-    """The leader refused a proposal for a transient reason; retrying later (on the same or
-    another node) is safe."""
+    def snapshot_chunks(self) -> Iterator[bytes]:
+        return iter((self.snapshot(),))
 
-
-class ProposalTooLarge(ProposalDropped):
-    """The entry would exceed ``max_size_per_msg``; retrying will not help."""
+    def query(self, data: bytes) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} serves no queries")
 
 
-class ConfChangeError(ReplogError):
-    """A membership change is invalid for the current configuration."""
-
-
-class LeaderTransferError(ReplogError):
-    """A leadership transfer target is invalid (not a voter of the current configuration)."""
-
-
-class ReadyContractError(ReplogError):
-    """The Ready/advance protocol was misused (e.g. ``ready()`` before ``advance()``)."""
-
-
-class StorageError(ReplogError):
-    """Base of storage errors the core understands."""
-
-
-class LogCompacted(StorageError):
-    """The requested index was compacted into a snapshot."""
-
-
-class LogUnavailable(StorageError):
-    """The requested index is beyond the last index."""
-
-
-class SnapshotTemporarilyUnavailable(StorageError):
-    """The storage is building a snapshot; ask again later."""
+def snapshot_chunks_of(sm: Any) -> Iterator[bytes]:
+    """``sm.snapshot_chunks()``, or ``sm.snapshot()`` in one chunk for a machine that only
+    implements the minimal apply/snapshot/restore part of the contract."""
+    fn = getattr(sm, "snapshot_chunks", None)
+    return fn() if fn is not None else iter((sm.snapshot(),))

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import crc32c
 
+from .errors import WalCorruptionError, WalError, WalFatalError
+
 __all__ = [
     "WalError",
     "WalCorruptionError",
@@ -47,18 +49,6 @@ _REC_HEADER = struct.Struct("<II")
 HEADER_BYTES = _SEG_HEADER.size
 MAX_RECORD_BYTES = 1 << 30
 _SUFFIX = ".wal"
-
-
-class WalError(Exception):
-    """Base class of WAL errors."""
-
-
-class WalCorruptionError(WalError):
-    """A record that was durable is unreadable (bit flip, lost sector): fail stop."""
-
-
-class WalFatalError(WalError):
-    """A write or fsync failed: the WAL can no longer promise durability."""
 
 
 def frame(payload: bytes) -> bytes:

@@ -47,6 +47,29 @@ __all__ = ["BatchResults", "StoreClient"]
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_RPC = 4096
+MAX_KEY_BYTES_PER_RPC = 512 << 10
+"""Key bytes of one mutating request: it becomes one log entry, and the log takes entries of
+at most 1 MiB (keys may be 1 KiB, so 4096 of them would not fit)."""
+
+
+def _rpc_parts(idx: list[int], keys: Sequence[Any]) -> list[list[int]]:
+    """``idx`` in consecutive parts of at most MAX_KEYS_PER_RPC keys and (a part of one key
+    excepted) MAX_KEY_BYTES_PER_RPC bytes of keys."""
+    parts: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in idx:
+        n = len(keys[i].encode())
+        if cur and (len(cur) >= MAX_KEYS_PER_RPC or size + n > MAX_KEY_BYTES_PER_RPC):
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        parts.append(cur)
+    return parts
+
+
 _STAGING_MIN = 1 << 20
 _STAGING_KEEP = 64 << 20
 
@@ -410,8 +433,7 @@ class StoreClient:
             else:
                 todo.append(i)
         transports: list[str] = []
-        for start in range(0, len(todo), MAX_KEYS_PER_RPC):
-            part = todo[start : start + MAX_KEYS_PER_RPC]
+        for part in _rpc_parts(todo, keys):
             transports = self._put_part(keys, bufs, sizes, part, out, upsert, config or self.config)
         self.last_transports = transports
         return BatchResults(out, transports)
@@ -863,8 +885,7 @@ class StoreClient:
                 out[i] = err
             else:
                 idx.append(i)
-        for start in range(0, len(idx), MAX_KEYS_PER_RPC):
-            part = idx[start : start + MAX_KEYS_PER_RPC]
+        for part in _rpc_parts(idx, ks):
             pk = [ks[i] for i in part]
             resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
             if type(resp) is P.CodesResp:

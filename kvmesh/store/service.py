@@ -22,7 +22,10 @@ Server hardening: the handshake runs before anything is allocated for a connecti
 (connection limiter with a separate cap on unauthenticated connections, pre-auth frames of
 a few KiB), then frames are capped at ``max_frame``, batches at ``max_batch_keys`` keys,
 requests in flight per connection at ``max_inflight``, and an idle connection is closed after
-``idle_timeout_s``. A connection that sends junk is closed; the server keeps serving.
+``idle_timeout_s``. Replies are bounded (``max_reply_bytes`` of replica descriptors) and
+written one at a time; a peer that leaves more than 1 MiB of them unread for
+``request_timeout_s`` is disconnected, as is one whose begun request frame does not end within
+it. A connection that sends junk is closed; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from ..replog import (
 )
 from ..replog.session import SessionRejected
 from ..replog.transport import parse_addr
+from ..replog.types import ProposalTooLarge
 from . import errors as E
 from . import protocol as P
 from .master import commands as C
@@ -66,7 +70,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, bad_key
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -112,6 +116,10 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_connections: int = 1024
     max_unauthenticated: int = 64
     max_inflight: int = 64
+    # replica descriptors of one GetReplicas reply (later keys answer InvalidParams)
+    max_reply_bytes: int = 8 << 20
+    # mounted segments in the pool (placement scans them on every put); more are refused
+    max_segments: int = 1024
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0
     request_timeout_s: float = 10.0
@@ -204,6 +212,7 @@ _LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
 _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
+_MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 
 
 def _now() -> float:
@@ -246,6 +255,10 @@ class MasterService:
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
+        # storage node id -> the peer that mounted it (same rules as _owners)
+        self._node_owners: OrderedDict[str, str] = OrderedDict()
+        # (key, version) of a put this leader started -> the session that started it
+        self._writers: OrderedDict[tuple[str, int], int] = OrderedDict()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -288,8 +301,12 @@ class MasterService:
             session_ttl_s=cfg.session_ttl_s,
             proposal_timeout_s=cfg.request_timeout_s,
             read_timeout_s=min(cfg.request_timeout_s, cfg.lease_ttl_s),
+            security=self.sec,  # the replica port authenticates with the same cluster token
         )
-        self.node = RaftNode(ncfg, self._machine)
+        # Snapshots from the leader are proven on a fresh machine before they are persisted.
+        self.node = RaftNode(
+            ncfg, self._machine, state_machine_factory=lambda: _EchoMachine(StoreStateMachine())
+        )
         self.node.on_leader_change(self._on_leader_change)
         try:
             await self.node.start()
@@ -358,6 +375,8 @@ class MasterService:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._plans.clear()
         self._owners.clear()
+        self._node_owners.clear()
+        self._writers.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -465,7 +484,7 @@ class MasterService:
     # ------------------------------------------------------------------------- server
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        token = self._limiter.try_acquire()
+        token = self._limiter.try_acquire(on_evict=writer.transport.abort)
         if token is None:
             writer.close()
             return
@@ -491,23 +510,29 @@ class MasterService:
                     str(e)[:200],
                 )
                 return
-            self._limiter.authenticated(token)
+            if not self._limiter.authenticated(token):
+                return  # evicted to make room while it was still unauthenticated
+            out = _Replies(writer, self.cfg.request_timeout_s)
             while True:
+                # Read no further request while the peer leaves our replies unread.
+                await out.wait_writable()
                 try:
                     # asyncio.timeout, not wait_for: no extra task per request
                     async with asyncio.timeout(self.cfg.idle_timeout_s):
-                        body = await _framing.aread_frame(reader, self.cfg.max_frame)
-                except TimeoutError:
-                    return  # idle (or a frame that never completes)
+                        body = await _framing.aread_frame(
+                            reader, self.cfg.max_frame, frame_timeout=self.cfg.request_timeout_s
+                        )
+                except TimeoutError:  # idle, or a begun frame that did not end in time
+                    return
                 try:
                     req = P.decode_request(body)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     log.info("store master: undecodable request; closing: %s", str(e)[:200])
                     return
-                if type(req) in _LEASE_READS and self._reply_now(req, writer, peer):
+                if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                     continue  # answered inline from the leader lease
                 await slots.acquire()
-                t = asyncio.get_running_loop().create_task(self._handle(req, writer, peer))
+                t = asyncio.get_running_loop().create_task(self._handle(req, out, peer))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
                 t.add_done_callback(lambda _t: slots.release())
@@ -522,18 +547,14 @@ class MasterService:
             self._conns.discard(task)
             writer.close()
 
-    def _reply_now(self, req: Any, writer: asyncio.StreamWriter, peer: str) -> bool:
+    def _reply_now(self, req: Any, out: _Replies, peer: str) -> bool:
         """Answer a read request inline, without a task, when the leader's lease makes its
         read index immediate (the common case): the same checks and replies as
         :meth:`_dispatch` minus the scheduling. False: handle it as any request (a big
-        batch, no lease now, or replies piling up unread so the drain of :meth:`_handle`
-        is needed)."""
+        batch, no lease now, or a reply being sent or left unread: backpressure of
+        :class:`_Replies` applies)."""
         node = self.node
-        if (
-            node is None
-            or len(req.keys) > _INLINE_KEYS
-            or writer.transport.get_write_buffer_size() > (1 << 20)
-        ):
+        if node is None or len(req.keys) > _INLINE_KEYS or not out.ready():
             return False
         try:
             if node.lease_read_index() is None:
@@ -546,20 +567,26 @@ class MasterService:
             resp = self._read_now(req)
         except Exception as e:  # noqa: BLE001 - mapped to a reply as in _handle
             resp = self._error_reply(req, e)
-        self._write_reply(req, resp, writer, started)
+        self._observe(req, resp, started)
+        out.send_now(_framing.encode_frame(P.encode(resp)))
         return True
 
-    async def _handle(self, req: Any, writer: asyncio.StreamWriter, peer: str = "") -> None:
+    async def _handle(self, req: Any, out: _Replies, peer: str = "") -> None:
+        # A GetReplicas reply is the one large reply (up to max_reply_bytes): one at a time
+        # per connection, from the lookup until it is handed to the socket, so a peer that
+        # pipelines them makes us hold one, not max_inflight of them.
+        big = out.big if type(req) is P.GetReplicasReq else contextlib.nullcontext()
+        async with big:
+            await self._handle_one(req, out, peer)
+
+    async def _handle_one(self, req: Any, out: _Replies, peer: str) -> None:
         started = time.perf_counter()
         try:
             resp = await self._dispatch(req, peer)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             resp = self._error_reply(req, e)
-        if self._write_reply(req, resp, writer, started):
-            try:
-                await writer.drain()  # a client that stops reading must not grow our buffer
-            except (ConnectionError, OSError):
-                pass
+        self._observe(req, resp, started)
+        await out.send(_framing.encode_frame(P.encode(resp)))
 
     def _error_reply(self, req: Any, exc: Exception) -> Any:
         """The reply for a request whose handling raised ``exc``."""
@@ -577,6 +604,13 @@ class MasterService:
             return P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:
             return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+        except ProposalTooLarge as e:  # deterministic: the same request can never fit
+            return P.ErrorResp(
+                req.rid,
+                E.InvalidParams.code,
+                f"request too large for one log entry, split the batch: {e}"[:500],
+                retry=False,
+            )
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
             return P.ErrorResp(
                 req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True
@@ -587,21 +621,11 @@ class MasterService:
             log.warning("store master: request %s failed: %r", type(req).__name__, e)
             return P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
 
-    def _write_reply(
-        self, req: Any, resp: Any, writer: asyncio.StreamWriter, started: float
-    ) -> bool:
-        """Send ``resp``; True if the write buffer has grown past 4 MiB (caller drains)."""
+    def _observe(self, req: Any, resp: Any, started: float) -> None:
         if self.metrics is not None:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
             self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
-        if writer.is_closing():
-            return False
-        try:
-            writer.write(_framing.encode_frame(P.encode(resp)))
-            return writer.transport.get_write_buffer_size() > (4 << 20)
-        except (ConnectionError, OSError):
-            return False
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -628,8 +652,13 @@ class MasterService:
             if vals and len(vals) != len(keys):
                 raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
         sizes = getattr(req, "sizes", None)
-        if sizes is not None and (len(sizes) != len(keys) or any(s <= 0 for s in sizes)):
-            raise E.InvalidParams("sizes must be positive, one per key")
+        if sizes is not None and (
+            len(sizes) != len(keys) or any(not 0 < s <= MAX_OBJECT_SIZE for s in sizes)
+        ):
+            raise E.InvalidParams(f"sizes must be 1..{MAX_OBJECT_SIZE}, one per key")
+        config = getattr(req, "config", None)
+        if config is not None and not 1 <= config.replica_num <= MAX_REPLICAS:
+            raise E.InvalidParams(f"replica_num must be 1..{MAX_REPLICAS}")
         for name in ("node_id", "segment", "endpoint", "host_id"):
             v = getattr(req, name, None)
             if v is not None and not 0 < len(v) <= _MAX_NAME:
@@ -654,6 +683,9 @@ class MasterService:
                     self._owners.popitem(last=False)
             if owner != peer:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
+        node_id = getattr(req, "node_id", None)
+        if node_id is not None:
+            self._check_node_owner(node_id, peer)
         return node
 
     def _read_now(self, req: Any) -> Any:
@@ -691,20 +723,15 @@ class MasterService:
             return await self._remove(node, req)
         if t is P.RemoveAllReq:
             return await self._remove_all(node, req)
-        if t is P.PutEndReq:
-            res = await self._propose(
-                node, req.session, C.PutEnd(keys=req.keys, versions=req.versions)
-            )
-            self.stats.touch(k for k, c in zip(req.keys, res.codes) if c == 0)
-            return P.CodesResp(req.rid, list(res.codes))
-        if t is P.PutRevokeReq:
-            res = await self._propose(
-                node, req.session, C.PutRevoke(keys=req.keys, versions=req.versions)
-            )
-            return P.CodesResp(req.rid, list(res.codes))
+        if t is P.PutEndReq or t is P.PutRevokeReq:
+            return await self._finish_put(node, req, t is P.PutEndReq)
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
+            if self.sm.usage().segments >= self.cfg.max_segments:
+                raise E.InvalidParams(
+                    f"the pool holds {self.cfg.max_segments} segments, its limit (max_segments)"
+                )
             cmd = C.Mount(
                 node_id=req.node_id,
                 segment=req.segment,
@@ -716,6 +743,10 @@ class MasterService:
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
                 self.heartbeats.beat(req.node_id, time.monotonic())
+                self._node_owners[req.node_id] = peer
+                self._node_owners.move_to_end(req.node_id)
+                while len(self._node_owners) > _MAX_OWNERS:
+                    self._node_owners.popitem(last=False)
             return P.CodesResp(req.rid, [code])
         if t is P.UnmountReq:
             if not 0.0 <= req.grace <= 3600.0:
@@ -751,11 +782,29 @@ class MasterService:
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
 
+    def _check_node_owner(self, node_id: str, peer: str) -> None:
+        """A storage node id with mounted segments belongs to the authenticated peer that
+        mounted them (on this leader; after a failover, to the first peer naming it, like a
+        session). Node ids and segment names are in every replica descriptor, so without
+        this any peer could unmount another node's segment (dropping its objects), keep a
+        dead node alive with heartbeats, or mount under another node's id. A node id with no
+        segment left (expired, unmounted) is free again: a restarted node may reuse it."""
+        owners = self._node_owners
+        if node_id not in self.sm.nodes():
+            return  # nothing to protect; a successful Mount binds it
+        owner = owners.get(node_id)
+        if owner is None:
+            owners[node_id] = peer
+            while len(owners) > _MAX_OWNERS:
+                owners.popitem(last=False)
+        elif owner != peer:
+            raise E.InvalidParams(f"storage node {node_id[:_MAX_NAME]!r} belongs to another peer")
+
     def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp:
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys
-        found = self.sm.lookup(keys, req.host or None)
+        found = self.sm.lookup(keys, req.host or None, self.cfg.max_reply_bytes)
         codes = [f.code for f in found]
         ok = [i for i, c in enumerate(codes) if c == 0]
         if self._removing_all:
@@ -798,11 +847,15 @@ class MasterService:
         tk = [keys[i] for i in todo]
         ts = [req.sizes[i] for i in todo]
         # Make room first when the pool is short: a put reports NoSpace only when nothing is
-        # evictable (the put itself stays one entry under the client's session).
-        need = sum(ts) * max(1, req.config.replica_num)
+        # evictable (the put itself stays one entry under the client's session). Only for
+        # copies that could fit once room is made: a key larger than the whole pool, or more
+        # copies than there are storage nodes, would evict everything and still not fit.
+        copies = req.config.replica_num
         usage = self.sm.usage()
-        if tk and usage.capacity and usage.capacity - usage.used < need:
-            await self._evict(time.monotonic(), need=need - (usage.capacity - usage.used))
+        need = sum(z * copies for z in ts if z * copies <= usage.capacity)
+        free = usage.capacity - usage.used
+        if need > free and copies <= len(self.sm.nodes()):
+            await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
         cls = C.Upsert if req.upsert else C.PutStart
         cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
@@ -829,9 +882,48 @@ class MasterService:
                     continue
                 codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
                 j += 1
+        w = self._writers
+        for k, c, v in zip(keys, codes, versions):
+            if c == 0:
+                w[(k, v)] = req.session.client_id
+        while len(w) > _MAX_WRITERS:
+            w.popitem(last=False)  # oldest puts (long reclaimed, most likely)
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
         )
+
+    async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:
+        """PutEnd / PutRevoke. A put's version is its log index (easy to guess), so the
+        leader also remembers which session started each put it answered and refuses
+        (InvalidWrite) another session's PutEnd/PutRevoke of it: otherwise any peer could
+        publish a writer's half-written bytes or free them under it. Puts started under an
+        earlier leader are judged by version only."""
+        keys, vers = req.keys, req.versions
+        me = req.session.client_id
+
+        def make() -> tuple[list[int], float]:
+            if len(vers) != len(keys):  # apply answers InvalidParams per key
+                return [0] * len(keys), 0.0
+            w = self._writers
+            bad = int(E.InvalidWrite.code)
+            return [bad if w.get((k, v), me) != me else 0 for k, v in zip(keys, vers)], 0.0
+
+        planned, _ = self._planned(req.session, make)
+        todo = [i for i, c in enumerate(planned) if not c]
+        tk = [keys[i] for i in todo]
+        tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        cmd = C.PutEnd(keys=tk, versions=tv) if end else C.PutRevoke(keys=tk, versions=tv)
+        res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
+        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
+        if len(out) != len(keys):
+            raise E.InvalidParams("a retried put_end named different keys than the first attempt")
+        if len(vers) == len(keys):
+            for k, v, c in zip(keys, vers, out):
+                if c == 0:
+                    self._writers.pop((k, v), None)
+        if end:
+            self.stats.touch(k for k, c in zip(keys, out) if c == 0)
+        return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
         """The core's rule (``plan_remove``): leased keys answer ObjectHasLease, or with
@@ -901,6 +993,7 @@ class MasterService:
                             "applied",
                             "voters",
                             "durability",
+                            "sessions",
                         )
                     }
                 )
@@ -920,6 +1013,70 @@ class MasterService:
 
 def _durable(cfg: ServiceConfig) -> bool:
     return cfg.durability == "disk" and cfg.data_dir is not None
+
+
+_WRITE_HIGH = 1 << 20  # unread reply bytes above which a connection stops and waits
+
+
+class _Replies:
+    """The reply side of one connection: writes one frame at a time and, above
+    :data:`_WRITE_HIGH` unread bytes, waits for the peer to read (at most ``timeout`` s,
+    then the connection is aborted), so a peer that stops reading holds at most that much
+    of our memory plus the reply being written."""
+
+    __slots__ = ("big", "lock", "timeout", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter, timeout: float) -> None:
+        self.writer = writer
+        self.timeout = timeout
+        self.lock = asyncio.Lock()
+        self.big = asyncio.Lock()
+
+    async def _drain(self) -> None:
+        w = self.writer
+        if w.transport.get_write_buffer_size() <= _WRITE_HIGH:
+            return
+        try:
+            await asyncio.wait_for(w.drain(), self.timeout)
+        except TimeoutError:
+            log.info(
+                "store master: a peer left %d reply bytes unread; closing it",
+                w.transport.get_write_buffer_size(),
+            )
+            w.transport.abort()
+        except (ConnectionError, OSError):
+            w.transport.abort()
+
+    async def wait_writable(self) -> None:
+        async with self.lock:
+            await self._drain()
+
+    async def send(self, frame: bytes) -> None:
+        async with self.lock:
+            if self.writer.is_closing():
+                return
+            try:
+                self.writer.write(frame)
+            except (ConnectionError, OSError):
+                return
+            await self._drain()
+
+    def ready(self) -> bool:
+        """Whether a reply may be written at once (:meth:`send_now`): no send in progress
+        and the peer keeps up with reading."""
+        return (
+            not self.lock.locked() and self.writer.transport.get_write_buffer_size() <= _WRITE_HIGH
+        )
+
+    def send_now(self, frame: bytes) -> None:
+        """Write without waiting, after :meth:`ready`; a backlog this leaves is drained by
+        the read loop's next :meth:`wait_writable` before it reads another request."""
+        if self.writer.is_closing():
+            return
+        try:
+            self.writer.write(frame)
+        except (ConnectionError, OSError):
+            pass
 
 
 def _code_of(res: Any) -> int:
@@ -996,6 +1153,13 @@ def build_arg_parser() -> Any:
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=10.0,
+        help="longest proposal or read, and the time a begun request frame has to arrive",
+    )
+    p.add_argument("--max-segments", type=int, default=1024, help="mounted segments at most")
+    p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
     )
     p.add_argument(
@@ -1028,6 +1192,8 @@ def config_from_args(a: Any) -> ServiceConfig:
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
+        max_segments=a.max_segments,
+        request_timeout_s=a.request_timeout_s,
         metrics_port=a.metrics_port,
         snapshot_keys=a.snapshot_keys,
     )

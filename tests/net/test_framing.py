@@ -114,3 +114,22 @@ def test_aread_frame():
             await aread_frame(r2, 100)
 
     asyncio.run(main())
+
+
+def test_aread_frame_body_deadline():
+    async def main():
+        r = asyncio.StreamReader()
+        r.feed_data(struct.pack("<I", 100_000) + b"x" * 1000)  # begun, then silence
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await aread_frame(r, 1 << 20, frame_timeout=0.2)
+        assert time.monotonic() - t0 < 1.0
+        idle = asyncio.StreamReader()  # no prefix yet: frame_timeout does not apply
+        with pytest.raises(TimeoutError) as ei:
+            await asyncio.wait_for(aread_frame(idle, 100, frame_timeout=0.05), 0.3)
+        assert not isinstance(ei.value, DeadlineExceeded)  # the caller's idle bound fired
+        ok = asyncio.StreamReader()
+        ok.feed_data(encode_frame(b"fine"))
+        assert await aread_frame(ok, 100, frame_timeout=0.2) == b"fine"
+
+    asyncio.run(main())

@@ -100,6 +100,29 @@ def test_connection_limiter_caps_and_releases():
     assert lim.total == 0
 
 
+def test_connection_limiter_evicts_the_oldest_unauthenticated_connection():
+    lim = ConnectionLimiter(max_total=5, max_unauthenticated=2)
+    closed: list[str] = []
+    a = lim.try_acquire(on_evict=lambda: closed.append("a"))
+    b = lim.try_acquire(on_evict=lambda: closed.append("b"))
+    c = lim.try_acquire(on_evict=lambda: closed.append("c"))  # takes a's place
+    assert c is not None and closed == ["a"] and a.evicted and lim.evicted == 1
+    assert lim.unauthenticated == 2 and lim.total == 2
+    assert lim.authenticated(a) is False  # too late: its connection must close
+    lim.release(a)  # idempotent after eviction
+    assert lim.authenticated(b) is True  # authenticated slots are never evicted
+    d = lim.try_acquire(on_evict=lambda: closed.append("d"))
+    e = lim.try_acquire()  # without on_evict: c is the oldest evictable
+    assert d is not None and e is not None and closed == ["a", "c"]
+    f = lim.try_acquire()  # d, the last evictable one, makes room
+    assert f is not None and closed == ["a", "c", "d"]
+    assert lim.try_acquire() is None  # e and f cannot be evicted: refused as before
+    assert lim.total == 3 and lim.unauthenticated == 2 and lim.refused == 1
+    for s in (b, c, d, e, f):
+        lim.release(s)
+    assert lim.total == 0 and lim.unauthenticated == 0
+
+
 def test_connection_limiter_is_thread_safe():
     lim = ConnectionLimiter(max_total=50, max_unauthenticated=50)
     held: list = []

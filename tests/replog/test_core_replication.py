@@ -332,3 +332,21 @@ def test_follower_restarts_with_commit_and_reapplies() -> None:
     n.restart(3)
     assert n.nodes[3].applied_data() == [b"w%d" % i for i in range(5)]
     assert n[3].role == Role.FOLLOWER
+
+
+def test_stale_acks_are_dropped_on_term_change() -> None:
+    """Defect 6 (soak seed 700022): a follower queued acks in term 2, then a term-3 Append
+    truncated its log; the term-2 acks for the truncated indexes must not leave after the
+    next fsync (they would claim entries that are not durable)."""
+    ents, hs = [Entry(1, 1), Entry(1, 2)], HardState(term=2, vote=0, commit=2)
+    st = MemoryStorage(hs)
+    st.append(ents)
+    core = RaftCore(2, st, CFG, random.Random(1))
+    core.step(Append(1, 2, 2, prev_index=2, prev_term=1, commit=2, entries=[Entry(2, 3, 0, b"a"), Entry(2, 4, 0, b"b")]))
+    # No Ready taken yet: the ack for index 4 (term 2) is queued.
+    core.step(Append(3, 2, 3, prev_index=2, prev_term=1, commit=2, entries=[Entry(3, 3, 0, b"c")]))
+    rd = core.ready()
+    acks = [m for m in rd.send_now + rd.send_after_persist if type(m) is AppendResp]
+    assert acks and all(m.term == 3 for m in acks), acks
+    assert max(m.index for m in acks if not m.reject) == 3
+    assert rd.entries_to_append[-1].index == 3

@@ -431,3 +431,82 @@ def test_membership_add_learner_promote_and_remove(tmp_path):
             await c.stop_all()
 
     run(main())
+
+
+def test_election_timeouts_differ_across_restarts(tmp_path):
+    """Defect 7: a restarted node must not draw the same election-timeout sequence again
+    (the driver seeds the core's RNG from the OS)."""
+
+    async def main():
+        cl = Cluster(tmp_path, n=1, durability="memory")
+        draws = []
+        for _ in range(3):
+            node = await cl.start(1)
+            draws.append([node.core.rng.randrange(*FAST.election_range) for _ in range(16)])
+            await cl.stop(1)
+        return draws
+
+    draws = run(main())
+    assert len({tuple(d) for d in draws}) == 3, draws
+
+
+@pytest.mark.parametrize("durability", ["memory", "disk"])
+def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, durability):
+    """Defect 5: a lagging follower applies long commit-only batches in slices; a snapshot
+    taken between two slices must record the configuration at its own index (it once
+    recorded the one before the batch: a learner added inside the batch was lost from the
+    snapshot, and a replica restarted from the compacted storage forgot the learner)."""
+    from kvmesh.replog import node as nodemod
+    from kvmesh.replog.core import next_conf_state
+    from kvmesh.replog.diskstorage import DiskStorage
+    from kvmesh.replog.memstorage import MemoryStorage
+    from kvmesh.replog.types import ConfChange, ConfChangeType, ConfState, EntryKind, decode_conf_change
+
+    monkeypatch.setattr(nodemod, "_APPLY_SLICE", 4)  # yield between slices of 4 entries
+    taken: list = []
+    for cls in (MemoryStorage, DiskStorage):
+        orig = cls.commit_local_snapshot
+
+        def spy(self, meta, staged, _orig=orig):
+            ok = _orig(self, meta, staged)
+            if ok:
+                taken.append((self, meta.index, meta.conf_state))
+            return ok
+
+        monkeypatch.setattr(cls, "commit_local_snapshot", spy)
+    # About a dozen small entries per Ready: a chain of commit-only Readies when catching up.
+    raft = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=800)
+
+    async def main():
+        c = Cluster(tmp_path, durability=durability, raft=raft, snapshot_threshold=100_000)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            lag = next(i for i in c.nodes if i != leader.id)
+            await c.stop(lag)
+            addr4 = f"127.0.0.1:{free_ports(1)[0]}"
+            for r in range(16):
+                for i in range(2):
+                    await leader.propose(encode_command(KvPut(f"k{r}-{i}", b"v")))
+                t = ConfChangeType.ADD_LEARNER if r % 2 == 0 else ConfChangeType.REMOVE_NODE
+                await leader.change_membership(ConfChange(t, 4, addr4.encode()))
+            # The configuration at every index, from the leader's (uncompacted) log.
+            truth, conf = {}, ConfState()
+            for e in leader.storage.entries(1, leader.storage.last_index() + 1):
+                if e.kind == EntryKind.CONF_CHANGE:
+                    conf = next_conf_state(conf, decode_conf_change(e.data))
+                truth[e.index] = conf
+            n = await c.start(lag, snapshot_threshold=2, trailing_logs=0)
+            await c.converge()
+            mine = [(i, cs) for st, i, cs in taken if st is n.storage]
+            assert len(mine) >= 2, mine
+            wrong = [(i, cs, truth[i]) for i, cs in mine if cs != truth[i]]
+            assert not wrong, wrong
+            if durability == "disk":
+                await c.stop(lag)
+                n = await c.start(lag)
+                assert n.core.conf_state == leader.core.conf_state
+        finally:
+            await c.stop_all()
+
+    run(main())

@@ -4,11 +4,11 @@ ones, bounded queues and unreachable reports, reconnection, malformed frames."""
 import asyncio
 import struct
 
+from kvmesh.net import SecurityConfig, aclient_handshake
+from kvmesh.replog.protocol import PEER_SERVICE
 from kvmesh.replog.server import free_ports
-from kvmesh.replog.transport import FRAG, HELLO, Transport, TransportConfig
+from kvmesh.replog.transport import FRAG, Transport, TransportConfig
 from kvmesh.replog.types import ConfState, Heartbeat, InstallSnapshot, Snapshot, SnapshotMeta
-
-import msgspec
 
 
 class Box:
@@ -160,6 +160,13 @@ def test_reconnects_after_peer_restart():
     run(main())
 
 
+async def connect_as(port, node_id, sec=None):
+    """A raw connection to a replica port, authenticated as ``node_id``."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    await aclient_handshake(r, w, sec or SecurityConfig(), PEER_SERVICE, str(node_id))
+    return r, w
+
+
 def test_malformed_frames_close_only_that_connection():
     async def main():
         p = free_ports(2)
@@ -168,18 +175,16 @@ def test_malformed_frames_close_only_that_connection():
         b = make(2, peers, b_box)
         await b.start()
         try:
-            r, w = await asyncio.open_connection("127.0.0.1", p[1])
-            hello = msgspec.msgpack.encode(7)
-            w.write(struct.pack("<IB", len(hello), HELLO) + hello)
-            w.write(struct.pack("<IB", 3, 9) + b"abc")  # unknown kind
+            r, w = await connect_as(p[1], 7)
+            w.write(struct.pack("<IB", 4, 9) + b"abc")  # unknown kind
             await w.drain()
             assert await r.read() == b""  # closed by B
-            r, w = await asyncio.open_connection("127.0.0.1", p[1])
-            w.write(struct.pack("<IB", len(hello), HELLO) + hello + struct.pack("<IB", 2, 1) + b"\xc1\xc1")
+            r, w = await connect_as(p[1], 7)
+            w.write(struct.pack("<IB", 3, 1) + b"\xc1\xc1")
             await w.drain()
             assert await r.read() == b""
-            r, w = await asyncio.open_connection("127.0.0.1", p[1])
-            w.write(struct.pack("<IB", len(hello), HELLO) + hello + struct.pack("<IB", 100 << 20, FRAG))
+            r, w = await connect_as(p[1], 7)
+            w.write(struct.pack("<IB", 100 << 20, FRAG))
             await w.drain()
             assert await r.read() == b""  # oversized frame refused before reading it
             assert b.bad_frames == 3

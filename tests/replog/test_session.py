@@ -226,3 +226,41 @@ def test_session_tracker_picks_idle_sessions():
     assert t.idle(111) == [1, 3]
     t.forget([1])
     assert t.idle(200, limit=1) == [3]
+
+
+def test_state_machine_protocol_declares_the_whole_contract():
+    """snapshot_chunks, query and result_type are part of the declared contract (they
+    are used by the driver, the session layer, the server and the client)."""
+    from kvmesh.replog.types import StateMachineBase
+
+    members = ("apply", "snapshot", "restore", "snapshot_chunks", "query", "result_type")
+    for missing in members:
+        # A class lacking any one member does not satisfy the protocol: it is declared.
+        partial = type("Partial", (), {n: (lambda self, *a: None) for n in members if n != missing})
+        assert not isinstance(partial(), StateMachine), missing
+    kv = KvStateMachine()
+    assert isinstance(kv, StateMachine)
+    sm = SessionStateMachine(kv)
+    assert isinstance(sm, StateMachine) and sm.result_type == kv.result_type
+    assert sm.query(encode_command(KvGet("nope"))) is None
+
+    class Minimal(StateMachineBase):
+        def __init__(self):
+            self.n = 0
+
+        def apply(self, index, data):
+            self.n += 1
+
+        def snapshot(self):
+            return b"%d" % self.n
+
+        def restore(self, data):
+            self.n = int(data)
+
+    m = Minimal()
+    assert isinstance(m, StateMachine)
+    assert b"".join(m.snapshot_chunks()) == m.snapshot()
+    with pytest.raises(NotImplementedError):
+        m.query(b"")
+    # A machine without the optional parts is not a full StateMachine.
+    assert not isinstance(object(), StateMachine)

@@ -38,7 +38,9 @@ def test_seed(seed: int) -> None:
 # Seeds that once failed (notes §5.3 C3: every failing seed joins a corpus CI replays).
 # 500216/soak: a learner whose ADD entry a new leader truncated stayed in the simulator's
 # member list; the end-of-run probe kept choosing it and never found the leader.
-REGRESSION_SEEDS = [(500216, "soak")]
+# 700022/soak: a follower's queued term-2 acks left after a term-3 Append truncated its log
+# (persist-before-ack); queued messages of older terms are now dropped on a term change.
+REGRESSION_SEEDS = [(500216, "soak"), (700022, "soak")]
 
 
 @pytest.mark.parametrize("seed,profile", REGRESSION_SEEDS)
@@ -307,3 +309,45 @@ def test_e3_stalled_leader_with_tick_catch_up_is_safe() -> None:
     result, reads = _stall_scenario(catch_up=True)
     assert reads  # answered (by another replica after the stale leader gave up its lease)
     assert result.outcome == "ok", result.report()
+
+
+def test_commit_durability_needs_a_majority_of_four_voters() -> None:
+    """Invariant 6 with 4 voters: an entry committed on only 2 durable copies is a
+    violation (3 are needed); it once asked quorum_size(len(voters) - 1) = 2."""
+    from kvmesh.replog.memstorage import MemoryStorage
+    from kvmesh.replog.sim.invariants import Invariants, SimViolation
+    from kvmesh.replog.types import Entry, HardState
+
+    def durables(n_with: int) -> dict:
+        out = {}
+        for v in (1, 2, 3, 4):
+            st = MemoryStorage(HardState(term=2))
+            if v <= n_with:
+                st.append([Entry(1, 1), Entry(2, 2)])
+            else:
+                st.append([Entry(1, 1)])
+            out[v] = st
+        return out
+
+    term_of = {1: 1, 2: 2}.__getitem__
+    inv = Invariants()
+    inv.verified_commit = 1
+    with pytest.raises(SimViolation, match="commit-durable-on-quorum"):
+        inv.commit_seen(1, (1, 2, 3, 4), 2, term_of, durables(2))
+    inv = Invariants()
+    inv.verified_commit = 1
+    inv.commit_seen(1, (1, 2, 3, 4), 2, term_of, durables(3))
+    assert inv.verified_commit == 2
+
+
+@pytest.mark.parametrize(
+    "fault,counter",
+    [("stale_snapshot", "stale_snapshots"), ("figure8", "figure8"), ("vote_suppression", "contested_votes")],
+)
+def test_targeted_schedules_reach_their_situation(fault: str, counter: str) -> None:
+    """The targeted nemesis schedules (also drawn in the CI seeds) produce what they aim at:
+    stale snapshots delivered, quorums holding only older-term entries above the commit
+    index (Figure 8), campaigns reaching nodes that follow a live leader."""
+    results = [run_seed(seed, "ci", faults=(fault,)) for seed in (0, 1, 2, 5, 7)]
+    assert all(r.ok for r in results), _explain(next(r for r in results if not r.ok))
+    assert sum(getattr(r, counter) for r in results) > 0, [(r.seed, getattr(r, counter)) for r in results]

@@ -6,6 +6,7 @@ prints ``{"ready": ...}`` then answers one JSON line per command:
 * ``{"op": "put", "keys": [...], "sizes": [...]}`` -> ``{"codes": [...], "transports": [...]}``
 * ``{"op": "get", "keys": [...]}`` -> ``{"codes": [...], "sha": [...]}``
 * ``{"op": "put_start_only", "keys": [...], "sizes": [...]}`` -> allocate, never finish
+* ``{"op": "unmount", "grace": G}`` -> unmount this process's segment with a grace period
 * ``{"op": "exit"}``
 
 Values are derived from the key (:func:`value_of`) so any process can verify them.
@@ -58,6 +59,18 @@ def main() -> int:
                 lambda rid, s, k=keys, z=sizes: P.PutStartReq(rid, s, k, z, client.config)
             )
             out = {"codes": list(r.codes)}
+        elif op == "unmount":
+            # What StorageNode.close(grace_s) sends, without freeing the memory: the node's
+            # own peer identity is the only one the master accepts for its segment.
+            from kvmesh.store import protocol as P
+
+            sn = client.node
+            assert sn is not None
+            nid, seg, grace = sn.node_id, sn.segment, cmd["grace"]
+            r = client.rpc.mutate(
+                lambda rid, s, n=nid, g=seg, t=grace: P.UnmountReq(rid, s, n, g, t)
+            )
+            out = {"codes": list(getattr(r, "codes", [getattr(r, "code", -1)]))}
         else:
             out = {"error": f"unknown op {op}"}
         print(json.dumps(out), flush=True)

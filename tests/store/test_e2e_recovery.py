@@ -212,14 +212,10 @@ def test_graceful_unmount_keeps_copies_readable_during_the_grace(tmp_path):
         try:
             keys = [f"drain-{i}" for i in range(8)]
             assert node.call(op="put", keys=keys, sizes=[20_000] * 8)["codes"] == [0] * 8
-            owner = c.status()["segments"][0]["node_id"]
-            # The node leaves gracefully: 2 s of grace (issued here on its behalf, as its
-            # close() would; the peer process keeps its memory meanwhile).
-            from kvmesh.store import protocol as P
-
+            # The node leaves gracefully: 2 s of grace (what its close() sends; the peer
+            # process keeps its memory meanwhile). Only the node itself may unmount it.
             seg = c.status()["segments"][0]["name"]
-            r = c.rpc.mutate(lambda rid, s: P.UnmountReq(rid, s, owner, seg, 2.0))
-            assert r.codes == [0]
+            assert node.call(op="unmount", grace=2.0)["codes"] == [0]
             st = c.status()["segments"][0]
             assert st["state"] == "draining"
             assert c.get(keys) == [value_of(k, 20_000) for k in keys]  # still readable

@@ -26,15 +26,21 @@ from ..core import RaftCore
 from ..kvsm import KvCas, KvDelete, KvPut, encode_command
 from ..linearizability import History, KvModel, KvOp, check, lost_acknowledged_writes
 from ..memstorage import MemoryStorage
+from ..readypath import APPLY_SLICE, SYNC, YIELD, ReadyPath
 from ..session import Command, Register, SessionRejected, encode_envelope
 from ..types import (
     ConfChangeType,
     EntryKind,
+    InstallSnapshot,
     NotLeader,
+    PreVote,
     ProposalDropped,
     RaftConfig,
     ReadOnlyOption,
+    Ready,
     Role,
+    SnapshotMeta,
+    Vote,
     VoteResp,
     decode_conf_change,
     decode_message,
@@ -69,6 +75,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     fsync_min: float = 0.0005
     fsync_max: float = 0.004
     snapshot_every: int = 150  # applied entries between snapshots; 0 = never
+    apply_slice: int = APPLY_SLICE  # committed entries applied between two yields
     trailing: int = 40  # entries kept after a snapshot
     keep_unsynced_prefix: bool = True  # a crash may keep a random prefix of unsynced writes
     nemesis: bool = True
@@ -134,6 +141,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
             read_ratio=r.uniform(0.2, 0.5),
             buggify=buggify,
             profile=profile,
+            # Drawn last so that the draws above stay what they were for every seed.
+            apply_slice=r.choice((2, 7, APPLY_SLICE)) if buggify else APPLY_SLICE,
         )
 
 
@@ -157,6 +166,9 @@ class SimResult(msgspec.Struct, kw_only=True):
     commit_index: int = 0
     snapshots: int = 0
     snapshots_replayed: int = 0
+    stale_snapshots: int = 0  # delayed duplicate InstallSnapshots delivered (stale_snapshot)
+    figure8: int = 0  # times a leader's replicas held a majority of an older-term entry only
+    contested_votes: int = 0  # campaigns that reached a node following a live leader
     faults: list[str] = []
     virtual_s: float = 0.0
     wall_s: float = 0.0
@@ -172,19 +184,23 @@ class SimResult(msgspec.Struct, kw_only=True):
 
 
 class SimNode:
-    """One replica: core + simulated disk + state machine, driven by simulator events."""
+    """One replica: core + simulated disk + state machine, driven by simulator events. Its
+    Ready processing is the driver's own (:class:`~kvmesh.replog.readypath.ReadyPath`): this
+    class is only the host (network, state machine) and performs the path's effects in
+    virtual time (an fsync completes after a latency; a yield lets queued events run)."""
 
     def __init__(self, sim: "Simulator", node_id: int, storage: MemoryStorage) -> None:
         self.sim = sim
         self.id = node_id
-        self.disk = SimDisk(storage)
+        self.disk = SimDisk(storage, volatile_only=sim.cfg.durability == "memory")
         self.alive = False
         self.paused = False
         self.removed = False
         self.incarnation = 0
         self.drift = 1.0
+        self.fsync_factor = 1.0  # a slow disk (nemesis)
         self.inbox: list = []
-        self.deferred: list = []
+        self.deferred = False
         self.core: RaftCore
         sim.durables[node_id] = self.disk.durable
         self.start()
@@ -204,16 +220,20 @@ class SimNode:
         self.applied = snap.meta.index
         self.last_snap = snap.meta.index
         self.core = RaftCore(self.id, st, sim.raft_cfg, random.Random(sim.rng.random()), applied=snap.meta.index)
+        self.path = ReadyPath(self.core, self.disk, self, sim.cfg.apply_slice)
+        self._gen = None  # the Ready being processed (a ReadyPath.run generator)
+        self._ss = None
         self.busy = False
         self.paused = False
         self.inbox = []
-        self.deferred: list = []
+        self.deferred = False  # the path's wait ended while paused: resume on resume()
         self.missed_ticks = 0
         self.pending_writes: dict[int, tuple[int, SimClient, int]] = {}
         self.pending_reads: dict[bytes, tuple[SimClient, int, str]] = {}
         self.read_waits: list[tuple[int, SimClient, int, str]] = []
         self.read_ctr = 0
         self.prev_commit = self.core.log.committed
+        self.step_commit = self.prev_commit
         self.alive = True
         self._schedule_tick()
         self.pump()
@@ -253,10 +273,9 @@ class SimNode:
         if self.sim.cfg.catch_up_ticks:
             for _ in range(missed):
                 self.core.tick()
-        deferred, self.deferred = self.deferred, []
-        for rd in deferred:
-            self.busy = False
-            self._finish(rd)
+        if self.deferred:
+            self.deferred = False
+            self._step()
         inbox, self.inbox = self.inbox, []
         for item in inbox:
             if not self.alive or self.paused:
@@ -265,6 +284,7 @@ class SimNode:
                 self.on_request(*item)
             else:
                 self.core.step(item)
+                self._stepped()
         self.pump()
 
     # -- events ------------------------------------------------------------------------------
@@ -288,8 +308,21 @@ class SimNode:
         if self.paused:
             self.inbox.append(m)
             return
+        t = type(m)
+        if (t is Vote or t is PreVote) and not m.transfer and m.term > self.core.term and self.core.lead:
+            self.sim.contested_votes += 1  # a campaign reaching a node that follows a leader
         self.core.step(m)
+        self._stepped()
         self.pump()
+
+    def _stepped(self) -> None:
+        core = self.core
+        if core.role == Role.LEADER:
+            # A leader moves its commit index while stepping answers: check each move then,
+            # not only at the next Ready (a later move onto its own term would hide it).
+            self.step_commit = self.sim.inv.leader_stepped(self.id, core, self.step_commit)
+        else:
+            self.step_commit = core.log.committed
 
     def on_request(self, client: "SimClient", req_id: int, op: tuple) -> None:
         if not self.alive:
@@ -328,56 +361,84 @@ class SimNode:
         sim = self.sim
         sim.schedule(sim.cfg.client_delay * (1 + sim.rng.random()), client.on_reply, req_id, reply)
 
-    # -- the Ready loop ------------------------------------------------------------------------
+    # -- the Ready loop: the shared path, its effects in virtual time --------------------------
 
     def pump(self) -> None:
         sim = self.sim
         core = self.core
-        disk = self.disk
-        mode = sim.cfg.durability
         while self.alive and not self.busy and not self.paused and core.has_ready():
             rd = core.ready()
             if rd.entries_to_append and core.role == Role.LEADER:
                 sim.inv.leader_appended(self.id, core.term, rd.entries_to_append)
-            if rd.snapshot_to_install is not None:
-                disk.install_snapshot(rd.snapshot_to_install)
-            if rd.entries_to_append:
-                disk.append(rd.entries_to_append)
-            if rd.hard_state is not None:
-                disk.set_hard_state(rd.hard_state)
-            msgs = rd.send_now
-            if sim.buggify and len(msgs) > 1 and sim.rng.random() < 0.05:
-                msgs = list(msgs)
-                sim.rng.shuffle(msgs)
-            self._send_all(msgs)
-            if rd.must_sync and mode != "memory":
-                mark = disk.fsync_mark()
-                lat = sim.fsync_latency()
+            # Before anything of this Ready acts on the commit index (messages, applying).
+            sim.inv.leader_commit(self.id, core, sim.durables)
+            self._gen = self.path.run(rd)
+            self.busy = True
+            self._step()
+
+    def _step(self, result=None) -> None:
+        """Run the path until it waits (fsync, yield) or ends."""
+        sim = self.sim
+        mode = sim.cfg.durability
+        gen = self._gen
+        while True:
+            try:
+                eff = gen.send(result)
+            except StopIteration:
+                self._gen = None
+                self.busy = False
+                return
+            result = None
+            if eff is SYNC:
+                if mode == "memory":
+                    continue
+                mark = self.disk.fsync_mark()
+                lat = sim.fsync_latency() * self.fsync_factor
                 if mode == "ack_before_fsync":
+                    # Negative control: a driver that does not wait for its fsync.
                     sim.schedule(lat, self._fsync_only, self.incarnation, mark)
-                    self._finish(rd)
-                else:
-                    self.busy = True
-                    sim.schedule(lat, self._fsync_done, self.incarnation, mark, rd)
-                    return
-            else:
-                self._finish(rd)
+                    continue
+                sim.schedule(lat, self._fsync_done, self.incarnation, mark)
+                return
+            if eff is YIELD:
+                if sim.buggify and sim.cfg.snapshot_every and sim.rng.random() < 0.2:
+                    self.take_snapshot()  # BUGGIFY: a snapshot between two apply slices
+                sim.schedule(0.0, self._resume, self.incarnation)
+                return
+            result = eff()  # blocking I/O: instantaneous here
+
+    def _resume(self, inc: int) -> None:
+        if inc != self.incarnation or not self.alive:
+            return
+        if self.paused:
+            self.deferred = True
+            return
+        self._step()
+        self.pump()
 
     def _fsync_only(self, inc: int, mark: int) -> None:
         if inc == self.incarnation:
             self.disk.fsync_complete(mark)
 
-    def _fsync_done(self, inc: int, mark: int, rd) -> None:
+    def _fsync_done(self, inc: int, mark: int) -> None:
         if inc != self.incarnation or not self.alive:
             return
         self.disk.fsync_complete(mark)
         if self.paused:
             # A frozen process does not act on the completion until it resumes.
-            self.deferred.append(rd)
+            self.deferred = True
             return
-        self.busy = False
-        self._finish(rd)
+        self._step()
         self.pump()
+
+    # ReadyHost
+
+    def send(self, msgs: list, after_persist: bool) -> None:
+        sim = self.sim
+        if not after_persist and sim.buggify and len(msgs) > 1 and sim.rng.random() < 0.05:
+            msgs = list(msgs)
+            sim.rng.shuffle(msgs)
+        self._send_all(msgs)
 
     def _send_all(self, msgs: list) -> None:
         if not msgs:
@@ -391,54 +452,59 @@ class SimNode:
             if sim.buggify and type(m) is VoteResp and sim.rng.random() < 0.05:
                 sim.send(m)  # BUGGIFY: a vote response sent twice
 
-    def _finish(self, rd) -> None:
+    def install(self, snap) -> None:
+        self.sm.restore(snap.data)
+        self.applied = snap.meta.index
+        self.sim.inv.snapshot_restored(self.id, snap.meta.index, state_digest(self.sm))
+
+    def apply(self, ents: list) -> None:
         sim = self.sim
         inv = sim.inv
-        core = self.core
-        self._send_all(rd.send_after_persist)
-        snap = rd.snapshot_to_install
-        if snap is not None:
-            self.sm.restore(snap.data)
-            self.applied = snap.meta.index
-            inv.snapshot_restored(self.id, snap.meta.index, state_digest(self.sm))
-        ents = rd.committed_entries
-        if ents:
-            voters = core.voters
-            durables = sim.durables
-            sm = self.sm
-            pw = self.pending_writes
-            for e in ents:
-                inv.entry_applied(self.id, e, voters, durables)
-                result = None
-                if e.kind == _NORMAL:
-                    if e.data:
-                        result = sm.apply(e.index, e.data)
-                else:
-                    cc = decode_conf_change(e.data)
-                    if cc.type == ConfChangeType.REMOVE_NODE and cc.node_id in sim.nodes:
-                        sim.nodes[cc.node_id].removed = True
-                self.applied = e.index
-                if pw:
-                    w = pw.pop(e.index, None)
-                    if w is not None:
-                        term, client, req_id = w
-                        if e.term == term:
-                            if type(result) is SessionRejected:
-                                sim.session_rejections.append(f"node {self.id} index {e.index}: {result!r}")
-                            self.reply(client, req_id, ("ok", result))
-                        else:
-                            self.reply(client, req_id, ("retry", None))
+        voters = self.core.voters
+        durables = sim.durables
+        sm = self.sm
+        pw = self.pending_writes
+        for e in ents:
+            inv.entry_applied(self.id, e, voters, durables)
+            result = None
+            if e.kind == _NORMAL:
+                if e.data:
+                    result = sm.apply(e.index, e.data)
+            else:
+                cc = decode_conf_change(e.data)
+                if cc.type == ConfChangeType.REMOVE_NODE and cc.node_id in sim.nodes:
+                    sim.nodes[cc.node_id].removed = True
+            self.applied = e.index
+            if pw:
+                w = pw.pop(e.index, None)
+                if w is not None:
+                    term, client, req_id = w
+                    if e.term == term:
+                        if type(result) is SessionRejected:
+                            sim.session_rejections.append(f"node {self.id} index {e.index}: {result!r}")
+                        self.reply(client, req_id, ("ok", result))
+                    else:
+                        self.reply(client, req_id, ("retry", None))
+
+    def before_advance(self, rd: Ready) -> None:
         for rs in rd.read_states:
             req = self.pending_reads.pop(rs.context, None)
             if req is not None:
                 self.read_waits.append((rs.index, *req))
+
+    def after_advance(self, rd: Ready) -> None:
+        sim = self.sim
+        inv = sim.inv
+        core = self.core
         ss = rd.soft_state
-        core.advance(rd)
         self.prev_commit = inv.commit_progress(self.id, core, self.prev_commit)
         if ss is not None:
-            if ss.role == Role.LEADER:
+            # A soft state reports what the core was when the Ready was made; after a slow
+            # fsync the node may have stepped down (into a later term) since.
+            if ss.role == Role.LEADER and core.role == Role.LEADER:
                 sim.elections += 1
                 inv.became_leader(self.id, core)
+                sim.check_lease_overlap(self.id)
                 sim.check_churn(self.id)
                 sim.log_event("leader", self.id, f"term={core.term} last={core.log.last_index()}")
             elif self.pending_reads:
@@ -462,18 +528,24 @@ class SimNode:
         self.read_waits = keep
 
     def take_snapshot(self) -> None:
+        """A local snapshot at the path's applied point (also between two apply slices)."""
+        if not self.alive or self.paused:
+            return
         sim = self.sim
-        idx = self.applied
-        if idx <= self.disk.live.snapshot().meta.index or idx != self.core.log.applied:
+        disk = self.disk
+        idx, conf = self.path.snapshot_point()
+        if idx <= disk.live.snapshot().meta.index:
             return
         data = self.sm.snapshot()
-        self.disk.create_snapshot(idx, self.core.conf_state, data)
+        meta = SnapshotMeta(idx, disk.live.term(idx), conf)
+        if not disk.commit_local_snapshot(meta, disk.stage_local_snapshot(meta, [data])):
+            return
         self.last_snap = idx
         sim.snapshots += 1
-        sim.inv.snapshot_taken(self.id, idx, state_digest(self.sm))
+        sim.inv.snapshot_taken(self.id, idx, state_digest(self.sm), conf)
         compact_to = idx - sim.cfg.trailing
-        if compact_to >= self.disk.live.first_index():
-            self.disk.compact(compact_to)
+        if compact_to >= disk.live.first_index():
+            disk.compact(compact_to)
 
 
 # ==========================================================================================
@@ -519,7 +591,7 @@ class SimClient:
         r = self.rng
         key = "k%d" % r.randrange(sim.cfg.n_keys)
         x = r.random()
-        if x < sim.cfg.read_ratio:
+        if x < sim.cfg.read_ratio or sim.quiet:
             return self._build("get", key)
         x = r.random()
         if x < 0.7:
@@ -678,6 +750,7 @@ class Simulator:
         self._seq = 0
         self.net = SimNetwork(random.Random(self.rng.random()), NetParams(delay=cfg.net_delay, jitter=cfg.net_jitter))
         self.inv = Invariants(durable_checks=cfg.durability == "disk", enabled=cfg.internal_checks)
+        self.inv.verified_commit = cfg.n_voters  # the bootstrap prefix is durable everywhere
         self.ledger = ApplyLedger()
         self.history = History(clock=lambda: self.now)
         self.trace: deque = deque(maxlen=400)
@@ -697,6 +770,13 @@ class Simulator:
             self.add_node(i, MemoryStorage.bootstrap(voters))
         self.nemesis = None
         self._ref_event_scheduled = False
+        # node -> delay: InstallSnapshot messages to it arrive once more that much later
+        # (the nemesis' stale-snapshot schedule).
+        self.replay_snapshots: dict[int, float] = {}
+        self.quiet = False  # clients only read (the nemesis' vote-suppression schedule)
+        # Coverage of the situations the targeted schedules aim at (reported per run).
+        self.stale_snapshots = 0
+        self.contested_votes = 0
 
     # -- event queue ---------------------------------------------------------------------------
 
@@ -774,6 +854,14 @@ class Simulator:
             return
         for d in delays:
             self.schedule(d, node.deliver, m)
+        late = self.replay_snapshots.get(m.to) if type(m) is InstallSnapshot else None
+        if late is not None:
+            # A delayed duplicate. Half the time the follower snapshots just before it lands,
+            # so the stale one is older than its compacted log as well as its commit index.
+            self.stale_snapshots += 1
+            if self.rng.random() < 0.5:
+                self.schedule(max(delays) + late - 0.001, node.take_snapshot)
+            self.schedule(max(delays) + late, node.deliver, m)
 
     def client_send(self, node_id: int, client: SimClient, req_id: int, op: tuple) -> None:
         node = self.nodes[node_id]
@@ -858,11 +946,35 @@ class Simulator:
         res.writes_acked = self.writes_acked
         res.elections, res.crashes, res.snapshots = self.elections, self.crashes, self.snapshots
         res.snapshots_replayed = self.inv.snapshots_replayed
+        res.stale_snapshots = self.stale_snapshots
+        res.figure8 = self.inv.figure8
+        res.contested_votes = self.contested_votes
         res.messages = self.net.sent
         res.max_term = max(n.core.term for n in self.nodes.values())
         res.commit_index = max(n.core.log.committed for n in self.nodes.values())
         res.faults = list(self.faults_applied)
         res.virtual_s = self.now
+
+    def check_lease_overlap(self, node_id: int) -> None:
+        """Leases (thesis §6.4.1): while clock rates stay within ``lease_drift_bound`` of
+        each other, no node becomes leader while another still holds a valid lease (vote
+        suppression is what guarantees it; a paused node's lease is judged when it
+        resumes, after its missed ticks)."""
+        cfg = self.cfg
+        raft = cfg.raft
+        if not cfg.internal_checks or raft.read_only_option is not ReadOnlyOption.LEASE_BASED:
+            return
+        live = [n for n in self.nodes.values() if n.alive]
+        drifts = [n.drift for n in live]
+        if max(drifts) > min(drifts) * (1.0 + raft.lease_drift_bound):
+            return
+        for n in live:
+            if n.id != node_id and not n.paused and n.core.role == Role.LEADER and n.core.lease_valid():
+                raise SimViolation(
+                    "lease-overlap",
+                    f"node {node_id} became leader (term {self.nodes[node_id].core.term}) while leader "
+                    f"{n.id} (term {n.core.term}) still holds a valid lease",
+                )
 
     def check_churn(self, node_id: int) -> None:
         """Invariant 15: with pre-vote and check-quorum, once a stable window has settled
@@ -888,6 +1000,7 @@ class Simulator:
         self.net.heal()
         for n in self.nodes.values():
             n.drift = 1.0
+            n.fsync_factor = 1.0
             if n.paused:
                 n.resume()
         for i, n in list(self.nodes.items()):

@@ -1,17 +1,33 @@
-"""A simulated disk with a volatile (page cache) and a durable layer, after LazyFS.
+"""A simulated disk with a volatile (page cache) and a durable layer, after LazyFS, that
+follows ``DiskStorage``'s ordering rules.
 
-Writes go to the volatile layer at once and are visible to the node (``live``). An fsync
-makes every write issued before it durable once it completes. A crash keeps the durable
-layer, plus optionally a random *prefix* of the volatile writes (a partial flush), and
-drops the rest.
+It is a :class:`~kvmesh.replog.memstorage.ReadyWriter`: the simulator persists Readies
+through the same ``write(ready)`` / staging / ``sync`` entry points as the real driver.
+Like ``DiskStorage``'s WAL, entries, hard states and installed-snapshot markers go to the
+volatile layer and are visible to the node at once (``live``); an fsync makes every write
+issued before it durable once it completes. Like ``DiskStorage``'s snapshot files, a
+received snapshot is durable once staged (its file is fsynced before the WAL marker that
+points at it), a local snapshot once committed, and compaction (segment deletion) only
+ever drops entries a durable snapshot covers. A crash keeps the durable layer, plus
+optionally a random *prefix* of the volatile writes (a partial flush: a WAL keeps a prefix
+of its bytes), and drops the rest; recovery reconciles the log with the newest snapshot as
+``DiskStorage.open`` does (a newer or disagreeing snapshot supersedes the log).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
-from ..memstorage import MemoryStorage
-from ..types import Entry, HardState, LogUnavailable, Snapshot, StorageError
+from ..memstorage import MemoryStorage, ReadyWriter
+from ..types import (
+    Entry,
+    HardState,
+    LogUnavailable,
+    Snapshot,
+    SnapshotMeta,
+    StorageError,
+)
 
 __all__ = ["SimDisk"]
 
@@ -55,18 +71,25 @@ def _apply(st: MemoryStorage, op: Op) -> None:
         raise ValueError(f"unknown disk op {kind!r}")
 
 
-class SimDisk:
-    """One node's disk. ``live`` is the storage the node's core reads."""
+class SimDisk(ReadyWriter):
+    """One node's disk. ``live`` is the storage the node's core reads. ``volatile_only``
+    models ``durability="memory"``: nothing is ever durable (no fsync, no snapshot files)."""
 
-    def __init__(self, initial: MemoryStorage) -> None:
+    def __init__(self, initial: MemoryStorage, volatile_only: bool = False) -> None:
         self.durable = initial.copy()
         self.live = initial
         self.volatile: list[Op] = []
         self._base = 0  # writes issued before volatile[0] (made durable or lost)
         self.writes = 0
         self.fsyncs = 0
+        self.volatile_only = volatile_only
+        self.needs_fsync = not volatile_only
 
-    # -- writes ----------------------------------------------------------------------------
+    @property
+    def hard_state(self) -> HardState:
+        return self.live.hard_state
+
+    # -- writes (the ReadyWriter side) -------------------------------------------------------
 
     def append(self, entries: list[Entry]) -> None:
         self.live.append(entries)
@@ -77,18 +100,35 @@ class SimDisk:
         self.live.set_hard_state(hs)
         self.volatile.append(("hs", hs))
 
-    def install_snapshot(self, snap: Snapshot) -> None:
+    def stage_snapshot(self, snap: Snapshot) -> Any:
+        # DiskStorage writes and fsyncs the snapshot file before the WAL marker: from here
+        # on a restart finds it (and lets it supersede the log if it is newer).
+        if not self.volatile_only:
+            _apply(self.durable, ("snap", snap))
+        return None
+
+    def apply_snapshot(self, snap: Snapshot, staged: Any = None) -> None:
         self.live.apply_snapshot(snap)
-        self.volatile.append(("install", snap))
+        self.volatile.append(("install", snap))  # the WAL marker
+
+    def commit_local_snapshot(self, meta: SnapshotMeta, staged: Any) -> bool:
+        if meta.index <= self.live.snapshot().meta.index:
+            return False
+        snap = self.live.create_snapshot(meta.index, meta.conf_state, staged)
+        if not self.volatile_only:
+            _apply(self.durable, ("snap", snap))  # the file is durable before it is current
+        return True
 
     def create_snapshot(self, index: int, conf_state, data: bytes) -> Snapshot:
-        snap = self.live.create_snapshot(index, conf_state, data)
-        self.volatile.append(("snap", snap))
-        return snap
+        meta = SnapshotMeta(index, self.live.term(index), conf_state)
+        self.commit_local_snapshot(meta, data)
+        return self.live.snapshot()
 
     def compact(self, index: int) -> None:
         self.live.compact(index)
-        self.volatile.append(("compact", index))
+        if not self.volatile_only:
+            # Whole WAL segments are deleted, and only below a durable snapshot.
+            _apply(self.durable, ("compact", index))
 
     # -- durability --------------------------------------------------------------------------
 

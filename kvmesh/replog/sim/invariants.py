@@ -10,12 +10,15 @@ equivalence, 9 one uncommitted configuration change, 12 exactly-once apply (toge
 
 from __future__ import annotations
 
-from ..core import RaftCore
+from collections.abc import Callable
+
+from ..core import RaftCore, next_conf_state
 from ..memstorage import MemoryStorage
-from ..progress import quorum_size
+from ..progress import committed_index, quorum_size
 from ..types import (
     Append,
     AppendResp,
+    ConfState,
     Entry,
     EntryKind,
     LogCompacted,
@@ -24,6 +27,7 @@ from ..types import (
     StorageError,
     Vote,
     VoteResp,
+    decode_conf_change,
 )
 from .kv import ApplyLedger, make_state_machine, state_digest
 
@@ -68,11 +72,17 @@ class Invariants:
         self.max_applied = 0
         self.granted: dict[tuple[int, int], int] = {}  # (voter, term) -> candidate
         self.leader_tail: dict[int, tuple[int, int]] = {}  # node -> (term, last appended index)
+        # Highest commit index whose entries were checked durable on a quorum of the
+        # committing configuration (the simulator sets it to the bootstrap prefix).
+        self.verified_commit = 0
+        self.figure8 = 0
         # Snapshot equivalence: a reference machine replays the applied oracle in order.
         self._ref_ledger = ApplyLedger()
         self.ref_sm = make_state_machine(0, self._ref_ledger)
         self.ref_index = 0
         self.snap_digests: dict[int, int] = {}  # index -> digest claimed by a snapshot
+        self.snap_confs: dict[int, ConfState] = {}  # index -> configuration a snapshot recorded
+        self.ref_conf = ConfState()
         self.ref_digests: dict[int, int] = {}  # index -> reference digest (for snapshot indices)
         self.snapshots_replayed = 0  # snapshot digests confirmed by replaying the log
 
@@ -154,6 +164,64 @@ class Invariants:
 
     # -- 5, 6: apply ---------------------------------------------------------------------------
 
+    @staticmethod
+    def quorum(voters: tuple[int, ...]) -> int:
+        """Copies a committed entry needs: a majority of the configuration that committed
+        it (the committing leader's voters)."""
+        return quorum_size(len(voters))
+
+    def commit_seen(
+        self,
+        node: int,
+        voters: tuple[int, ...],
+        committed: int,
+        term_of: Callable[[int], int],
+        durables: dict[int, MemoryStorage],
+    ) -> None:
+        """6: a commit index is about to be acted on (a Ready carries it: messages, applying).
+        Every entry newly committed must be durable on a majority of ``voters``, the
+        configuration the node counted (the core counts the configuration as of its applied
+        index). Called for every Ready, so no commit advance is communicated unchecked."""
+        if not self.durable_checks or committed <= self.verified_commit:
+            return
+        need = self.quorum(voters)
+        for i in range(self.verified_commit + 1, committed + 1):
+            try:
+                t = term_of(i)
+            except StorageError:
+                continue  # compacted here: it was applied, so checked when it was committed
+            have = sum(1 for v in voters if v in durables and _durable_has(durables[v], i, t))
+            if have < need:
+                raise SimViolation(
+                    "commit-durable-on-quorum",
+                    f"node {node} committed index {i} (term {t}) durable on only {have} of voters "
+                    f"{voters} (need {need})",
+                )
+        self.verified_commit = committed
+
+    def leader_commit(self, node: int, core: RaftCore, durables: dict[int, MemoryStorage]) -> None:
+        if self.durable_checks and core.log.committed > self.verified_commit:
+            self.commit_seen(node, core.voters, core.log.committed, core.log.term, durables)
+
+    def leader_stepped(self, node: int, core: RaftCore, prev_commit: int) -> int:
+        """After a leader stepped a message: Figure 8. A leader moves its commit index only
+        onto an entry of its own term; and (coverage) count the moments a quorum holds an
+        entry above the commit index whose term is older than the leader's."""
+        log = core.log
+        c = log.committed
+        if not self.enabled:
+            return c
+        if c > prev_commit and log.zero_term(c) != core.term:
+            raise SimViolation(
+                "commit-current-term",
+                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} by counting",
+            )
+        matches = [log.persisted if v == node else core.prs[v].match for v in core.voters if v == node or v in core.prs]
+        ci = committed_index(matches)
+        if ci > c and log.zero_term(ci) != core.term:
+            self.figure8 += 1
+        return c
+
     def entry_applied(self, node: int, e: Entry, voters: tuple[int, ...], durables: dict[int, MemoryStorage]) -> None:
         if not self.enabled:
             return
@@ -162,14 +230,12 @@ class Invariants:
             self.applied[e.index] = e
             if e.index > self.max_applied:
                 self.max_applied = e.index
-            if self.durable_checks:
-                need = quorum_size(max(1, len(voters) - 1))
-                have = sum(1 for st in durables.values() if _durable_has(st, e.index, e.term))
-                if have < need:
-                    raise SimViolation(
-                        "commit-durable-on-quorum",
-                        f"node {node} applied index {e.index} (term {e.term}) durable on only {have} nodes (need {need})",
-                    )
+            if self.durable_checks and e.index > self.verified_commit:
+                raise SimViolation(
+                    "commit-durable-on-quorum",
+                    f"node {node} applied index {e.index} (term {e.term}) that no checked commit covers "
+                    f"(checked up to {self.verified_commit})",
+                )
         elif prev.term != e.term or prev.data != e.data or prev.kind != e.kind:
             raise SimViolation(
                 "state-machine-safety",
@@ -197,9 +263,15 @@ class Invariants:
 
     # -- 8: snapshots ------------------------------------------------------------------------
 
-    def snapshot_taken(self, node: int, index: int, digest: int) -> None:
+    def snapshot_taken(self, node: int, index: int, digest: int, conf: ConfState | None = None) -> None:
         if not self.enabled:
             return
+        if conf is not None:
+            prev_conf = self.snap_confs.setdefault(index, conf)
+            if prev_conf != conf:
+                raise SimViolation(
+                    "snapshot-configuration", f"node {node} snapshot at {index} records {conf}, another {prev_conf}"
+                )
         prev = self.snap_digests.setdefault(index, digest)
         if prev != digest:
             raise SimViolation("snapshot-equivalence", f"node {node} snapshot at {index} differs from another node's")
@@ -226,8 +298,17 @@ class Invariants:
             if e is None:
                 return
             self.ref_index += 1
-            if e.kind == _NORMAL and e.data:
-                sm.apply(e.index, e.data)
+            if e.kind == _NORMAL:
+                if e.data:
+                    sm.apply(e.index, e.data)
+            else:
+                self.ref_conf = next_conf_state(self.ref_conf, decode_conf_change(e.data))
+            conf = self.snap_confs.get(self.ref_index)
+            if conf is not None and conf != self.ref_conf:
+                raise SimViolation(
+                    "snapshot-configuration",
+                    f"snapshot at {self.ref_index} records {conf}; the log's configuration there is {self.ref_conf}",
+                )
             want = self.snap_digests.get(self.ref_index)
             if want is not None:
                 d = state_digest(sm)

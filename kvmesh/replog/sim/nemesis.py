@@ -1,5 +1,22 @@
 """Random fault schedule: fault periods (1-2 faults at once, biased towards the leader)
-alternating with stable periods of at least 3 x the maximum election timeout."""
+alternating with stable periods of at least 3 x the maximum election timeout.
+
+Besides generic faults, three schedules aim at situations that random faults reach only
+rarely, so that the CI seeds exercise them (and the mutation suite can show they matter):
+
+* ``stale_snapshot``: a follower is cut off while the leader snapshots and compacts, so it
+  is caught up by InstallSnapshot; the network then delivers a delayed duplicate of that
+  snapshot after the follower has moved on (and taken a snapshot of its own): the follower
+  must refuse it.
+* ``figure8``: no acknowledgement reaches the leader, so its entries stay uncommitted
+  until it steps down, and the next leader's disk is slow: a quorum then holds entries of
+  an older term but not yet the new leader's no-op, and they must not be committed by
+  counting replicas (paper Figure 8).
+* ``vote_suppression``: the leader and one follower cannot hear each other while both hear
+  the rest, and clients only read (so the follower's log stays up to date): the follower
+  campaigns, and voters that hear a live leader must ignore it (thesis §4.2.3; with
+  leases, a new leader while the old lease is valid is a violation).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +24,7 @@ import random
 from collections.abc import Callable
 
 from ..memstorage import MemoryStorage
-from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped
+from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped, Role
 from .network import NetParams
 
 __all__ = ["FAULTS", "Nemesis"]
@@ -30,6 +47,9 @@ FAULTS: dict[str, int] = {
     "membership": 2,
     "transfer": 1,
     "snapshot": 1,
+    "stale_snapshot": 2,
+    "figure8": 2,
+    "vote_suppression": 2,
 }
 
 Undo = Callable[[], None]
@@ -296,6 +316,77 @@ class Nemesis:
 
     def _f_snapshot(self) -> None:
         node = self.sim.nodes[self.rng.choice(self._members())]
-        if node.alive and not node.busy:
+        # Also between two apply slices of a Ready (the path's applied point is consistent).
+        if node.alive and not node.paused:
             node.take_snapshot()
         return None
+
+    def _f_stale_snapshot(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        followers = [m for m in self._members() if m != lid and sim.nodes[m].alive]
+        if lid is None or not followers:
+            return self._cut([])
+        f = self.rng.choice(followers)
+        undo_cut = self._isolate(f)
+        leader = sim.nodes[lid]
+
+        def compact() -> None:
+            # The leader snapshots and compacts past what the follower has.
+            if leader.alive and not leader.paused and leader.core.role == Role.LEADER:
+                leader.take_snapshot()
+
+        leader.take_snapshot()
+        sim.schedule(self.rng.uniform(0.3, 0.8), compact)
+        sim.replay_snapshots[f] = self.rng.uniform(0.5, 2.5)
+
+        def undo() -> None:
+            undo_cut()
+            # Keep replaying for a while after the heal: that is when the snapshot is sent.
+            sim.schedule(3.0, sim.replay_snapshots.pop, f, None)
+
+        return undo
+
+    def _f_figure8(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        others = [m for m in self._members() if m != lid]
+        if lid is None or len(others) < 2:
+            return self._cut([])
+        # The leader's appends reach everyone but no answer reaches it: entries of its term
+        # pile up uncommitted on every replica until it steps down (check-quorum). All but
+        # one of the others get a slow disk: when one of them wins the election, its own
+        # no-op is not yet durable when the fast follower acknowledges it, so a quorum holds
+        # the older-term entries only (paper Figure 8: they must not be committed by
+        # counting; the no-op commits them).
+        fast = self.rng.choice(others)
+        slow = [sim.nodes[m] for m in others if m != fast]
+        for n in slow:
+            n.fsync_factor = 30.0
+        undo_cut = self._cut([(m, lid) for m in self._all_ids() if m != lid])
+
+        def undo() -> None:
+            undo_cut()
+            for n in slow:
+                n.fsync_factor = 1.0
+
+        return undo
+
+    def _f_vote_suppression(self) -> Undo:
+        sim = self.sim
+        lid = sim.leader_id()
+        others = [m for m in self._members() if m != lid]
+        if lid is None or not others:
+            return self._cut([])
+        # A quiet cluster (clients only read), so the cut-off follower's log stays as
+        # up to date as everyone's: only vote suppression keeps it from winning while the
+        # leader is alive and reachable by the others.
+        f = self.rng.choice(others)
+        sim.quiet = True
+        undo_cut = self._cut([(lid, f), (f, lid)])
+
+        def undo() -> None:
+            undo_cut()
+            sim.quiet = False
+
+        return undo

@@ -181,6 +181,8 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     retired: dict[str, float] = {}
 
 
+_DESC_BYTES = 24  # msgpack framing and the two ints of one encoded ReplicaDesc (upper bound)
+
 _enc = msgspec.msgpack.Encoder()
 _hdr_dec = msgspec.msgpack.Decoder(_Header)
 _chunk_dec = msgspec.msgpack.Decoder(tuple[list[str], list[Obj]])
@@ -254,17 +256,41 @@ class StoreStateMachine:
 
     # ================================================================== read-only queries
 
-    def lookup(self, keys: Iterable[str], host: str | None = None) -> list[ObjectLookup]:
+    def lookup(
+        self, keys: Iterable[str], host: str | None = None, max_bytes: int | None = None
+    ) -> list[ObjectLookup]:
         """Per key: its COMPLETE copies (``ObjectNotFound`` for absent or PROCESSING keys).
-        With ``host``, copies having a slice on that host come first."""
+        With ``host``, copies having a slice on that host come first.
+
+        ``max_bytes`` bounds the replica descriptors of the whole answer (estimated encoded
+        bytes): a small request naming big objects, or one key many times, must not make a
+        reply of gigabytes. The first found key is always answered (one object's copies
+        are bounded by ``MAX_SLICES_PER_BATCH``); a later key that would pass the budget
+        answers ``InvalidParams`` (ask for it in another request)."""
         out = []
         objs = self.objects
+        spent = 0
         for k in keys:
             o = objs.get(k) if type(k) is str else None
             if o is None or o.state != _C:
                 out.append(ObjectLookup(int(Code.OBJECT_NOT_FOUND)))
                 continue
-            out.append(ObjectLookup(0, o.size, self._replicas(o, host), o.version))
+            if max_bytes is not None and spent >= max_bytes:
+                out.append(ObjectLookup(int(Code.INVALID_PARAMS)))
+                continue
+            reps = self._replicas(o, host)
+            if max_bytes is not None:
+                cost = sum(
+                    _DESC_BYTES + len(d.segment) + len(d.node_id) + len(d.endpoint)
+                    for r in reps
+                    for d in r.slices
+                )
+                if spent and spent + cost > max_bytes:
+                    spent = max_bytes  # keep the answer in key order: no later key either
+                    out.append(ObjectLookup(int(Code.INVALID_PARAMS)))
+                    continue
+                spent += cost
+            out.append(ObjectLookup(0, o.size, reps, o.version))
         return out
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
