@@ -147,6 +147,21 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
         return self.used / self.capacity if self.capacity else 0.0
 
 
+def bad_key(keys: list[Any]) -> str | None:
+    """Why the first invalid key of ``keys`` is invalid (None if all are valid). The whole batch
+    is tried at once first (:func:`keys_valid`); key by key (:func:`key_error`, with a cheap
+    accept for plain ASCII keys) only when that declines."""
+    if keys_valid(keys):
+        return None
+    for k in keys:
+        if type(k) is str and 0 < len(k) <= MAX_KEY_BYTES and k.isascii() and "\0" not in k:
+            continue
+        why = key_error(k)
+        if why is not None:
+            return why
+    return None
+
+
 def key_error(key: object) -> str | None:
     """Why ``key`` is not a valid object key, or None if it is."""
     if not isinstance(key, str):
