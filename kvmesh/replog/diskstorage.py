@@ -35,7 +35,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -96,7 +96,7 @@ class _WInstalled(msgspec.Struct, tag=4, array_like=True):
     term: int
 
 
-_Record = Union[_WEntries, _WHardState, _WBase, _WInstalled]
+_Record = _WEntries | _WHardState | _WBase | _WInstalled
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(_Record)
 

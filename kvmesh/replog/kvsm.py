@@ -24,7 +24,7 @@ driver can interleave encoding with other work (:meth:`KvStateMachine.snapshot_c
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import crc32c
 import msgspec
@@ -68,10 +68,10 @@ class KvCas(msgspec.Struct, tag="cas", array_like=True, frozen=True, gc=False):
 
 
 class KvBatch(msgspec.Struct, tag="batch", array_like=True, frozen=True):
-    commands: list[Union[KvGet, KvPut, KvDelete, KvCas]]
+    commands: list[KvGet | KvPut | KvDelete | KvCas]
 
 
-KvCommand = Union[KvGet, KvPut, KvDelete, KvCas, KvBatch]
+KvCommand = KvGet | KvPut | KvDelete | KvCas | KvBatch
 
 
 class KvValue(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -97,7 +97,7 @@ def decode_command(data: bytes) -> KvCommand:
 class KvStateMachine:
     """Deterministic dict-backed KV store implementing the ``StateMachine`` protocol."""
 
-    result_type: Any = Union[bytes, bool, None, list[Union[bytes, bool, None]]]
+    result_type: Any = bytes | bool | None | list[bytes | bool | None]
 
     def __init__(self) -> None:
         self.data: dict[str, KvValue] = {}

@@ -16,8 +16,6 @@ session, so one client cannot act in another's session (``session_denied``).
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 __all__ = [
@@ -92,7 +90,7 @@ class ReqSnapshot(msgspec.Struct, tag=5, array_like=True, frozen=True):
     reset_lag: bool = False
 
 
-Request = Union[ReqRegister, ReqSubmit, ReqRead, ReqStatus, ReqSnapshot]
+Request = ReqRegister | ReqSubmit | ReqRead | ReqStatus | ReqSnapshot
 
 
 class Response(msgspec.Struct, array_like=True, frozen=True):

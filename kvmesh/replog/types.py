@@ -44,7 +44,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterator
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -430,21 +430,21 @@ class ReadIndexResp(_Msg, tag=13):
     context: bytes
 
 
-Message = Union[
-    Vote,
-    VoteResp,
-    PreVote,
-    PreVoteResp,
-    Append,
-    AppendResp,
-    Heartbeat,
-    HeartbeatResp,
-    InstallSnapshot,
-    InstallSnapshotResp,
-    TimeoutNow,
-    ReadIndex,
-    ReadIndexResp,
-]
+Message = (
+    Vote
+    | VoteResp
+    | PreVote
+    | PreVoteResp
+    | Append
+    | AppendResp
+    | Heartbeat
+    | HeartbeatResp
+    | InstallSnapshot
+    | InstallSnapshotResp
+    | TimeoutNow
+    | ReadIndex
+    | ReadIndexResp
+)
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder()
