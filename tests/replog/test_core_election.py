@@ -81,7 +81,7 @@ def test_a5_isolated_leader_steps_down_within_one_election_timeout() -> None:
     n = cluster()
     n.isolate(1)
     idx = n[1].propose(b"never-committed")
-    for t in range(1, 2 * PV_CQ.election_tick + 1):
+    for t in range(1, 2 * PV_CQ.election_tick + 1):  # noqa: B007 - t is read after the loop
         n.tick_all(1)
         if n[1].role != Role.LEADER:
             break
@@ -248,7 +248,7 @@ def test_crash_before_persisting_vote_forgets_it() -> None:
     again in that term after restart is not a double vote."""
     core, st = _single()
     core.step(Vote(2, 1, 5, 10, 1))
-    rd = core.ready()  # the driver crashes before persisting rd
+    core.ready()  # the driver crashes before persisting this Ready
     restarted = RaftCore(1, st, NO_PV, random.Random(1))
     restarted.advance(restarted.ready())
     assert restarted.term == 1 and restarted.vote == 0

@@ -223,7 +223,7 @@ def test_random_hostile_messages_never_raise_and_the_cluster_keeps_committing() 
     or Ready raises, and afterwards the cluster elects a leader and commits on every node."""
     rng = random.Random(20261130)
     n = cluster()
-    for round_ in range(40):
+    for _round in range(40):
         for _ in range(50):
             to = rng.choice([1, 2, 3])
             n[to].step(_random_message(rng, to, n))

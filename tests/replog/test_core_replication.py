@@ -279,7 +279,7 @@ def test_committed_entries_bounded_per_ready() -> None:
     drain()
     core.campaign()
     drain()
-    for i in range(20):
+    for _ in range(20):
         core.propose(b"c" * 50)
     drain()
     assert core.log.applied == core.log.last_index()

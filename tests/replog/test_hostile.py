@@ -99,9 +99,12 @@ async def converge(cluster, timeout=30.0):
     st = {}
     while time.monotonic() < end:
         st = await statuses(cluster, digest=True)
-        if len(st) == len(cluster.ids):
-            if len({s["applied"] for s in st.values()}) == 1 and len({s["digest"] for s in st.values()}) == 1:
-                return st
+        if (
+            len(st) == len(cluster.ids)
+            and len({s["applied"] for s in st.values()}) == 1
+            and len({s["digest"] for s in st.values()}) == 1
+        ):
+            return st
         await asyncio.sleep(0.2)
     raise AssertionError(f"replicas did not converge: {st}")
 

@@ -272,7 +272,7 @@ def gen_linearizable(rng, n_ops, n_clients, keys, pending_p=0.1, max_dur=5.0):
     state = {}
     model = KvModel()
     ops = []
-    for lin, applied, c, inp, call, ret in events:
+    for _lin, applied, c, inp, call, ret in events:
         if applied:
             cur = state.get(inp.key)
             # Derive the true output from the model itself with no expected output.

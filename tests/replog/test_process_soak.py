@@ -27,7 +27,7 @@ def test_soak_repeated_leader_kills_and_pauses(tmp_path):
             load = Load(c, clients=6, seed=rng.randrange(1 << 30))
             load.start()
             try:
-                for k in range(kills):
+                for _ in range(kills):
                     await asyncio.sleep(rng.uniform(0.5, 2.0))
                     victim = await find_leader(c, timeout=30)
                     if rng.random() < 0.25:

@@ -144,8 +144,8 @@ def test_snapshot_restore_keeps_sessions_and_dedup():
     # The original replica sees the same retries in its log, then both continue identically.
     log.apply(cmd(b, 1, KvCas("k", b"a1", b"b1")))
     log.apply(cmd(b, 2, KvDelete("gone")))
-    for l in (log, log2):
-        l.apply(cmd(a, 2, KvPut("z", b"1")))
+    for lg in (log, log2):
+        lg.apply(cmd(a, 2, KvPut("z", b"1")))
     assert sm.inner.digest() == restored.inner.digest()
 
 

@@ -192,7 +192,7 @@ def test_c2_full_cluster_power_loss_keeps_acknowledged_writes() -> None:
     clients = [sim.add_client() for _ in range(3)]
     for k, c in enumerate(clients):
         for j in range(15):
-            c.submit("put", "k%d" % ((k * 15 + j) % 10))
+            c.submit("put", f"k{(k * 15 + j) % 10}")
     sim.run_until(4.2)
     acked_before = sim.writes_acked
     assert acked_before > 0

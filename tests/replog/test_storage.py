@@ -222,7 +222,7 @@ def test_partial_snapshot_tmp_is_ignored(tmp_path):
     _fill(st, 100)
     st.create_snapshot(50, CS, b"s50")
     st.close()
-    tmp = os.path.join(d, "snap", "snap-%016x-%016x.snap.tmp" % (90, 1))
+    tmp = os.path.join(d, "snap", f"snap-{90:016x}-{1:016x}.snap.tmp")
     with open(tmp, "wb") as f:
         f.write(b"KVMSNAP1garbage")  # crashed mid-write
     st = DiskStorage.open(d)
@@ -491,5 +491,5 @@ def test_pruning_never_touches_snapshots_being_written(tmp_path):
     st.defer_pruning = True
     st.create_snapshot(50, CS, b"s50")
     assert names() == [30, 40, 50, 90]
-    assert st.obsolete_snapshot_files() == [os.path.join(st.snap_dir, "snap-%016x-%016x.snap" % (30, 1))]
+    assert st.obsolete_snapshot_files() == [os.path.join(st.snap_dir, f"snap-{30:016x}-{1:016x}.snap")]
     st.close()

@@ -25,7 +25,7 @@ META = SnapshotMeta(1234, 5, ConfState((1, 2, 3), (4,)))
 def test_roundtrip_multi_chunk(tmp_path):
     data = os.urandom(300_000)
     path = snapfile.write_snapshot(str(tmp_path), Snapshot(META, data), chunk_bytes=64 * 1024)
-    assert os.path.basename(path) == "snap-%016x-%016x.snap" % (1234, 5)
+    assert os.path.basename(path) == f"snap-{1234:016x}-{5:016x}.snap"
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert snapfile.read_snapshot(path) == Snapshot(META, data)
     assert snapfile.read_snapshot_meta(path) == META
@@ -38,7 +38,8 @@ def test_roundtrip_multi_chunk(tmp_path):
 def test_any_damage_is_detected(tmp_path, where):
     data = os.urandom(200_000)
     path = snapfile.write_snapshot(str(tmp_path), Snapshot(META, data), chunk_bytes=50_000)
-    raw = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
     if where == "header":
         raw[14] ^= 1
     elif where == "chunk":
@@ -51,14 +52,15 @@ def test_any_damage_is_detected(tmp_path, where):
         raw += b"\0" * 10
     elif where == "magic":
         raw[0] ^= 1
-    open(path, "wb").write(bytes(raw))
+    with open(path, "wb") as f:
+        f.write(bytes(raw))
     with pytest.raises(SnapshotCorruptionError):
         snapfile.read_snapshot(path)
 
 
 def test_renamed_file_is_detected(tmp_path):
     path = snapfile.write_snapshot(str(tmp_path), Snapshot(META, b"x"))
-    other = os.path.join(str(tmp_path), "snap-%016x-%016x.snap" % (9999, 5))
+    other = os.path.join(str(tmp_path), f"snap-{9999:016x}-{5:016x}.snap")
     os.rename(path, other)
     with pytest.raises(SnapshotCorruptionError, match="name disagrees"):
         snapfile.read_snapshot(other)
@@ -67,7 +69,8 @@ def test_renamed_file_is_detected(tmp_path):
 def test_tmp_cleanup_and_pruning(tmp_path):
     d = str(tmp_path)
     paths = [snapfile.write_snapshot(d, Snapshot(SnapshotMeta(i, 1), b"%d" % i)) for i in (10, 20, 30)]
-    open(os.path.join(d, "snap-%016x-%016x.snap.tmp" % (40, 1)), "wb").write(b"partial")
+    with open(os.path.join(d, f"snap-{40:016x}-{1:016x}.snap.tmp"), "wb") as f:
+        f.write(b"partial")
     assert snapfile.cleanup_tmp(d) == 1
     assert snapfile.remove_snapshots_except(d, paths[1:]) == 1
     assert [s.index for s in snapfile.list_snapshots(d)] == [20, 30]

@@ -150,7 +150,7 @@ def test_bit_flip_in_length_field_with_records_after_fails_stop(tmp_path):
 def test_corruption_in_older_segment_fails_stop(tmp_path):
     d = str(tmp_path / "wal")
     w = Wal.open(d, segment_bytes=200)
-    for i in range(20):
+    for _ in range(20):
         w.append([b"y" * 60])
     w.close()
     files = seg_files(d)
@@ -165,7 +165,7 @@ def test_corruption_in_older_segment_fails_stop(tmp_path):
 def test_segment_gap_and_bad_header_fail_stop(tmp_path):
     d = str(tmp_path / "wal")
     w = Wal.open(d, segment_bytes=200)
-    for i in range(20):
+    for _ in range(20):
         w.append([b"z" * 60])
     w.close()
     files = seg_files(d)
@@ -193,7 +193,8 @@ def test_crash_while_creating_segment(tmp_path):
     w.append([b"k" * 150])
     w.close()
     # The next segment was created but its header never reached the disk.
-    open(os.path.join(d, "%016x.wal" % 2), "wb").write(b"KVM")
+    with open(os.path.join(d, f"{2:016x}.wal"), "wb") as f:
+        f.write(b"KVM")
     w = Wal.open(d, segment_bytes=100)
     assert recs(w) == [b"k" * 150]
     w.append([b"after"])

@@ -109,7 +109,7 @@ class Driver:
     def tables(self) -> list[str]:
         sm = self.sm
         out = ["objects:"]
-        for key in sm.keys():
+        for key in sm.keys():  # noqa: SIM118 - state machine, not a dict
             o = sm.objects[key]
             pin = {0: "-", 1: f"soft<{o.pin_until:g}", 2: "hard"}[o.pin]
             state = "COMPLETE" if o.state == 2 else "PROCESSING"

@@ -220,7 +220,7 @@ def test_many_threads_many_batches_in_flight(pair):
 
 def test_async_submit_then_free_cancels_cleanly(make_engine):
     a, b = make_engine(split_bytes=4 * MiB), make_engine()
-    seg = b.alloc_shared(64 * MiB, name="big")
+    _seg = b.alloc_shared(64 * MiB, name="big")  # keep the segment alive
     local = a.register(np.ones(64 * MiB, np.uint8))
     rs = a.open_segment(b.address, "big")
     offs = np.zeros(256, np.int64)  # 256 x the same 64 MiB: 16 GiB of copying if not cancelled
@@ -280,7 +280,7 @@ def test_publish_unpublish_replace(pair):
 def test_locate_raw_peer_addresses(make_engine):
     a, b = make_engine(), make_engine()
     x, y = np.zeros(8192, np.uint8), np.zeros(4096, np.uint8)
-    rx, ry = b.register(x, name="x"), b.register(y, name="y")
+    _rx, _ry = b.register(x, name="x"), b.register(y, name="y")  # keep registrations alive
     seg, off = a.locate(b.address, y.ctypes.data + 100, 50)
     assert seg.name == "y" and off == 100
     segs, idx, offs = a.locate_many(b.address, [x.ctypes.data, y.ctypes.data + 4095, x.ctypes.data + 8000], [10, 1, 192])

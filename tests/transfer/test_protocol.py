@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvmesh.transfer import PeerDeadError, ProtocolError, sockio
+from kvmesh.transfer import InvalidArgument, PeerDeadError, ProtocolError, sockio
 from kvmesh.transfer import protocol as P
 from kvmesh.transfer.transports import tcp
 
@@ -114,5 +114,5 @@ def test_oversized_and_garbage_frames_are_protocol_errors():
 def test_split_host_port():
     assert P.split_host_port("10.0.0.1:80") == ("10.0.0.1", 80)
     assert P.split_host_port("[::1]:9") == ("::1", 9)
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidArgument):
         P.split_host_port("nohost")
