@@ -409,9 +409,10 @@ def _check_partition(model: Any, ops: list[Operation], deadline: float, max_step
 
     while remaining:
         steps += 1
-        if steps & 1023 == 0:
-            if time.monotonic() > deadline or (max_steps is not None and steps > max_steps):
-                return PartitionResult(name, "unknown", ops, steps=steps)
+        if steps & 1023 == 0 and (
+            time.monotonic() > deadline or (max_steps is not None and steps > max_steps)
+        ):
+            return PartitionResult(name, "unknown", ops, steps=steps)
         if node == -1:
             raise AssertionError("linearizability search ran off the event list")  # unreachable
         if node & 1:  # call node

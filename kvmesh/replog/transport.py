@@ -546,7 +546,7 @@ class Transport:
                     kind = body[0]
                     if kind == MSG:
                         data: bytes | bytearray | memoryview = memoryview(body)[1:]
-                    elif kind == FRAG or kind == FRAG_END:
+                    elif kind in (FRAG, FRAG_END):
                         size = len(body) - 1
                         if len(pending) + size > cfg.max_message_bytes:
                             raise FrameError(f"fragmented message from node {peer} exceeds {cfg.max_message_bytes} bytes")

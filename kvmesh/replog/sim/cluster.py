@@ -589,7 +589,7 @@ class SimClient:
         if sim.stopping or self.scripted_only:
             return None
         r = self.rng
-        key = "k%d" % r.randrange(sim.cfg.n_keys)
+        key = f"k{r.randrange(sim.cfg.n_keys)}"
         x = r.random()
         if x < sim.cfg.read_ratio or sim.quiet:
             return self._build("get", key)
@@ -835,9 +835,13 @@ class Simulator:
         """The live leader with the highest term, if any."""
         best = None
         for i, n in self.nodes.items():
-            if n.alive and not n.paused and n.core.role == Role.LEADER:
-                if best is None or n.core.term > self.nodes[best].core.term:
-                    best = i
+            if (
+                n.alive
+                and not n.paused
+                and n.core.role == Role.LEADER
+                and (best is None or n.core.term > self.nodes[best].core.term)
+            ):
+                best = i
         return best
 
     # -- network -------------------------------------------------------------------------------
@@ -1050,7 +1054,7 @@ class Simulator:
     def final_read_all(self) -> None:
         """Read every key through the leader (ReadIndex) and record it in the history."""
         probe = self.probe
-        keys = ["k%d" % i for i in range(self.cfg.n_keys)]
+        keys = [f"k{i}" for i in range(self.cfg.n_keys)]
         probe.done_callbacks = []
         for k in keys:
             probe.scripted.append(("get", k, None, False))

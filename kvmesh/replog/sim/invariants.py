@@ -147,7 +147,8 @@ class Invariants:
                 if hs.term < m.term or (hs.term == m.term and hs.vote != m.to):
                     raise SimViolation(
                         "vote-durability",
-                        f"node {node} granted its vote to {m.to} in term {m.term} before persisting it (durable {hs})",
+                        f"node {node} granted its vote to {m.to} in term {m.term}"
+                        f" before persisting it (durable {hs})",
                     )
         elif t is Vote and self.durable_checks:
             hs = durable.hard_state
@@ -155,12 +156,18 @@ class Invariants:
                 raise SimViolation(
                     "vote-durability", f"node {node} campaigned in term {m.term} before persisting (durable {hs})"
                 )
-        elif t is AppendResp and not m.reject and self.durable_checks and m.index:
-            if durable.last_index() < m.index:
-                raise SimViolation(
-                    "persist-before-ack",
-                    f"node {node} acknowledged index {m.index} but only {durable.last_index()} is durable",
-                )
+        elif (
+            t is AppendResp
+            and not m.reject
+            and self.durable_checks
+            and m.index
+            and durable.last_index() < m.index
+        ):
+            raise SimViolation(
+                "persist-before-ack",
+                f"node {node} acknowledged index {m.index}"
+                f" but only {durable.last_index()} is durable",
+            )
 
     # -- 5, 6: apply ---------------------------------------------------------------------------
 
