@@ -54,7 +54,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"kvmesh transfer engine on {platform.node()} (python {info['python']}, {info['cpus']} cpus)")
+    print(f"kvmesh transfer engine on {platform.node()} "
+          f"(python {info['python']}, {info['cpus']} cpus)")
     print(f"  host id       {info['host_id']}")
     print(f"  copy routine  {info['copy']}")
     nx = info["nixl"]
@@ -209,7 +210,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("-" * len(line))
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    print(f"done in {time.monotonic() - t_start:.1f}s; every page {'verified' if ok else 'NOT verified'}")
+    print(f"done in {time.monotonic() - t_start:.1f}s; "
+          f"every page {'verified' if ok else 'NOT verified'}")
     return 0 if ok else 1
 
 

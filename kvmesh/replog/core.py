@@ -402,7 +402,8 @@ class RaftCore:
             raise ProposalDropped("the leader has not committed an entry of its term yet; retry shortly")
         if self.pending_conf_index > self.log.applied:
             raise ProposalDropped(
-                f"a configuration change is pending (index {self.pending_conf_index}, applied {self.log.applied})"
+                "a configuration change is pending "
+                f"(index {self.pending_conf_index}, applied {self.log.applied})"
             )
         self._validate_conf_change(cc)
         data = encode_conf_change(cc)
@@ -1082,7 +1083,8 @@ class RaftCore:
         cap = self.cfg.max_uncommitted_bytes
         if cap and self.uncommitted_size > 0 and self.uncommitted_size + size > cap:
             raise ProposalDropped(
-                f"too much uncommitted data ({self.uncommitted_size} bytes, limit {cap}); retry later"
+                f"too much uncommitted data ({self.uncommitted_size} bytes, "
+                f"limit {cap}); retry later"
             )
         self.uncommitted_size += size
 

@@ -203,7 +203,8 @@ class DiskStorage(EntryLog, ReadyWriter):
                 last = off + len(ents) - 1
                 if first > last + 1:
                     raise StorageCorruptionError(
-                        f"{self.path}: WAL entries from {first} leave a gap after the log ({off + 1}..{last})"
+                        f"{self.path}: WAL entries from {first} "
+                        f"leave a gap after the log ({off + 1}..{last})"
                     )
                 if first <= off:
                     # An overwrite of the uncommitted tail, written when this segment's base
@@ -233,7 +234,8 @@ class DiskStorage(EntryLog, ReadyWriter):
         if snap is None and errors:
             if ents[0].index != 0:
                 raise StorageCorruptionError(
-                    f"{self.path}: no usable snapshot ({'; '.join(errors)}) and the WAL starts after "
+                    f"{self.path}: no usable snapshot ({'; '.join(errors)}) "
+                    "and the WAL starts after "
                     f"index {ents[0].index}: state cannot be rebuilt"
                 )
             log.warning("%s: all snapshots damaged, rebuilding from the complete WAL", self.path)
@@ -243,7 +245,8 @@ class DiskStorage(EntryLog, ReadyWriter):
             last = off + len(ents) - 1
             if m.index < off:
                 raise StorageCorruptionError(
-                    f"{self.path}: snapshot at index {m.index} is older than the WAL's first retained "
+                    f"{self.path}: snapshot at index {m.index} "
+                    "is older than the WAL's first retained "
                     f"index {off + 1}: entries in between are gone"
                     + (f" (newer snapshots were damaged: {'; '.join(errors)})" if errors else "")
                 )
@@ -263,7 +266,8 @@ class DiskStorage(EntryLog, ReadyWriter):
         last = ents[0].index + len(ents) - 1
         if hs.commit > last:
             raise StorageCorruptionError(
-                f"{self.path}: hard state commit {hs.commit} is beyond the last durable entry {last}"
+                f"{self.path}: hard state commit {hs.commit} "
+                f"is beyond the last durable entry {last}"
             )
         self._ents = ents
         self._hs = hs

@@ -326,23 +326,27 @@ class CheckResult:
         m = self.model
         for p in self.partitions:
             if p.outcome == "unknown":
-                lines.append(f"  partition {p.name}: UNKNOWN (budget exhausted after {p.steps} steps, {len(p.ops)} ops)")
+                lines.append(f"  partition {p.name}: UNKNOWN "
+                             f"(budget exhausted after {p.steps} steps, {len(p.ops)} ops)")
             if p.outcome != "illegal":
                 continue
             lines.append(f"  partition {p.name}: ILLEGAL ({len(p.ops)} ops)")
             lines.append("    history (by call time):")
             for o in sorted(p.ops, key=lambda o: (o.call, o.ret))[:max_ops]:
                 ret = "pending" if o.pending else f"{o.ret:.6f}"
-                lines.append(f"      [{o.call:.6f} .. {ret}] client {o.client}: {m.describe_operation(o.input, o.output)}")
+                lines.append(f"      [{o.call:.6f} .. {ret}] "
+                             f"client {o.client}: {m.describe_operation(o.input, o.output)}")
             if len(p.ops) > max_ops:
                 lines.append(f"      ... {len(p.ops) - max_ops} more")
             lines.append(f"    longest linearizable prefix ({len(p.longest)} ops), state after each:")
             lines.append(f"      init: {m.describe_state(m.init())}")
             for o, st in p.longest[-max_ops:]:
-                lines.append(f"      client {o.client}: {m.describe_operation(o.input, o.output)}  => {m.describe_state(st)}")
+                lines.append(f"      client {o.client}: "
+                             f"{m.describe_operation(o.input, o.output)}  => {m.describe_state(st)}")
             for o in p.blocked:
                 lines.append(
-                    f"    cannot linearize next: client {o.client}: {m.describe_operation(o.input, o.output)} "
+                    f"    cannot linearize next: client {o.client}: "
+                    f"{m.describe_operation(o.input, o.output)} "
                     f"[{o.call:.6f} .. {o.ret:.6f}] (no order of the concurrent operations explains it)"
                 )
         return "\n".join(lines)
@@ -529,6 +533,7 @@ def lost_acknowledged_writes(ops: Iterable[Operation], final: dict[Hashable, Any
         got = final.get(key)
         if got != want:
             problems.append(
-                f"key {key!r}: last acknowledged {last.input.op} (client {last.client}) wants {want!r}, final read {got!r}"
+                f"key {key!r}: last acknowledged {last.input.op} (client {last.client}) "
+                f"wants {want!r}, final read {got!r}"
             )
     return problems

@@ -215,7 +215,8 @@ class MemoryStorage(EntryLog, ReadyWriter):
         """Replace the whole log by ``snap`` (a snapshot the leader sent)."""
         if snap.meta.index < self._snap.meta.index:
             raise StorageError(
-                f"snapshot at {snap.meta.index} is older than the stored one at {self._snap.meta.index}"
+                f"snapshot at {snap.meta.index} "
+                f"is older than the stored one at {self._snap.meta.index}"
             )
         self._snap = snap
         self._reset_log(snap.meta.index, snap.meta.term)

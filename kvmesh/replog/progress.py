@@ -171,8 +171,10 @@ class Progress:
 
     def __repr__(self) -> str:
         return (
-            f"Progress(match={self.match}, next={self.next}, state={ProgressState(self.state).name}, "
-            f"paused={self.is_paused()}, inflight={len(self.inflights)}, pending_snapshot={self.pending_snapshot})"
+            f"Progress(match={self.match}, next={self.next}, "
+            f"state={ProgressState(self.state).name}, "
+            f"paused={self.is_paused()}, inflight={len(self.inflights)}, "
+            f"pending_snapshot={self.pending_snapshot})"
         )
 
 

@@ -549,7 +549,8 @@ class Transport:
                     elif kind in (FRAG, FRAG_END):
                         size = len(body) - 1
                         if len(pending) + size > cfg.max_message_bytes:
-                            raise FrameError(f"fragmented message from node {peer} exceeds {cfg.max_message_bytes} bytes")
+                            raise FrameError(f"fragmented message from node {peer} "
+                                             f"exceeds {cfg.max_message_bytes} bytes")
                         if (
                             self._per_peer_bytes.get(peer, 0) + size > cfg.max_message_bytes
                             or self._buffered + size > cfg.max_buffered_bytes

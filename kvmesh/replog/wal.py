@@ -187,7 +187,8 @@ class Wal:
             last = k == len(segs) - 1
             if k and seq != segs[k - 1][0] + 1:
                 raise WalCorruptionError(
-                    f"WAL segment gap in {self.dir}: segment {segs[k - 1][0]:#x} is followed by {seq:#x}"
+                    f"WAL segment gap in {self.dir}: segment {segs[k - 1][0]:#x} "
+                    f"is followed by {seq:#x}"
                 )
             with open(path, "rb") as f:
                 buf = f.read()
@@ -208,7 +209,8 @@ class Wal:
                 later = _valid_record_after(buf, end)
                 if later is not None:
                     raise WalCorruptionError(
-                        f"WAL segment {path}: {problem}, but a valid record follows at offset {later}: "
+                        f"WAL segment {path}: {problem}, "
+                        f"but a valid record follows at offset {later}: "
                         "corruption in the middle of the log, refusing to start"
                     )
                 self._truncate(path, end)

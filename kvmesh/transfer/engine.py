@@ -489,7 +489,8 @@ class TransferEngine:
                 return segs, safe, ptrs - starts[safe]
         bad = int(np.flatnonzero(~ok)[0]) if len(ptrs) and segs else 0
         raise SegmentNotFound(
-            f"peer {address} publishes no segment holding address 0x{int(ptrs[bad]):x}+{int(lens[bad])}"
+            f"peer {address} publishes no segment "
+            f"holding address 0x{int(ptrs[bad]):x}+{int(lens[bad])}"
         )
 
     # --- transfers ------------------------------------------------------------------------
@@ -648,7 +649,8 @@ class TransferEngine:
         want = ",".join(map(str, shape))
         if seg.size != nbytes or ("dtype" in meta and (meta["dtype"] != dtype or meta.get("shape") != want)):
             raise TensorMismatch(
-                f"tensor {name!r} of {address} is {meta.get('dtype', '?')}[{meta.get('shape', '?')}] "
+                f"tensor {name!r} of {address} "
+                f"is {meta.get('dtype', '?')}[{meta.get('shape', '?')}] "
                 f"({seg.size} bytes); ours is {dtype}[{want}] ({nbytes} bytes)"
             )
         ptr, size, _, _, _ = describe_object(tensor)

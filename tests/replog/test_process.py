@@ -92,7 +92,8 @@ class Load:
         assert r.outcome == "ok", r.report()
         assert lost_acknowledged_writes(ops, final) == []
         assert self.acked > 50, f"too little progress: {self.acked} acknowledged writes"
-        print(f"history: {len(ops)} ops, {self.acked} acknowledged writes, {self.unknown} unknown; checked in {r.elapsed_s:.3f}s")
+        print(f"history: {len(ops)} ops, {self.acked} acknowledged writes, {self.unknown} unknown; "
+              f"checked in {r.elapsed_s:.3f}s")
 
 
 async def statuses(cluster, ids=None, digest=False):

@@ -58,12 +58,15 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join("  " + line for line in r.trace), file=sys.stderr)
         elif len(seeds) == 1:
             print(
-                f"seed {r.seed}: ok ({r.ops_ok} ops ok, {r.ops_unknown} unknown, {r.writes_acked} acked writes, "
-                f"{r.elections} elections, {r.crashes} crashes, {r.snapshots} snapshots, faults {r.faults}, "
+                f"seed {r.seed}: ok ({r.ops_ok} ops ok, {r.ops_unknown} unknown, "
+                f"{r.writes_acked} acked writes, "
+                f"{r.elections} elections, {r.crashes} crashes, {r.snapshots} snapshots, "
+                f"faults {r.faults}, "
                 f"{r.virtual_s:.1f}s virtual in {r.wall_s:.2f}s)"
             )
         if n % 100 == 0 and len(seeds) > 1 and not a.json:
-            print(f"... {n}/{len(seeds)} seeds, {len(failed)} failed, {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(f"... {n}/{len(seeds)} seeds, {len(failed)} failed, "
+                  f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     dt = time.perf_counter() - t0
     print(
         f"{n} seeds, {len(failed)} failed, {acked} acknowledged writes checked, {ops} ops ok, "

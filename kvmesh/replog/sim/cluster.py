@@ -976,7 +976,8 @@ class Simulator:
             if n.id != node_id and not n.paused and n.core.role == Role.LEADER and n.core.lease_valid():
                 raise SimViolation(
                     "lease-overlap",
-                    f"node {node_id} became leader (term {self.nodes[node_id].core.term}) while leader "
+                    f"node {node_id} became leader (term {self.nodes[node_id].core.term}) "
+                    "while leader "
                     f"{n.id} (term {n.core.term}) still holds a valid lease",
                 )
 

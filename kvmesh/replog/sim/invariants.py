@@ -103,7 +103,8 @@ class Invariants:
         if prev is not None and prev[0] == term and first <= prev[1]:
             raise SimViolation(
                 "leader-append-only",
-                f"leader {node} in term {term} rewrote its log from index {first} (had appended up to {prev[1]})",
+                f"leader {node} in term {term} rewrote its log from index {first} "
+                f"(had appended up to {prev[1]})",
             )
         self.leader_tail[node] = (term, entries[-1].index)
 
@@ -240,7 +241,8 @@ class Invariants:
             if self.durable_checks and e.index > self.verified_commit:
                 raise SimViolation(
                     "commit-durable-on-quorum",
-                    f"node {node} applied index {e.index} (term {e.term}) that no checked commit covers "
+                    f"node {node} applied index {e.index} (term {e.term}) "
+                    "that no checked commit covers "
                     f"(checked up to {self.verified_commit})",
                 )
         elif prev.term != e.term or prev.data != e.data or prev.kind != e.kind:
@@ -314,7 +316,8 @@ class Invariants:
             if conf is not None and conf != self.ref_conf:
                 raise SimViolation(
                     "snapshot-configuration",
-                    f"snapshot at {self.ref_index} records {conf}; the log's configuration there is {self.ref_conf}",
+                    f"snapshot at {self.ref_index} records {conf}; "
+                    f"the log's configuration there is {self.ref_conf}",
                 )
             want = self.snap_digests.get(self.ref_index)
             if want is not None:
@@ -350,7 +353,8 @@ class Invariants:
                     if la[i] != lb[i]:
                         raise SimViolation(
                             "log-matching",
-                            f"nodes {a} and {b} agree on (index {matched_from}, term {la[matched_from][0]}) "
+                            f"nodes {a} and {b} agree on (index {matched_from}, "
+                            f"term {la[matched_from][0]}) "
                             f"but differ at index {i}: {la[i][0]} vs {lb[i][0]}",
                         )
 

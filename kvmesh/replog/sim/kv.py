@@ -29,7 +29,8 @@ class ApplyLedger:
         prev = self.where.setdefault(value, index)
         if prev != index:
             self.violations.append(
-                f"exactly-once violated: value {value!r} applied at index {prev} and again at {index} (node {node})"
+                f"exactly-once violated: value {value!r} applied at index {prev} "
+                f"and again at {index} (node {node})"
             )
 
 
