@@ -420,7 +420,8 @@ async def run(args: argparse.Namespace) -> dict:
             record(
                 "failover", "commit",
                 p50_us=pct(r["times"], 50) * 1e6, p99_us=pct(r["times"], 99) * 1e6,
-                kills=kills, max_s=max(r["times"]), acked_writes=r["acked"], history_ops=r["history_ops"],
+                kills=kills, max_s=max(r["times"]), acked_writes=r["acked"],
+                history_ops=r["history_ops"],
                 linearizable=r["linearizable"], lost_writes=r["lost_writes"],
                 election_timeout_ms=[10 * tick_ms, 20 * tick_ms], durability="disk",
             )
@@ -438,10 +439,13 @@ async def run(args: argparse.Namespace) -> dict:
         add(
             record(
                 "restart", "restart", page_bytes=None, objects=n_obj,
-                restart_s=r["restore_s"], process_ready_s=r["process_ready_s"], cluster_commit_s=r["cluster_commit_s"],
-                restore_s_by_replica=r["restore_s_by_replica"], snapshot_bytes=r["snapshot_bytes"], rss_mb=r["rss_mb"],
+                restart_s=r["restore_s"], process_ready_s=r["process_ready_s"],
+                cluster_commit_s=r["cluster_commit_s"],
+                restore_s_by_replica=r["restore_s_by_replica"], snapshot_bytes=r["snapshot_bytes"],
+                rss_mb=r["rss_mb"],
                 snapshot_s=r["snapshot_s"], snapshot_loop_lag_max_ms=r["snapshot_loop_lag_max_ms"],
-                snapshot_read_max_ms=r["snapshot_read_max_ms"], snapshot_read_p99_ms=r["snapshot_read_p99_ms"],
+                snapshot_read_max_ms=r["snapshot_read_max_ms"],
+                snapshot_read_p99_ms=r["snapshot_read_p99_ms"],
             )
         )  # fmt: skip
     finally:
@@ -460,7 +464,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 def _print_header(lim: dict) -> None:
     print(f"limits: memcpy {lim['memcpy_gbps']:.2f} GB/s, tcp loopback {lim['tcp_gbps']:.2f} GB/s")
-    print(f"{'case':<9} {'durability':<10} {'batch':>5} {'clients':>7} {'ops/s':>10} {'p50 ms':>8} {'p99 ms':>8}  notes")
+    print(
+        f"{'case':<9} {'durability':<10} {'batch':>5} {'clients':>7} {'ops/s':>10} "
+        f"{'p50 ms':>8} {'p99 ms':>8}  notes"
+    )
 
 
 def _print_row(r: dict) -> None:
@@ -470,17 +477,22 @@ def _print_row(r: dict) -> None:
     ops = f"{r['ops_per_s']:.0f}" if r.get("ops_per_s") is not None else "-"
     notes = ""
     if r["case"] == "failover":
-        notes = (f"{r['kills']} leader kills, max {r['max_s']:.2f}s, {r['acked_writes']} acked writes, "
+        notes = (f"{r['kills']} leader kills, max {r['max_s']:.2f}s, "
+                 f"{r['acked_writes']} acked writes, "
                  f"history {r['linearizable']}, lost {r['lost_writes']}")  # fmt: skip
     elif r["case"] == "restart":
-        notes = (f"{r['objects']:,} objects: restore {r['restart_s']:.2f}s, process ready {r['process_ready_s']:.2f}s, "
-                 f"cluster commit {r['cluster_commit_s']:.2f}s, snapshot {r['snapshot_bytes'] / 1e6:.0f} MB, rss {r['rss_mb'] or 0:.0f} MB; "
-                 f"live snapshot {r['snapshot_s']:.2f}s with loop lag max {r['snapshot_loop_lag_max_ms']:.0f} ms, "
+        notes = (f"{r['objects']:,} objects: restore {r['restart_s']:.2f}s, "
+                 f"process ready {r['process_ready_s']:.2f}s, "
+                 f"cluster commit {r['cluster_commit_s']:.2f}s, "
+                 f"snapshot {r['snapshot_bytes'] / 1e6:.0f} MB, rss {r['rss_mb'] or 0:.0f} MB; "
+                 f"live snapshot {r['snapshot_s']:.2f}s "
+                 f"with loop lag max {r['snapshot_loop_lag_max_ms']:.0f} ms, "
                  f"reads during it max {r['snapshot_read_max_ms'] or 0:.0f} ms")  # fmt: skip
     elif r["case"] == "commit":
         notes = f"{r['gbps'] * 1000:.1f} MB/s of commands, reads verified"
     print(
-        f"{r['case']:<9} {str(r.get('durability', '-')):<10} {str(r.get('batch') or '-'):>5} {str(r.get('clients', '-')):>7} "
+        f"{r['case']:<9} {str(r.get('durability', '-')):<10} {str(r.get('batch') or '-'):>5} "
+        f"{str(r.get('clients', '-')):>7} "
         f"{ops:>10} {ms(r.get('p50_us')):>8} {ms(r.get('p99_us')):>8}  {notes}",
         flush=True,
     )
