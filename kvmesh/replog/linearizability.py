@@ -112,7 +112,8 @@ class History:
         self._slots: list[_Slot] = []
 
     def invoke(self, client: Hashable, input: Any, t: float | None = None) -> int:
-        """Record the call of an operation; returns a handle for :meth:`ok`/:meth:`fail`/:meth:`info`."""
+        """Record the call of an operation; returns a handle for :meth:`ok`/:meth:`fail`/
+        :meth:`info`."""
         self._slots.append(_Slot(client, input, self._clock() if t is None else t))
         return len(self._slots) - 1
 
@@ -136,7 +137,8 @@ class History:
         self._close(handle, "fail")
 
     def info(self, handle: int, t: float | None = None) -> None:
-        """The outcome is unknown (timeout, lost reply): the operation may or may not have happened."""
+        """The outcome is unknown (timeout, lost reply): the operation may or may not have
+        happened."""
         self._close(handle, "info")
 
     def __len__(self) -> int:
@@ -347,7 +349,8 @@ class CheckResult:
                 lines.append(
                     f"    cannot linearize next: client {o.client}: "
                     f"{m.describe_operation(o.input, o.output)} "
-                    f"[{o.call:.6f} .. {o.ret:.6f}] (no order of the concurrent operations explains it)"
+                    f"[{o.call:.6f} .. {o.ret:.6f}] "
+                    "(no order of the concurrent operations explains it)"
                 )
         return "\n".join(lines)
 

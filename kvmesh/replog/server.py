@@ -92,12 +92,12 @@ class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
     """What the client port accepts: a connection is refused (closed at once) beyond
     ``max_connections`` (``max_unauthenticated`` of them in the handshake, which must end
     within ``handshake_timeout_s``; a newcomer evicts the oldest connection still in its
-    handshake, see :class:`~kvmesh.replog.transport.Admission`); a request frame is at most ``max_request`` bytes, must
-    be complete ``frame_timeout_s`` after its first byte, and all connections together hold
-    at most ``max_buffered_bytes`` of incomplete requests (the one that would exceed it is
-    closed); a connection with more than ``max_inflight`` unanswered requests gets
-    ``overloaded``; one without any request for ``idle_timeout_s`` (and none in flight) is
-    closed."""
+    handshake, see :class:`~kvmesh.replog.transport.Admission`); a request frame is at most
+    ``max_request`` bytes, must be complete ``frame_timeout_s`` after its first byte, and all
+    connections together hold at most ``max_buffered_bytes`` of incomplete requests (the one
+    that would exceed it is closed); a connection with more than ``max_inflight`` unanswered
+    requests gets ``overloaded``; one without any request for ``idle_timeout_s`` (and none in
+    flight) is closed."""
 
     max_request: int = MAX_REQUEST
     max_buffered_bytes: int = 64 << 20

@@ -577,8 +577,10 @@ class Transport:
                         self.forged_msgs += 1
                         if self.forged_msgs <= 10 or self.forged_msgs % 1000 == 0:
                             log.warning(
-                                "replog transport %d: dropped %s claiming %d->%d on node %d's connection (%d so far)",
-                                self.node_id, type(msg).__name__, msg.frm, msg.to, peer, self.forged_msgs,
+                                "replog transport %d: dropped %s claiming %d->%d "
+                                "on node %d's connection (%d so far)",
+                                self.node_id, type(msg).__name__, msg.frm, msg.to, peer,
+                                self.forged_msgs,
                             )  # fmt: skip
                         continue
                     self.received_msgs += 1

@@ -789,7 +789,8 @@ class TransferEngine:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TransferEngine({self.node_id!r} at {self.address}, transports={[k.value for k in self.transports]})"
+        kinds = [k.value for k in self.transports]
+        return f"TransferEngine({self.node_id!r} at {self.address}, transports={kinds})"
 
 
 # --- the process-wide shared engine -----------------------------------------------------------

@@ -87,7 +87,8 @@ def copy_ranges(
     lengths: np.ndarray,
     check: Callable[[], None] | None = None,
 ) -> None:
-    """Copy ``lengths[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + dst_offsets[i]``.
+    """Copy ``lengths[i]`` bytes from ``src_base + src_offsets[i]`` to
+    ``dst_base + dst_offsets[i]``.
 
     One native call per range, GIL released, so several threads copy in parallel. ``check`` is
     called every few MiB so that a long copy stays abortable (dead peer, deadline, removed

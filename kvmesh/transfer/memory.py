@@ -57,7 +57,8 @@ def host_array(ptr: int, size: int) -> np.ndarray:
 
 
 def map_file(fd: int, size: int, offset: int = 0, *, populate: bool = True) -> int:
-    """mmap ``size`` bytes of ``fd`` at ``offset`` (page aligned) shared read/write; return address."""
+    """mmap ``size`` bytes of ``fd`` at ``offset`` (page aligned) shared read/write; return the
+    address."""
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0x8000) if populate else 0)
     addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
     if addr is None or addr == _MAP_FAILED:

@@ -29,7 +29,8 @@ for label, host in (("far", "host-a"), ("near", None)):
     r = eng.read(buf, 0, seg, 0, 8 << 20)
     ok_read = bool((buf.array() == pattern(1, 0, 8 << 20)).all())
     buf.array()[:] = pattern(40, 0, 8 << 20)
-    w = eng.transfer(Op.WRITE, buf, np.arange(8) * (1 << 20), seg, (8 + np.arange(8)[::-1]) * (1 << 20), 1 << 20)
+    w = eng.transfer(Op.WRITE, buf, np.arange(8) * (1 << 20), seg,
+                     (8 + np.arange(8)[::-1]) * (1 << 20), 1 << 20)
     out[label] = {"read": [k.value for k in r.transports], "write": [k.value for k in w.transports],
                   "ok_read": ok_read, "wrote_sha": sha(buf.array()[(7 << 20):])}
     eng.close()

@@ -222,7 +222,8 @@ class Invariants:
         if c > prev_commit and log.zero_term(c) != core.term:
             raise SimViolation(
                 "commit-current-term",
-                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} by counting",
+                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} "
+                "by counting",
             )
         matches = [log.persisted if v == node else core.prs[v].match for v in core.voters if v == node or v in core.prs]
         ci = committed_index(matches)
@@ -266,7 +267,8 @@ class Invariants:
             # Figure 8: a leader moves its commit index only onto an entry of its own term.
             raise SimViolation(
                 "commit-current-term",
-                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} by counting",
+                f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} "
+                "by counting",
             )
         return c
 
