@@ -34,6 +34,7 @@ __all__ = [
     "ReadTimeout",
     "ReadyContractError",
     "ReplogError",
+    "ResultEvicted",
     "SessionDenied",
     "SessionExpiredError",
     "SnapshotCorruptionError",
@@ -125,6 +126,14 @@ class SessionExpiredError(ReplogError):
     earlier attempt was applied cannot be known any more."""
 
     code = "session"
+
+
+class ResultEvicted(SessionExpiredError):
+    """The command's seq is at or below one whose result the session table evicted
+    unacknowledged (the per-session or total bound on cached results): it was *not*
+    applied now; an earlier attempt may have been applied once. Never retry it blindly."""
+
+    code = "result_evicted"
 
 
 class SessionDenied(ReplogError):
@@ -273,6 +282,7 @@ ERROR_CODES: dict[str, type[ReplogError]] = {
         ReadTimeout,
         NodeStopped,
         SessionExpiredError,
+        ResultEvicted,
         SessionDenied,
         CommandError,
         BadRequest,
@@ -295,7 +305,7 @@ ERROR_CODES: dict[str, type[ReplogError]] = {
         FrameError,
     )
 }
-assert len(ERROR_CODES) == 29, "two error classes share a code"
+assert len(ERROR_CODES) == 30, "two error classes share a code"
 
 RETRYABLE: frozenset[str] = frozenset(
     c.code for c in (ProposalTimeout, ReadTimeout, ProposalDropped, ProposalLost, NodeStopped, Overloaded)

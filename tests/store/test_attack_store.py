@@ -33,7 +33,7 @@ def master(tmp_path_factory):
         1,
         token=TOKEN,
         durability="memory",
-        extra_args=["--lease-ttl-s", "1", "--request-timeout-s", "4"],
+        extra_args=["--lease-ttl-s", "1", "--request-timeout-s", "4", "--max-sessions", "2048"],
     )
     cl.start_all()
     client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
@@ -389,22 +389,31 @@ def test_a_frame_that_stalls_midway_is_dropped_at_the_request_deadline(master):
     _byte_exact(client, values)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: RegisterReq is unmetered; every call creates a replicated session kept "
-    "for session_ttl_s (1 h) and nothing caps how many live (50k in 4 s: +41 MB RSS); "
-    "the fix (a cap with least-recently-used expiry) belongs in kvmesh.replog's sessions",
-)
 def test_session_registrations_are_bounded(master):
+    """RegisterReq used to be unmetered: every call created a replicated session kept for
+    the session TTL (1 h); 50,000 in 4 s added 41 MB. Live sessions are now capped
+    (``--max-sessions``, 2,048 here) and a registration beyond it ends the least recently
+    used session, deterministically inside the log's apply."""
     cl, client = master
+    victim = Peer(cl, "idle-victim")  # registered first, then idle: the LRU session
     p = Peer(cl)
     try:
-        for b in range(0, 20_000, 64):
+        for b in range(0, 6_000, 64):
             for i in range(64):
                 p.sock.sendall(framing.encode_frame(P.encode(P.RegisterReq(b + i))))
             for _ in range(64):
-                framing.read_frame(p.sock, 1 << 20, Deadline(30))
+                r = P.decode_response(framing.read_frame(p.sock, 1 << 20, Deadline(30)))
+                assert type(r) is P.RegisterResp
+        sessions = client.rpc.status(cl.addrs[1])["sessions"]
+        assert 2000 <= sessions <= 2048, f"{sessions} live sessions"
+        # The idle victim's session was ended (not applied, told so); the attacker's own
+        # most recent sessions are live.
+        r = victim.call(P.RemoveReq(1, victim.session(), ["nothing"]))
+        assert type(r) is P.ErrorResp and r.message.startswith("session:"), r
     finally:
+        victim.close()
         p.close()
-    sessions = client.rpc.status(cl.addrs[1])["sessions"]
-    assert sessions <= 16384, f"{sessions} live sessions"
+    # A legitimate client whose session was ended too opens a new one and goes on.
+    values = {"after-register-flood": b"r" * 4321}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
