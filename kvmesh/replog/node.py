@@ -429,6 +429,7 @@ class RaftNode:
             "voters": list(st.conf_state.voters),
             "learners": list(st.conf_state.learners),
             "sessions": len(self.sm.sessions),
+            "session_result_bytes": self.sm.result_bytes,
             "loop_lag_max_s": self._lag_max,
             "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
             "durability": self.cfg.durability,

@@ -910,6 +910,7 @@ class MasterService:
                             "voters",
                             "durability",
                             "sessions",
+                            "session_result_bytes",
                         )
                     }
                 )

@@ -33,7 +33,16 @@ def master(tmp_path_factory):
         1,
         token=TOKEN,
         durability="memory",
-        extra_args=["--lease-ttl-s", "1", "--request-timeout-s", "4", "--max-sessions", "2048"],
+        extra_args=[
+            "--lease-ttl-s",
+            "1",
+            "--request-timeout-s",
+            "4",
+            "--max-sessions",
+            "2048",
+            "--max-session-result-bytes",
+            str(1 << 20),
+        ],
     )
     cl.start_all()
     client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
@@ -415,5 +424,36 @@ def test_session_registrations_are_bounded(master):
         p.close()
     # A legitimate client whose session was ended too opens a new one and goes on.
     values = {"after-register-flood": b"r" * 4321}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
+
+
+def test_unacknowledged_results_are_bounded_in_bytes(master):
+    """A peer that never advances ``ack`` used to make every replica cache up to 4,096 of
+    its results whatever their size (300 puts of 4,000 keys: +240 MB). Cached results are
+    now bounded per session (``--max-session-result-bytes``, 1 MiB here); a retry of a
+    request whose result was evicted is refused, never applied twice."""
+    cl, client = master
+    p = Peer(cl, "never-acks")
+    keys = [f"noack-{i:05d}" for i in range(2000)]
+    try:
+        first = None
+        for seq in range(1, 21):
+            sess = P.Session(p.cid, 2 * seq - 1, 0)
+            r = p.call(P.PutStartReq(1, sess, keys, [64] * len(keys), ReplicateConfig()))
+            assert type(r) is P.PutStartResp and set(r.codes) == {0}, r
+            first = first or (sess, r.versions[0])
+            rv = p.call(P.PutRevokeReq(2, P.Session(p.cid, 2 * seq, 0), keys, r.versions))
+            assert set(rv.codes) == {0}
+        cached = client.rpc.status(cl.addrs[1])["session_result_bytes"]
+        assert cached <= (1 << 20) + (64 << 10), f"{cached} bytes of results cached"
+        # Retrying the first PutStart: its result was evicted; it must not allocate again.
+        sess, _ = first
+        r = p.call(P.PutStartReq(1, sess, keys, [64] * len(keys), ReplicateConfig()))
+        assert type(r) is P.ErrorResp and "result_evicted" in r.message, r
+        assert client.exists(keys[0]) is False
+    finally:
+        p.close()
+    values = {"after-noack": b"n" * 999}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
