@@ -457,3 +457,30 @@ def test_unacknowledged_results_are_bounded_in_bytes(master):
     values = {"after-noack": b"n" * 999}
     client.put(list(values), list(values.values()))
     _byte_exact(client, values)
+
+
+@pytest.mark.parametrize(
+    ("reason", "sends"), [("unknown_session", 2), ("stale_seq", 2), ("result_evicted", 1)]
+)
+def test_client_never_resends_a_request_whose_result_was_evicted(monkeypatch, reason, sends):
+    """After ``session: ... result_evicted`` the request may have been applied once: the
+    client must surface the error, not open a new session and send it again (it still does
+    so after its session was forgotten, as before)."""
+    from kvmesh.store.rpc import MasterClient
+
+    mc = MasterClient(["127.0.0.1:1"], SecurityConfig(token=TOKEN))
+    mc._client_id = 7
+    sent = []
+
+    def call(build, timeout=None):
+        req = build(1)
+        sent.append(req)
+        if type(req) is P.RegisterReq:
+            return P.RegisterResp(1, 8)
+        msg = f"session: client {req.session.client_id} seq {req.session.seq}: {reason}"
+        return P.ErrorResp(1, E.StoreUnavailable.code, msg)
+
+    monkeypatch.setattr(mc, "call", call)
+    resp = mc.mutate(lambda rid, s: P.RemoveReq(rid, s, ["k"]))
+    assert type(resp) is P.ErrorResp and reason in resp.message
+    assert sum(type(r) is P.RemoveReq for r in sent) == sends
