@@ -4,7 +4,9 @@
 #   * the cuda_ipc transport (GPU and host memory on the reading side) and, with two GPUs
 #     that have peer access, the nvlink transport, all verified byte for byte,
 #   * NIXL VRAM registration (a GPU -> host WRITE through UCX),
-#   * GPU copy bandwidth (host->device, device->device, device->host).
+#   * GPU copy bandwidth (host->device, device->device, device->host),
+#   * the SGLang PD drop-in (tests/plugins/test_pd_gpu.py): device and host regions in one
+#     batch_register, GPU pages written into another process.
 # Then a short report of the GPU(s) and the measured GB/s.
 #
 # Usage: bash scripts/gpu_check.sh            (from a checkout)
@@ -72,8 +74,13 @@ echo "== kvmesh GPU tests"
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 timeout 600 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/transfer/test_cuda_gpu.py
 rc=$?
+echo "== SGLang PD drop-in (kvmesh_sglang.pd) on GPU memory"
+# KV pages in cudaMalloc memory, aux rows in host memory: batch_register tells the kinds apart
+# per pointer, and a request's pages reach another process (cuda_ipc / nvlink) byte for byte.
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/plugins/test_pd_gpu.py
+rc_pd=$?
 echo "== simulated-runtime tests (same logic without a GPU)"
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/transfer/test_cuda_ipc.py -k "not unavailable"
 rc2=$?
-echo "gpu_check: gpu tests rc=$rc, simulated tests rc=$rc2"
-[ $rc -eq 0 ] && [ $rc2 -eq 0 ]
+echo "gpu_check: gpu tests rc=$rc, PD drop-in rc=$rc_pd, simulated tests rc=$rc2"
+[ $rc -eq 0 ] && [ $rc_pd -eq 0 ] && [ $rc2 -eq 0 ]

@@ -138,8 +138,14 @@ def validate_requests(
     lo: np.ndarray,
     ro: np.ndarray,
     ln: np.ndarray,
+    *,
+    ranges_checked: bool = False,
 ) -> int:
-    """Check requests (int64 arrays) against both regions; return their total bytes."""
+    """Check requests (int64 arrays) against both regions; return their total bytes.
+
+    ``ranges_checked``: the caller resolved every request inside ``local`` and ``remote``
+    already (``transfer_by_address``), so only registration and liveness are checked here.
+    """
     if local.closed or not ctx.is_registered(local):
         raise NotRegistered(f"{local!r} is not registered with this engine")
     reason = remote.peer.liveness.dead_reason
@@ -149,6 +155,8 @@ def validate_requests(
         )
     if remote.stale_reason is not None:
         raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
+    if ranges_checked:
+        return int(ln.sum())
     desc = remote.desc
     return check_ranges(
         _OP_NAMES[op],
@@ -260,7 +268,8 @@ class Batch:
             return range(start, self._n)
 
     # --- submission -----------------------------------------------------------------------
-    def submit(self, timeout: float | None = None, *, _sync: bool = False) -> Batch:
+    def submit(self, timeout: float | None = None, *, _sync: bool = False,
+               _ranges_checked: bool = False) -> Batch:
         """Check every request, pick transports, start moving bytes; returns at once.
 
         ``timeout`` (default: the engine's ``transfer_timeout``) is the batch deadline: a job
@@ -278,7 +287,8 @@ class Batch:
             plans = []
             for g in self._groups.values():
                 lo, ro, ln, idx = g.build()
-                nbytes = validate_requests(ctx, g.op, g.local, g.remote, lo, ro, ln)
+                nbytes = validate_requests(ctx, g.op, g.local, g.remote, lo, ro, ln,
+                                           ranges_checked=_ranges_checked)
                 plans.append((g, nbytes, lo, ro, ln, idx))
             # Every request is valid: now pick (and open) a transport route per group.
             routes = [ctx.route(g.local, g.remote) for g, *_ in plans]
@@ -293,7 +303,10 @@ class Batch:
                 self._finish_locked()
                 return self
         if _sync:
-            inline = len(tasks) == 1
+            # Many small groups (a PD request: one per layer buffer) would pay a thread
+            # hand-off each; CPU-copy transports run them here, big batches still fan out.
+            inline = len(tasks) == 1 or (self._nbytes <= cfg.split_bytes
+                                         and all(t.transport.inline_ok for t in tasks))
         else:
             limit = cfg.inline_bytes
             inline = True

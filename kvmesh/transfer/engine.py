@@ -559,12 +559,16 @@ class TransferEngine:
         key = ri.astype(np.int64) * len(segs) + si
         if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
+        order = np.argsort(key, kind="stable")  # one sort, not one mask per group
+        key = key[order]
+        cuts = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]
+        lo, ro, ln = lo[order], ro[order], ln[order]
         b = Batch(self._batch_ctx)
         try:
-            for k in np.unique(key).tolist():
-                m = key == k
-                b.add_many(op, regs[k // len(segs)], lo[m], segs[k % len(segs)], ro[m], ln[m])
-            b.submit(timeout, _sync=True)
+            for a, z in zip(cuts[:-1], cuts[1:]):
+                k = int(key[a])
+                b.add_many(op, regs[k // len(segs)], lo[a:z], segs[k % len(segs)], ro[a:z], ln[a:z])
+            b.submit(timeout, _sync=True, _ranges_checked=True)  # resolved inside them above
             return b.wait()
         finally:
             b.free()

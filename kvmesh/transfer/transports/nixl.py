@@ -393,17 +393,22 @@ class NixlTransport(Transport):
             parts = [(job.local_offsets, job.remote_offsets, job.lengths)]
         else:
             parts = chunks(job.local_offsets, job.remote_offsets, job.lengths, NIXL_CHUNK_BYTES)
-        for i, (lo, ro, ln) in enumerate(parts):
-            if i:
-                job.check()
-                if fc is not None:
-                    fc.check(job.remote.region_id, job.remote.name)
-            xfer = agent.make_xfer(op, local, lo, route.peer, route.remote, ro, ln, trusted=True)
-            try:
-                if not xfer.post():
-                    xfer.wait(job.remaining(), check=job.check)
-            finally:
-                xfer.release()
+        try:
+            for i, (lo, ro, ln) in enumerate(parts):
+                if i:
+                    job.check()
+                    if fc is not None:
+                        fc.check(job.remote.region_id, job.remote.name)
+                xfer = agent.make_xfer(op, local, lo, route.peer, route.remote, ro, ln,
+                                       trusted=True)
+                try:
+                    if not xfer.post():
+                        xfer.wait(job.remaining(), check=job.check)
+                finally:
+                    xfer.release()
+        except NotRegistered:
+            job.check()  # a peer that died meanwhile (NIXL forgot its agent) is the real cause
+            raise
 
     def _socket_read(self, job: TransferJob) -> None:
         lo, ro, ln = job.coalesced()

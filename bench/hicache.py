@@ -1,0 +1,257 @@
+"""HiCache benchmark: SGLang's L3 calls through kvmesh_sglang.hicache on real SGLang host pools
+(conventions: bench-format.md).
+
+Pages of a realistic model: 32 layers, 8 KV heads, head dim 128, page size 64, bf16 (MHA: 4 MiB
+for K plus 4 MiB for V per page; MLA, dim 576: 2.25 MiB per page), in the ``page_first`` and
+``layer_first`` host layouts. Setup: one in-memory master process, a storage-node helper
+process owning the segment, and this process as the SGLang rank (its host pool registered
+once). ``same-host``: the helper is on this host (shared memory); ``network``: the helper
+has another host id, so the engine takes its network path. Per case, in the same run:
+
+* ``batch_set_v1`` / ``batch_get_v1`` through the backend (fresh keys for every set: a set of
+  existing pages is the write-once shortcut, reported apart as ``set-existing``);
+* ``store-get``: the store's own zero-copy batch get (``StoreClient.get_into`` /
+  ``get_into_multi``) of the same objects into the same addresses; ``ratio_store`` = backend
+  get / store get (target >= 0.85);
+* memcpy of 64 MiB (``limits.memcpy_gbps``; target: same-host backend get >= 0.6x);
+* ``batch_exists`` of 256 pages (target <= 0.5 ms).
+
+Every timed read is verified (pages compared with the written ones) outside the timing.
+
+    python bench/hicache.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "plugins"))
+
+from bench._common import (  # noqa: E402
+    Child,
+    bench_args,
+    memcpy_gbps,
+    percentiles,
+    print_table,
+    record,
+    serve_json_lines,
+    tcp_gbps,
+    timed,
+    write_json,
+)
+
+MiB = 1 << 20
+MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "page_size": 64, "mla_dim": 576}
+
+
+def peer_main(master: str, segment: int) -> None:
+    """The storage-node helper: contributes a segment until told to exit."""
+    from kvmesh.store import StoreClient
+
+    c = StoreClient(master, segment_size=segment)
+    serve_json_lines({"exit": c.close}, {"ready": c.engine.address, "host": c.engine.host_id})
+
+
+def _peer(master: str, segment: int, host_id: str | None) -> Child:
+    env = {"PYTHONPATH": os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")])}
+    if host_id:
+        env["KVMESH_HOST_ID"] = host_id
+    return Child([sys.executable, os.path.abspath(__file__), "--peer", master, str(segment)],
+                 env=env)
+
+
+def _pools(kind: str, layout: str, pages: int) -> Any:
+    import torch
+
+    from tests.plugins.hicache_util import build_pool
+
+    # Device tokens sized so the host pool (ratio 2) holds the source and destination pages.
+    return build_pool(kind, layout, layers=MODEL["layers"], heads=MODEL["heads"],
+                      head_dim=MODEL["head_dim"], page_size=MODEL["page_size"],
+                      device_tokens=pages * MODEL["page_size"], dtype=torch.bfloat16,
+                      mla_dim=MODEL["mla_dim"])
+
+
+def one_case(limits: dict, address: str, case: str, kind: str, layout: str, batch: int,
+             reps: int) -> list[dict[str, Any]]:
+    import torch
+
+    from kvmesh_sglang import hicache as H
+    from tests.plugins.hicache_util import fill_pages, page_digests, page_keys, storage_config
+
+    pool = _pools(kind, layout, 2 * batch + 2)
+    ps = pool.page_size
+    b = H.KvmeshHiCacheStorage(storage_config(mla=kind == "mla", extra={
+        "master": address, "segment_size": 0, "namespace": f"bench-{case}", "timeout_s": 30}), {})
+    b.register_mem_pool_host(pool)
+    rows: list[dict[str, Any]] = []
+    try:
+        src, dst = pool.alloc(batch * ps), pool.alloc(batch * ps)
+        fill_pages(pool, src, list(range(batch)))
+        want = page_digests(pool, src, batch)
+        page_bytes = pool.get_size_per_token() * ps
+        n = page_bytes * batch
+        gen = [0]
+        keys: list[str] = []
+
+        def set_fresh() -> None:
+            gen[0] += 1
+            keys[:] = page_keys(batch, f"{case}{kind}{layout}{gen[0]}")
+            assert b.batch_set_v1(keys, src) == [True] * batch
+
+        def drop() -> None:
+            b.client.remove(H._plan(pool, keys, src, b._obj(), b._mha).names, force=True)
+
+        times = []
+        set_fresh()
+        drop()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            set_fresh()
+            times.append(time.perf_counter() - t0)
+            drop()
+        t_set = float(np.median(times))
+        transports = ",".join(b.client.last_transports)
+        set_fresh()
+        t_exist_set = timed(lambda: b.batch_set_v1(keys, src), reps)
+        # verified read, then the timed ones
+        assert b.batch_get_v1(keys, dst) == [True] * batch
+        assert page_digests(pool, dst, batch) == want, "batch_get_v1 returned wrong bytes"
+        transports = ",".join(b.client.last_transports) or transports
+        # the store's own batch get of the same objects into the same addresses
+        plan = H._plan(pool, keys, dst, b._obj(), b._mha)
+        def store_get() -> Any:
+            if plan.multi:
+                return b.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
+            return b.client.get_into(plan.names, plan.ptrs, 0, plan.sizes)
+
+        with torch.no_grad():
+            pool.kv_buffer.zero_()
+        fill_pages(pool, src, list(range(batch)))
+        assert store_get().ok and page_digests(pool, dst, batch) == want
+        # Interleaved, so that both see the same machine (a shared box drifts by +-30 %).
+        t_get, t_store = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps)
+        common = {"kind": kind, "layout": layout}
+        rows.append(record(limits, case, transports, "batch_set_v1", page_bytes, batch,
+                           gbps=n / t_set / 1e9, ops_per_s=batch / t_set, **common))
+        rows.append(record(limits, case, transports, "set-existing", page_bytes, batch,
+                           ops_per_s=batch / t_exist_set, **common))
+        rows.append(record(limits, case, transports, "batch_get_v1", page_bytes, batch,
+                           gbps=n / t_get / 1e9, ops_per_s=batch / t_get,
+                           ratio_store=round(t_store / t_get, 3), **common))
+        rows.append(record(limits, case, transports, "store-get", page_bytes, batch,
+                           gbps=n / t_store / 1e9, ops_per_s=batch / t_store, **common))
+        drop()
+    finally:
+        b.close()
+    return rows
+
+
+def _interleaved(f: Any, g: Any, reps: int) -> tuple[float, float]:
+    """Medians of ``f`` and ``g`` run alternately ``reps`` times each, after one warm-up."""
+    f()
+    g()
+    tf, tg = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        t1 = time.perf_counter()
+        g()
+        tf.append(t1 - t0)
+        tg.append(time.perf_counter() - t1)
+    return float(np.median(tf)), float(np.median(tg))
+
+
+def exists_case(limits: dict, address: str, kind: str, quick: bool) -> dict[str, Any]:
+    """batch_exists of 256 pages (small pages: existence does not depend on their size)."""
+    from kvmesh_sglang import hicache as H
+    from tests.plugins.hicache_util import build_pool, fill_pages, page_keys, storage_config
+
+    pool = build_pool(kind, "page_first", layers=2, heads=1, head_dim=8, page_size=64,
+                      device_tokens=256 * 64)
+    b = H.KvmeshHiCacheStorage(storage_config(mla=kind == "mla", extra={
+        "master": address, "segment_size": 0, "namespace": "bench-exists"}), {})
+    b.register_mem_pool_host(pool)
+    try:
+        idx = pool.alloc(256 * 64)
+        fill_pages(pool, idx, list(range(256)))
+        keys = page_keys(256, f"exists{kind}")
+        assert b.batch_set_v1(keys, idx) == [True] * 256
+        assert b.batch_exists(keys) == 256
+        for _ in range(5):
+            b.batch_exists(keys)
+        samples = []
+        for _ in range(50 if quick else 300):
+            t0 = time.perf_counter()
+            b.batch_exists(keys)
+            samples.append(time.perf_counter() - t0)
+        p50, p99 = percentiles(samples)
+        return record(limits, "same-host", None, "batch_exists", None, 256,
+                      ops_per_s=256 / float(np.median(samples)), p50_us=p50, p99_us=p99,
+                      kind=kind, objects=256 * (2 if kind == "mha" else 1))
+    finally:
+        b.close()
+
+
+def run(limits: dict, quick: bool) -> list[dict[str, Any]]:
+    from kvmesh.store.cluster import StoreCluster
+
+    reps = 5 if quick else 11
+    plan = [("mha", 8 if quick else 32), ("mla", 16 if quick else 64)]
+    layouts = ("page_first", "layer_first")
+    rows: list[dict[str, Any]] = []
+    biggest = max(
+        (MODEL["layers"] * MODEL["page_size"] * (2 * MODEL["heads"] * MODEL["head_dim"]
+                                                  if k == "mha" else MODEL["mla_dim"]) * 2) * n
+        for k, n in plan)
+    for case, host in (("same-host", None), ("network", "bench-other-host")):
+        with tempfile.TemporaryDirectory() as d, StoreCluster(d, 1, durability="memory") as cl:
+            cl.start_all()
+            peer = _peer(cl.address, 2 * biggest + 64 * MiB, host)
+            try:
+                for kind, batch in plan:
+                    for layout in layouts:
+                        if case == "network" and quick and layout == "layer_first":
+                            continue  # same code path as page_first; quick keeps to 60 s
+                        rows += one_case(limits, cl.address, case, kind, layout, batch, reps)
+                if case == "same-host":
+                    rows += [exists_case(limits, cl.address, k, quick) for k in ("mha", "mla")]
+            finally:
+                peer.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--peer":
+        peer_main(argv[1], int(argv[2]))
+        return 0
+    a = bench_args(__doc__.split("\n\n")[0], argv)
+    t_start = time.monotonic()
+    from tests.plugins.sglang_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import kvmesh_sglang.hicache  # noqa: F401 - SGLang's import cost outside the timings
+
+    limits: dict[str, float | None] = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps()}
+    rows = run(limits, a.quick)
+    print(f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
+          f"loopback TCP {limits['tcp_gbps']:.2f} GB/s")
+    print_table(rows, ("case", "transport", "kind", "layout", "op", "page_bytes", "batch", "gbps",
+                       "ops_per_s", "p50_us", "ratio_memcpy", "ratio_store"))
+    if a.json:
+        write_json(a.json, "hicache", limits, rows)
+    print(f"total {time.monotonic() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

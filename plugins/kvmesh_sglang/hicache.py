@@ -1,0 +1,834 @@
+"""SGLang HiCache L3 storage on kvmesh: :class:`KvmeshHiCacheStorage`.
+
+Loaded by SGLang's ``dynamic`` storage backend (docs/sglang.md, "HiCache L3 storage on kvmesh")::
+
+    --enable-hierarchical-cache --hicache-mem-layout page_first \\
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+    '{"backend_name":"kvmesh","module_path":"kvmesh_sglang.hicache",
+      "class_name":"KvmeshHiCacheStorage","interface_v1":1,"master":"10.0.0.1:7700"}'
+
+SGLang constructs it as ``cls(storage_config, {})`` in every scheduler process (one per
+TP/PP rank), then hands it the host KV pool (``register_mem_pool_host``). The host pool's
+buffers are registered with the process-wide transfer engine once; pages then move between
+the pool and the store's segments without a copy in between (``get_page_buffer_meta`` gives
+each page's addresses). Only public kvmesh APIs are used: :class:`kvmesh.StoreClient` and
+:func:`kvmesh.transfer.get_engine`.
+
+Object names keep apart everything a page hash does not say (sglang-interfaces.md §1.7):
+``{namespace}/{model}/{layout}/{dtype}/ps{page_size}/{hash}/{shard}/{component}``, where the
+shard is ``tp{rank}of{size}`` for MHA (K and V are separate objects, so ranks never share)
+and ``mla`` for rank-replicated MLA KV (one object, shared by the ranks), each followed by
+``pp{rank}of{size}`` and ``cp{rank}of{size}`` when those are used. Namespace and model are
+percent-quoted, so no two configurations produce the same name.
+
+Failure rule: a call never raises into SGLang's prefetch/backup threads; a page that cannot
+be read or written is a miss (``False``, or the end of the prefix count). A read counts only
+if it filled the page's exact byte count before its lease ended (the store answers
+LeaseExpired otherwise), so a page is either the stored bytes or a miss.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from kvmesh import StoreClient
+from kvmesh.store import errors as store_errors
+from kvmesh.store.cli import parse_size
+from kvmesh.transfer import get_engine
+
+try:  # Both supported SGLang versions have these; without SGLang the module still imports.
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+except ImportError:  # pragma: no cover - exercised only where SGLang is absent
+    HiCacheStorage = object  # type: ignore[assignment,misc]
+    HiCacheStorageConfig = HiCacheStorageExtraInfo = PoolTransfer = Any  # type: ignore[misc]
+    PoolHitPolicy = PoolName = PoolTransferResult = None  # type: ignore[assignment,misc]
+
+__all__ = ["KvmeshHiCacheConfig", "KvmeshHiCacheStorage", "load_config", "ENV_PREFIX"]
+
+log = logging.getLogger("kvmesh.sglang.hicache")
+
+ENV_PREFIX = "KVMESH_HICACHE_"
+ENV_CONFIG_FILE = ENV_PREFIX + "CONFIG"
+
+# Extra-config keys that belong to SGLang (or its dynamic loader), not to kvmesh: they stay
+# in storage_config.extra_config and are ignored here (sglang-interfaces.md §2.2).
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "allocator",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+})  # fmt: skip
+
+
+class KvmeshHiCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the backend needs to reach the store (docs/sglang.md, HiCache "Configuration").
+
+    ``master``: store master addresses (``"h1:7700,h2:7700"``); empty or ``"embedded"``: an
+    in-process single-host store (this process only). ``segment_size``: bytes this process
+    contributes to the store pool (default: the store's, i.e. 0 with a master, 256 MiB
+    embedded); ``token``: the cluster's shared secret (default ``KVMESH_TOKEN``);
+    ``namespace``: keeps deployments apart; ``replica_num``: copies per page;
+    ``timeout_s``: how long one metadata call keeps retrying (also the attach probe);
+    ``transfer_timeout_s``: bound of one batch's data movement; ``down_backoff_s``: after the
+    store was unreachable, calls answer "miss" at once for this long instead of waiting.
+    """
+
+    master: str = ""
+    segment_size: int | None = None
+    token: str | None = None
+    namespace: str = "default"
+    replica_num: int = 1
+    timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    down_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ValueError("namespace must not be empty")
+        if self.segment_size is not None and self.segment_size < 0:
+            raise ValueError(f"segment_size must be >= 0, got {self.segment_size}")
+        if self.replica_num < 1:
+            raise ValueError(f"replica_num must be >= 1, got {self.replica_num}")
+        for f in ("timeout_s", "transfer_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be > 0")
+        if self.down_backoff_s < 0:
+            raise ValueError("down_backoff_s must be >= 0")
+
+    @property
+    def embedded(self) -> bool:
+        return self.master.strip() in ("", "embedded")
+
+
+_FIELDS = KvmeshHiCacheConfig.__struct_fields__
+
+
+def _size(v: Any) -> Any:
+    """``"256MiB"``/``"1g"``/``"1024"`` (kvmesh's spellings) and Mooncake's ``"4gb"``/``"512mb"``
+    -> bytes; other types pass through to the config's own validation."""
+    if not isinstance(v, str):
+        return v
+    t = v.strip().lower()
+    if len(t) > 2 and t.endswith("b") and t[-2] in "kmgt":
+        t = t[:-1]  # "4gb" is "4g"
+    try:
+        return parse_size(t)
+    except Exception:  # noqa: BLE001 - argparse's error type; reported with the field name
+        raise ValueError(f"bad size {v!r} (use e.g. 256MiB, 4gb, or bytes)") from None
+
+
+def load_config(extra_config: dict | None = None, env: dict | None = None) -> KvmeshHiCacheConfig:
+    """Merge, per field, from lowest to highest priority: defaults, ``KVMESH_HICACHE_*``
+    environment variables, the JSON file named by ``config_file`` in the extra-config (or by
+    ``KVMESH_HICACHE_CONFIG``), and the extra-config itself. Raises ``ValueError`` naming
+    the bad field and where it came from."""
+    env = os.environ if env is None else env
+    extra = dict(extra_config or {})
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in _FIELDS:
+        v = env.get(ENV_PREFIX + f.upper())
+        if v is not None and v != "":
+            merged[f], sources[f] = v, ENV_PREFIX + f.upper()
+    path = extra.pop("config_file", None) or env.get(ENV_CONFIG_FILE)
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = json.loads(fh.read())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"kvmesh HiCache config file {path!r}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"kvmesh HiCache config file {path!r}: not a JSON object")
+        bad = sorted(set(data) - set(_FIELDS))
+        if bad:
+            raise ValueError(f"kvmesh HiCache config file {path!r}: unknown keys {bad}")
+        for k, v in data.items():
+            merged[k], sources[k] = v, path
+    unknown = sorted(k for k in extra if k not in _FIELDS and k not in SGLANG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"kvmesh HiCache extra-config: unknown keys {unknown} "
+            f"(kvmesh keys: {list(_FIELDS)} and config_file)"
+        )
+    for k in _FIELDS:
+        if k in extra:
+            merged[k], sources[k] = extra[k], "extra-config"
+    try:
+        if "segment_size" in merged:
+            merged["segment_size"] = _size(merged["segment_size"])
+        # Environment values are strings: let msgspec coerce them ("1" -> 1).
+        return msgspec.convert(merged, KvmeshHiCacheConfig, strict=False)
+    except (msgspec.ValidationError, ValueError, TypeError) as e:
+        where = ", ".join(f"{k} from {s}" for k, s in sorted(sources.items()))
+        raise ValueError(
+            f"kvmesh HiCache config is invalid: {e} (given: {where or 'defaults'})"
+        ) from None
+
+
+# --------------------------------------------------------------------------------- naming
+
+
+def _quote(s: str) -> str:
+    return urllib.parse.quote(s, safe="")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Shards(msgspec.Struct, frozen=True):
+    """This rank's object-name parts (see the module docstring)."""
+
+    prefix: str  # "{ns}/{model}/{layout}/{dtype}/ps{page}/"
+    rank: str  # "tp{r}of{n}[/pp..][/cp..]": rank-private objects
+    shared: str  # "mla[/pp..][/cp|dcp..]" for rank-replicated KV, else == rank
+
+
+def _shards(cfg: Any, namespace: str, layout: str, dtype: Any, page_size: int) -> _Shards:
+    model = getattr(cfg, "model_name", None) or "-"
+    prefix = f"{_quote(namespace)}/{_quote(model)}/{layout}/{_dtype_name(dtype)}/ps{page_size}/"
+    tail = ""
+    if getattr(cfg, "pp_size", 1) > 1:
+        tail += f"/pp{cfg.pp_rank}of{cfg.pp_size}"
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        tail += f"/cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+    rank = f"tp{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}{tail}"
+    if getattr(cfg, "is_mla_model", False):
+        dcp = ""
+        if getattr(cfg, "dcp_size", 1) > 1:
+            # Equivalent MLA shards of different DCP groups share objects; the topology
+            # and logical page size must match (as in SGLang's own backends).
+            dcp = f"/dcp{cfg.dcp_rank}of{cfg.dcp_size}tp{cfg.tp_size}"
+        return _Shards(prefix, rank, f"mla{tail}{dcp}")
+    return _Shards(prefix, rank, rank)
+
+
+class _Plan(msgspec.Struct):
+    """One call's objects: names and, per object, its address and length (``multi``: lists of
+    addresses and lengths whose bytes the object holds in order); ``totals``: bytes each."""
+
+    names: list[str]
+    ptrs: list[Any]
+    sizes: list[Any]
+    totals: list[int]
+    multi: bool
+    per_page: int  # objects per page (MHA: 2, MLA: 1)
+
+    @staticmethod
+    def join(plans: Sequence[_Plan]) -> _Plan:
+        multi = any(p.multi for p in plans)
+
+        def lists(p: _Plan, xs: list[Any]) -> list[Any]:
+            return xs if p.multi or not multi else [[x] for x in xs]
+
+        return _Plan([n for p in plans for n in p.names],
+                     [x for p in plans for x in lists(p, p.ptrs)],
+                     [x for p in plans for x in lists(p, p.sizes)],
+                     [x for p in plans for x in p.totals], multi, 1)
+
+
+def _is_mha(pool: Any) -> bool:
+    # MHA host pools keep K and V apart (get_hybrid_pool_buffer() == [k, v]); their page
+    # meta alternates K and V pointers (page_first: [k, v]; layer_first: [k0, v0, k1, ...]).
+    return hasattr(pool, "v_buffer") and hasattr(pool, "head_num") and not hasattr(
+        pool, "kv_lora_rank"
+    )
+
+
+def _plan(pool: Any, keys: Sequence[str], host_indices: Any, obj: _Names, mha: bool) -> _Plan:
+    """Object names and addresses for ``keys`` whose slots are ``host_indices`` in ``pool``."""
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    n = len(keys)
+    if n == 0 or len(ptrs) % n or len(ptrs) != len(sizes):
+        raise ValueError(f"{len(ptrs)} page buffers for {n} keys")
+    per = len(ptrs) // n
+    comps = ("k", "v") if mha else ("kv",)
+    if mha and per % 2:
+        raise ValueError(f"MHA page meta with {per} buffers per page (expected K/V pairs)")
+    names = obj.names(keys, comps)
+    if per == len(comps):
+        # One contiguous range per object (page_first layouts): the meta is already in
+        # name order (MHA: k, v per page).
+        return _Plan(names, list(ptrs), list(sizes), list(sizes), False, len(comps))
+    # Several ranges per object (layer_first): MHA K takes the even pointers, V the odd.
+    step = len(comps)
+    mp, ms = [], []
+    for i in range(n):
+        b = i * per
+        for c in range(step):
+            mp.append(ptrs[b + c:b + per:step])
+            ms.append(sizes[b + c:b + per:step])
+    return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
+
+
+class _Names:
+    """Object names of one shard (and pool): ``{prefix}{hash}/{shard}{/pool}/{component}``."""
+
+    __slots__ = ("pre", "mid")
+
+    def __init__(self, prefix: str, shard: str, pool_tag: str = "") -> None:
+        self.pre = prefix
+        self.mid = f"/{shard}/{pool_tag}/" if pool_tag else f"/{shard}/"
+
+    def __call__(self, key: str, comp: str) -> str:
+        return f"{self.pre}{key}{self.mid}{comp}"
+
+    def names(self, keys: Sequence[str], comps: Sequence[str]) -> list[str]:
+        pre, mid = self.pre, self.mid
+        if len(comps) == 1:
+            c = comps[0]
+            return [f"{pre}{k}{mid}{c}" for k in keys]
+        return [f"{pre}{k}{mid}{c}" for k in keys for c in comps]
+
+
+# ------------------------------------------------------------------------------- failures
+
+
+def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Never raise into SGLang's storage threads: log, count, answer ``default(self, *args)``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def answer(self: KvmeshHiCacheStorage, args: Any, kwargs: Any) -> Any:
+            try:
+                return default(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - arguments too bad to shape a reply
+                return None
+
+        def inner(self: KvmeshHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() < self._down_until:
+                # Fast miss; it must not push the window further, or a busy caller would
+                # never give the store another try.
+                self._counters.add(errors=1)
+                return answer(self, args, kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the whole point: SGLang's thread survives
+                if isinstance(e, store_errors.StoreUnavailable):
+                    # Answer misses at once for a while instead of every caller waiting out
+                    # the RPC deadline while the master is down or restarting.
+                    self._down_until = max(
+                        self._down_until, time.monotonic() + self.config.down_backoff_s
+                    )
+                self._failed(fn.__name__, e)
+                return answer(self, args, kwargs)
+
+        return inner
+
+    return wrap
+
+
+def _all_false(self: Any, keys: Sequence[str], *a: Any, **k: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _v2_false(self: Any, transfers: Sequence[Any], *a: Any, **k: Any) -> dict[str, list[bool]]:
+    return {str(t.name.value if hasattr(t.name, "value") else t.name): [False] * len(t.keys or [])
+            for t in transfers}
+
+
+def _whole(res: Sequence[Any]) -> Sequence[Any]:
+    """Raise when the whole batch failed for want of a master (the store answers that per key),
+    so that the guard backs off; otherwise the per-key results."""
+    if res and all(isinstance(r, store_errors.StoreUnavailable) for r in res):
+        raise res[0]
+    return res
+
+
+def _pool_result(kv: int, hits: dict[str, int], restorable: list[int]) -> Any:
+    try:  # 0.5.23: the set of usable prefix lengths
+        return PoolTransferResult(kv, hits, restorable)
+    except TypeError:  # 0.5.14
+        return PoolTransferResult(kv, hits)
+
+
+class _Counters:
+    """Hits, misses, bytes and latencies since the last ``get_stats`` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> dict[str, Any]:
+        with self._lock:
+            old = getattr(self, "_v", None)
+            self._v: dict[str, Any] = {
+                "get_pages": 0, "get_hits": 0, "get_misses": 0, "get_bytes": 0,
+                "set_pages": 0, "set_written": 0, "set_existing": 0, "set_failed": 0,
+                "set_bytes": 0, "exists_calls": 0, "errors": 0,
+                "get_seconds": [], "set_seconds": [], "exists_seconds": [],
+                "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                "backup_bandwidth": [],
+            }  # fmt: skip
+        return old or {}
+
+    def add(self, **kv: Any) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                if isinstance(self._v[k], list):
+                    if len(self._v[k]) < 10000:  # bounded if nobody collects
+                        self._v[k].append(v)
+                else:
+                    self._v[k] += v
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {k: (list(v) if isinstance(v, list) else v) for k, v in self._v.items()}
+
+
+# -------------------------------------------------------------------------------- backend
+
+
+class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
+    """SGLang's L3 KV page store on kvmesh (see the module docstring).
+
+    ``kwargs`` is SGLang's empty dict (dynamic backends are built as ``cls(config, {})``);
+    a :class:`kvmesh.StoreClient` may be passed as ``kwargs["client"]`` (tests, embedding).
+    """
+
+    def __init__(self, storage_config: Any = None, kwargs: Any = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.storage_config = storage_config
+        self.config = load_config(extra)
+        self.registered_pools: dict[Any, Any] = {}
+        self.mem_pool_host: Any = None
+        self._reg_lock = threading.Lock()
+        self._registered: set[tuple[int, int]] = set()
+        self._counters = _Counters()
+        self._log_lock = threading.Lock()
+        self._last_log: dict[str, float] = {}
+        self._closed = False
+        self._down_until = 0.0
+        self._shards: _Shards | None = None
+        self._mha = not bool(getattr(storage_config, "is_mla_model", False))
+        given = kwargs.get("client") if isinstance(kwargs, dict) else None
+        self._own_client = given is None
+        self.client: StoreClient = given or self._connect()
+
+    def _connect(self) -> StoreClient:
+        c = self.config
+        where = "an embedded single-host store" if c.embedded else f"the store at {c.master}"
+        try:
+            client = StoreClient(
+                None if c.embedded else c.master,
+                segment_size=c.segment_size,
+                replica_num=c.replica_num,
+                token=c.token,
+                engine=get_engine(),  # the process-wide engine, shared with the PD plugin
+                timeout=c.timeout_s,
+                transfer_timeout=c.transfer_timeout_s,
+            )
+        except Exception as e:
+            raise RuntimeError(f"kvmesh HiCache: cannot attach to {where}: {e}") from e
+        try:
+            # Fail the attach now rather than on the first prefetch: one metadata RPC.
+            probe = client.exists([f"{_quote(c.namespace)}/.attach-probe"])[0]
+            if isinstance(probe, Exception):
+                raise probe
+        except Exception as e:
+            client.close()
+            raise RuntimeError(
+                f"kvmesh HiCache: {where} did not answer ({e}); check 'master', 'token' "
+                f"(or {ENV_PREFIX}MASTER / KVMESH_TOKEN) and that the master runs"
+            ) from e
+        return client
+
+    # ------------------------------------------------------------------ helpers
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        self._counters.add(errors=1)
+        now = time.monotonic()
+        with self._log_lock:  # at most one line per call kind every 10 s
+            if now - self._last_log.get(what, -1e9) < 10.0:
+                return
+            self._last_log[what] = now
+        log.warning("kvmesh HiCache %s failed (pages count as misses): %s", what, e)
+
+    def _names(self) -> _Shards:
+        if self._shards is None:
+            raise RuntimeError("register_mem_pool_host() was not called")
+        return self._shards
+
+    def _obj(self, pool_tag: str = "", shared: bool | None = None) -> _Names:
+        sh = self._names()
+        mid = sh.shared if (not self._mha if shared is None else shared) else sh.rank
+        return _Names(sh.prefix, mid, pool_tag)
+
+    def _register(self, tensors: Sequence[Any]) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                continue
+            span = (int(t.data_ptr()), int(nbytes))
+            with self._reg_lock:
+                if span in self._registered:
+                    continue
+                self.client.register_buffer(span[0], span[1])
+                self._registered.add(span)
+
+    @staticmethod
+    def _buffers(pool: Any) -> list[Any]:
+        get = getattr(pool, "get_hybrid_pool_buffer", None)
+        bufs = list(get()) if get is not None else []
+        return bufs or [getattr(pool, "kv_buffer", None)]
+
+    def _page_size(self, pool: Any) -> int:
+        cfg = self.storage_config
+        if pool is self.mem_pool_host and getattr(cfg, "dcp_size", 1) > 1:
+            return int(cfg.logical_page_size)
+        return int(getattr(pool, "page_size", 1) or 1)
+
+    # ------------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        self._shards = _shards(self.storage_config, self.config.namespace,
+                               str(getattr(pool, "layout", "?")), getattr(pool, "dtype", "?"),
+                               self._page_size(pool))
+        self._mha = not bool(getattr(self.storage_config, "is_mla_model", False))
+        if getattr(pool, "kv_buffer", None) is None:
+            return  # a logical anchor (DeepSeek-V4): the sidecar pools carry the bytes
+        # Registered once: afterwards every page moves straight between this memory and
+        # the store's segments.
+        self._register(self._buffers(pool))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if _pool_key(host_pool_name) == "kv":
+            return  # the anchor, registered by register_mem_pool_host
+        self._register(self._buffers(host_pool))
+
+    def on_host_pools_registered(self) -> None:
+        """0.5.23: nothing to finish (pools are registered as they arrive)."""
+
+    # ------------------------------------------------------------------ v1 (zero copy)
+
+    def _get_plan(self, plan: _Plan) -> list[bool]:
+        """Read every object of ``plan`` in one store batch; per object: complete or not."""
+        if plan.multi:
+            res = self.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
+        else:
+            res = self.client.get_into(plan.names, plan.ptrs, 0, plan.sizes)
+        _whole(res)
+        # Exactly the page's bytes, or a miss (a shorter object is not this page).
+        return [type(r) is int and r == t for r, t in zip(res, plan.totals)]
+
+    def _set_plan(self, plan: _Plan) -> list[bool]:
+        """Write every object of ``plan`` in one store batch (write-once: an existing
+        object is a success and is not rewritten); per object: stored or not."""
+        if plan.multi:
+            # Many ranges per object (layer_first): resolving them costs the client far more
+            # than one existence query, so existing objects are left out first.
+            there = _whole(self.client.exists(plan.names))
+            todo = [i for i, r in enumerate(there) if r is not True]
+            res: list[Any] = [store_errors.ObjectExists("stored before")] * len(plan.names)
+            if todo:
+                part = self.client.put_from_multi([plan.names[i] for i in todo],
+                                                  [plan.ptrs[i] for i in todo],
+                                                  [plan.sizes[i] for i in todo])
+                for i, r in zip(todo, _whole(part)):
+                    res[i] = r
+        else:
+            # One range per object: the put itself answers ObjectExists (one RPC).
+            res = _whole(self.client.put_from(plan.names, plan.ptrs, 0, plan.sizes))
+        ok = []
+        existing = 0
+        for r in res:
+            if isinstance(r, store_errors.ObjectExists):
+                existing += 1
+                ok.append(True)
+            else:
+                ok.append(r is None)
+        self._counters.add(set_existing=existing)
+        return ok
+
+    @staticmethod
+    def _per_page(ok: list[bool], per: int) -> list[bool]:
+        return [all(ok[i:i + per]) for i in range(0, len(ok), per)]
+
+    @_guard(_all_false)
+    def batch_get_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        pool = self.mem_pool_host
+        if getattr(pool, "kv_buffer", None) is None:
+            return [True] * len(keys)  # logical anchor: no KV bytes of its own
+        self._check_indices(keys, host_indices, self._page_size(pool))
+        t0 = time.perf_counter()
+        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
+        ok = self._per_page(self._get_plan(plan), plan.per_page)
+        dt = time.perf_counter() - t0
+        hits = sum(ok)
+        nbytes = sum(plan.totals) // len(keys) * hits
+        self._counters.add(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits,
+                           get_bytes=nbytes, get_seconds=dt, prefetch_pgs=len(keys),
+                           prefetch_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
+        return ok
+
+    @_guard(_all_false)
+    def batch_set_v1(self, keys: list[str], host_indices: Any,
+                     extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        pool = self.mem_pool_host
+        if getattr(pool, "kv_buffer", None) is None:
+            return [True] * len(keys)
+        self._check_indices(keys, host_indices, self._page_size(pool))
+        t0 = time.perf_counter()
+        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
+        ok = self._per_page(self._set_plan(plan), plan.per_page)
+        dt = time.perf_counter() - t0
+        good = sum(ok)
+        nbytes = sum(plan.totals) // len(keys) * good
+        self._counters.add(set_pages=len(keys), set_written=good, set_failed=len(keys) - good,
+                           set_bytes=nbytes, set_seconds=dt, backup_pgs=len(keys),
+                           backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
+        return ok
+
+    @staticmethod
+    def _check_indices(keys: Sequence[str], host_indices: Any, page_size: int) -> None:
+        if host_indices is None or len(host_indices) != len(keys) * page_size:
+            got = None if host_indices is None else len(host_indices)
+            raise ValueError(f"{len(keys)} keys need {len(keys) * page_size} slots, got {got}")
+
+    def _exist_flags(self, names: list[str]) -> list[bool]:
+        return [r is True for r in _whole(self.client.exists(names))]
+
+    @_guard(lambda self, keys, *a, **k: 0)
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Number of leading pages whose every component exists (one metadata RPC)."""
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        comps = ("k", "v") if self._mha else ("kv",)
+        flags = self._exist_flags(self._obj().names(keys, comps))
+        per = len(comps)
+        n = next((i for i in range(len(keys)) if not all(flags[i * per:(i + 1) * per])),
+                 len(keys))
+        self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
+        return n
+
+    # ------------------------------------------------------------------ generic (copying)
+
+    def _flat(self, key: str) -> str:
+        # Flat pages (get_data_page(flat=True)) are laid out differently from the v1
+        # objects: their own component name keeps the two apart.
+        return self._obj()(key, "flat")
+
+    @_guard(lambda self, key, *a, **k: False)
+    def exists(self, key: str) -> bool:
+        return self._exist_flags([self._flat(key)])[0]
+
+    @_guard(lambda self, key, *a, **k: None)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        r = self._generic_get([key], [target_location], [target_sizes])
+        return r[0]
+
+    @_guard(lambda self, keys, *a, **k: [None] * len(keys))
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        n = len(keys)
+        return self._generic_get(keys, list(target_locations or [None] * n),
+                                 list(target_sizes or [None] * n))
+
+    def _generic_get(self, keys: list[str], targets: list[Any], sizes: list[Any]) -> list[Any]:
+        """Fill each flat page tensor (SGLang's dummy pages) from one batched read."""
+        if not keys:
+            return []
+        import numpy as np
+
+        out: list[Any] = [None] * len(keys)
+        data = _whole(self.client.get([self._flat(k) for k in keys]))
+        hits = 0
+        for i, (r, t) in enumerate(zip(data, targets)):
+            if not isinstance(r, bytes) or t is None:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if len(r) != nbytes or not t.is_contiguous():
+                continue  # not this page's shape: a miss, never a partial fill
+            t.view(-1).view(__import__("torch").uint8).numpy()[:] = np.frombuffer(r, np.uint8)
+            out[i] = t
+            hits += 1
+        self._counters.add(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits)
+        return out
+
+    @_guard(lambda self, key, *a, **k: False)
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self._generic_set([key], [value])[0]
+
+    @_guard(lambda self, keys, *a, **k: False)
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if not keys or values is None or len(values) != len(keys):
+            return False
+        return all(self._generic_set(list(keys), list(values)))
+
+    def _generic_set(self, keys: list[str], values: list[Any]) -> list[bool]:
+        if any(v is None for v in values):
+            raise ValueError("the generic set needs a value tensor per key")
+        import torch
+
+        blobs = [v.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy() for v in values]
+        res = _whole(self.client.put([self._flat(k) for k in keys], blobs))
+        ok = [r is None or isinstance(r, store_errors.ObjectExists) for r in res]
+        self._counters.add(set_pages=len(keys), set_written=sum(ok),
+                           set_failed=len(keys) - sum(ok))
+        return ok
+
+    # ------------------------------------------------------------------ v2 (sidecar pools)
+
+    def _v2_plans(self, transfers: Sequence[Any]) -> list[tuple[str, _Plan]]:
+        plans = []
+        for t in transfers:
+            name = _pool_key(t.name)
+            pool = self.registered_pools.get(t.name, self.registered_pools.get(name))
+            if name == "kv" and pool is None:
+                pool = self.mem_pool_host
+            if pool is None:
+                raise ValueError(f"pool {name!r} was not registered (register_mem_host_pool_v2)")
+            keys = list(t.keys or [])
+            if not keys:
+                plans.append((name, _Plan([], [], [], [], False, 1)))
+                continue
+            self._check_indices(keys, t.host_indices, self._page_size(pool))
+            mha = _is_mha(pool)
+            # Rank-replicated pools of an MLA model are shared by the ranks; Mamba state
+            # is TP-sharded whatever the attention is.
+            shared = (not self._mha) and name != "mamba" and not mha
+            tag = "" if name == "kv" else name
+            plans.append((name, _plan(pool, keys, t.host_indices, self._obj(tag, shared), mha)))
+        return plans
+
+    @_guard(_v2_false)
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._v2_io(transfers, self._get_plan)
+
+    @_guard(_v2_false)
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._v2_io(transfers, self._set_plan)
+
+    def _v2_io(self, transfers: Sequence[Any], run: Callable[[_Plan], list[bool]]) -> dict:
+        plans = self._v2_plans(transfers)
+        # One store batch for every pool of the call.
+        allp = _Plan.join([p for _, p in plans])
+        ok = run(allp) if allp.names else []
+        out: dict[str, list[bool]] = {}
+        pos = 0
+        for name, p in plans:
+            seg = ok[pos:pos + len(p.names)]
+            pos += len(p.names)
+            out[name] = self._per_page(seg, p.per_page)
+        return out
+
+    @_guard(lambda self, keys, *a, **k: _pool_result(0, {}, []))
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
+                        extra_info: Any = None) -> Any:
+        """KV prefix intersected with every sidecar pool's verdict (ALL_PAGES: a prefix;
+        TRAILING_PAGES: each end point whose window is complete), in one metadata RPC."""
+        anchor = getattr(self.mem_pool_host, "kv_buffer", None) is not None
+        obj = self._obj()
+        comps = ("k", "v") if self._mha else ("kv",)
+        names = obj.names(keys, comps) if anchor else []
+        side = []
+        for t in pool_transfers or []:
+            name = _pool_key(t.name)
+            pool = self.registered_pools.get(t.name, self.registered_pools.get(name))
+            if pool is None:
+                raise ValueError(f"pool {name!r} was not registered")
+            mha = _is_mha(pool)
+            shared = (not self._mha) and name != "mamba" and not mha
+            o = self._obj(name, shared)
+            pc = ("k", "v") if mha else ("kv",)
+            start = len(names)
+            names.extend(o.names(keys, pc))
+            side.append((t, name, len(pc), start))
+        flags = self._exist_flags(names) if names else []
+        per = len(comps)
+        kv = len(keys)  # a logical anchor has no KV objects: the sidecars decide
+        if anchor:
+            kv = next((i for i in range(len(keys)) if not all(flags[i * per:(i + 1) * per])),
+                      len(keys))
+        hits: dict[str, int] = {"kv": kv} if kv else {}
+        restorable = list(range(1, kv + 1))
+        for t, name, per, start in side:
+            if not restorable:
+                break
+            page = [all(flags[start + i * per:start + (i + 1) * per]) for i in range(kv)]
+            policy = getattr(t.hit_policy, "value", t.hit_policy)
+            if policy == "all_pages":
+                b = next((i for i in range(kv) if not page[i]), kv)
+                ok = set(range(1, b + 1))
+            elif policy == "trailing_pages":
+                w = max(1, len(t.keys) if t.keys else 1)
+                ok = {p for p in range(1, kv + 1) if all(page[max(0, p - w):p])}
+                b = max(ok, default=0)
+            else:
+                raise ValueError(f"kvmesh HiCache does not support hit policy {policy!r}")
+            if b:
+                hits[name] = b
+            restorable = [p for p in restorable if p in ok]
+        return _pool_result(restorable[-1] if restorable else 0, hits, restorable)
+
+    # ------------------------------------------------------------------ admin
+
+    @_guard(lambda self, *a, **k: None)
+    def clear(self) -> None:
+        """Remove every object of the store (SGLang's HTTP clear endpoint)."""
+        n = self.client.remove_all(force=True)
+        log.info("kvmesh HiCache: cleared %d objects", n)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (page counts and GB/s since the last call), plus the
+        kvmesh counters as its ``kvmesh`` attribute; ``None`` without SGLang."""
+        snap = self._counters.reset()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return None
+        m = StorageMetrics()
+        m.prefetch_pgs.extend(snap.get("prefetch_pgs", []))
+        m.backup_pgs.extend(snap.get("backup_pgs", []))
+        m.prefetch_bandwidth.extend(snap.get("prefetch_bandwidth", []))
+        m.backup_bandwidth.extend(snap.get("backup_bandwidth", []))
+        m.kvmesh = snap  # type: ignore[attr-defined]
+        return m
+
+    def stats(self) -> dict[str, Any]:
+        """The counters since the last :meth:`get_stats`, without resetting them."""
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._own_client:
+            try:
+                self.client.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvmesh HiCache: close failed: %s", e)
+
+
+def _pool_key(name: Any) -> str:
+    return str(getattr(name, "value", name))

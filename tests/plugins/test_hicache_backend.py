@@ -1,0 +1,464 @@
+"""kvmesh as SGLang's HiCache L3 tier, driven with SGLang's real classes on CPU: host pools
+(MHA and MLA, every layout), ``HiCacheStorageConfig``, ``StorageBackendFactory`` (dynamic),
+``PoolTransfer`` (v2) and ``StorageMetrics``; a store master process; a second process as
+another SGLang instance. The store restart test runs last (it empties the master)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed (scripts/setup.sh)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from kvmesh import StoreClient  # noqa: E402
+from kvmesh.store.cluster import StoreCluster  # noqa: E402
+
+from .hicache_util import (  # noqa: E402
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    build_pool,
+    expected_digests,
+    fill_pages,
+    page_digests,
+    page_keys,
+    storage_config,
+)
+
+TOKEN = "hicache-test-token"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CASES = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = StoreCluster(str(tmp_path_factory.mktemp("hicache")), 1, token=TOKEN,
+                      durability="memory")
+    cl.start_all()
+    # The storage node of this process (the backends below contribute no segment of their
+    # own: one engine publishes one storage segment).
+    node = StoreClient(cl.address, segment_size=96 << 20, token=TOKEN, heartbeat_s=0.5)
+    yield cl
+    node.close()
+    cl.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def peer_process():
+    """The other "instance", started with the module: its SGLang import (the slow part)
+    overlaps the tests that come before the one that needs it."""
+    from bench._common import Child
+
+    box: dict = {}
+
+    def start() -> None:
+        try:
+            box["peer"] = Child([sys.executable, "-m", "tests.plugins.hicache_peer"], cwd=ROOT,
+                                timeout=120)
+        except BaseException as e:  # noqa: BLE001 - reported by the test that needs it
+            box["error"] = e
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+
+    def get():
+        t.join(130)
+        if "error" in box:
+            raise box["error"]
+        return box["peer"]
+
+    yield get
+    t.join(130)
+    if "peer" in box:
+        box["peer"].close()
+
+
+def extra(cluster, **kw):
+    return {"backend_name": "kvmesh", "module_path": "kvmesh_sglang.hicache",
+            "class_name": "KvmeshHiCacheStorage", "interface_v1": 1, "master": cluster.address,
+            "token": TOKEN, "segment_size": 0, "namespace": "t", **kw}
+
+
+def backend(cluster, kind="mha", layout="page_first", pool=None, cfg_kw=None, **kw):
+    from kvmesh_sglang.hicache import KvmeshHiCacheStorage
+
+    pool = pool if pool is not None else build_pool(kind, layout)
+    b = KvmeshHiCacheStorage(
+        storage_config(mla=kind == "mla", extra=extra(cluster, **kw), **(cfg_kw or {})), {})
+    b.register_mem_pool_host(pool)
+    return b, pool
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_config_sources_and_priority(tmp_path):
+    from kvmesh_sglang.hicache import load_config
+
+    f = tmp_path / "kvmesh.json"
+    f.write_text(json.dumps({"master": "file:1", "namespace": "from-file", "replica_num": 2}))
+    env = {"KVMESH_HICACHE_MASTER": "env:1", "KVMESH_HICACHE_SEGMENT_SIZE": "1GiB",
+           "KVMESH_HICACHE_NAMESPACE": "from-env", "KVMESH_HICACHE_CONFIG": str(f)}
+    c = load_config({"namespace": "from-extra", "backend_name": "kvmesh"}, env)
+    # extra-config > JSON file > environment > defaults, per field
+    assert (c.namespace, c.master, c.segment_size, c.replica_num) == (
+        "from-extra", "file:1", 1 << 30, 2)
+    assert load_config({}, {}).embedded and load_config({}, {}).namespace == "default"
+    assert load_config({"segment_size": "4gb"}, {}).segment_size == 4 << 30
+    with pytest.raises(ValueError, match="unknown keys.*mastr"):
+        load_config({"mastr": "x"}, {})
+    with pytest.raises(ValueError, match="segment_size"):
+        load_config({"segment_size": "lots"}, {})
+    with pytest.raises(ValueError, match="replica_num.*extra-config"):
+        load_config({"replica_num": 0}, {})
+    with pytest.raises(ValueError, match="nope.json"):
+        load_config({"config_file": str(tmp_path / "nope.json")}, {})
+
+
+def test_unreachable_or_wrong_token_fails_the_attach_clearly(cluster):
+    from kvmesh_sglang.hicache import KvmeshHiCacheStorage
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not answer.*master"):
+        KvmeshHiCacheStorage(storage_config(extra={"master": "127.0.0.1:9", "timeout_s": 0.5}), {})
+    with pytest.raises(RuntimeError, match="did not answer"):
+        KvmeshHiCacheStorage(storage_config(extra=extra(cluster, token="wrong", timeout_s=1)), {})
+    assert time.monotonic() - t0 < 10
+
+
+# ----------------------------------------------------------------------------- data path
+
+
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_round_trip_every_layout_partial_prefix_write_once(cluster, kind, layout):
+    a, pa = backend(cluster, kind, layout, namespace=f"rt-{kind}-{layout}")
+    b, pb = backend(cluster, kind, layout, namespace=f"rt-{kind}-{layout}")
+    try:
+        keys = page_keys(6, f"rt{kind}{layout}")
+        ps = pa.page_size
+        ia, ib = pa.alloc(6 * ps), pb.alloc(6 * ps)
+        fill_pages(pa, ia, list(range(100, 106)))
+        want = page_digests(pa, ia, 6)
+        assert b.batch_exists(keys) == 0
+        assert a.batch_set_v1(keys[:4], ia[: 4 * ps]) == [True] * 4
+        assert a.batch_set_v1(keys[5:], ia[5 * ps:]) == [True]  # a hole at page 4
+        assert b.batch_exists(keys) == 4  # a prefix count, not a total
+        assert b.batch_exists(keys[1:]) == 3
+        assert b.batch_get_v1(keys, ib) == [True] * 4 + [False, True]
+        assert page_digests(pb, ib, 6)[:4] + page_digests(pb, ib, 6)[5:] == want[:4] + want[5:]
+        # write-once: setting again succeeds without rewriting (new bytes are not stored)
+        fill_pages(pa, ia, list(range(200, 206)))
+        assert a.batch_set_v1(keys[:4], ia[: 4 * ps]) == [True] * 4
+        assert a.stats()["set_existing"] == 4 * (2 if kind == "mha" else 1)
+        ic = pb.alloc(4 * ps)
+        assert b.batch_get_v1(keys[:4], ic) == [True] * 4
+        assert page_digests(pb, ic, 4) == want[:4]
+        stats = b.get_stats()
+        assert sum(stats.prefetch_pgs) == 10 and stats.kvmesh["get_hits"] == 9
+        assert stats.kvmesh["get_misses"] == 1
+        assert b.get_stats().prefetch_pgs == []  # reset by the report
+    finally:
+        a.close()
+        b.close()
+
+
+def test_names_separate_namespaces_layouts_ranks_and_share_mla(cluster):
+    keys = page_keys(3, "iso")
+    a, pa = backend(cluster, "mha", "page_first", namespace="iso")
+    idx = pa.alloc(3 * pa.page_size)
+    fill_pages(pa, idx, [1, 2, 3])
+    assert a.batch_set_v1(keys, idx) == [True] * 3
+    others = [
+        backend(cluster, "mha", "page_first", namespace="iso2"),  # namespace
+        backend(cluster, "mha", "page_first_direct", namespace="iso"),  # layout
+        backend(cluster, "mha", "page_first", namespace="iso",  # TP rank
+                cfg_kw={"tp_rank": 1, "tp_size": 2}),
+        backend(cluster, "mha", "page_first", namespace="iso", cfg_kw={"model": "other"}),
+        backend(cluster, "mha", "page_first", namespace="iso",  # dtype
+                pool=build_pool("mha", "page_first", dtype=torch.float16)),
+        backend(cluster, "mla", "page_first", namespace="iso"),  # MHA vs MLA
+    ]
+    for b, pool in others:
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, pool.alloc(3 * pool.page_size)) == [False] * 3
+        b.close()
+    a.close()
+    # MLA KV is rank-replicated: one object per page, written by one rank, read by all
+    w, pw = backend(cluster, "mla", "page_first", namespace="iso",
+                    cfg_kw={"tp_rank": 0, "tp_size": 2})
+    r, pr = backend(cluster, "mla", "page_first", namespace="iso",
+                    cfg_kw={"tp_rank": 1, "tp_size": 2})
+    iw, ir = pw.alloc(3 * pw.page_size), pr.alloc(3 * pr.page_size)
+    fill_pages(pw, iw, [4, 5, 6])
+    assert w.batch_set_v1(keys, iw) == [True] * 3
+    assert r.batch_exists(keys) == 3 and r.batch_get_v1(keys, ir) == [True] * 3
+    assert page_digests(pr, ir, 3) == page_digests(pw, iw, 3)
+    w.close()
+    r.close()
+
+
+def test_concurrent_prefetch_and_backup_threads(cluster):
+    b, pool = backend(cluster, "mha", "page_first", namespace="threads")
+    ps = pool.page_size
+    errors: list[BaseException] = []
+    want = {}
+
+    def worker(t: int) -> None:
+        try:
+            for rnd in range(3):
+                keys = page_keys(4, f"th{t}-{rnd % 2}")  # rounds 0 and 2 share keys
+                seeds = [t * 100 + (rnd % 2) * 10 + i for i in range(4)]
+                idx = pool.alloc(4 * ps)
+                fill_pages(pool, idx, seeds)
+                want[(t, rnd % 2)] = page_digests(pool, idx, 4)
+                assert b.batch_set_v1(keys, idx) == [True] * 4
+                assert b.batch_exists(keys) == 4
+                out = pool.alloc(4 * ps)
+                assert b.batch_get_v1(keys, out) == [True] * 4
+                assert page_digests(pool, out, 4) == want[(t, rnd % 2)]
+                pool.free(idx)
+                pool.free(out)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    # SGLang's allocator is not thread-safe; the controller allocates on one thread too.
+    lock = threading.Lock()
+    alloc, free = pool.alloc, pool.free
+    pool.alloc = lambda n: (lock.acquire(), alloc(n), lock.release())[1]
+    pool.free = lambda i: (lock.acquire(), free(i), lock.release())[1]
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    b.close()
+
+
+def test_factory_dynamic_path_end_to_end(cluster):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvmesh_sglang.hicache import KvmeshHiCacheStorage
+
+    pool = build_pool("mha", "page_first")
+    cfg = storage_config(extra=extra(cluster, namespace="factory"))
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert type(b) is KvmeshHiCacheStorage
+    engine = b.client.engine
+    regions = len(engine.regions())
+    b.register_mem_pool_host(pool)  # as the controller does after creating it
+    # the pool's K and V buffers, registered once with the process-wide engine
+    from kvmesh.transfer import get_engine
+
+    assert engine is get_engine() and len(engine.regions()) == regions + 2
+    for buf in pool.get_hybrid_pool_buffer():
+        region, off = engine.find_region(buf.data_ptr(), buf.numel() * buf.element_size())
+        assert off == 0 and region.size == buf.numel() * buf.element_size()
+    keys = page_keys(2, "factory")
+    idx = pool.alloc(2 * pool.page_size)
+    fill_pages(pool, idx, [1, 2])
+    assert b.batch_set_v1(keys, idx) == [True, True]
+    out = pool.alloc(2 * pool.page_size)
+    assert b.batch_exists(keys) == 2 and b.batch_get_v1(keys, out) == [True, True]
+    assert page_digests(pool, out, 2) == page_digests(pool, idx, 2)
+    b.register_mem_pool_host(pool)  # again: nothing new registered, no per-call registration
+    assert len(engine.regions()) == regions + 2
+    b.close()
+    bad = storage_config(extra=dict(extra(cluster), master="127.0.0.1:9", timeout_s=0.3))
+    with pytest.raises(RuntimeError, match="kvmesh HiCache"):
+        StorageBackendFactory.create_backend("dynamic", bad, pool)
+
+
+def test_generic_get_set_paths(cluster):
+    b, pool = backend(cluster, "mha", "layer_first", namespace="generic")
+    keys = [k + ".draft" for k in page_keys(3, "generic")]
+    idx = pool.alloc(3 * pool.page_size)
+    fill_pages(pool, idx, [5, 6, 7])
+    pages = [pool.get_data_page(int(idx[i * pool.page_size]), flat=True).contiguous()
+             for i in range(3)]
+    assert not b.exists(keys[0])
+    assert b.set(keys[0], pages[0]) is True
+    assert b.batch_set(keys, pages) is True  # keys[0] already there: still True
+    assert b.exists(keys[2]) and b.batch_exists(keys) == 0  # flat objects are not v1 pages
+    dummies = [pool.get_dummy_flat_data_page() for _ in range(4)]
+    got = b.batch_get(keys + ["f" * 64], dummies)
+    assert [g is not None for g in got] == [True, True, True, False]
+    assert all(torch.equal(got[i], pages[i]) for i in range(3))
+    assert torch.equal(b.get(keys[1], pool.get_dummy_flat_data_page()), pages[1])
+    b.close()
+
+
+def test_v2_sidecar_pools(cluster):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    b, kv = backend(cluster, "mha", "page_first", namespace="v2")
+    draft = build_pool("mha", "page_first", layers=1)
+    idxr = build_pool("mla", "page_first", layers=2, mla_dim=16)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+    b.register_mem_host_pool_v2(idxr, PoolName.INDEXER)
+    b.on_host_pools_registered()
+    keys = page_keys(4, "v2")
+    ps = kv.page_size
+    ik, idd, ii = kv.alloc(4 * ps), draft.alloc(4 * ps), idxr.alloc(4 * ps)
+    fill_pages(kv, ik, [1, 2, 3, 4])
+    fill_pages(draft, idd, [5, 6, 7, 8])
+    fill_pages(idxr, ii, [9, 10, 11, 12])
+    assert b.batch_set_v1(keys, ik) == [True] * 4
+    sets = [PoolTransfer(name=PoolName.DRAFT, host_indices=idd, keys=keys),
+            PoolTransfer(name=PoolName.INDEXER, host_indices=ii[: 2 * ps], keys=keys[:2])]
+    assert b.batch_set_v2(sets) == {"draft": [True] * 4, "indexer": [True, True]}
+    q = [PoolTransfer(name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+         PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    res = b.batch_exists_v2(keys, q)
+    assert res.kv_hit_pages == 2 and res.extra_pool_hit_pages["draft"] == 4
+    assert res.restorable_prefix_pages == [1, 2]
+    # trailing window of one page: every prefix ending on a stored indexer page
+    trail = [PoolTransfer(name=PoolName.INDEXER, keys=keys[:1],
+                          hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert b.batch_exists_v2(keys, trail).restorable_prefix_pages == [1, 2]
+    od, oi = draft.alloc(4 * ps), idxr.alloc(4 * ps)
+    gets = [PoolTransfer(name=PoolName.DRAFT, host_indices=od, keys=keys),
+            PoolTransfer(name=PoolName.INDEXER, host_indices=oi, keys=keys)]
+    assert b.batch_get_v2(gets) == {"draft": [True] * 4, "indexer": [True, True, False, False]}
+    assert page_digests(draft, od, 4) == page_digests(draft, idd, 4)
+    assert page_digests(idxr, oi, 2) == page_digests(idxr, ii, 2)
+    # an unregistered pool is a per-pool failure, not an exception in SGLang's thread
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=od, keys=keys)]) == {
+        "mamba": [False] * 4}
+    b.close()
+
+
+def test_another_process_reads_and_writes_pages(cluster, peer_process):
+    peer = peer_process()
+    for kind, layout in (("mha", "page_first"), ("mla", "layer_first")):
+        ns = f"xproc-{kind}"
+        ex = extra(cluster, namespace=ns)
+        peer.call("open", name=kind, kind=kind, layout=layout, extra=ex)
+        a, pa = backend(cluster, kind, layout, namespace=ns)
+        keys = page_keys(5, ns)
+        ps = pa.page_size
+        # this process writes 3 pages; the other one finds exactly that prefix and reads
+        ia = pa.alloc(5 * ps)
+        fill_pages(pa, ia, [7, 8, 9, 10, 11])
+        assert a.batch_set_v1(keys[:3], ia[: 3 * ps]) == [True] * 3
+        r = peer.call("get", name=kind, keys=keys)
+        assert r["exists"] == 3 and r["ok"] == [True] * 3 + [False] * 2
+        assert r["digests"][:3] == page_digests(pa, ia, 3)
+        # the other process writes the rest; this one reads all five into fresh slots
+        r = peer.call("set", name=kind, keys=keys, seeds=[7, 8, 9, 10, 11])
+        assert r["ok"] == [True] * 5
+        ib = pa.alloc(5 * ps)
+        assert a.batch_exists(keys) == 5
+        assert a.batch_get_v1(keys, ib) == [True] * 5
+        assert page_digests(pa, ib, 5) == r["digests"] == page_digests(pa, ia, 5)
+        a.close()
+
+
+def test_failures_are_misses_never_exceptions_or_wrong_bytes(cluster, monkeypatch):
+    from kvmesh.store import errors as E
+
+    b, pool = backend(cluster, "mha", "page_first", namespace="fail")
+    keys = page_keys(3, "fail")
+    ps = pool.page_size
+    idx = pool.alloc(3 * ps)
+    fill_pages(pool, idx, [1, 2, 3])
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    # malformed calls: per-page False / 0, no exception
+    assert b.batch_get_v1(keys, idx[:ps]) == [False] * 3
+    assert b.batch_set_v1(keys, None) == [False] * 3
+    # a read whose lease expired mid-copy, or that filled fewer bytes than the page: a miss
+    real = b.client.get_into
+
+    def flaky(names, bufs, offs, sizes):
+        res = real(names, bufs, offs, sizes)
+        res[0] = E.LeaseExpired("planted")
+        res[3] = res[3] - 1  # page 1's V object came back one byte short
+        return res
+
+    monkeypatch.setattr(b.client, "get_into", flaky)
+    out = pool.alloc(3 * ps)
+    assert b.batch_get_v1(keys, out) == [False, False, True]
+    monkeypatch.setattr(b.client, "get_into", lambda *a, **k: 1 / 0)
+    assert b.batch_get_v1(keys, out) == [False] * 3
+    assert b.stats()["errors"] >= 3
+    b.close()
+
+
+# ----------------------------------------------------------------------------- Mooncake
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "layer_first")])
+def test_sglang_mooncake_store_runs_unchanged_on_kvmesh(cluster, monkeypatch, kind, layout):
+    from kvmesh_sglang import mooncake_compat
+
+    monkeypatch.setenv("KVMESH_TOKEN", TOKEN)
+    assert mooncake_compat._real_mooncake() is None  # nothing to shadow on this box
+    mooncake_compat.load()  # opt-in: without KVMESH_SGLANG_MOONCAKE nothing happens
+    assert not mooncake_compat.installed()
+    monkeypatch.setenv(mooncake_compat.ENV, "1")
+    mooncake_compat.load()
+    assert mooncake_compat.installed()
+    try:
+        from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+        pool = build_pool(kind, layout)
+        cfg = storage_config(mla=kind == "mla", extra={
+            "master_server_address": cluster.address, "global_segment_size": 0,
+            "protocol": "tcp", "extra_backend_tag": f"mc-{kind}"})
+        store = MooncakeStore(cfg, pool)
+        store.register_mem_pool_host(pool)
+        keys = page_keys(4, f"mc{kind}")
+        ps = pool.page_size
+        idx, out = pool.alloc(4 * ps), pool.alloc(4 * ps)
+        fill_pages(pool, idx, [1, 2, 3, 4])
+        assert store.batch_exists(keys) == 0
+        assert store.batch_set_v1(keys[:3], idx[: 3 * ps]) == [True] * 3
+        assert store.batch_set_v1(keys[:3], idx[: 3 * ps]) == [True] * 3  # exists: skipped
+        assert store.batch_exists(keys) == 3
+        assert store.batch_get_v1(keys, out) == [True] * 3 + [False]
+        assert page_digests(pool, out, 3) == page_digests(pool, idx, 3)
+        assert page_digests(pool, out, 3) == expected_digests(kind, layout, [1, 2, 3])
+        store.close()
+    finally:
+        mooncake_compat.uninstall()
+    assert "mooncake" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- store down
+
+
+def test_store_down_then_restarted(cluster):
+    b, pool = backend(cluster, "mha", "page_first", namespace="down", timeout_s=1.0,
+                      down_backoff_s=3.0)
+    keys = page_keys(2, "down")
+    ps = pool.page_size
+    idx, out = pool.alloc(2 * ps), pool.alloc(2 * ps)
+    fill_pages(pool, idx, [1, 2])
+    assert b.batch_set_v1(keys, idx) == [True, True]
+    cluster.kill(1)
+    t0 = time.monotonic()
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, out) == [False, False]
+    assert b.batch_set_v1(keys, idx) == [False, False]
+    assert b.exists(keys[0]) is False and b.get_stats() is not None
+    assert time.monotonic() - t0 < 8  # bounded: timeout_s, then answered at once
+    cluster.start(1)  # a fresh, empty master (memory mode) at the same address, within
+    # the back-off window the failures above opened
+    deadline = time.monotonic() + 20
+    # Retried more often than down_backoff_s, as SGLang's threads do: the fast misses of
+    # the back-off window must not keep the backend from trying the store again.
+    while b.batch_set_v1(keys, idx) != [True, True]:  # the storage node mounts again
+        assert time.monotonic() < deadline, "no recovery after the master came back"
+        time.sleep(0.1)
+    assert b.batch_exists(keys) == 2 and b.batch_get_v1(keys, out) == [True, True]
+    assert page_digests(pool, out, 2) == page_digests(pool, idx, 2)
+    b.close()
