@@ -2,7 +2,8 @@
 latency, metadata throughput of the replicated master (conventions: bench-format.md).
 
 Setup: master replica processes on loopback (one, in memory, for the data-path cases; three
-with fsync for the metadata case), a storage-node helper process that owns the segment
+with fsync for the metadata case; one durable replica holding 1,000,000 objects for RSS and
+restart time, full mode only), a storage-node helper process that owns the segment
 (shared memory), and this process as the client reading into / writing from registered
 buffers. ``network`` cases give the helper another host id, so the engine takes its network
 path (``tcp``, or ``nixl`` with RDMA). Every timed read is verified once, outside the timing.
@@ -225,6 +226,11 @@ def _exists_and_latency(
     return rows
 
 
+# The metadata cases mount a segment for a node that never heartbeats (no bytes move):
+# the master must not expire it (and drop every object in it) during the run.
+_NO_NODE_EXPIRY = ["--node-ttl-s", "3600"]
+
+
 def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
     """put_start + put_end keys/s on 3 replicas with fsync, in batches, several clients."""
     from kvmesh.store import protocol as P
@@ -237,7 +243,7 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
     seconds = a.meta_seconds or (4.0 if a.quick else 15.0)
     with (
         tempfile.TemporaryDirectory() as d,
-        StoreCluster(d, 3, durability="disk", tick_ms=50) as cl,
+        StoreCluster(d, 3, durability="disk", tick_ms=50, extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
         node_rpc = MasterClient(list(cl.addrs.values()), name="bench-meta-node")
@@ -291,12 +297,105 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def million(limits: dict, a: Any) -> list[dict[str, Any]]:
+    """A master holding ``a.objects`` objects (default 1,000,000): its RSS once loaded, and
+    the time a restart from its data directory takes until it answers reads again (READY,
+    leader, state recovered): after kill -9 (the log since the last snapshot is replayed)
+    and after a graceful stop (which snapshots first, so the image is restored). One durable
+    replica: the replicas of a group each hold the same table, so one shows the per-process
+    figures."""
+    from kvmesh.store import protocol as P
+    from kvmesh.store.cluster import StoreCluster
+    from kvmesh.store.rpc import MasterClient
+    from kvmesh.store.types import ReplicateConfig
+
+    n = a.objects or 1_000_000
+    batch = 4096
+    cfg = ReplicateConfig()
+    with (
+        tempfile.TemporaryDirectory() as d,
+        StoreCluster(d, 1, durability="disk", extra_args=_NO_NODE_EXPIRY) as cl,
+    ):
+        cl.start_all()
+        rpc = MasterClient([cl.address], name="bench-million", timeout=60)
+        r = rpc.mutate(
+            lambda rid, s: P.MountReq(rid, s, "big-node", "big-seg", "127.0.0.1:1", "h", 1 << 40)
+        )
+        assert type(r) is P.CodesResp and r.codes == [0], r
+        t0 = time.perf_counter()
+        for lo in range(0, n, batch):
+            keys = [f"sglang-page-{i:016x}" for i in range(lo, min(n, lo + batch))]
+            ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [16384] * len(keys), cfg))  # noqa: B023
+            assert type(ps) is P.PutStartResp and not any(ps.codes), ps
+            pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))  # noqa: B023
+            assert type(pe) is P.CodesResp and not any(pe.codes), pe
+        load_s = time.perf_counter() - t0
+        probe = [f"sglang-page-{i:016x}" for i in (0, n // 2, n - 1)]
+        ex = rpc.call(lambda rid: P.ExistsReq(rid, probe))
+        assert type(ex) is P.CodesResp and ex.codes == [1, 1, 1], ex
+        rss = _rss_mib(cl.procs[1].pid)
+        rpc.close()
+
+        def restart(crash: bool) -> float:
+            if crash:
+                cl.kill(1)  # the log since the last snapshot is replayed
+            else:
+                cl.stop(1)  # a graceful stop snapshots first
+            t0 = time.perf_counter()
+            cl.start(1)
+            c = MasterClient([cl.address], name="bench-million-r", timeout=60)
+            try:
+                while True:
+                    ex = c.call(lambda rid: P.ExistsReq(rid, probe))
+                    if type(ex) is P.CodesResp and ex.codes == [1, 1, 1]:
+                        return time.perf_counter() - t0
+                    time.sleep(0.01)
+            finally:
+                c.close()
+
+        crash_s = restart(True)
+        restart_s = restart(False)
+        rss_after = _rss_mib(cl.procs[1].pid)
+    return [
+        record(
+            limits,
+            "metadata",
+            None,
+            "restart",
+            16384,
+            batch,
+            ops_per_s=n / load_s,
+            objects=n,
+            rss_mib=round(rss, 1),
+            rss_after_restart_mib=round(rss_after, 1),
+            restart_s=round(restart_s, 3),
+            restart_after_crash_s=round(crash_s, 3),
+            fsync=True,
+        )
+    ]
+
+
 def _options(ap: Any) -> None:
     ap.add_argument("--shapes", default="", help="PAGExBATCH,... (default: the matrix)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per case")
     ap.add_argument("--latency-samples", type=int, default=0)
     ap.add_argument("--meta-seconds", type=float, default=0.0, help="metadata case duration")
     ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
+    ap.add_argument(
+        "--objects",
+        type=int,
+        default=0,
+        help="objects of the large-master case (default 1,000,000; --quick skips the case "
+        "unless this is given)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,10 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = data_path(limits, a, "cross-process", None)
     rows += data_path(limits, a, "network", "bench-other-host")
     rows += metadata(limits, a)
+    if not a.quick or a.objects:
+        rows += million(limits, a)
     print(
         f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
         f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
     )
+    for r in rows:
+        if r["op"] == "restart":
+            print(
+                f"master with {r['objects']:,} objects: RSS {r['rss_mib']:.0f} MiB "
+                f"({r['rss_after_restart_mib']:.0f} MiB after restart), restart "
+                f"{r['restart_s']:.2f} s ({r['restart_after_crash_s']:.2f} s after kill -9), "
+                f"loaded at {r['ops_per_s']:,.0f} keys/s"
+            )
     print_table(
         rows,
         (

@@ -70,7 +70,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, key_error
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -96,6 +96,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     election_ticks: int = 10
     lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
     snapshot_threshold: int = 50_000
+    # a graceful stop snapshots first, so the next start restores the image instead of
+    # replaying the log since the last snapshot (a batch entry holds thousands of keys)
+    snapshot_on_stop: bool = True
+    # also snapshot after this many keys applied since the last one (a restart after a
+    # crash replays at most about that many keys; snapshot_threshold counts entries)
+    snapshot_keys: int = 500_000
     session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
     # live client sessions (a registration beyond it ends the least recently used one) and
     # the bounds on their cached unacknowledged results (kvmesh.replog.session)
@@ -203,6 +209,10 @@ def _make_result_type(inner_rt: Any) -> Any:
     )
 
 
+_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
+# Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
+# buffered on one connection never hold the event loop for long.
+_INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
@@ -235,6 +245,8 @@ class MasterService:
         self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
         self._conns: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self._snap_task: asyncio.Task | None = None
+        self._keys_at_snapshot = 0
         # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
         # this process's monotonic clock; commands carry wall time (_now).
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
@@ -296,7 +308,9 @@ class MasterService:
             security=self.sec,  # the replica port authenticates with the same cluster token
         )
         # Snapshots from the leader are proven on a fresh machine before they are persisted.
-        self.node = RaftNode(ncfg, self._machine, state_machine_factory=lambda: _EchoMachine(StoreStateMachine()))
+        self.node = RaftNode(
+            ncfg, self._machine, state_machine_factory=lambda: _EchoMachine(StoreStateMachine())
+        )
         self.node.on_leader_change(self._on_leader_change)
         try:
             await self.node.start()
@@ -330,12 +344,20 @@ class MasterService:
             self._ticker.cancel()
             with contextlib.suppress(BaseException):
                 await self._ticker
+        if self._snap_task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._snap_task, 30.0)
         for t in list(self._conns):
             t.cancel()
         for t in list(self._conns):
             with contextlib.suppress(BaseException):
                 await t
         if self.node is not None:
+            if _durable(self.cfg) and self.cfg.snapshot_on_stop:
+                try:
+                    await asyncio.wait_for(self.node.snapshot_now(), 30.0)
+                except Exception as e:  # noqa: BLE001 - the log still has everything
+                    log.warning("store master: snapshot at stop failed: %r", e)
             await self.node.stop()
 
     # ---------------------------------------------------------------- leader soft state
@@ -375,7 +397,10 @@ class MasterService:
                 with contextlib.suppress(Exception):
                     self.status_cache = self.status()
             node = self.node
-            if node is None or not node.is_leader:
+            if node is None:
+                continue
+            self._snapshot_by_keys(node)
+            if not node.is_leader:
                 continue
             try:
                 mono = time.monotonic()
@@ -400,6 +425,24 @@ class MasterService:
                 log.debug("store ticker: %s", e)
             except Exception:
                 log.exception("store ticker failed")
+
+    def _snapshot_by_keys(self, node: RaftNode) -> None:
+        """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
+        since the last one this replica started: on every replica, leader or not."""
+        done = self.sm.applied_keys
+        if not _durable(self.cfg) or done - self._keys_at_snapshot < self.cfg.snapshot_keys:
+            return
+        if self._snap_task is not None and not self._snap_task.done():
+            return
+        self._keys_at_snapshot = done
+
+        async def snap() -> None:
+            try:
+                await node.snapshot_now()
+            except Exception as e:  # noqa: BLE001 - the log still has everything
+                log.warning("store master: snapshot by keys failed: %r", e)
+
+        self._snap_task = asyncio.get_running_loop().create_task(snap(), name="store-snapshot")
 
     async def _release_held(self, mono: float) -> None:
         """Release the bytes of forced removes once every lease on them is over
@@ -478,12 +521,11 @@ class MasterService:
                 # Read no further request while the peer leaves our replies unread.
                 await out.wait_writable()
                 try:
-                    body = await asyncio.wait_for(
-                        _framing.aread_frame(
+                    # asyncio.timeout, not wait_for: no extra task per request
+                    async with asyncio.timeout(self.cfg.idle_timeout_s):
+                        body = await _framing.aread_frame(
                             reader, self.cfg.max_frame, frame_timeout=self.cfg.request_timeout_s
-                        ),
-                        self.cfg.idle_timeout_s,
-                    )
+                        )
                 except TimeoutError:  # idle, or a begun frame that did not end in time
                     return
                 try:
@@ -491,6 +533,8 @@ class MasterService:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     log.info("store master: undecodable request; closing: %s", str(e)[:200])
                     return
+                if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
+                    continue  # answered inline from the leader lease
                 await slots.acquire()
                 t = asyncio.get_running_loop().create_task(self._handle(req, out, peer))
                 inflight.add(t)
@@ -507,6 +551,30 @@ class MasterService:
             self._conns.discard(task)
             writer.close()
 
+    def _reply_now(self, req: Any, out: _Replies, peer: str) -> bool:
+        """Answer a read request inline, without a task, when the leader's lease makes its
+        read index immediate (the common case): the same checks and replies as
+        :meth:`_dispatch` minus the scheduling. False: handle it as any request (a big
+        batch, no lease now, or a reply being sent or left unread: backpressure of
+        :class:`_Replies` applies)."""
+        node = self.node
+        if node is None or len(req.keys) > _INLINE_KEYS or not out.ready():
+            return False
+        try:
+            if node.lease_read_index() is None:
+                return False
+        except ReplogError:  # stopped: the task path answers with the right error
+            return False
+        started = time.perf_counter()
+        try:
+            self._admit(req, peer)
+            resp = self._read_now(req)
+        except Exception as e:  # noqa: BLE001 - mapped to a reply as in _handle
+            resp = self._error_reply(req, e)
+        self._observe(req, resp, started)
+        out.send_now(_framing.encode_frame(P.encode(resp)))
+        return True
+
     async def _handle(self, req: Any, out: _Replies, peer: str = "") -> None:
         # A GetReplicas reply is the one large reply (up to max_reply_bytes): one at a time
         # per connection, from the lookup until it is handed to the socket, so a peer that
@@ -519,39 +587,49 @@ class MasterService:
         started = time.perf_counter()
         try:
             resp = await self._dispatch(req, peer)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            resp = self._error_reply(req, e)
+        self._observe(req, resp, started)
+        await out.send(_framing.encode_frame(P.encode(resp)))
+
+    def _error_reply(self, req: Any, exc: Exception) -> Any:
+        """The reply for a request whose handling raised ``exc``."""
+        try:
+            raise exc
         except NotLeaderError as e:
-            resp = P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
+            return P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
         except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
-            resp = P.ErrorResp(
+            return P.ErrorResp(
                 req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
             )
         except SessionExpiredError as e:
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
+            return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
         except CommandError as e:
-            resp = P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
+            return P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:
-            resp = P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
+            return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"stopped: {e}", retry=True)
         except ProposalTooLarge as e:  # deterministic: the same request can never fit
-            resp = P.ErrorResp(
+            return P.ErrorResp(
                 req.rid,
                 E.InvalidParams.code,
                 f"request too large for one log entry, split the batch: {e}"[:500],
                 retry=False,
             )
         except ReplogError as e:  # ProposalDropped/ProposalLost: not applied, retry
-            resp = P.ErrorResp(
+            return P.ErrorResp(
                 req.rid, E.StoreUnavailable.code, f"{type(e).__name__}: {e}", retry=True
             )
         except E.StoreError as e:
-            resp = P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
+            return P.ErrorResp(req.rid, e.code, str(e)[:500], retry=False)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
             log.warning("store master: request %s failed: %r", type(req).__name__, e)
-            resp = P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+            return P.ErrorResp(req.rid, E.InternalError.code, f"{type(e).__name__}: {e}"[:500])
+
+    def _observe(self, req: Any, resp: Any, started: float) -> None:
         if self.metrics is not None:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
             self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
-        await out.send(_framing.encode_frame(P.encode(resp)))
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -570,10 +648,9 @@ class MasterService:
             raise E.InvalidParams(
                 f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
-        for k in keys:
-            why = key_error(k)
-            if why is not None:
-                raise E.InvalidKey(why)
+        why = bad_key(keys)
+        if why is not None:
+            raise E.InvalidKey(why)
         for name in ("sizes", "versions"):
             vals = getattr(req, name, None)
             if vals and len(vals) != len(keys):
@@ -591,11 +668,10 @@ class MasterService:
             if v is not None and not 0 < len(v) <= _MAX_NAME:
                 raise E.InvalidParams(f"{name} must be 1..{_MAX_NAME} characters")
 
-    async def _dispatch(self, req: Any, peer: str = "") -> Any:
-        t = type(req)
-        self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
-        if t is P.StatusReq:
-            return P.StatusResp(req.rid, self.status())
+    def _admit(self, req: Any, peer: str) -> RaftNode:
+        """Checks every request passes before any work: counted, well-formed, this replica
+        leads, and a session is used only by the peer that owns it."""
+        self.counters[type(req).__name__] = self.counters.get(type(req).__name__, 0) + 1
         self._check(req)
         node = self._leader()
         sess = getattr(req, "session", None)
@@ -614,17 +690,28 @@ class MasterService:
         node_id = getattr(req, "node_id", None)
         if node_id is not None:
             self._check_node_owner(node_id, peer)
+        return node
+
+    def _read_now(self, req: Any) -> Any:
+        """A read request once the read index is applied here (no log entry)."""
+        t = type(req)
         if t is P.GetReplicasReq:
-            return await self._get_replicas(node, req)
+            return self._get_replicas(req)
         if t is P.ExistsReq:
-            await node.read_index()
-            self._leader()
             return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
-        if t is P.GetSizeReq:
+        sizes = self.sm.get_size(req.keys)
+        return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
+
+    async def _dispatch(self, req: Any, peer: str = "") -> Any:
+        t = type(req)
+        if t is P.StatusReq:
+            self.counters[t.__name__] = self.counters.get(t.__name__, 0) + 1
+            return P.StatusResp(req.rid, self.status())
+        node = self._admit(req, peer)
+        if t in _LEASE_READS:
             await node.read_index()
             self._leader()
-            sizes = self.sm.get_size(req.keys)
-            return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
+            return self._read_now(req)
         if t is P.HeartbeatReq:
             known = req.node_id in self.sm.nodes()
             if known:
@@ -717,9 +804,7 @@ class MasterService:
         elif owner != peer:
             raise E.InvalidParams(f"storage node {node_id[:_MAX_NAME]!r} belongs to another peer")
 
-    async def _get_replicas(self, node: RaftNode, req: P.GetReplicasReq) -> P.ReplicasResp:
-        await node.read_index()
-        self._leader()
+    def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp:
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys
@@ -789,15 +874,18 @@ class MasterService:
         planned, r = res.codes or [0] * n, res.result
         if len(planned) != n:
             raise E.InvalidParams("a retried put named different keys than the first attempt")
-        codes = list(planned)
-        replicas: list[Any] = [None] * n
-        versions = [0] * n
-        j = 0
-        for i in range(n):
-            if planned[i]:
-                continue
-            codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
-            j += 1
+        if not any(planned) and len(r.codes) == n:  # nothing decided before the log
+            codes, replicas, versions = list(r.codes), list(r.replicas), list(r.versions)
+        else:
+            codes = list(planned)
+            replicas = [None] * n
+            versions = [0] * n
+            j = 0
+            for i in range(n):
+                if planned[i]:
+                    continue
+                codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
+                j += 1
         w = self._writers
         for k, c, v in zip(keys, codes, versions):
             if c == 0:
@@ -928,6 +1016,10 @@ class MasterService:
         return st
 
 
+def _durable(cfg: ServiceConfig) -> bool:
+    return cfg.durability == "disk" and cfg.data_dir is not None
+
+
 _WRITE_HIGH = 1 << 20  # unread reply bytes above which a connection stops and waits
 
 
@@ -973,6 +1065,23 @@ class _Replies:
             except (ConnectionError, OSError):
                 return
             await self._drain()
+
+    def ready(self) -> bool:
+        """Whether a reply may be written at once (:meth:`send_now`): no send in progress
+        and the peer keeps up with reading."""
+        return (
+            not self.lock.locked() and self.writer.transport.get_write_buffer_size() <= _WRITE_HIGH
+        )
+
+    def send_now(self, frame: bytes) -> None:
+        """Write without waiting, after :meth:`ready`; a backlog this leaves is drained by
+        the read loop's next :meth:`wait_writable` before it reads another request."""
+        if self.writer.is_closing():
+            return
+        try:
+            self.writer.write(frame)
+        except (ConnectionError, OSError):
+            pass
 
 
 def _code_of(res: Any) -> int:
@@ -1070,6 +1179,12 @@ def build_arg_parser() -> Any:
     p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
     )
+    p.add_argument(
+        "--snapshot-keys",
+        type=int,
+        default=500_000,
+        help="snapshot after this many keys applied (bounds the log replayed after a crash)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -1100,6 +1215,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         ),
         request_timeout_s=a.request_timeout_s,
         metrics_port=a.metrics_port,
+        snapshot_keys=a.snapshot_keys,
     )
 
 

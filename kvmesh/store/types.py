@@ -20,7 +20,7 @@ Stability: additions only (new optional trailing fields with defaults).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -144,6 +144,18 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ratio(self) -> float:
         return self.used / self.capacity if self.capacity else 0.0
+
+
+def bad_key(keys: list[Any]) -> str | None:
+    """Why the first invalid key of ``keys`` is invalid (None if all are valid): the per-key
+    test of :func:`key_error` with a cheap accept for the common ASCII key first."""
+    for k in keys:
+        if type(k) is str and 0 < len(k) <= MAX_KEY_BYTES and k.isascii() and "\0" not in k:
+            continue
+        why = key_error(k)
+        if why is not None:
+            return why
+    return None
 
 
 def key_error(key: object) -> str | None:

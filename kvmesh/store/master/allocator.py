@@ -110,6 +110,16 @@ class SortedInts:
         b = self._lists[i]
         return b[bisect_left(b, x)]
 
+    def iter_from(self, x: int) -> Iterator[int]:
+        """Members >= ``x`` in ascending order."""
+        lists = self._lists
+        i = bisect_left(self._maxes, x)
+        if i < len(lists):
+            b = lists[i]
+            yield from b[bisect_left(b, x) :]
+            for b in lists[i + 1 :]:
+                yield from b
+
     def last(self) -> int | None:
         return self._maxes[-1] if self._maxes else None
 
@@ -193,6 +203,44 @@ class SegmentAllocator:
             self._insert(start + n, end)
         self.free_bytes -= n
         return start
+
+    def capacity(self, length: int, limit: int) -> int:
+        """How many of ``count <= limit`` successive ``alloc(length)`` calls would succeed
+        (stops counting at ``limit``): every free extent that fits yields
+        ``extent // rounded(length)`` pieces (see :meth:`alloc_run`)."""
+        n = self.rounded(length)
+        got = 0
+        for k in self.by_size.iter_from(n << SHIFT):
+            got += (k >> SHIFT) // n
+            if got >= limit:
+                return limit
+        return got
+
+    def alloc_run(self, length: int, count: int) -> list[int]:
+        """Exactly the offsets of ``count`` successive :meth:`alloc` calls of ``length``
+        bytes (all must succeed: check :meth:`capacity` first), in O(extents used) instead
+        of O(count) sorted-set operations. Repeated best fit carves the chosen extent from
+        its start until less than one piece is left, because the remainder stays the
+        smallest fitting extent (any extent between it and the original would have been
+        the best fit instead); then it moves to the next best fit."""
+        n = self.rounded(length)
+        out: list[int] = []
+        while len(out) < count:
+            k = self.by_size.ceil(n << SHIFT)
+            if k is None:
+                raise AllocatorError(f"alloc_run: no extent of {n} bytes left")
+            self.by_size.remove(k)
+            start = k & _MASK
+            end = start + (k >> SHIFT)
+            del self.starts[start]
+            del self.ends[end]
+            take = min((end - start) // n, count - len(out))
+            out.extend(range(start, start + take * n, n))
+            cut = start + take * n
+            if end > cut:
+                self._insert(cut, end)
+            self.free_bytes -= take * n
+        return out
 
     def free(self, offset: int, length: int) -> None:
         """Return ``[offset, offset + rounded(length))``, merging with free neighbours.

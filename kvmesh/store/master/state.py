@@ -233,6 +233,9 @@ class StoreStateMachine:
         self.next_seg = 1
         self.applied = 0
         self.complete = 0
+        # keys named by the entries this replica applied since it started (not replicated
+        # state: the driver uses it to snapshot by work done, as one entry may hold thousands)
+        self.applied_keys = 0
 
     # ================================================================== replog protocol
 
@@ -243,6 +246,7 @@ class StoreStateMachine:
             cmd = decode_command(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
+        self.applied_keys += len(getattr(cmd, "keys", ()))
         return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     def apply_command(self, index: int, cmd: Command) -> Result:
@@ -800,6 +804,10 @@ class StoreStateMachine:
         n = len(c.keys)
         if bad:
             return PutStartResult([bad] * n, [None] * n, [0] * n)
+        if not upsert:
+            fast = self._put_start_batch(index, c)
+            if fast is not None:
+                return fast
         codes: list[int] = []
         reps: list[list[ObjectReplica] | None] = []
         vers: list[int] = []
@@ -863,28 +871,137 @@ class StoreStateMachine:
                 vers.append(index)
         return PutStartResult(codes, reps, vers)
 
+    def _put_start_batch(self, index: int, c: PutStart | Upsert) -> PutStartResult | None:
+        """The common PutStart (one copy, one slice per key, no preferred segment, not
+        ``random``) for a whole batch at once, with exactly the outcome of the per-key path
+        in :meth:`_put` (None: not this case, nothing changed). Keys are classified first;
+        the ones to allocate are cut into runs of equal (aligned) size; per run the segment
+        of each key is chosen as :meth:`_pick` would, with per-segment free bytes and the
+        count of pieces each segment can still take (:meth:`SegmentAllocator.capacity`)
+        standing in for the allocator, and then each segment allocates its share with one
+        :meth:`SegmentAllocator.alloc_run` (the same offsets as one ``alloc`` per key)."""
+        cfg = c.config
+        lim = self.config.slice_limit
+        if cfg.replica_num != 1 or cfg.strategy == "random" or cfg.preferred_segment is not None:
+            return None
+        keys, sizes = c.keys, c.sizes
+        n = len(keys)
+        objs = self.objects
+        codes = [0] * n
+        todo: list[int] = []
+        seen: set[str] = set()
+        for pos, (key, size) in enumerate(zip(keys, sizes)):
+            if (
+                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
+                and key_error(key) is not None
+            ):
+                codes[pos] = int(Code.INVALID_KEY)
+            elif not 1 <= size <= MAX_OBJECT_SIZE:
+                codes[pos] = int(Code.INVALID_PARAMS)
+            elif size > lim or key in seen:
+                return None  # slices, or a key twice: the per-key path (nothing changed yet)
+            else:
+                old = objs.get(key)
+                if old is None:
+                    todo.append(pos)
+                    seen.add(key)
+                elif old.state != _C:
+                    codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
+                else:
+                    codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
+        if todo and next_state(State.GONE, Event.PUT_START) is not State.PROCESSING:
+            return None
+        reps: list[list[ObjectReplica] | None] = [None] * n
+        vers = [0] * n
+        a = self.config.align
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+        host = cfg.writer_host if cfg.strategy == "local" else None
+        pin, until = _pin_of(cfg, c.now, c.pin_ttl)
+        processing = self.processing
+        no_space = int(Code.NO_AVAILABLE_HANDLE)
+        lo = 0
+        while lo < len(todo):
+            rounded = (sizes[todo[lo]] + a - 1) & -a
+            hi = lo + 1
+            while hi < len(todo) and (sizes[todo[hi]] + a - 1) & -a == rounded:
+                hi += 1
+            run = todo[lo:hi]
+            lo = hi
+            left = [s.alloc.capacity(rounded, len(run)) for s in mounted]
+            free = [s.alloc.free_bytes for s in mounted]
+            share: list[list[int]] = [[] for _ in mounted]  # run positions per segment
+            i = 0
+            while i < len(run):
+                cands = [j for j in range(len(mounted)) if left[j] > 0]
+                if host is not None:
+                    loc = [j for j in cands if mounted[j].host_id == host]
+                    if loc:
+                        cands = loc
+                if not cands:
+                    for pos in run[i:]:
+                        codes[pos] = no_space
+                    break
+                if len(cands) == 1:  # the rest of the run (or what fits) goes there
+                    j = cands[0]
+                    take = min(left[j], len(run) - i)
+                else:
+                    j = max(cands, key=free.__getitem__)  # first of the most free, as _pick
+                    take = 1
+                share[j].extend(run[i : i + take])
+                left[j] -= take
+                free[j] -= take * rounded
+                i += take
+            placed: dict[int, tuple[_Seg, int]] = {}
+            for j, mine in enumerate(share):
+                if mine:
+                    s = mounted[j]
+                    placed.update(
+                        zip(mine, zip([s] * len(mine), s.alloc.alloc_run(rounded, len(mine))))
+                    )
+                    s.slices += len(mine)
+            for pos in run:  # table order as in the per-key path (snapshots, digests)
+                got = placed.get(pos)
+                if got is None:
+                    continue
+                s, off = got
+                key = keys[pos]
+                size = sizes[pos]
+                objs[key] = Obj(size, _P, index, c.now, SLICE.pack(s.id, off), pin, until)
+                processing[key] = None
+                s.keys.add(key)
+                reps[pos] = [ObjectReplica([ReplicaDesc(s.name, s.node_id, s.endpoint, off, size)])]
+                vers[pos] = index
+        return PutStartResult(codes, reps, vers)
+
     def _put_end(self, index: int, c: PutEnd) -> Codes:
         # versions are required: without them a late PutEnd could publish another
         # writer's half-written put of the key (after a reclaim and a new put)
         if not self._batch_ok(c.keys, c.versions):
             return Codes([int(Code.INVALID_PARAMS)] * len(c.keys))
         codes = []
-        for i, key in enumerate(c.keys):
-            o = self.objects.get(key) if type(key) is str else None
+        objs = self.objects
+        processing = self.processing
+        not_found, invalid = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_WRITE)
+        # the lifecycle's answer per current state, looked up once per batch
+        after = {st: next_state(st, Event.PUT_END) for st in (_P, _C)}
+        done = 0
+        for key, version in zip(c.keys, c.versions):
+            o = objs.get(key) if type(key) is str else None
             if o is None:
-                codes.append(int(Code.OBJECT_NOT_FOUND))
-            elif c.versions[i] != o.version:
-                codes.append(int(Code.INVALID_WRITE))
+                codes.append(not_found)
+            elif version != o.version:
+                codes.append(invalid)
             else:
-                nxt = next_state(o.state, Event.PUT_END)
+                nxt = after.get(o.state)
                 if nxt is None:
-                    codes.append(int(Code.INVALID_WRITE))
+                    codes.append(invalid)
                     continue
                 if o.state == _P:
-                    self.processing.pop(key, None)
-                    self.complete += 1
-                    self.objects[key] = replace(o, state=int(nxt))
+                    processing.pop(key, None)
+                    done += 1
+                    objs[key] = replace(o, state=int(nxt))
                 codes.append(0)
+        self.complete += done
         return Codes(codes)
 
     def _put_revoke(self, index: int, c: PutRevoke) -> Codes:
