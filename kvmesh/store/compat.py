@@ -158,6 +158,15 @@ class MooncakeDistributedStore:
             self._c = None
         return 0
 
+    def __del__(self) -> None:
+        # Mooncake's store is closed by its destructor, and callers rely on it (SGLang's
+        # MooncakeStore.close() is a no-op): without this, a dropped store would leave its
+        # buffers registered in the process-wide engine after their memory was freed.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to report to
+            pass
+
     @property
     def client(self) -> StoreClient:
         """The underlying :class:`StoreClient` (kvmesh extension)."""

@@ -38,6 +38,7 @@ __all__ = [
     "Strategy",
     "Usage",
     "key_error",
+    "keys_valid",
 ]
 
 MAX_KEY_BYTES = 1024
@@ -147,8 +148,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def bad_key(keys: list[Any]) -> str | None:
-    """Why the first invalid key of ``keys`` is invalid (None if all are valid): the per-key
-    test of :func:`key_error` with a cheap accept for the common ASCII key first."""
+    """Why the first invalid key of ``keys`` is invalid (None if all are valid). The whole batch
+    is tried at once first (:func:`keys_valid`); key by key (:func:`key_error`, with a cheap
+    accept for plain ASCII keys) only when that declines."""
+    if keys_valid(keys):
+        return None
     for k in keys:
         if type(k) is str and 0 < len(k) <= MAX_KEY_BYTES and k.isascii() and "\0" not in k:
             continue
@@ -173,3 +177,26 @@ def key_error(key: object) -> str | None:
     if "\0" in key:
         return "key contains NUL"
     return None
+
+
+def keys_valid(keys: list[Any]) -> bool:
+    """True when every key passes :func:`key_error`, decided for the whole batch at once with
+    C-level checks (no Python call per key). False means "check key by key" (some key may be
+    invalid, or the batch is not plain ``str`` keys), never that a given key is invalid."""
+    if set(map(type, keys)) != {str}:  # str subclasses (and empty batches) take the slow path
+        return False
+    if "" in keys:
+        return False
+    joined = "".join(keys)
+    if "\0" in joined:
+        return False
+    longest = max(map(len, keys))
+    if joined.isascii():  # one byte per character
+        return longest <= MAX_KEY_BYTES
+    if longest * 4 > MAX_KEY_BYTES:  # UTF-8 takes at most 4 bytes per code point
+        return False
+    try:
+        joined.encode("utf-8")  # a lone surrogate anywhere fails here, as in key_error
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -623,9 +623,8 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         t0 = time.perf_counter()
         comps = ("k", "v") if self._mha else ("kv",)
         flags = self._exist_flags(self._obj().names(keys, comps))
-        per = len(comps)
-        n = next((i for i in range(len(keys)) if not all(flags[i * per:(i + 1) * per])),
-                 len(keys))
+        # Components of a page are adjacent: the first missing object ends the prefix.
+        n = flags.index(False) // len(comps) if False in flags else len(keys)
         self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
         return n
 

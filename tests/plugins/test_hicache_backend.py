@@ -5,6 +5,7 @@ another SGLang instance. The store restart test runs last (it empties the master
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -427,7 +428,15 @@ def test_sglang_mooncake_store_runs_unchanged_on_kvmesh(cluster, monkeypatch, ki
         assert store.batch_get_v1(keys, out) == [True] * 3 + [False]
         assert page_digests(pool, out, 3) == page_digests(pool, idx, 3)
         assert page_digests(pool, out, 3) == expected_digests(kind, layout, [1, 2, 3])
-        store.close()
+        store.close()  # SGLang's: a no-op, Mooncake's destructor closes the store
+        engine = store.store.client.engine
+        lo = pool.kv_buffer.data_ptr()
+        hi = lo + pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+        assert any(lo <= r.ptr < hi for r in engine.regions())
+        del store
+        gc.collect()
+        # The pool's registrations went with the store (its memory may be reused next).
+        assert not any(lo <= r.ptr < hi for r in engine.regions())
     finally:
         mooncake_compat.uninstall()
     assert "mooncake" not in sys.modules

@@ -295,12 +295,11 @@ class StoreStateMachine:
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         """COMPLETE objects only."""
-        objs = self.objects
-        out = []
-        for k in keys:
-            o = objs.get(k) if type(k) is str else None
-            out.append(o is not None and o.state == _C)
-        return out
+        ks = keys if type(keys) is list else list(keys)
+        get = self.objects.get
+        if set(map(type, ks)) <= {str}:  # what the service decodes: no per-key type test
+            return [o is not None and o.state == _C for o in map(get, ks)]
+        return [type(k) is str and (o := get(k)) is not None and o.state == _C for k in ks]
 
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""

@@ -1,0 +1,94 @@
+"""The batch key check (``keys_valid``) accepts exactly what ``key_error`` accepts key by key.
+
+``StoreClient.exists`` checks a whole batch at once and only falls back to the per-key check
+when the batch check declines; so the batch check must never accept a batch holding a key
+that ``key_error`` refuses. Random batches over the characters that matter (NUL, non-ASCII,
+4-byte code points, lone surrogates of both halves) at the lengths that matter (empty, the
+ASCII and the 4-bytes-per-character limits and one past them) are compared with the per-key
+answer; a planted check without its NUL test is caught.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from kvmesh.store import errors as E
+from kvmesh.store.types import MAX_KEY_BYTES, key_error, keys_valid
+
+ALPHABET = ["a", "z", "\0", "é", "\U0001f600", "\ud800", "\udc00"]
+LENGTHS = [0, 1, 2, 255, 256, 257, 300, MAX_KEY_BYTES // 2, MAX_KEY_BYTES, MAX_KEY_BYTES + 1]
+FIXED: list[list[Any]] = [
+    [], ["a"], ["a", ""], ["x" * MAX_KEY_BYTES], ["x" * (MAX_KEY_BYTES + 1)],
+    ["é" * (MAX_KEY_BYTES // 2)], ["é" * (MAX_KEY_BYTES // 2 + 1)], ["\ud800"], ["a", "\udc00"],
+    ["\ud800", "\udc00"],  # two halves that would pair up in the joined batch
+    ["\U0001f600" * (MAX_KEY_BYTES // 4)], ["\U0001f600" * (MAX_KEY_BYTES // 4 + 1)],
+    [b"bytes"], ["a", 1], [type("Sub", (str,), {})("a")], ["ok"] * 600, ["a\0"],
+]  # fmt: skip
+
+
+def batches(n: int, seed: int = 7) -> list[list[Any]]:
+    rng = random.Random(seed)
+    out = list(FIXED)
+    for _ in range(n):
+        out.append([
+            "".join(rng.choice(ALPHABET) for _ in range(rng.choice(LENGTHS)))
+            if rng.random() < 0.3
+            else "".join(rng.choice("abcé") for _ in range(rng.choice(LENGTHS)))
+            for _ in range(rng.randint(1, 4))
+        ])  # fmt: skip
+    return out
+
+
+def wrong_accepts(check: Callable[[list[Any]], bool], cases: list[list[Any]]) -> list[list[Any]]:
+    return [c for c in cases if check(c) and any(key_error(k) is not None for k in c)]
+
+
+def test_batch_check_never_accepts_what_the_per_key_check_refuses():
+    cases = batches(4000)
+    assert wrong_accepts(keys_valid, cases) == []
+    # It does its job: valid batches of plain str keys are accepted at once when ASCII (the
+    # hot path) or short enough that no UTF-8 encoding can pass the limit.
+    fast = [
+        c for c in cases
+        if c and all(type(k) is str and key_error(k) is None for k in c)
+        and (all(k.isascii() for k in c) or max(map(len, c)) * 4 <= MAX_KEY_BYTES)
+    ]  # fmt: skip
+    assert len(fast) > 100 and all(keys_valid(c) for c in fast)
+
+
+def test_a_batch_check_without_its_nul_test_is_caught():
+    def planted(keys: list[Any]) -> bool:  # keys_valid blind to NUL
+        return keys_valid([k.replace("\0", "a") if type(k) is str else k for k in keys])
+
+    assert wrong_accepts(planted, batches(500))
+
+
+def test_exists_batch_mixes_per_key_errors_with_answers():
+    from kvmesh.store.client import StoreClient
+
+    with StoreClient(segment_size=1 << 20) as c:
+        assert c.put("there", b"x") is None
+        res = c.exists(["there", "", "missing", "nul\0key", "\udc80", "there"])
+        assert res[0] is True and res[2] is False and res[5] is True
+        assert all(isinstance(res[i], E.InvalidKey) for i in (1, 3, 4))
+        keys = [f"k{i}" for i in range(300)]
+        assert c.put(keys[::2], [b"v"] * 150).ok
+        assert list(c.exists(keys)) == [i % 2 == 0 for i in range(300)]
+
+
+def test_exists_refuses_a_reply_of_the_wrong_length(monkeypatch):
+    from kvmesh.store import protocol as P
+    from kvmesh.store.client import StoreClient
+
+    with StoreClient(segment_size=1 << 20) as c:
+        real = c.rpc.call
+
+        def short(make: Any, **kw: Any) -> Any:
+            resp = real(make, **kw)
+            return P.CodesResp(resp.rid, resp.codes[:-1]) if type(resp) is P.CodesResp else resp
+
+        monkeypatch.setattr(c.rpc, "call", short)
+        res = c.exists(["a", "b", "c"])
+        assert all(isinstance(r, E.StoreError) for r in res)
