@@ -38,11 +38,12 @@ from .errors import (
     ERROR_CODES,
     BadRequest,
     Overloaded,
+    ResultEvicted,
     SessionDenied,
     Unauthorized,
 )
 from .server import LocalCluster, ReplicaServer, ServerLimits
-from .session import SessionStateMachine, SessionTracker
+from .session import SessionLimits, SessionStateMachine, SessionTracker
 from .types import (
     ConfChange,
     ConfChangeType,
@@ -102,6 +103,8 @@ __all__ = [
     "BadRequest",
     "Overloaded",
     "SessionDenied",
+    "ResultEvicted",
+    "SessionLimits",
     "Unauthorized",
     "NotLeader",
     "NotLeaderError",

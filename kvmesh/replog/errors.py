@@ -36,6 +36,7 @@ __all__ = [
     "ReadTimeout",
     "ReadyContractError",
     "ReplogError",
+    "ResultEvicted",
     "SessionDenied",
     "SessionExpiredError",
     "SnapshotCorruptionError",
@@ -132,6 +133,14 @@ class SessionExpiredError(ReplogError):
     earlier attempt was applied cannot be known any more."""
 
     code = "session"
+
+
+class ResultEvicted(SessionExpiredError):
+    """The command's seq is at or below one whose result the session table evicted
+    unacknowledged (the per-session or total bound on cached results): it was *not*
+    applied now; an earlier attempt may have been applied once. Never retry it blindly."""
+
+    code = "result_evicted"
 
 
 class SessionDenied(ReplogError):
@@ -280,6 +289,7 @@ _TABLE: ErrorTable[ReplogError] = ErrorTable(
         ReadTimeout,
         NodeStopped,
         SessionExpiredError,
+        ResultEvicted,
         SessionDenied,
         CommandError,
         BadRequest,

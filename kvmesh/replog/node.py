@@ -58,6 +58,7 @@ from .errors import (
     ProposalLost,
     ProposalTimeout,
     ReadTimeout,
+    ResultEvicted,
     SessionDenied,
     SessionExpiredError,
 )
@@ -69,6 +70,7 @@ from .session import (
     Expire,
     Plain,
     Register,
+    SessionLimits,
     SessionRejected,
     SessionStateMachine,
     SessionTracker,
@@ -117,6 +119,11 @@ DEFAULT_RAFT = RaftConfig(
 
 
 _APPLY_SLICE = 1000
+# SessionRejected reasons -> the error the proposer gets (others: SessionExpiredError)
+_REJECTED: dict[str, type[SessionExpiredError] | type[SessionDenied]] = {
+    "bad_token": SessionDenied,
+    "result_evicted": ResultEvicted,
+}
 
 
 class LeaderChange(msgspec.Struct, frozen=True):
@@ -153,6 +160,8 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
     proposal_timeout_s: float = 10.0
     read_timeout_s: float = 5.0
     session_ttl_s: float = 0.0  # 0: sessions never expire
+    # Live sessions and cached results: carried by this node's Register entries (docs/replog.md)
+    session_limits: SessionLimits = SessionLimits()
     wal_segment_bytes: int = 64 << 20
     transport: TransportConfig = TransportConfig()
     security: SecurityConfig = SecurityConfig()
@@ -168,6 +177,8 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("tick_s must be positive")
         if self.trailing_logs < 0 or self.snapshot_threshold <= 0:
             raise ValueError("snapshot_threshold must be > 0 and trailing_logs >= 0")
+        if min(msgspec.structs.astuple(self.session_limits)) <= 0:
+            raise ValueError(f"session limits must be positive: {self.session_limits}")
 
 
 class _Pending:
@@ -232,7 +243,8 @@ class RaftNode:
         self._running = False
         self._stopped = asyncio.Event()
         self.fatal_error: BaseException | None = None
-        self.tracker = SessionTracker(config.session_ttl_s) if config.session_ttl_s > 0 else None
+        ttl, lim = config.session_ttl_s, config.session_limits
+        self.tracker = SessionTracker(ttl, lim.max_sessions) if ttl > 0 else None
         self._tick_epoch = 0.0
         self._ticks_done = 0
         self._lag_max = 0.0
@@ -418,6 +430,7 @@ class RaftNode:
             "voters": list(st.conf_state.voters),
             "learners": list(st.conf_state.learners),
             "sessions": len(self.sm.sessions),
+            "session_result_bytes": self.sm.result_bytes,
             "loop_lag_max_s": self._lag_max,
             "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
             "durability": self.cfg.durability,
@@ -503,7 +516,7 @@ class RaftNode:
     async def register_session(self, timeout: float | None = None) -> int:
         """Open an exactly-once session without a token (in-process callers); returns the
         client id to use with :meth:`propose`."""
-        cid = await self._propose_data(encode_envelope(Register()), timeout)
+        cid = await self._propose_data(self._register(b""), timeout)
         if self.tracker is not None:
             self.tracker.touch(cid, time.monotonic())
         return cid
@@ -512,10 +525,14 @@ class RaftNode:
         """Open a session protected by a fresh random token (for sessions of remote
         clients): returns ``(client_id, token)``; every command must carry the token."""
         token = secrets.token_bytes(SESSION_TOKEN_BYTES)
-        cid = await self._propose_data(encode_envelope(Register(token)), timeout)
+        cid = await self._propose_data(self._register(token), timeout)
         if self.tracker is not None:
             self.tracker.touch(cid, time.monotonic())
         return cid, token
+
+    def _register(self, token: bytes) -> bytes:
+        # The limits travel in the entry: every replica applies the same ones.
+        return encode_envelope(Register(token, *msgspec.structs.astuple(self.cfg.session_limits)))
 
     def session_token(self, client_id: int) -> bytes | None:
         """The token of an applied session (None if not known on this replica yet)."""
@@ -875,7 +892,7 @@ class RaftNode:
             elif err is not None:
                 p.fut.set_exception(err)
             elif type(result) is SessionRejected:
-                cls = SessionDenied if result.reason == "bad_token" else SessionExpiredError
+                cls = _REJECTED.get(result.reason, SessionExpiredError)
                 p.fut.set_exception(cls(f"client {result.client_id} seq {result.seq}: {result.reason}"))
             else:
                 p.fut.set_result(result)

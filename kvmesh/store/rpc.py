@@ -218,9 +218,14 @@ class MasterClient(LeaderFinderViews):
             finally:
                 with self._lock:
                     self._outstanding.discard(seq)
-            if type(resp) is P.ErrorResp and resp.message.startswith("session:"):
+            if (
+                type(resp) is P.ErrorResp
+                and resp.message.startswith("session:")
+                and "result_evicted" not in resp.message
+            ):
                 # The master forgot our session (e.g. a memory-mode master restarted). The
                 # command was not applied now; open a new session and send it again once.
+                # (Not after result_evicted: that seq may have been applied once already.)
                 with self._reg_lock:
                     if self._client_id == cid:
                         self._client_id = None

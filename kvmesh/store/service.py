@@ -59,7 +59,7 @@ from ..replog import (
     ReplogError,
     SessionExpiredError,
 )
-from ..replog.session import SessionRejected
+from ..replog.session import SessionLimits, SessionRejected
 from ..replog.transport import parse_addr
 from ..replog.types import ProposalTooLarge
 from . import errors as E
@@ -103,6 +103,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # crash replays at most about that many keys; snapshot_threshold counts entries)
     snapshot_keys: int = 500_000
     session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
+    # live client sessions (a registration beyond it ends the least recently used one) and
+    # the bounds on their cached unacknowledged results (kvmesh.replog.session)
+    session_limits: SessionLimits = SessionLimits()
     # store policy (leader soft state and ticker)
     lease_ttl_s: float = 5.0
     put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
@@ -299,6 +302,7 @@ class MasterService:
             raft=_raft_config(cfg),
             snapshot_threshold=cfg.snapshot_threshold,
             session_ttl_s=cfg.session_ttl_s,
+            session_limits=cfg.session_limits,
             proposal_timeout_s=cfg.request_timeout_s,
             read_timeout_s=min(cfg.request_timeout_s, cfg.lease_ttl_s),
             security=self.sec,  # the replica port authenticates with the same cluster token
@@ -994,6 +998,7 @@ class MasterService:
                             "voters",
                             "durability",
                             "sessions",
+                            "session_result_bytes",
                         )
                     }
                 )
@@ -1160,6 +1165,18 @@ def build_arg_parser() -> Any:
     )
     p.add_argument("--max-segments", type=int, default=1024, help="mounted segments at most")
     p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=SessionLimits().max_sessions,
+        help="live client sessions at most (the least recently used is ended beyond it)",
+    )
+    p.add_argument(
+        "--max-session-result-bytes",
+        type=int,
+        default=SessionLimits().max_result_bytes,
+        help="cached unacknowledged result bytes per session",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus metrics on 127.0.0.1:PORT"
     )
     p.add_argument(
@@ -1193,6 +1210,9 @@ def config_from_args(a: Any) -> ServiceConfig:
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
         max_segments=a.max_segments,
+        session_limits=SessionLimits(
+            max_sessions=a.max_sessions, max_result_bytes=a.max_session_result_bytes
+        ),
         request_timeout_s=a.request_timeout_s,
         metrics_port=a.metrics_port,
         snapshot_keys=a.snapshot_keys,

@@ -33,7 +33,16 @@ def master(tmp_path_factory):
         1,
         token=TOKEN,
         durability="memory",
-        extra_args=["--lease-ttl-s", "1", "--request-timeout-s", "4"],
+        extra_args=[
+            "--lease-ttl-s",
+            "1",
+            "--request-timeout-s",
+            "4",
+            "--max-sessions",
+            "2048",
+            "--max-session-result-bytes",
+            str(1 << 20),
+        ],
     )
     cl.start_all()
     client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
@@ -389,22 +398,89 @@ def test_a_frame_that_stalls_midway_is_dropped_at_the_request_deadline(master):
     _byte_exact(client, values)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: RegisterReq is unmetered; every call creates a replicated session kept "
-    "for session_ttl_s (1 h) and nothing caps how many live (50k in 4 s: +41 MB RSS); "
-    "the fix (a cap with least-recently-used expiry) belongs in kvmesh.replog's sessions",
-)
 def test_session_registrations_are_bounded(master):
+    """RegisterReq used to be unmetered: every call created a replicated session kept for
+    the session TTL (1 h); 50,000 in 4 s added 41 MB. Live sessions are now capped
+    (``--max-sessions``, 2,048 here) and a registration beyond it ends the least recently
+    used session, deterministically inside the log's apply."""
     cl, client = master
+    victim = Peer(cl, "idle-victim")  # registered first, then idle: the LRU session
     p = Peer(cl)
     try:
-        for b in range(0, 20_000, 64):
+        for b in range(0, 6_000, 64):
             for i in range(64):
                 p.sock.sendall(framing.encode_frame(P.encode(P.RegisterReq(b + i))))
             for _ in range(64):
-                framing.read_frame(p.sock, 1 << 20, Deadline(30))
+                r = P.decode_response(framing.read_frame(p.sock, 1 << 20, Deadline(30)))
+                assert type(r) is P.RegisterResp
+        sessions = client.rpc.status(cl.addrs[1])["sessions"]
+        assert 2000 <= sessions <= 2048, f"{sessions} live sessions"
+        # The idle victim's session was ended (not applied, told so); the attacker's own
+        # most recent sessions are live.
+        r = victim.call(P.RemoveReq(1, victim.session(), ["nothing"]))
+        assert type(r) is P.ErrorResp and r.message.startswith("session:"), r
+    finally:
+        victim.close()
+        p.close()
+    # A legitimate client whose session was ended too opens a new one and goes on.
+    values = {"after-register-flood": b"r" * 4321}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
+
+
+def test_unacknowledged_results_are_bounded_in_bytes(master):
+    """A peer that never advances ``ack`` used to make every replica cache up to 4,096 of
+    its results whatever their size (300 puts of 4,000 keys: +240 MB). Cached results are
+    now bounded per session (``--max-session-result-bytes``, 1 MiB here); a retry of a
+    request whose result was evicted is refused, never applied twice."""
+    cl, client = master
+    p = Peer(cl, "never-acks")
+    keys = [f"noack-{i:05d}" for i in range(2000)]
+    try:
+        first = None
+        for seq in range(1, 21):
+            sess = P.Session(p.cid, 2 * seq - 1, 0)
+            r = p.call(P.PutStartReq(1, sess, keys, [64] * len(keys), ReplicateConfig()))
+            assert type(r) is P.PutStartResp and set(r.codes) == {0}, r
+            first = first or (sess, r.versions[0])
+            rv = p.call(P.PutRevokeReq(2, P.Session(p.cid, 2 * seq, 0), keys, r.versions))
+            assert set(rv.codes) == {0}
+        cached = client.rpc.status(cl.addrs[1])["session_result_bytes"]
+        assert cached <= (1 << 20) + (64 << 10), f"{cached} bytes of results cached"
+        # Retrying the first PutStart: its result was evicted; it must not allocate again.
+        sess, _ = first
+        r = p.call(P.PutStartReq(1, sess, keys, [64] * len(keys), ReplicateConfig()))
+        assert type(r) is P.ErrorResp and "result_evicted" in r.message, r
+        assert client.exists(keys[0]) is False
     finally:
         p.close()
-    sessions = client.rpc.status(cl.addrs[1])["sessions"]
-    assert sessions <= 16384, f"{sessions} live sessions"
+    values = {"after-noack": b"n" * 999}
+    client.put(list(values), list(values.values()))
+    _byte_exact(client, values)
+
+
+@pytest.mark.parametrize(
+    ("reason", "sends"), [("unknown_session", 2), ("stale_seq", 2), ("result_evicted", 1)]
+)
+def test_client_never_resends_a_request_whose_result_was_evicted(monkeypatch, reason, sends):
+    """After ``session: ... result_evicted`` the request may have been applied once: the
+    client must surface the error, not open a new session and send it again (it still does
+    so after its session was forgotten, as before)."""
+    from kvmesh.store.rpc import MasterClient
+
+    mc = MasterClient(["127.0.0.1:1"], SecurityConfig(token=TOKEN))
+    mc._client_id = 7
+    sent = []
+
+    def call(build, timeout=None):
+        req = build(1)
+        sent.append(req)
+        if type(req) is P.RegisterReq:
+            return P.RegisterResp(1, 8)
+        msg = f"session: client {req.session.client_id} seq {req.session.seq}: {reason}"
+        return P.ErrorResp(1, E.StoreUnavailable.code, msg)
+
+    monkeypatch.setattr(mc, "call", call)
+    resp = mc.mutate(lambda rid, s: P.RemoveReq(rid, s, ["k"]))
+    assert type(resp) is P.ErrorResp and reason in resp.message
+    assert sum(type(r) is P.RemoveReq for r in sent) == sends

@@ -60,5 +60,9 @@ _enc = msgspec.msgpack.Encoder()
 def state_digest(sm: SessionStateMachine) -> int:
     """Checksum of the whole replicated state (KV data with revisions, and sessions)."""
     kv: SimKv = sm.inner  # type: ignore[assignment]
-    sessions = sorted((cid, s.floor, sorted(s.results.items())) for cid, s in sm.sessions.items())
-    return zlib.crc32(_enc.encode(sessions), kv.digest())
+    # In LRU order (part of the state: it decides which session a full table ends next).
+    sessions = [
+        (cid, s.floor, s.evicted, s.last, sorted(s.results.items()))
+        for cid, s in sm.sessions.items()
+    ]
+    return zlib.crc32(_enc.encode([sessions, sm.limits]), kv.digest())
