@@ -23,7 +23,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,12 +46,18 @@ MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_args(description: str, argv: Sequence[str] | None = None,
-               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def bench_args(
+    description: str,
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """Parse ``--quick`` and ``--json PATH`` (plus the script's own options via ``extra``)."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--quick", action="store_true",
-                    help="fewer sizes and repetitions, same code paths (< 60 s on 2 cores)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and repetitions, same code paths (< 60 s on 2 cores)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as one JSON object")
     if extra is not None:
         extra(ap)
@@ -60,15 +67,23 @@ def bench_args(description: str, argv: Sequence[str] | None = None,
 def machine_info() -> dict[str, Any]:
     gpu = None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if out.returncode == 0 and out.stdout.strip():
             gpu = out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
         pass
     # Other jobs on a shared box skew every figure: record how busy it was.
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "gpu": gpu,
-            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "gpu": gpu,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 # --- timing ----------------------------------------------------------------------------------
@@ -150,8 +165,9 @@ def tcp_gbps(total: int = 512 * MiB, chunk: int = 4 * MiB, reps: int = 3) -> flo
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         port = srv.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(port), str(total),
-                                  str(chunk)])
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TCP_SENDER, str(port), str(total), str(chunk)]
+        )
         try:
             conn, _ = srv.accept()
             got = conn.recv_into(view, chunk)
@@ -175,10 +191,19 @@ def tcp_gbps(total: int = 512 * MiB, chunk: int = 4 * MiB, reps: int = 3) -> flo
 # --- records and output ----------------------------------------------------------------------
 
 
-def record(limits: dict[str, float | None], case: str, transport: str | None, op: str | None,
-           page_bytes: int | None = None, batch: int | None = None, gbps: float | None = None,
-           ops_per_s: float | None = None, p50_us: float | None = None,
-           p99_us: float | None = None, **extra: Any) -> dict[str, Any]:
+def record(
+    limits: dict[str, float | None],
+    case: str,
+    transport: str | None,
+    op: str | None,
+    page_bytes: int | None = None,
+    batch: int | None = None,
+    gbps: float | None = None,
+    ops_per_s: float | None = None,
+    p50_us: float | None = None,
+    p99_us: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """One result row in bench-format.md's shape; ratios computed from ``limits``."""
     mem = limits.get("memcpy_gbps")
     tcp = limits.get("tcp_gbps")
@@ -230,32 +255,48 @@ def _size(v: Any) -> str:
     return str(v)
 
 
-def print_table(rows: list[dict[str, Any]], columns: Sequence[str] = FIELDS,
-                out: Any = None) -> None:
+def print_table(
+    rows: list[dict[str, Any]], columns: Sequence[str] = FIELDS, out: Any = None
+) -> None:
     """Print ``rows`` as an aligned text table (``page_bytes`` shown with units)."""
     out = out or sys.stdout
     head = [c.replace("_", " ") for c in columns]
-    body = [[_size(r.get(c)) if c == "page_bytes" else _fmt(r.get(c)) for c in columns]
-            for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
-              for i, h in enumerate(head)]
+    body = [
+        [_size(r.get(c)) if c == "page_bytes" else _fmt(r.get(c)) for c in columns] for r in rows
+    ]
+    widths = [
+        max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)
+    ]
     # numbers (and sizes) right-aligned, text left-aligned
-    numeric = [c == "page_bytes" or all(isinstance(r.get(c), (int, float)) or r.get(c) is None
-                                        for r in rows) and any(r.get(c) is not None for r in rows)
-               for c in columns]
+    numeric = [
+        c == "page_bytes"
+        or all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
+        and any(r.get(c) is not None for r in rows)
+        for c in columns
+    ]
     line = "  ".join(h.rjust(w) if n else h.ljust(w) for h, w, n in zip(head, widths, numeric))
     out.write(line + "\n" + "  ".join("-" * w for w in widths) + "\n")
     for b in body:
-        out.write("  ".join(v.rjust(w) if n else v.ljust(w)
-                            for v, w, n in zip(b, widths, numeric)) + "\n")
+        out.write(
+            "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(b, widths, numeric)) + "\n"
+        )
     out.flush()
 
 
-def write_json(path: str, bench: str, limits: dict[str, float | None],
-               records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+def write_json(
+    path: str,
+    bench: str,
+    limits: dict[str, float | None],
+    records: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
     """Write the bench-format JSON object to ``path`` and return it."""
-    obj: dict[str, Any] = {"bench": bench, "machine": machine_info(), "limits": limits,
-                           "records": records}
+    obj: dict[str, Any] = {
+        "bench": bench,
+        "machine": machine_info(),
+        "limits": limits,
+        "records": records,
+    }
     obj.update(extra)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -275,12 +316,18 @@ class Child:
     line is its greeting (``info``).
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 120.0, cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        cwd: str | None = None,
+    ) -> None:
         full = dict(os.environ)
         full.update(env or {})
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=full, cwd=cwd)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full, cwd=cwd
+        )
         self.pid = self.proc.pid
         self.info = self._read(timeout)
 
@@ -325,7 +372,7 @@ class Child:
             if f:
                 f.close()
 
-    def __enter__(self) -> "Child":
+    def __enter__(self) -> Child:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -344,8 +391,9 @@ def peer_child(script: str, *args: str, host_id: str | None = None) -> Child:
     return Child([sys.executable, os.path.abspath(script), "--peer", *args], env=env)
 
 
-def serve_json_lines(handlers: dict[str, Callable[..., dict[str, Any]]],
-                     greeting: dict[str, Any]) -> None:
+def serve_json_lines(
+    handlers: dict[str, Callable[..., dict[str, Any]]], greeting: dict[str, Any]
+) -> None:
     """The child side of :class:`Child`: greet, then answer commands until ``exit``."""
     out = sys.stdout
 

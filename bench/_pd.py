@@ -40,9 +40,18 @@ class KVPool:
     Aux rows are numpy arrays: host memory in every case.
     """
 
-    def __init__(self, layers: int, pages: int, page_size: int, heads: int, head_dim: int,
-                 dtype: str = "bfloat16", aux_rows: int = 64,
-                 aux_item_lens: Sequence[int] = (64, 256), device: str = "cpu") -> None:
+    def __init__(
+        self,
+        layers: int,
+        pages: int,
+        page_size: int,
+        heads: int,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        aux_rows: int = 64,
+        aux_item_lens: Sequence[int] = (64, 256),
+        device: str = "cpu",
+    ) -> None:
         self.layers, self.pages, self.page_size = layers, pages, page_size
         self.heads, self.head_dim, self.device = heads, head_dim, device
         self.item_len = page_size * heads * head_dim * DTYPES[dtype]
@@ -141,8 +150,9 @@ class KVPool:
     def register(self, engine: Any) -> int:
         """``batch_register`` of every KV and aux buffer (device and host mixed), as SGLang's
         manager does."""
-        return engine.batch_register(self.kv_data_ptrs + self.aux_data_ptrs,
-                                     self.kv_data_lens + self.aux_data_lens)
+        return engine.batch_register(
+            self.kv_data_ptrs + self.aux_data_ptrs, self.kv_data_lens + self.aux_data_lens
+        )
 
     def close(self) -> None:
         if self.device != "cpu":
@@ -165,22 +175,45 @@ def geometry_args(ap: argparse.ArgumentParser) -> None:
 
 
 def pool_from_args(a: argparse.Namespace) -> KVPool:
-    return KVPool(a.layers, a.pages, a.page_size, a.heads, a.head_dim, a.dtype, a.aux_rows,
-                  device=a.device)
+    return KVPool(
+        a.layers, a.pages, a.page_size, a.heads, a.head_dim, a.dtype, a.aux_rows, device=a.device
+    )
 
 
-def geometry_argv(layers: int, pages: int, page_size: int, heads: int, head_dim: int,
-                  dtype: str = "bfloat16", aux_rows: int = 64, device: str = "cpu") -> list[str]:
-    return ["--layers", str(layers), "--pages", str(pages), "--page-size", str(page_size),
-            "--heads", str(heads), "--head-dim", str(head_dim), "--dtype", dtype,
-            "--aux-rows", str(aux_rows), "--device", device]
+def geometry_argv(
+    layers: int,
+    pages: int,
+    page_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: str = "bfloat16",
+    aux_rows: int = 64,
+    device: str = "cpu",
+) -> list[str]:
+    return [
+        "--layers",
+        str(layers),
+        "--pages",
+        str(pages),
+        "--page-size",
+        str(page_size),
+        "--heads",
+        str(heads),
+        "--head-dim",
+        str(head_dim),
+        "--dtype",
+        dtype,
+        "--aux-rows",
+        str(aux_rows),
+        "--device",
+        device,
+    ]
 
 
 def serve_decode(argv: Sequence[str] | None = None) -> None:
     """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``exit``."""
-    from kvmesh_sglang.pd import KvmeshTransferEngine
-
     from bench._common import serve_json_lines
+    from kvmesh_sglang.pd import KvmeshTransferEngine
 
     ap = argparse.ArgumentParser()
     geometry_args(ap)
@@ -201,11 +234,19 @@ def serve_decode(argv: Sequence[str] | None = None) -> None:
         return {"ok": True}
 
     serve_json_lines(
-        {"digest": digest, "zero": zero,
-         "stats": lambda: {"stats": {k: v for k, v in eng.stats.items() if k != "by_code"}}},
-        {"session_id": eng.get_session_id(), "pid": os.getpid(), "kv_data_ptrs": pool.kv_data_ptrs,
-         "kv_data_lens": pool.kv_data_lens, "aux_data_ptrs": pool.aux_data_ptrs,
-         "host_id": eng.engine.host_id},
+        {
+            "digest": digest,
+            "zero": zero,
+            "stats": lambda: {"stats": {k: v for k, v in eng.stats.items() if k != "by_code"}},
+        },
+        {
+            "session_id": eng.get_session_id(),
+            "pid": os.getpid(),
+            "kv_data_ptrs": pool.kv_data_ptrs,
+            "kv_data_lens": pool.kv_data_lens,
+            "aux_data_ptrs": pool.aux_data_ptrs,
+            "host_id": eng.engine.host_id,
+        },
     )
 
 

@@ -71,14 +71,22 @@ def _pools(kind: str, layout: str, pages: int) -> Any:
     from tests.plugins.hicache_util import build_pool
 
     # Device tokens sized so the host pool (ratio 2) holds the source and destination pages.
-    return build_pool(kind, layout, layers=MODEL["layers"], heads=MODEL["heads"],
-                      head_dim=MODEL["head_dim"], page_size=MODEL["page_size"],
-                      device_tokens=pages * MODEL["page_size"], dtype=torch.bfloat16,
-                      mla_dim=MODEL["mla_dim"])
+    return build_pool(
+        kind,
+        layout,
+        layers=MODEL["layers"],
+        heads=MODEL["heads"],
+        head_dim=MODEL["head_dim"],
+        page_size=MODEL["page_size"],
+        device_tokens=pages * MODEL["page_size"],
+        dtype=torch.bfloat16,
+        mla_dim=MODEL["mla_dim"],
+    )
 
 
-def one_case(limits: dict, address: str, case: str, kind: str, layout: str, batch: int,
-             reps: int) -> list[dict[str, Any]]:
+def one_case(
+    limits: dict, address: str, case: str, kind: str, layout: str, batch: int, reps: int
+) -> list[dict[str, Any]]:
     import torch
 
     from kvmesh_sglang import hicache as H
@@ -86,8 +94,18 @@ def one_case(limits: dict, address: str, case: str, kind: str, layout: str, batc
 
     pool = _pools(kind, layout, 2 * batch + 2)
     ps = pool.page_size
-    b = H.KvmeshHiCacheStorage(storage_config(mla=kind == "mla", extra={
-        "master": address, "segment_size": 0, "namespace": f"bench-{case}", "timeout_s": 30}), {})
+    b = H.KvmeshHiCacheStorage(
+        storage_config(
+            mla=kind == "mla",
+            extra={
+                "master": address,
+                "segment_size": 0,
+                "namespace": f"bench-{case}",
+                "timeout_s": 30,
+            },
+        ),
+        {},
+    )
     b.register_mem_pool_host(pool)
     rows: list[dict[str, Any]] = []
     try:
@@ -125,6 +143,7 @@ def one_case(limits: dict, address: str, case: str, kind: str, layout: str, batc
         transports = ",".join(b.client.last_transports) or transports
         # the store's own batch get of the same objects into the same addresses
         plan = H._plan(pool, keys, dst, b._obj(), b._mha)
+
         def store_get() -> Any:
             if plan.multi:
                 return b.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
@@ -137,15 +156,58 @@ def one_case(limits: dict, address: str, case: str, kind: str, layout: str, batc
         # Interleaved, so that both see the same machine (a shared box drifts by +-30 %).
         t_get, t_store = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps)
         common = {"kind": kind, "layout": layout}
-        rows.append(record(limits, case, transports, "batch_set_v1", page_bytes, batch,
-                           gbps=n / t_set / 1e9, ops_per_s=batch / t_set, **common))
-        rows.append(record(limits, case, transports, "set-existing", page_bytes, batch,
-                           ops_per_s=batch / t_exist_set, **common))
-        rows.append(record(limits, case, transports, "batch_get_v1", page_bytes, batch,
-                           gbps=n / t_get / 1e9, ops_per_s=batch / t_get,
-                           ratio_store=round(t_store / t_get, 3), **common))
-        rows.append(record(limits, case, transports, "store-get", page_bytes, batch,
-                           gbps=n / t_store / 1e9, ops_per_s=batch / t_store, **common))
+        rows.append(
+            record(
+                limits,
+                case,
+                transports,
+                "batch_set_v1",
+                page_bytes,
+                batch,
+                gbps=n / t_set / 1e9,
+                ops_per_s=batch / t_set,
+                **common,
+            )
+        )
+        rows.append(
+            record(
+                limits,
+                case,
+                transports,
+                "set-existing",
+                page_bytes,
+                batch,
+                ops_per_s=batch / t_exist_set,
+                **common,
+            )
+        )
+        rows.append(
+            record(
+                limits,
+                case,
+                transports,
+                "batch_get_v1",
+                page_bytes,
+                batch,
+                gbps=n / t_get / 1e9,
+                ops_per_s=batch / t_get,
+                ratio_store=round(t_store / t_get, 3),
+                **common,
+            )
+        )
+        rows.append(
+            record(
+                limits,
+                case,
+                transports,
+                "store-get",
+                page_bytes,
+                batch,
+                gbps=n / t_store / 1e9,
+                ops_per_s=batch / t_store,
+                **common,
+            )
+        )
         drop()
     finally:
         b.close()
@@ -172,10 +234,16 @@ def exists_case(limits: dict, address: str, kind: str, quick: bool) -> dict[str,
     from kvmesh_sglang import hicache as H
     from tests.plugins.hicache_util import build_pool, fill_pages, page_keys, storage_config
 
-    pool = build_pool(kind, "page_first", layers=2, heads=1, head_dim=8, page_size=64,
-                      device_tokens=256 * 64)
-    b = H.KvmeshHiCacheStorage(storage_config(mla=kind == "mla", extra={
-        "master": address, "segment_size": 0, "namespace": "bench-exists"}), {})
+    pool = build_pool(
+        kind, "page_first", layers=2, heads=1, head_dim=8, page_size=64, device_tokens=256 * 64
+    )
+    b = H.KvmeshHiCacheStorage(
+        storage_config(
+            mla=kind == "mla",
+            extra={"master": address, "segment_size": 0, "namespace": "bench-exists"},
+        ),
+        {},
+    )
     b.register_mem_pool_host(pool)
     try:
         idx = pool.alloc(256 * 64)
@@ -191,9 +259,19 @@ def exists_case(limits: dict, address: str, kind: str, quick: bool) -> dict[str,
             b.batch_exists(keys)
             samples.append(time.perf_counter() - t0)
         p50, p99 = percentiles(samples)
-        return record(limits, "same-host", None, "batch_exists", None, 256,
-                      ops_per_s=256 / float(np.median(samples)), p50_us=p50, p99_us=p99,
-                      kind=kind, objects=256 * (2 if kind == "mha" else 1))
+        return record(
+            limits,
+            "same-host",
+            None,
+            "batch_exists",
+            None,
+            256,
+            ops_per_s=256 / float(np.median(samples)),
+            p50_us=p50,
+            p99_us=p99,
+            kind=kind,
+            objects=256 * (2 if kind == "mha" else 1),
+        )
     finally:
         b.close()
 
@@ -206,9 +284,15 @@ def run(limits: dict, quick: bool) -> list[dict[str, Any]]:
     layouts = ("page_first", "layer_first")
     rows: list[dict[str, Any]] = []
     biggest = max(
-        (MODEL["layers"] * MODEL["page_size"] * (2 * MODEL["heads"] * MODEL["head_dim"]
-                                                  if k == "mha" else MODEL["mla_dim"]) * 2) * n
-        for k, n in plan)
+        (
+            MODEL["layers"]
+            * MODEL["page_size"]
+            * (2 * MODEL["heads"] * MODEL["head_dim"] if k == "mha" else MODEL["mla_dim"])
+            * 2
+        )
+        * n
+        for k, n in plan
+    )
     for case, host in (("same-host", None), ("network", "bench-other-host")):
         with tempfile.TemporaryDirectory() as d, StoreCluster(d, 1, durability="memory") as cl:
             cl.start_all()
@@ -240,10 +324,27 @@ def main(argv: list[str] | None = None) -> int:
 
     limits: dict[str, float | None] = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps()}
     rows = run(limits, a.quick)
-    print(f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
-          f"loopback TCP {limits['tcp_gbps']:.2f} GB/s")
-    print_table(rows, ("case", "transport", "kind", "layout", "op", "page_bytes", "batch", "gbps",
-                       "ops_per_s", "p50_us", "ratio_memcpy", "ratio_store"))
+    print(
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
+        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
+    )
+    print_table(
+        rows,
+        (
+            "case",
+            "transport",
+            "kind",
+            "layout",
+            "op",
+            "page_bytes",
+            "batch",
+            "gbps",
+            "ops_per_s",
+            "p50_us",
+            "ratio_memcpy",
+            "ratio_store",
+        ),
+    )
     if a.json:
         write_json(a.json, "hicache", limits, rows)
     print(f"total {time.monotonic() - t_start:.1f} s")

@@ -44,9 +44,9 @@ sys.path.insert(0, str(_HERE))
 import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 from _pd import KVPool, geometry_argv  # noqa: E402
-from kvmesh_sglang.pd import KvmeshTransferEngine  # noqa: E402
 
 from kvmesh.transfer import TransportKind, get_engine  # noqa: E402
+from kvmesh_sglang.pd import KvmeshTransferEngine  # noqa: E402
 
 LAYERS, PAGE, HEADS, DIM, DTYPE = 32, 64, 8, 128, "bfloat16"
 REQ_TOKENS = 4096
@@ -55,8 +55,11 @@ NETWORK_ENV = {"KVMESH_HOST_ID": "bench-decode-host"}
 
 def _options(ap: Any) -> None:
     ap.add_argument("--reps", type=int, help="timed repetitions per case")
-    ap.add_argument("--concurrent-tokens", type=int,
-                    help="tokens per request in the 16-request case (default 1024; quick 256)")
+    ap.add_argument(
+        "--concurrent-tokens",
+        type=int,
+        help="tokens per request in the 16-request case (default 1024; quick 256)",
+    )
     ap.add_argument("--paths", default="same-host,network", help="which of same-host,network")
 
 
@@ -68,8 +71,9 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.nd
     return src[starts], dst[starts], counts
 
 
-def request_blocks(pool: KVPool, dst_ptrs: list[int], src_pages: np.ndarray,
-                   dst_pages: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+def request_blocks(
+    pool: KVPool, dst_ptrs: list[int], src_pages: np.ndarray, dst_pages: np.ndarray
+) -> tuple[list[int], list[int], list[int]]:
     """``batch_transfer_sync`` arguments for one request: every layer buffer's runs."""
     s0, d0, n = contiguous_runs(src_pages, dst_pages)
     item = pool.item_len
@@ -79,15 +83,29 @@ def request_blocks(pool: KVPool, dst_ptrs: list[int], src_pages: np.ndarray,
     return src.tolist(), dst.tolist(), ln.tolist()  # SGLang passes Python lists
 
 
-def run_path(path: str, eng: KvmeshTransferEngine, pool: KVPool, limits: dict[str, Any],
-             reps: int, conc_pages: int, nconc: int) -> list[dict[str, Any]]:
+def run_path(
+    path: str,
+    eng: KvmeshTransferEngine,
+    pool: KVPool,
+    limits: dict[str, Any],
+    reps: int,
+    conc_pages: int,
+    nconc: int,
+) -> list[dict[str, Any]]:
     req_pages = REQ_TOKENS // PAGE
     decode_pages = req_pages + nconc * conc_pages
     rng = np.random.default_rng(1)
-    child = C.Child([sys.executable, "-m", "bench._pd",
-                     *geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE)],
-                    env=NETWORK_ENV if path == "network" else {}, timeout=300,
-                    cwd=str(_HERE.parent))
+    child = C.Child(
+        [
+            sys.executable,
+            "-m",
+            "bench._pd",
+            *geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE),
+        ],
+        env=NETWORK_ENV if path == "network" else {},
+        timeout=300,
+        cwd=str(_HERE.parent),
+    )
     rows = []
     try:
         sid, dptrs = child.info["session_id"], child.info["kv_data_ptrs"]
@@ -115,15 +133,28 @@ def run_path(path: str, eng: KvmeshTransferEngine, pool: KVPool, limits: dict[st
         used = [k for k, v in eng.stats["by_transport"].items() if v != before.get(k, 0)]
         transport = ",".join(sorted(used))
         p50, p99 = C.percentiles(lat)
-        rows.append(C.record(limits, path, transport, "write", pool.item_len, len(blocks[0]),
-                             gbps=nbytes / float(np.median(lat)) / 1e9, p50_us=p50, p99_us=p99,
-                             requests=1, tokens=REQ_TOKENS, request_bytes=nbytes))
+        rows.append(
+            C.record(
+                limits,
+                path,
+                transport,
+                "write",
+                pool.item_len,
+                len(blocks[0]),
+                gbps=nbytes / float(np.median(lat)) / 1e9,
+                p50_us=p50,
+                p99_us=p99,
+                requests=1,
+                tokens=REQ_TOKENS,
+                request_bytes=nbytes,
+            )
+        )
 
         # 16 concurrent requests from 4 threads, each to its own decode pages.
         reqs = []
         for i in range(nconc):
             sp = rng.permutation(pool.pages)[:conc_pages]
-            dp = slots[req_pages + i * conc_pages: req_pages + (i + 1) * conc_pages]
+            dp = slots[req_pages + i * conc_pages : req_pages + (i + 1) * conc_pages]
             reqs.append((sp, dp, request_blocks(pool, dptrs, sp, dp)))
         total = sum(sum(r[2][2]) for r in reqs)
 
@@ -145,10 +176,22 @@ def run_path(path: str, eng: KvmeshTransferEngine, pool: KVPool, limits: dict[st
             if child.call("digest", pages=dp.tolist())["digest"] != pool.page_digest(sp):
                 raise RuntimeError(f"{path}: a concurrent request's pages differ")
         p50, p99 = C.percentiles(lats)
-        rows.append(C.record(limits, path, transport, "write", pool.item_len,
-                             len(reqs[0][2][0]), gbps=total / float(np.median(walls)) / 1e9,
-                             p50_us=p50, p99_us=p99, requests=nconc,
-                             tokens=conc_pages * PAGE, request_bytes=total // nconc))
+        rows.append(
+            C.record(
+                limits,
+                path,
+                transport,
+                "write",
+                pool.item_len,
+                len(reqs[0][2][0]),
+                gbps=total / float(np.median(walls)) / 1e9,
+                p50_us=p50,
+                p99_us=p99,
+                requests=nconc,
+                tokens=conc_pages * PAGE,
+                request_bytes=total // nconc,
+            )
+        )
     finally:
         child.close()
     return rows
@@ -187,9 +230,20 @@ def call_overhead(eng: KvmeshTransferEngine, reps: int) -> list[dict[str, Any]]:
             local.execute = real  # type: ignore[method-assign]
         eng.batch_deregister(ptrs)
         p50, p99 = C.percentiles(lat)
-        rows.append(C.record({}, "overhead", "local (copy removed)", "batch_transfer_sync", 4096,
-                             1024, p50_us=p50, p99_us=p99, region_pairs=buffers,
-                             cpu_us=round(float(np.median(cpu)) * 1e6, 1)))
+        rows.append(
+            C.record(
+                {},
+                "overhead",
+                "local (copy removed)",
+                "batch_transfer_sync",
+                4096,
+                1024,
+                p50_us=p50,
+                p99_us=p99,
+                region_pairs=buffers,
+                cpu_us=round(float(np.median(cpu)) * 1e6, 1),
+            )
+        )
     return rows
 
 
@@ -199,8 +253,10 @@ def main() -> None:
     reps = args.reps or (3 if quick else 7)
     conc_tokens = args.concurrent_tokens or (256 if quick else 1024)
     conc_pages = max(1, conc_tokens // PAGE)
-    limits: dict[str, Any] = {"memcpy_gbps": C.memcpy_gbps(),
-                              "tcp_gbps": C.tcp_gbps(total=(256 if quick else 512) * C.MiB)}
+    limits: dict[str, Any] = {
+        "memcpy_gbps": C.memcpy_gbps(),
+        "tcp_gbps": C.tcp_gbps(total=(256 if quick else 512) * C.MiB),
+    }
     eng = KvmeshTransferEngine("127.0.0.1")
     pool = KVPool(LAYERS, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE)
     pool.fill(seed=9)
@@ -236,15 +292,39 @@ def main() -> None:
         else:
             r["target"] = "<= 1 ms"  # judged on CPU time: wall time on a busy box waits for a core
             r["meets"] = r["cpu_us"] <= 1000
-    print(f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, raw TCP {limits['tcp_gbps']:.2f} GB/s"
-          f"; load average {os.getloadavg()[0]:.1f}")
-    C.print_table(records, (*C.FIELDS, "ratio_memcpy_near", "ratio_tcp_near", "cpu_us",
-                            "requests", "region_pairs", "target", "meets"))
+    print(
+        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, raw TCP {limits['tcp_gbps']:.2f} GB/s"
+        f"; load average {os.getloadavg()[0]:.1f}"
+    )
+    C.print_table(
+        records,
+        (
+            *C.FIELDS,
+            "ratio_memcpy_near",
+            "ratio_tcp_near",
+            "cpu_us",
+            "requests",
+            "region_pairs",
+            "target",
+            "meets",
+        ),
+    )
     if args.json:
-        C.write_json(args.json, "pd", limits, records,
-                     geometry={"layers": LAYERS, "page_size": PAGE, "kv_heads": HEADS,
-                               "head_dim": DIM, "dtype": DTYPE, "request_tokens": REQ_TOKENS,
-                               "concurrent_request_tokens": conc_pages * PAGE})
+        C.write_json(
+            args.json,
+            "pd",
+            limits,
+            records,
+            geometry={
+                "layers": LAYERS,
+                "page_size": PAGE,
+                "kv_heads": HEADS,
+                "head_dim": DIM,
+                "dtype": DTYPE,
+                "request_tokens": REQ_TOKENS,
+                "concurrent_request_tokens": conc_pages * PAGE,
+            },
+        )
 
 
 if __name__ == "__main__":

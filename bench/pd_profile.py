@@ -66,7 +66,7 @@ def _thread_cpu() -> dict[str, float]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[task.name] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -74,12 +74,19 @@ def _thread_cpu() -> dict[str, float]:
 def main() -> None:
     def options(ap: Any) -> None:
         ap.add_argument("--requests", type=int, default=6)
-        ap.add_argument("--contiguous", action="store_true",
-                        help="pages 0..63 on both sides (one run per layer buffer)")
+        ap.add_argument(
+            "--contiguous",
+            action="store_true",
+            help="pages 0..63 on both sides (one run per layer buffer)",
+        )
 
     args = C.bench_args(__doc__.split("\n\n")[0], extra=options)
-    for cls, name in ((nixl_agent.NixlAgent, "make_xfer"), (nixl_xfer.NixlXfer, "post"),
-                      (nixl_xfer.NixlXfer, "wait"), (nixl_xfer.NixlXfer, "release")):
+    for cls, name in (
+        (nixl_agent.NixlAgent, "make_xfer"),
+        (nixl_xfer.NixlXfer, "post"),
+        (nixl_xfer.NixlXfer, "wait"),
+        (nixl_xfer.NixlXfer, "release"),
+    ):
         _timed(cls, name)
     pages = REQ_TOKENS // PAGE
     eng = KvmeshTransferEngine("127.0.0.1")
@@ -87,9 +94,12 @@ def main() -> None:
     pool.fill(seed=9)
     if pool.register(eng) != 0:
         raise RuntimeError("batch_register of the prefill pool failed")
-    child = C.Child([sys.executable, "-m", "bench._pd",
-                     *geometry_argv(LAYERS, pages, PAGE, HEADS, DIM, DTYPE)],
-                    env={}, timeout=300, cwd=str(_HERE.parent))
+    child = C.Child(
+        [sys.executable, "-m", "bench._pd", *geometry_argv(LAYERS, pages, PAGE, HEADS, DIM, DTYPE)],
+        env={},
+        timeout=300,
+        cwd=str(_HERE.parent),
+    )
     try:
         rng = np.random.default_rng(1)
         src = np.arange(pages) if args.contiguous else rng.permutation(pages)
@@ -104,8 +114,10 @@ def main() -> None:
         one()  # warm-up: opens the routes
         if child.call("digest", pages=dst.tolist())["digest"] != pool.page_digest(src):
             raise RuntimeError("decode pages differ from the prefill pages")
-        print(f"{len(blocks[0])} blocks, {nbytes / C.MiB:.0f} MiB per request; NIXL progress "
-              f"{eng.engine.transport('nixl').agent.progress_mode}")
+        print(
+            f"{len(blocks[0])} blocks, {nbytes / C.MiB:.0f} MiB per request; NIXL progress "
+            f"{eng.engine.transport('nixl').agent.progress_mode}"
+        )
         _stages.clear()
         n, wall = args.requests, 0.0
         cpu0, proc0 = _thread_cpu(), time.process_time()
@@ -114,14 +126,21 @@ def main() -> None:
             one()
             dt = time.perf_counter() - t0
             wall += dt
-            print(f"request {nbytes / dt / 1e9:.2f} GB/s   memcpy sample {C.memcpy_gbps():.2f}"
-                  f" GB/s   load {os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"request {nbytes / dt / 1e9:.2f} GB/s   memcpy sample {C.memcpy_gbps():.2f}"
+                f" GB/s   load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
         cpu1, proc = _thread_cpu(), time.process_time() - proc0
-        print(f"per request: wall {wall / n * 1e3:.1f} ms, process CPU {proc / n * 1e3:.1f} ms"
-              " (memcpy samples included)")
+        print(
+            f"per request: wall {wall / n * 1e3:.1f} ms, process CPU {proc / n * 1e3:.1f} ms"
+            " (memcpy samples included)"
+        )
         for name, (calls, w, c) in _stages.items():
-            print(f"  {name:9s} {calls / n:5.0f} calls  wall {w / n * 1e3:7.1f} ms  "
-                  f"thread CPU {c / n * 1e3:7.1f} ms")
+            print(
+                f"  {name:9s} {calls / n:5.0f} calls  wall {w / n * 1e3:7.1f} ms  "
+                f"thread CPU {c / n * 1e3:7.1f} ms"
+            )
         for tid, t in sorted(cpu1.items()):
             used = (t - cpu0.get(tid, 0.0)) / n * 1e3
             if used >= 1.0:

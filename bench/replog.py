@@ -72,7 +72,7 @@ async def statuses(cluster: LocalCluster) -> dict[int, dict]:
             if cluster.alive(i):
                 try:
                     out[i] = await c.status(cluster.client_addrs[i])
-                except (OSError, asyncio.TimeoutError, ConnectionError):
+                except (TimeoutError, OSError, ConnectionError):
                     pass
     finally:
         await c.close()
@@ -124,7 +124,13 @@ def record(case: str, op: str, **kw) -> dict:
 
 
 async def throughput(
-    cluster: LocalCluster, batch: int, sessions: int, inflight: int, warm_s: float, run_s: float, tag: str
+    cluster: LocalCluster,
+    batch: int,
+    sessions: int,
+    inflight: int,
+    warm_s: float,
+    run_s: float,
+    tag: str,
 ) -> dict:
     """``sessions`` client sessions (one connection each), each with ``inflight``
     concurrent requests of ``batch`` puts; committed ops/s in the timed window."""
@@ -132,7 +138,10 @@ async def throughput(
     timing = [False]
     stop = asyncio.Event()
     written: dict[str, bytes] = {}
-    clients = [KvClient(cluster.client_addrs, timeout=30.0, attempt_timeout=5.0, seed=s) for s in range(sessions)]
+    clients = [
+        KvClient(cluster.client_addrs, timeout=30.0, attempt_timeout=5.0, seed=s)
+        for s in range(sessions)
+    ]
 
     async def worker(w: int) -> None:
         c = clients[w % sessions]
@@ -199,7 +208,9 @@ async def failover(cluster: LocalCluster, kills: int) -> dict:
     keys = [f"fo-{i}" for i in range(16)]
 
     async def writer(w: int) -> None:
-        c = KvClient(cluster.client_addrs, timeout=10.0, attempt_timeout=1.0, seed=100 + w, max_backoff=0.1)
+        c = KvClient(
+            cluster.client_addrs, timeout=10.0, attempt_timeout=1.0, seed=100 + w, max_backoff=0.1
+        )
         rng = random.Random(w)
         n = 0
         try:
@@ -373,12 +384,19 @@ async def run(args: argparse.Namespace) -> dict:
     smoke = args.smoke
     base = args.dir or tempfile.mkdtemp(prefix="kvmesh-replog-bench-")
     os.makedirs(base, exist_ok=True)
-    lim = {"memcpy_gbps": C.memcpy_gbps(), "tcp_gbps": C.tcp_gbps(128 << 20 if quick else 512 << 20)}
+    lim = {
+        "memcpy_gbps": C.memcpy_gbps(),
+        "tcp_gbps": C.tcp_gbps(128 << 20 if quick else 512 << 20),
+    }
     records: list[dict] = []
     tick_ms = 50.0  # election timeout 0.5-1.0 s (10-20 ticks); heartbeats every 50 ms
 
     def add(rec: dict) -> None:
-        if rec.get("ops_per_s") is not None and rec.get("gbps") is None and rec["op"] in ("commit", "put"):
+        if (
+            rec.get("ops_per_s") is not None
+            and rec.get("gbps") is None
+            and rec["op"] in ("commit", "put")
+        ):
             rec["gbps"] = rec["ops_per_s"] * CMD_BYTES / 1e9
         if rec.get("gbps"):
             rec["ratio_memcpy"] = rec["gbps"] / lim["memcpy_gbps"]
@@ -393,7 +411,9 @@ async def run(args: argparse.Namespace) -> dict:
         warm, dur, batches = 0.3, 0.7, [16]
     for durability in ("disk", "memory"):
         d = os.path.join(base, f"commit-{durability}")
-        cluster = LocalCluster(d, 3, tick_ms=tick_ms, election_ticks=10, extra_args=["--durability", durability])
+        cluster = LocalCluster(
+            d, 3, tick_ms=tick_ms, election_ticks=10, extra_args=["--durability", durability]
+        )
         try:
             cluster.start_all()
             await find_leader(cluster)
@@ -402,16 +422,48 @@ async def run(args: argparse.Namespace) -> dict:
                 # batches: 8 sessions, one request in flight each.
                 sessions, inflight = (4, 16) if b == 1 else (8, 1)
                 r = await throughput(cluster, b, sessions, inflight, warm, dur, f"t{b}")
-                add(record("commit", "commit", batch=b, ops_per_s=r["ops_per_s"], durability=durability, fsync=durability == "disk", clients=sessions * inflight, sessions=sessions, replicas=3, verified_reads=r["verified"]))
+                add(
+                    record(
+                        "commit",
+                        "commit",
+                        batch=b,
+                        ops_per_s=r["ops_per_s"],
+                        durability=durability,
+                        fsync=durability == "disk",
+                        clients=sessions * inflight,
+                        sessions=sessions,
+                        replicas=3,
+                        verified_reads=r["verified"],
+                    )
+                )
             r = await latency(cluster, 30 if smoke else 300 if quick else 2000, "lat")
-            add(record("latency", "commit", batch=1, p50_us=r["p50_us"], p99_us=r["p99_us"], ops_per_s=r["ops_per_s"], durability=durability, fsync=durability == "disk", clients=1, replicas=3))
+            add(
+                record(
+                    "latency",
+                    "commit",
+                    batch=1,
+                    p50_us=r["p50_us"],
+                    p99_us=r["p99_us"],
+                    ops_per_s=r["ops_per_s"],
+                    durability=durability,
+                    fsync=durability == "disk",
+                    clients=1,
+                    replicas=3,
+                )
+            )
         finally:
             cluster.close()
             shutil.rmtree(d, ignore_errors=True)
 
     kills = 2 if smoke else 5 if quick else 20
     d = os.path.join(base, "failover")
-    cluster = LocalCluster(d, 3, tick_ms=tick_ms, election_ticks=10, extra_args=["--snapshot-threshold", "5000", "--trailing-logs", "500"])
+    cluster = LocalCluster(
+        d,
+        3,
+        tick_ms=tick_ms,
+        election_ticks=10,
+        extra_args=["--snapshot-threshold", "5000", "--trailing-logs", "500"],
+    )
     try:
         cluster.start_all()
         await find_leader(cluster)
@@ -502,7 +554,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description="kvmesh.replog benchmark")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 60 s)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
-    p.add_argument("--dir", default=None, help="working directory for replica data (default: a temp dir)")
+    p.add_argument(
+        "--dir", default=None, help="working directory for replica data (default: a temp dir)"
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny run of every code path (tests)")
     args = p.parse_args()
     if not os.environ.get("KVMESH_TOKEN") and not os.environ.get("KVMESH_TOKEN_FILE"):

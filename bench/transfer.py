@@ -40,9 +40,9 @@ _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(_HERE))
 
+import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 
-import _common as C  # noqa: E402
 from kvmesh.transfer import (  # noqa: E402
     EngineConfig,
     Op,
@@ -71,8 +71,11 @@ def _options(ap: Any) -> None:
     ap.add_argument("--pool-mib", type=int, help="size of each pool in MiB")
     ap.add_argument("--tcp-mib", type=int, help="bytes per raw TCP reference stream, in MiB")
     ap.add_argument("--idle-seconds", type=float, help="idle CPU measuring window")
-    ap.add_argument("--transports", default="local,shm,nixl,tcp,nixl-tcp",
-                    help="which of local,shm,nixl,tcp,nixl-tcp to run")
+    ap.add_argument(
+        "--transports",
+        default="local,shm,nixl,tcp,nixl-tcp",
+        help="which of local,shm,nixl,tcp,nixl-tcp to run",
+    )
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -108,7 +111,11 @@ def peer_main(pool: int, with_shm: bool) -> None:
 
     C.serve_json_lines(
         {"checksum": checksum, "exit": eng.close},
-        {"address": eng.address, "pid": os.getpid(), "transports": [k.value for k in eng.transports]},
+        {
+            "address": eng.address,
+            "pid": os.getpid(),
+            "transports": [k.value for k in eng.transports],
+        },
     )
 
 
@@ -118,8 +125,16 @@ def peer_main(pool: int, with_shm: bool) -> None:
 class Target:
     """One engine forced to one transport, with its remote segment and local buffer."""
 
-    def __init__(self, label: str, case: str, engine: TransferEngine, segment: Any,
-                 local: Any, local_arr: np.ndarray, remote_sum: Any) -> None:
+    def __init__(
+        self,
+        label: str,
+        case: str,
+        engine: TransferEngine,
+        segment: Any,
+        local: Any,
+        local_arr: np.ndarray,
+        remote_sum: Any,
+    ) -> None:
         self.label = label
         self.case = case
         self.engine = engine
@@ -132,8 +147,9 @@ class Target:
         return self.engine.transfer(op, self.local, lo, self.segment, ro, page, timeout=120)
 
 
-def _run_case(t: Target, op: Op, page: int, batch: int, pool: int, reps: int,
-              limits: dict[str, float | None]) -> dict[str, Any]:
+def _run_case(
+    t: Target, op: Op, page: int, batch: int, pool: int, reps: int, limits: dict[str, float | None]
+) -> dict[str, Any]:
     slots = pool // page
     rng = np.random.default_rng(page * 7919 + batch)
     ro = rng.choice(slots, batch, replace=False).astype(np.int64) * page
@@ -154,9 +170,19 @@ def _run_case(t: Target, op: Op, page: int, batch: int, pool: int, reps: int,
     if not ok:
         raise AssertionError(f"{t.label} {op.value} {page}x{batch}: bytes differ after transfer")
     nbytes = page * batch
-    return C.record(limits, t.case, served[0] if len(served) == 1 else ",".join(served),
-                    op.value, page, batch, gbps=nbytes / seconds / 1e9,
-                    ops_per_s=batch / seconds, path=t.label, via=_via(t, op), verified=ok)
+    return C.record(
+        limits,
+        t.case,
+        served[0] if len(served) == 1 else ",".join(served),
+        op.value,
+        page,
+        batch,
+        gbps=nbytes / seconds / 1e9,
+        ops_per_s=batch / seconds,
+        path=t.label,
+        via=_via(t, op),
+        verified=ok,
+    )
 
 
 def _via(t: Target, op: Op) -> str | None:
@@ -188,16 +214,28 @@ def _latency(t: Target, op: Op, samples: int, limits: dict[str, float | None]) -
     if not ok:
         raise AssertionError(f"{t.label} 4 KiB {op.value}: bytes differ")
     p50, p99 = C.percentiles(times)
-    return C.record(limits, "latency", res.transports[0].value, op.value, 4096, 1,
-                    p50_us=p50, p99_us=p99, path=t.label, verified=ok)
+    return C.record(
+        limits,
+        "latency",
+        res.transports[0].value,
+        op.value,
+        4096,
+        1,
+        p50_us=p50,
+        p99_us=p99,
+        path=t.label,
+        verified=ok,
+    )
 
 
 def _matrix(args: Any) -> list[tuple[int, int]]:
     if args.pages or args.batches:
         pages = [int(p) for p in (args.pages or "").split(",") if p] or (
-            [p for p, _ in QUICK_CASES] if args.quick else FULL_PAGES)
+            [p for p, _ in QUICK_CASES] if args.quick else FULL_PAGES
+        )
         batches = [int(b) for b in (args.batches or "").split(",") if b] or (
-            [b for _, b in QUICK_CASES] if args.quick else FULL_BATCHES)
+            [b for _, b in QUICK_CASES] if args.quick else FULL_BATCHES
+        )
         return [(p, b) for p in pages for b in batches]
     if args.quick:
         return list(QUICK_CASES)
@@ -213,22 +251,47 @@ def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for label in ("shm", "nixl"):
         for page, batch, floor in ((256 * KiB, 128, 0.7), (16 * KiB, 256, 0.35)):
-            for r in find(case="cross-process", path=label, op="read", page_bytes=page,
-                          batch=batch):
-                out.append({"target": f"same-host cross-process READ {page // KiB} KiB x {batch}"
-                                      f" >= {floor} x memcpy", "path": label,
-                            "value": r["ratio_memcpy"], "met": r["ratio_memcpy"] >= floor})
+            for r in find(
+                case="cross-process", path=label, op="read", page_bytes=page, batch=batch
+            ):
+                out.append(
+                    {
+                        "target": f"same-host cross-process READ {page // KiB} KiB x {batch}"
+                        f" >= {floor} x memcpy",
+                        "path": label,
+                        "value": r["ratio_memcpy"],
+                        "met": r["ratio_memcpy"] >= floor,
+                    }
+                )
     for label in ("tcp", "nixl-tcp"):
         for r in find(case="network", path=label, op="write", page_bytes=MiB, batch=64):
-            out.append({"target": "forced TCP 1 MiB x 64 WRITE >= 0.5 x raw socket",
-                        "path": label, "value": r["ratio_tcp"], "met": r["ratio_tcp"] >= 0.5})
+            out.append(
+                {
+                    "target": "forced TCP 1 MiB x 64 WRITE >= 0.5 x raw socket",
+                    "path": label,
+                    "value": r["ratio_tcp"],
+                    "met": r["ratio_tcp"] >= 0.5,
+                }
+            )
     for r in find(case="latency"):
         if r["path"] in ("shm", "nixl", "local"):
-            out.append({"target": f"single 4 KiB {r['op']} p50 <= 50 us", "path": r["path"],
-                        "value": r["p50_us"], "met": r["p50_us"] <= 50.0})
+            out.append(
+                {
+                    "target": f"single 4 KiB {r['op']} p50 <= 50 us",
+                    "path": r["path"],
+                    "value": r["p50_us"],
+                    "met": r["p50_us"] <= 50.0,
+                }
+            )
     for r in find(case="idle", path="peer engine"):  # one engine (this process holds five)
-        out.append({"target": "idle engine < 5 % of a core", "path": r["path"],
-                    "value": r["cpu_pct"], "met": r["cpu_pct"] < 5.0})
+        out.append(
+            {
+                "target": "idle engine < 5 % of a core",
+                "path": r["path"],
+                "value": r["cpu_pct"],
+                "met": r["cpu_pct"] < 5.0,
+            }
+        )
     return out
 
 
@@ -246,20 +309,33 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [w.strip() for w in args.transports.split(",") if w.strip()]
     matrix = [(p, b) for p, b in _matrix(args) if p * b <= pool]
 
-    print(f"kvmesh transfer bench ({'quick' if quick else 'full'}): pools {pool // MiB} MiB, "
-          f"{len(matrix)} page/batch cases, {reps} reps, {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"kvmesh transfer bench ({'quick' if quick else 'full'}): pools {pool // MiB} MiB, "
+        f"{len(matrix)} page/batch cases, {reps} reps, {os.cpu_count()} CPUs",
+        flush=True,
+    )
     # The references are sampled several times (start, between transports, end) and the
     # best sample is the limit: a busy moment during one sample must not inflate every ratio.
     tcp_bytes = (args.tcp_mib or (256 if quick else 1024)) * MiB
     mem_samples = [C.memcpy_gbps(64 * MiB, 5 if quick else 9)]
     tcp_samples = [C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5)]
-    limits: dict[str, float | None] = {"memcpy_gbps": round(max(mem_samples), 3),
-                                       "tcp_gbps": round(max(tcp_samples), 3)}
-    print(f"limits at start: memcpy {limits['memcpy_gbps']} GB/s (64 MiB, one thread), "
-          f"raw TCP stream {limits['tcp_gbps']} GB/s (loopback, two processes)", flush=True)
+    limits: dict[str, float | None] = {
+        "memcpy_gbps": round(max(mem_samples), 3),
+        "tcp_gbps": round(max(tcp_samples), 3),
+    }
+    print(
+        f"limits at start: memcpy {limits['memcpy_gbps']} GB/s (64 MiB, one thread), "
+        f"raw TCP stream {limits['tcp_gbps']} GB/s (loopback, two processes)",
+        flush=True,
+    )
 
-    me = [sys.executable, str(pathlib.Path(__file__).resolve()), "--peer",
-          "--pool-mib", str(pool // MiB)]
+    me = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--peer",
+        "--pool-mib",
+        str(pool // MiB),
+    ]
     children: list[C.Child] = []
     engines: list[TransferEngine] = []
     records: list[dict[str, Any]] = []
@@ -274,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         local_arr[:] = 1  # first touch outside every timing
 
         def remote_sum(child: C.Child, seg: str) -> Any:
-            return lambda ro, page: child.call("checksum", seg=seg, offsets=ro.tolist(),
-                                               length=page)["sum"]
+            return lambda ro, page: child.call(
+                "checksum", seg=seg, offsets=ro.tolist(), length=page
+            )["sum"]
 
         targets: list[Target] = []
         plan = [
@@ -288,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, case, kind, child, seg_name, nixl in plan:
             if label not in wanted:
                 continue
-            eng = TransferEngine(config=EngineConfig(transport=kind, nixl=nixl,
-                                                     node_id=f"bench-{label}"))
+            eng = TransferEngine(
+                config=EngineConfig(transport=kind, nixl=nixl, node_id=f"bench-{label}")
+            )
             engines.append(eng)
             local = eng.register(local_arr)
             if child is None:  # same process: a segment of our own engine
@@ -307,8 +385,11 @@ def main(argv: list[str] | None = None) -> int:
                 for page, batch in matrix:
                     r = _run_case(t, op, page, batch, pool, reps, limits)
                     records.append(r)
-                    print(f"  {t.label:9s} {op.value:5s} {page // KiB:5d} KiB x {batch:5d}: "
-                          f"{r['gbps']:6.2f} GB/s", flush=True)
+                    print(
+                        f"  {t.label:9s} {op.value:5s} {page // KiB:5d} KiB x {batch:5d}: "
+                        f"{r['gbps']:6.2f} GB/s",
+                        flush=True,
+                    )
             mem_samples.append(C.memcpy_gbps(64 * MiB, 3))
             tcp_samples.append(C.tcp_gbps(tcp_bytes, 4 * MiB, 2))
         for t in targets:
@@ -317,12 +398,27 @@ def main(argv: list[str] | None = None) -> int:
         # Idle cost: the peer's engine served every transport (it runs a NIXL agent now);
         # this process holds one engine per transport.
         time.sleep(0.2)
-        records.append(C.record(limits, "idle", "all", None, path="peer engine",
-                                cpu_pct=round(100 * C.idle_cpu_fraction(peer.pid, idle_s), 2)))
+        records.append(
+            C.record(
+                limits,
+                "idle",
+                "all",
+                None,
+                path="peer engine",
+                cpu_pct=round(100 * C.idle_cpu_fraction(peer.pid, idle_s), 2),
+            )
+        )
         agents = sum(1 for e in engines if (t := e.transport(TransportKind.NIXL)) and t.started)
-        records.append(C.record(limits, "idle", "all", None,
-                                path=f"this process ({len(engines)} engines, {agents} NIXL agents)",
-                                cpu_pct=round(100 * C.idle_cpu_fraction(None, idle_s), 2)))
+        records.append(
+            C.record(
+                limits,
+                "idle",
+                "all",
+                None,
+                path=f"this process ({len(engines)} engines, {agents} NIXL agents)",
+                cpu_pct=round(100 * C.idle_cpu_fraction(None, idle_s), 2),
+            )
+        )
     finally:
         for eng in engines:
             eng.close()
@@ -331,33 +427,64 @@ def main(argv: list[str] | None = None) -> int:
     tcp_samples.append(C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5))
     limits = {"memcpy_gbps": round(max(mem_samples), 3), "tcp_gbps": round(max(tcp_samples), 3)}
     C.apply_ratios(records, limits)
-    print(f"limits (best of the run's samples): memcpy {limits['memcpy_gbps']} GB/s "
-          f"(samples {[round(x, 2) for x in mem_samples]}), raw TCP {limits['tcp_gbps']} GB/s "
-          f"(samples {[round(x, 2) for x in tcp_samples]})")
+    print(
+        f"limits (best of the run's samples): memcpy {limits['memcpy_gbps']} GB/s "
+        f"(samples {[round(x, 2) for x in mem_samples]}), raw TCP {limits['tcp_gbps']} GB/s "
+        f"(samples {[round(x, 2) for x in tcp_samples]})"
+    )
 
     print()
-    C.print_table([r for r in records if r["case"] not in ("latency", "idle")],
-                  ("case", "path", "transport", "via", "op", "page_bytes", "batch", "gbps",
-                   "ops_per_s", "ratio_memcpy", "ratio_tcp"))
+    C.print_table(
+        [r for r in records if r["case"] not in ("latency", "idle")],
+        (
+            "case",
+            "path",
+            "transport",
+            "via",
+            "op",
+            "page_bytes",
+            "batch",
+            "gbps",
+            "ops_per_s",
+            "ratio_memcpy",
+            "ratio_tcp",
+        ),
+    )
     print()
-    C.print_table([r for r in records if r["case"] == "latency"],
-                  ("case", "path", "transport", "op", "page_bytes", "p50_us", "p99_us"))
+    C.print_table(
+        [r for r in records if r["case"] == "latency"],
+        ("case", "path", "transport", "op", "page_bytes", "p50_us", "p99_us"),
+    )
     print()
     C.print_table([r for r in records if r["case"] == "idle"], ("case", "path", "cpu_pct"))
     targets_met = _targets(records)
     if targets_met:
         print("\ntargets:")
         for t in targets_met:
-            print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}")
+            print(
+                f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}"
+            )
     elapsed = time.monotonic() - t_start
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
-          f"{os.cpu_count()} CPUs; other jobs skew the figures)", flush=True)
+    print(
+        f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
+        f"{os.cpu_count()} CPUs; other jobs skew the figures)",
+        flush=True,
+    )
     if args.json:
-        C.write_json(args.json, "transfer", limits, records, targets=targets_met,
-                     quick=quick, elapsed_s=round(elapsed, 1),
-                     limit_samples={"memcpy_gbps": [round(x, 3) for x in mem_samples],
-                                    "tcp_gbps": [round(x, 3) for x in tcp_samples]})
+        C.write_json(
+            args.json,
+            "transfer",
+            limits,
+            records,
+            targets=targets_met,
+            quick=quick,
+            elapsed_s=round(elapsed, 1),
+            limit_samples={
+                "memcpy_gbps": [round(x, 3) for x in mem_samples],
+                "tcp_gbps": [round(x, 3) for x in tcp_samples],
+            },
+        )
     return 0
 
 

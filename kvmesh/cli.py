@@ -29,22 +29,26 @@ import numpy as np
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+            return (
+                f"{n:g} {unit}"
+                if unit == "B"
+                else f"{n:.0f} {unit}"
+                if n == int(n)
+                else f"{n:.1f} {unit}"
+            )
         n /= 1024  # type: ignore[assignment]
     return str(n)
 
 
 # --- info ---------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from kvmesh.transfer import EngineConfig, TransferEngine, fastcopy
-    from kvmesh.transfer import nixl
+    from kvmesh.transfer import EngineConfig, TransferEngine, fastcopy, nixl
 
     cfg = EngineConfig.from_env(shm_sweep=False)
     with TransferEngine(config=cfg) as eng:
         info = eng.info()
     info["copy"] = fastcopy.BACKEND
-    info["nixl"] = {"installed": nixl.installed_reason() is None,
-                    "reason": nixl.installed_reason()}
+    info["nixl"] = {"installed": nixl.installed_reason() is None, "reason": nixl.installed_reason()}
     if args.probe_nixl:
         info["nixl"]["usable"] = nixl.available()
         info["nixl"]["version"] = nixl.nixl_version()
@@ -54,14 +58,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"kvmesh transfer engine on {platform.node()} "
-          f"(python {info['python']}, {info['cpus']} cpus)")
+    print(
+        f"kvmesh transfer engine on {platform.node()} "
+        f"(python {info['python']}, {info['cpus']} cpus)"
+    )
     print(f"  host id       {info['host_id']}")
     print(f"  copy routine  {info['copy']}")
     nx = info["nixl"]
     state = "installed" if nx["installed"] else f"not installed ({nx['reason']})"
     if "usable" in nx:
-        state = f"usable, version {nx['version']}" if nx["usable"] else f"not usable ({nx['reason']})"
+        state = (
+            f"usable, version {nx['version']}" if nx["usable"] else f"not usable ({nx['reason']})"
+        )
     print(f"  nixl          {state}")
     print("  transports (preference order):")
     for kind, status in info["transports"].items():
@@ -96,9 +104,20 @@ def _demo_peer(args: argparse.Namespace) -> int:
 class _Node:
     def __init__(self, slots: int, page_bytes: int, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "_demo-peer", "--slots", str(slots),
-             "--page-bytes", str(page_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "_demo-peer",
+                "--slots",
+                str(slots),
+                "--page-bytes",
+                str(page_bytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.address = self._read()["address"]
 
@@ -141,10 +160,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     page_bytes = int(np.prod(page_shape)) * 2
     n = args.pages
     slots = max(2 * n, args.slots)
-    print(f"kvmesh demo: {n} KV pages of {_fmt_bytes(page_bytes)} "
-          f"({args.layers} layers x K,V x {args.page_tokens} tokens x {args.kv_heads} heads x "
-          f"{args.head_dim} dims, fp16) into a {_fmt_bytes(slots * page_bytes)} shared pool "
-          f"held by a second process", flush=True)
+    print(
+        f"kvmesh demo: {n} KV pages of {_fmt_bytes(page_bytes)} "
+        f"({args.layers} layers x K,V x {args.page_tokens} tokens x {args.kv_heads} heads x "
+        f"{args.head_dim} dims, fp16) into a {_fmt_bytes(slots * page_bytes)} shared pool "
+        f"held by a second process",
+        flush=True,
+    )
     t_start = time.monotonic()
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -152,13 +174,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = []
     ok = True
     try:
-        pages = _kv_pages(n, *page_shape[:1], args.kv_heads, args.head_dim, args.page_tokens, seed=1)
+        pages = _kv_pages(
+            n, *page_shape[:1], args.kv_heads, args.head_dim, args.page_tokens, seed=1
+        )
         flat = pages.reshape(n, page_bytes // 2).view(np.uint8).reshape(n, page_bytes)
         wanted = args.transports.split(",") if args.transports != "auto" else ["shm", "nixl", "tcp"]
         for name in wanted:
             kind = TransportKind(name)
             try:
-                eng = TransferEngine(node_id=f"prefill-{name}", config=EngineConfig.from_env(transport=kind.value))
+                eng = TransferEngine(
+                    node_id=f"prefill-{name}", config=EngineConfig.from_env(transport=kind.value)
+                )
             except Exception as exc:
                 rows.append((name, "-", "-", "-", "-", f"unavailable: {exc}"))
                 continue
@@ -176,8 +202,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         if op is Op.READ:
                             dest = last_dest
                         t0 = time.perf_counter()
-                        res = eng.transfer(op, src if op is Op.WRITE else back,
-                                           np.arange(n) * page_bytes, seg, dest * page_bytes, page_bytes)
+                        res = eng.transfer(
+                            op,
+                            src if op is Op.WRITE else back,
+                            np.arange(n) * page_bytes,
+                            seg,
+                            dest * page_bytes,
+                            page_bytes,
+                        )
                         dt = time.perf_counter() - t0
                         if rnd:
                             times.append(dt)
@@ -194,8 +226,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         back_arr[:] = 0
                     ok &= good
                     dt = float(np.median(times))
-                    rows.append((name, op.value, f"{n / dt:,.0f}", f"{n * page_bytes / dt / 1e9:.2f}",
-                                 served, "verified" if good else "MISMATCH"))
+                    rows.append(
+                        (
+                            name,
+                            op.value,
+                            f"{n / dt:,.0f}",
+                            f"{n * page_bytes / dt / 1e9:.2f}",
+                            served,
+                            "verified" if good else "MISMATCH",
+                        )
+                    )
             except Exception as exc:
                 ok = False
                 rows.append((name, "-", "-", "-", "-", f"failed: {type(exc).__name__}: {exc}"))
@@ -210,8 +250,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("-" * len(line))
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    print(f"done in {time.monotonic() - t_start:.1f}s; "
-          f"every page {'verified' if ok else 'NOT verified'}")
+    print(
+        f"done in {time.monotonic() - t_start:.1f}s; "
+        f"every page {'verified' if ok else 'NOT verified'}"
+    )
     return 0 if ok else 1
 
 
@@ -224,17 +266,26 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: a prefix KV cache as a system resource")
+    ap = argparse.ArgumentParser(
+        prog="kvmesh", description="kvmesh: a prefix KV cache as a system resource"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="transports, host id, NIXL presence")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--probe-nixl", action="store_true", help="import NIXL to check it is usable (~0.5 s)")
+    p.add_argument(
+        "--probe-nixl", action="store_true", help="import NIXL to check it is usable (~0.5 s)"
+    )
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser(
         "demo", help="KV pages through the store (default) or the transfer engine alone"
     )
-    p.add_argument("which", nargs="?", choices=["store", "transfer"], default="store",
-                   help="store: embedded store, two worker processes; transfer: engine only")
+    p.add_argument(
+        "which",
+        nargs="?",
+        choices=["store", "transfer"],
+        default="store",
+        help="store: embedded store, two worker processes; transfer: engine only",
+    )
     p.add_argument("--pages", type=int, default=128, help="pages per batch")
     p.add_argument("--slots", type=int, default=0, help="pool slots (default 2 x pages)")
     p.add_argument("--layers", type=int, default=16)

@@ -19,6 +19,14 @@ Layers (see docs/replog.md):
 from .client import ClusterUnavailable, KvClient, ReplogClient
 from .core import RaftCore
 from .diskstorage import DiskStorage, StorageCorruptionError, StorageLockedError
+from .errors import (
+    ERROR_CODES,
+    BadRequest,
+    Overloaded,
+    ResultEvicted,
+    SessionDenied,
+    Unauthorized,
+)
 from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, KvStateMachine
 from .linearizability import History, KvModel, KvOp, Operation, check
 from .memstorage import MemoryStorage
@@ -33,14 +41,6 @@ from .node import (
     RaftNode,
     ReadTimeout,
     SessionExpiredError,
-)
-from .errors import (
-    ERROR_CODES,
-    BadRequest,
-    Overloaded,
-    ResultEvicted,
-    SessionDenied,
-    Unauthorized,
 )
 from .server import LocalCluster, ReplicaServer, ServerLimits
 from .session import SessionLimits, SessionStateMachine, SessionTracker

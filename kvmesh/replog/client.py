@@ -120,7 +120,13 @@ class _Conn:
                 f = self.waiters.pop(resp.rid, None)
                 if f is not None and not f.done():
                     f.set_result(resp)
-        except (ConnectionError, OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (
+            ConnectionError,
+            OSError,
+            NetError,
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+        ) as e:
             self._fail(ConnectionError(f"connection to {self.addr} lost: {e or type(e).__name__}"))
         except asyncio.CancelledError:
             self._fail(ConnectionError(f"connection to {self.addr} closed"))
@@ -295,7 +301,9 @@ class ReplogClient(LeaderFinderViews):
             try:
                 resp = await self._call(make, deadline)
             except ClusterUnavailable as e:
-                raise ProposalTimeout(f"command seq {seq} of client {cid}: outcome unknown ({e})") from None
+                raise ProposalTimeout(
+                    f"command seq {seq} of client {cid}: outcome unknown ({e})"
+                ) from None
             return self._decode(resp)
         finally:
             self._outstanding.discard(seq)
@@ -353,4 +361,3 @@ class KvClient(ReplogClient):
     async def batch(self, cmds: list[Any]) -> list[Any]:
         """Several commands as one log entry (one RPC, applied atomically in order)."""
         return await self.submit(encode_command(KvBatch(cmds)))
-

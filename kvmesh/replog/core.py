@@ -110,6 +110,7 @@ def next_conf_state(cs: ConfState, cc: ConfChange) -> ConfState:
         learners.discard(n)
     return ConfState(tuple(sorted(voters)), tuple(sorted(learners)))
 
+
 FOLLOWER = Role.FOLLOWER
 PRE_CANDIDATE = Role.PRE_CANDIDATE
 CANDIDATE = Role.CANDIDATE
@@ -171,7 +172,9 @@ class RaftCore:
             applied = snap_index
         last = storage.last_index()
         if not snap_index <= applied <= last:
-            raise ValueError(f"applied index {applied} outside the stored log [{snap_index}, {last}]")
+            raise ValueError(
+                f"applied index {applied} outside the stored log [{snap_index}, {last}]"
+            )
         if hs.commit > last:
             raise ValueError(f"hard state commit {hs.commit} beyond the last stored index {last}")
         self.log = RaftLog(storage, applied)
@@ -297,9 +300,11 @@ class RaftCore:
             last = self.log.last_index()
             # A success acknowledges entries we sent (all in our log); a rejection names
             # the prev_index of an Append we sent.
-            return 0 <= m.index <= last and 0 <= m.hint_index and 0 <= m.hint_term <= self.term
+            return 0 <= m.index <= last and m.hint_index >= 0 and 0 <= m.hint_term <= self.term
         if mt is InstallSnapshotResp:
-            return m.term != self.term or self.role != LEADER or 0 <= m.index <= self.log.last_index()
+            return (
+                m.term != self.term or self.role != LEADER or 0 <= m.index <= self.log.last_index()
+            )
         if mt is InstallSnapshot:
             return self._valid_snapshot(m)
         if mt is Heartbeat:
@@ -389,7 +394,9 @@ class RaftCore:
         self._charge_uncommitted(total)
         term = self.term
         idx = self.log.last_index()
-        self.log.u_entries.extend([Entry(term, idx + i, _NORMAL, d) for i, d in enumerate(datas, 1)])
+        self.log.u_entries.extend(
+            [Entry(term, idx + i, _NORMAL, d) for i, d in enumerate(datas, 1)]
+        )
         self._need_flush = True
         return idx + len(datas)
 
@@ -399,7 +406,9 @@ class RaftCore:
         entry of its term (Ongaro's correction); ConfChangeError if invalid."""
         self._check_can_propose()
         if self.log.zero_term(self.log.committed) != self.term:
-            raise ProposalDropped("the leader has not committed an entry of its term yet; retry shortly")
+            raise ProposalDropped(
+                "the leader has not committed an entry of its term yet; retry shortly"
+            )
         if self.pending_conf_index > self.log.applied:
             raise ProposalDropped(
                 "a configuration change is pending "
@@ -434,7 +443,9 @@ class RaftCore:
         if to == self.id:
             return
         if to not in self.voters:
-            raise LeaderTransferError(f"cannot transfer leadership to {to}: not a voter of {self.voters}")
+            raise LeaderTransferError(
+                f"cannot transfer leadership to {to}: not a voter of {self.voters}"
+            )
         if self.lead_transferee == to:
             return
         self.lead_transferee = to
@@ -470,7 +481,13 @@ class RaftCore:
             return False
         self._flush()
         log = self.log
-        if self.msgs_now or self.msgs_after or self.read_states or log.u_entries or log.u_snapshot is not None:
+        if (
+            self.msgs_now
+            or self.msgs_after
+            or self.read_states
+            or log.u_entries
+            or log.u_snapshot is not None
+        ):
             return True
         hs = self._prev_hs
         if hs.term != self.term or hs.vote != self.vote or hs.commit != log.committed:
@@ -523,7 +540,9 @@ class RaftCore:
     def advance(self, rd: Ready) -> None:
         """Everything in ``rd`` is durably persisted and applied."""
         if rd is not self._outstanding:
-            raise ReadyContractError("advance() called with a Ready that is not the outstanding one")
+            raise ReadyContractError(
+                "advance() called with a Ready that is not the outstanding one"
+            )
         self._outstanding = None
         log = self.log
         if rd.hard_state is not None:
@@ -592,14 +611,23 @@ class RaftCore:
 
     def lease_valid(self) -> bool:
         """Whether a leader may answer reads from its lease right now (LEASE_BASED)."""
-        return self.role == LEADER and self._lease_mode and self._committed_in_term() and self._lease_valid()
+        return (
+            self.role == LEADER
+            and self._lease_mode
+            and self._committed_in_term()
+            and self._lease_valid()
+        )
 
     # ======================================================================================
     # Internals: sending and flushing
     # ======================================================================================
 
     def _send(self, m) -> None:
-        if type(m) in _AFTER_PERSIST or self.term != self._durable_term or self.vote != self._durable_vote:
+        if (
+            type(m) in _AFTER_PERSIST
+            or self.term != self._durable_term
+            or self.vote != self._durable_vote
+        ):
             self.msgs_after.append(m)
         else:
             self.msgs_now.append(m)
@@ -633,7 +661,9 @@ class RaftCore:
         last = log.last_index()
         try:
             prev_term = log.term(prev)
-            ents = log.entries(pr.next, last + 1, self.cfg.max_size_per_msg) if pr.next <= last else []
+            ents = (
+                log.entries(pr.next, last + 1, self.cfg.max_size_per_msg) if pr.next <= last else []
+            )
         except LogCompacted:
             return self._send_snapshot(to, pr)
         except LogUnavailable:
@@ -738,7 +768,9 @@ class RaftCore:
         last = log.last_index()
         cfg = self.cfg
         for n in (*self.voters, *self.learners):
-            self.prs[n] = Progress(last + 1, cfg.max_inflight_msgs, cfg.max_inflight_bytes, n in self.learners)
+            self.prs[n] = Progress(
+                last + 1, cfg.max_inflight_msgs, cfg.max_inflight_bytes, n in self.learners
+            )
         me = self.prs.get(self.id)
         if me is not None:
             me.match = log.persisted
@@ -895,7 +927,9 @@ class RaftCore:
         elif mt is InstallSnapshot:
             self._become_follower(m.term, m.frm)
             self._handle_snapshot(m)
-        elif (mt is PreVoteResp and self.role == PRE_CANDIDATE) or (mt is VoteResp and self.role == CANDIDATE):
+        elif (mt is PreVoteResp and self.role == PRE_CANDIDATE) or (
+            mt is VoteResp and self.role == CANDIDATE
+        ):
             if m.frm not in self.votes:
                 self.votes[m.frm] = not m.reject
             res = vote_result(self.voters, self.votes)
@@ -919,7 +953,15 @@ class RaftCore:
         hint = min(m.prev_index, log.last_index())
         hint_index, hint_term = log.find_conflict_by_term(hint, m.prev_term)
         self._send(
-            AppendResp(self.id, m.frm, self.term, index=m.prev_index, reject=True, hint_index=hint_index, hint_term=hint_term)
+            AppendResp(
+                self.id,
+                m.frm,
+                self.term,
+                index=m.prev_index,
+                reject=True,
+                hint_index=hint_index,
+                hint_term=hint_term,
+            )
         )
 
     def _handle_heartbeat(self, m: Heartbeat) -> None:
@@ -1027,7 +1069,9 @@ class RaftCore:
         log = self.log
         prs = self.prs
         me = self.id
-        matches = [log.persisted if v == me else prs[v].match for v in self.voters if v == me or v in prs]
+        matches = [
+            log.persisted if v == me else prs[v].match for v in self.voters if v == me or v in prs
+        ]
         if not log.maybe_commit(committed_index(matches), self.term):
             return False
         ro = self.readonly

@@ -131,7 +131,7 @@ class DiskStorage(EntryLog, ReadyWriter):
         bootstrap_voters: list[int] | tuple[int, ...] | None = None,
         bootstrap_learners: list[int] | tuple[int, ...] = (),
         segment_bytes: int = 64 << 20,
-    ) -> "DiskStorage":
+    ) -> DiskStorage:
         """Open and recover ``path``. If it holds no state and ``bootstrap_voters`` is given,
         durably write the founding log prefix (:func:`~kvmesh.replog.types.bootstrap_entries`).
 
@@ -157,7 +157,9 @@ class DiskStorage(EntryLog, ReadyWriter):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StorageLockedError(f"data directory {self.path} is in use by another process") from None
+            raise StorageLockedError(
+                f"data directory {self.path} is in use by another process"
+            ) from None
         self._lock_fd = fd
 
     def is_empty(self) -> bool:
@@ -192,7 +194,9 @@ class DiskStorage(EntryLog, ReadyWriter):
             try:
                 rec = _dec.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise StorageCorruptionError(f"{self.path}: WAL record undecodable (CRC was fine): {e}") from e
+                raise StorageCorruptionError(
+                    f"{self.path}: WAL record undecodable (CRC was fine): {e}"
+                ) from e
             t = type(rec)
             if t is _WEntries:
                 new = rec.entries
@@ -362,7 +366,9 @@ class DiskStorage(EntryLog, ReadyWriter):
         newer snapshot file supersedes the log."""
         m = snap.meta
         if m.index < self._snap_meta.index:
-            raise StorageError(f"snapshot at {m.index} is older than the stored one at {self._snap_meta.index}")
+            raise StorageError(
+                f"snapshot at {m.index} is older than the stored one at {self._snap_meta.index}"
+            )
         if path is None:
             path = snapfile.write_snapshot(self.snap_dir, snap)
         self.wal.append([_enc.encode(_WInstalled(m.index, m.term))])
@@ -372,15 +378,23 @@ class DiskStorage(EntryLog, ReadyWriter):
             self._hs = HardState(self._hs.term, self._hs.vote, m.index)
         self._prune_snapshot_files()
 
-    def prepare_snapshot(self, index: int, conf_state: ConfState, data: bytes) -> tuple[Snapshot, str]:
+    def prepare_snapshot(
+        self, index: int, conf_state: ConfState, data: bytes
+    ) -> tuple[Snapshot, str]:
         """Build and durably write a local snapshot at ``index`` (already applied). Only
         reads the immutable log, so it may run in a worker thread while the loop continues;
         finish with :meth:`commit_snapshot` on the owning thread."""
         if index <= self._snap_meta.index:
-            raise StorageError(f"snapshot at {index} is not newer than the stored one at {self._snap_meta.index}")
+            raise StorageError(
+                f"snapshot at {index} is not newer than the stored one at {self._snap_meta.index}"
+            )
         if index > self.last_index():
-            raise LogUnavailable(f"snapshot index {index} is beyond the last index {self.last_index()}")
-        snap = Snapshot(SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data)
+            raise LogUnavailable(
+                f"snapshot index {index} is beyond the last index {self.last_index()}"
+            )
+        snap = Snapshot(
+            SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data
+        )
         return snap, snapfile.write_snapshot(self.snap_dir, snap)
 
     def commit_snapshot(self, snap: Snapshot, path: str, keep_data: bool = True) -> None:
@@ -423,7 +437,9 @@ class DiskStorage(EntryLog, ReadyWriter):
         if index <= self.first_index() - 1:
             return
         if index > self._snap_meta.index:
-            raise StorageError(f"cannot compact to {index}: the newest snapshot is at {self._snap_meta.index}")
+            raise StorageError(
+                f"cannot compact to {index}: the newest snapshot is at {self._snap_meta.index}"
+            )
         self._compact_log(index)
         wal = self.wal
         # Whole segments, oldest first, up to the first one holding an entry above index;

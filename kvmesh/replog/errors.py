@@ -76,7 +76,12 @@ class NotLeaderError(NotLeader):
     """This replica is not the leader. ``leader_id`` (or None) and ``leader_addr`` (the
     address clients should use, or None) tell where to go."""
 
-    def __init__(self, leader_id: int | None = None, leader_addr: str | None = None, message: str | None = None) -> None:
+    def __init__(
+        self,
+        leader_id: int | None = None,
+        leader_addr: str | None = None,
+        message: str | None = None,
+    ) -> None:
         self.leader_id = leader_id
         self.leader_addr = leader_addr
         where = f"leader is {leader_id} at {leader_addr}" if leader_id else "no leader known"
@@ -315,7 +320,8 @@ _TABLE: ErrorTable[ReplogError] = ErrorTable(
 ERROR_CODES: dict[str, type[ReplogError]] = _TABLE.by_code  # type: ignore[assignment]
 
 RETRYABLE: frozenset[str] = frozenset(
-    c.code for c in (ProposalTimeout, ReadTimeout, ProposalDropped, ProposalLost, NodeStopped, Overloaded)
+    c.code
+    for c in (ProposalTimeout, ReadTimeout, ProposalDropped, ProposalLost, NodeStopped, Overloaded)
 )
 """Codes after which the same request may go to another replica (or later) safely."""
 

@@ -155,7 +155,9 @@ class KvStateMachine:
 
         def gen() -> Iterator[bytes]:
             for lo in range(0, len(keys), CHUNK_ITEMS):
-                yield pack_chunk(_enc.encode((keys[lo : lo + CHUNK_ITEMS], values[lo : lo + CHUNK_ITEMS])))
+                yield pack_chunk(
+                    _enc.encode((keys[lo : lo + CHUNK_ITEMS], values[lo : lo + CHUNK_ITEMS]))
+                )
 
         return gen()
 

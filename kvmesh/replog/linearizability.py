@@ -51,9 +51,9 @@ Outcome = Literal["ok", "illegal", "unknown"]
 class _Unknown:
     """Output of an operation whose outcome is not known (sentinel, distinct from ``None``)."""
 
-    _instance: "_Unknown | None" = None
+    _instance: _Unknown | None = None
 
-    def __new__(cls) -> "_Unknown":
+    def __new__(cls) -> _Unknown:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -130,7 +130,9 @@ class History:
         slot.output = output
         slot.ret = self._clock() if t is None else t
         if slot.ret < slot.call:
-            raise ValueError(f"operation {handle} returns at {slot.ret} before its call at {slot.call}")
+            raise ValueError(
+                f"operation {handle} returns at {slot.ret} before its call at {slot.call}"
+            )
 
     def fail(self, handle: int, t: float | None = None) -> None:
         """The operation definitely did not take effect (it is dropped from the history)."""
@@ -156,7 +158,7 @@ class History:
                 out.append(Operation(s.client, s.input, s.call, UNKNOWN, math.inf))
         return out
 
-    def merge(self, other: "History") -> None:
+    def merge(self, other: History) -> None:
         """Append another recorder's events (e.g. one History per client task)."""
         self._slots.extend(other._slots)
 
@@ -209,23 +211,23 @@ class KvOp(NamedTuple):
     expected: Any = None
 
     @classmethod
-    def get(cls, key: Hashable) -> "KvOp":
+    def get(cls, key: Hashable) -> KvOp:
         return cls("get", key)
 
     @classmethod
-    def put(cls, key: Hashable, value: Hashable) -> "KvOp":
+    def put(cls, key: Hashable, value: Hashable) -> KvOp:
         return cls("put", key, value)
 
     @classmethod
-    def delete(cls, key: Hashable) -> "KvOp":
+    def delete(cls, key: Hashable) -> KvOp:
         return cls("delete", key)
 
     @classmethod
-    def cas(cls, key: Hashable, expected: Hashable, new: Hashable) -> "KvOp":
+    def cas(cls, key: Hashable, expected: Hashable, new: Hashable) -> KvOp:
         return cls("cas", key, new, expected)
 
     @classmethod
-    def append(cls, key: Hashable, value: Hashable) -> "KvOp":
+    def append(cls, key: Hashable, value: Hashable) -> KvOp:
         return cls("append", key, value)
 
 
@@ -319,7 +321,9 @@ class CheckResult:
 
     def report(self, max_ops: int = 60) -> str:
         """Human-readable text; details every illegal partition."""
-        counts = {k: sum(p.outcome == k for p in self.partitions) for k in ("ok", "illegal", "unknown")}
+        counts = {
+            k: sum(p.outcome == k for p in self.partitions) for k in ("ok", "illegal", "unknown")
+        }
         lines = [
             f"linearizability: {self.outcome.upper()} ({len(self.partitions)} partitions: "
             f"{counts['ok']} ok, {counts['illegal']} illegal, {counts['unknown']} unknown; "
@@ -328,23 +332,31 @@ class CheckResult:
         m = self.model
         for p in self.partitions:
             if p.outcome == "unknown":
-                lines.append(f"  partition {p.name}: UNKNOWN "
-                             f"(budget exhausted after {p.steps} steps, {len(p.ops)} ops)")
+                lines.append(
+                    f"  partition {p.name}: UNKNOWN "
+                    f"(budget exhausted after {p.steps} steps, {len(p.ops)} ops)"
+                )
             if p.outcome != "illegal":
                 continue
             lines.append(f"  partition {p.name}: ILLEGAL ({len(p.ops)} ops)")
             lines.append("    history (by call time):")
             for o in sorted(p.ops, key=lambda o: (o.call, o.ret))[:max_ops]:
                 ret = "pending" if o.pending else f"{o.ret:.6f}"
-                lines.append(f"      [{o.call:.6f} .. {ret}] "
-                             f"client {o.client}: {m.describe_operation(o.input, o.output)}")
+                lines.append(
+                    f"      [{o.call:.6f} .. {ret}] "
+                    f"client {o.client}: {m.describe_operation(o.input, o.output)}"
+                )
             if len(p.ops) > max_ops:
                 lines.append(f"      ... {len(p.ops) - max_ops} more")
-            lines.append(f"    longest linearizable prefix ({len(p.longest)} ops), state after each:")
+            lines.append(
+                f"    longest linearizable prefix ({len(p.longest)} ops), state after each:"
+            )
             lines.append(f"      init: {m.describe_state(m.init())}")
             for o, st in p.longest[-max_ops:]:
-                lines.append(f"      client {o.client}: "
-                             f"{m.describe_operation(o.input, o.output)}  => {m.describe_state(st)}")
+                lines.append(
+                    f"      client {o.client}: "
+                    f"{m.describe_operation(o.input, o.output)}  => {m.describe_state(st)}"
+                )
             for o in p.blocked:
                 lines.append(
                     f"    cannot linearize next: client {o.client}: "
@@ -355,7 +367,9 @@ class CheckResult:
         return "\n".join(lines)
 
 
-def _check_partition(model: Any, ops: list[Operation], deadline: float, max_steps: int | None) -> PartitionResult:
+def _check_partition(
+    model: Any, ops: list[Operation], deadline: float, max_steps: int | None
+) -> PartitionResult:
     name = model.partition_name(ops)
     # A pending op that cannot change state is invisible whether or not it happened.
     ops = [o for o in ops if not (o.pending and model.is_read_only(o.input))]
@@ -503,7 +517,7 @@ def check_operations(
 
 def check(
     model: Any,
-    history: "History | Iterable[Operation]",
+    history: History | Iterable[Operation],
     timeout_s: float | None = 10.0,
     max_steps_per_partition: int | None = None,
 ) -> CheckResult:

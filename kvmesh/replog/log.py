@@ -103,7 +103,9 @@ class RaftLog:
         if lo >= hi:
             return []
         if lo < self.first_index():
-            raise LogCompacted(f"entries from {lo} are compacted (first index {self.first_index()})")
+            raise LogCompacted(
+                f"entries from {lo} are compacted (first index {self.first_index()})"
+            )
         last = self.last_index()
         if hi > last + 1:
             raise LogUnavailable(f"entries up to {hi - 1} requested, last index is {last}")
@@ -144,7 +146,9 @@ class RaftLog:
         """Append (leader) or truncate-and-append (follower) contiguous entries."""
         after = ents[0].index
         if after <= self.committed:
-            raise AssertionError(f"refusing to overwrite committed index {after} (committed {self.committed})")
+            raise AssertionError(
+                f"refusing to overwrite committed index {after} (committed {self.committed})"
+            )
         u_off = self.u_offset
         n = len(self.u_entries)
         if after == u_off + n:
@@ -160,7 +164,9 @@ class RaftLog:
         if self.persisted >= after:
             self.persisted = after - 1
 
-    def maybe_append(self, prev_index: int, prev_term: int, commit: int, ents: list[Entry]) -> int | None:
+    def maybe_append(
+        self, prev_index: int, prev_term: int, commit: int, ents: list[Entry]
+    ) -> int | None:
         """Follower side of AppendEntries; returns the last index known to match the
         leader's, or None if ``(prev_index, prev_term)`` does not match."""
         if not self.match_term(prev_index, prev_term):

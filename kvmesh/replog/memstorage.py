@@ -73,7 +73,9 @@ class EntryLog:
         if lo <= off:
             raise LogCompacted(f"entries from {lo} are compacted (first index {off + 1})")
         if hi > self.last_index() + 1:
-            raise LogUnavailable(f"entries up to {hi - 1} requested, last index is {self.last_index()}")
+            raise LogUnavailable(
+                f"entries up to {hi - 1} requested, last index is {self.last_index()}"
+            )
         if lo >= hi:
             return []
         return limit_size(self._ents[lo - off : hi - off], max_bytes)
@@ -91,7 +93,9 @@ class EntryLog:
         first = entries[0].index
         last = self.last_index()
         if first > last + 1:
-            raise StorageError(f"append would leave a gap: last index {last}, first new index {first}")
+            raise StorageError(
+                f"append would leave a gap: last index {last}, first new index {first}"
+            )
         if entries[-1].index <= off:
             return []
         if first <= off:
@@ -175,13 +179,17 @@ class MemoryStorage(EntryLog, ReadyWriter):
 
     needs_fsync = False
 
-    def __init__(self, hard_state: HardState | None = None, snapshot: Snapshot | None = None) -> None:
+    def __init__(
+        self, hard_state: HardState | None = None, snapshot: Snapshot | None = None
+    ) -> None:
         self._hs = hard_state or HardState()
         self._snap = snapshot or Snapshot()
         self._reset_log(self._snap.meta.index, self._snap.meta.term)
 
     @classmethod
-    def bootstrap(cls, voters: list[int] | tuple[int, ...], learners: list[int] | tuple[int, ...] = ()) -> "MemoryStorage":
+    def bootstrap(
+        cls, voters: list[int] | tuple[int, ...], learners: list[int] | tuple[int, ...] = ()
+    ) -> MemoryStorage:
         """A storage holding the founding log prefix of a new cluster."""
         ents, hs = bootstrap_entries(voters, learners)
         s = cls()
@@ -224,10 +232,16 @@ class MemoryStorage(EntryLog, ReadyWriter):
     def create_snapshot(self, index: int, conf_state: ConfState, data: bytes) -> Snapshot:
         """Record a snapshot of the state machine taken at ``index`` (already applied)."""
         if index <= self._snap.meta.index:
-            raise StorageError(f"snapshot at {index} is not newer than the stored one at {self._snap.meta.index}")
+            raise StorageError(
+                f"snapshot at {index} is not newer than the stored one at {self._snap.meta.index}"
+            )
         if index > self.last_index():
-            raise LogUnavailable(f"snapshot index {index} is beyond the last index {self.last_index()}")
-        snap = Snapshot(SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data)
+            raise LogUnavailable(
+                f"snapshot index {index} is beyond the last index {self.last_index()}"
+            )
+        snap = Snapshot(
+            SnapshotMeta(index=index, term=self.term(index), conf_state=conf_state), data
+        )
         self._snap = snap
         return snap
 
@@ -244,7 +258,7 @@ class MemoryStorage(EntryLog, ReadyWriter):
 
     # -- helpers for simulators ----------------------------------------------------------
 
-    def copy(self) -> "MemoryStorage":
+    def copy(self) -> MemoryStorage:
         """An independent copy (entries are immutable, so the list copy is enough)."""
         s = MemoryStorage.__new__(MemoryStorage)
         s._hs = self._hs

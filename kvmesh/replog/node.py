@@ -326,7 +326,9 @@ class RaftNode:
             loop.create_task(self._tick_loop(), name=f"replog-{self.id}-tick"),
         ]
         if self.tracker is not None:
-            self._tasks.append(loop.create_task(self._expiry_loop(), name=f"replog-{self.id}-expiry"))
+            self._tasks.append(
+                loop.create_task(self._expiry_loop(), name=f"replog-{self.id}-expiry")
+            )
         self._wake.set()
 
     async def stop(self) -> None:
@@ -347,7 +349,11 @@ class RaftNode:
         self._tasks = []
         if self.transport is not None:
             await self.transport.stop()
-        self._fail_all(NodeStopped(f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")))
+        self._fail_all(
+            NodeStopped(
+                f"node {self.id} stopped" + (f": {self.fatal_error}" if self.fatal_error else "")
+            )
+        )
         if self.storage is not None:
             try:
                 # A WAL that failed an fsync refuses to sync again and just closes.
@@ -432,7 +438,9 @@ class RaftNode:
             "sessions": len(self.sm.sessions),
             "session_result_bytes": self.sm.result_bytes,
             "loop_lag_max_s": self._lag_max,
-            "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))] if self._lags else 0.0,
+            "loop_lag_p99_s": sorted(self._lags)[int(0.99 * (len(self._lags) - 1))]
+            if self._lags
+            else 0.0,
             "durability": self.cfg.durability,
             # Hostile-input counters: messages the core refused, forged senders and bad
             # frames/connections the transport dropped.
@@ -449,7 +457,10 @@ class RaftNode:
 
     def _core(self) -> RaftCore:
         if self.core is None or not self._running:
-            raise NodeStopped(f"node {self.id} is not running" + (f": {self.fatal_error}" if self.fatal_error else ""))
+            raise NodeStopped(
+                f"node {self.id} is not running"
+                + (f": {self.fatal_error}" if self.fatal_error else "")
+            )
         return self.core
 
     def _not_leader(self, hint: int | None) -> NotLeaderError:
@@ -494,7 +505,9 @@ class RaftNode:
                 self.tracker.touch(client_id, time.monotonic())
         return self._submit(data, timeout)
 
-    async def propose_many(self, cmds: list[tuple[bytes, int | None, int | None, int]], timeout: float | None = None) -> list[Any]:
+    async def propose_many(
+        self, cmds: list[tuple[bytes, int | None, int | None, int]], timeout: float | None = None
+    ) -> list[Any]:
         """Propose several ``(cmd, client_id, seq, ack)`` at once (one batch, one fsync);
         results (or exceptions) in order."""
         datas = []
@@ -509,7 +522,9 @@ class RaftNode:
         except NotLeader as e:
             raise self._not_leader(e.leader_hint) from None
         self.metrics["proposals"] += len(datas)
-        futs = [self._track(idx, core.term, timeout) for idx in range(last - len(datas) + 1, last + 1)]
+        futs = [
+            self._track(idx, core.term, timeout) for idx in range(last - len(datas) + 1, last + 1)
+        ]
         self._wake.set()
         return list(await asyncio.gather(*futs, return_exceptions=True))
 
@@ -558,7 +573,9 @@ class RaftNode:
         old = self._pending.get(idx)
         if old is not None and not old.fut.done():
             # We lead now and our log holds a different entry at idx: the old one is gone.
-            old.fut.set_exception(ProposalLost(f"index {idx} was taken by a proposal of term {term}"))
+            old.fut.set_exception(
+                ProposalLost(f"index {idx} was taken by a proposal of term {term}")
+            )
         self._pending[idx] = _Pending(term, fut)
         t = self.cfg.proposal_timeout_s if timeout is None else timeout
         # One heap swept by the tick loop instead of a timer per proposal.
@@ -574,7 +591,11 @@ class RaftNode:
             p = self._pending.get(idx)
             if p is not None and p.fut is fut:
                 del self._pending[idx]
-            fut.set_exception(ProposalTimeout(f"no result for the proposal at index {idx} in time (outcome unknown)"))
+            fut.set_exception(
+                ProposalTimeout(
+                    f"no result for the proposal at index {idx} in time (outcome unknown)"
+                )
+            )
 
     def lease_read_index(self) -> int | None:
         """:meth:`read_index` answered now, without waiting, when this leader holds a read
@@ -621,7 +642,9 @@ class RaftNode:
         await self.wait_applied(index, max(0.0, deadline - time.monotonic()))
         return index
 
-    async def linearizable_read(self, fn: Callable[[StateMachine], Any], timeout: float | None = None) -> Any:
+    async def linearizable_read(
+        self, fn: Callable[[StateMachine], Any], timeout: float | None = None
+    ) -> Any:
         """``fn(state_machine)`` after a :meth:`read_index` barrier."""
         await self.read_index(timeout)
         return fn(self.user_sm)
@@ -635,7 +658,9 @@ class RaftNode:
         try:
             await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise ReadTimeout(f"index {index} not applied in time (applied {self._applied})") from None
+            raise ReadTimeout(
+                f"index {index} not applied in time (applied {self._applied})"
+            ) from None
 
     async def transfer_leadership(self, to: int, timeout: float = 5.0) -> None:
         """Hand leadership to ``to`` and wait until it leads (or raise ReadTimeout)."""
@@ -679,7 +704,11 @@ class RaftNode:
         # message is stepped: a leader answering a follower's ReadIndex from a lease it
         # measured in stale ticks would serve a stale read (simulator scenario E3).
         self._catch_up_ticks()
-        if type(msg) is InstallSnapshot and self._sm_factory is not None and self.core.snapshot_needed(msg):
+        if (
+            type(msg) is InstallSnapshot
+            and self._sm_factory is not None
+            and self.core.snapshot_needed(msg)
+        ):
             meta = msg.snapshot.meta
             if self._proven != (meta.index, meta.term):
                 self._check_snapshot(msg)
@@ -687,7 +716,9 @@ class RaftNode:
         try:
             self.core.step(msg)
         except Exception:
-            log.exception("replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm)
+            log.exception(
+                "replog node %d: core rejected %s from %d", self.id, type(msg).__name__, msg.frm
+            )
         self._wake.set()
 
     def _check_snapshot(self, msg: InstallSnapshot) -> None:
@@ -712,7 +743,8 @@ class RaftNode:
             n = self.metrics["snapshots_rejected"]
             if n <= 10 or n % 100 == 0:  # bounded logging under a flood
                 log.warning(
-                    "replog node %d: rejected snapshot at index %d term %d from node %d (%d so far): %s",
+                    "replog node %d: rejected snapshot at index %d term %d from node %d"
+                    " (%d so far): %s",
                     self.id, meta.index, meta.term, msg.frm, n, str(e)[:200],
                 )  # fmt: skip
             return
@@ -819,7 +851,10 @@ class RaftNode:
                 await asyncio.sleep(0)
             else:
                 result = await asyncio.to_thread(eff)
-        if not self._snapshotting and self._applied - self._snap_index >= self.cfg.snapshot_threshold:
+        if (
+            not self._snapshotting
+            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
+        ):
             self._snapshotting = True
             asyncio.get_running_loop().create_task(self._snapshot_task())
 
@@ -860,9 +895,17 @@ class RaftNode:
         for idx in [i for i in self._pending if i <= snap.meta.index]:
             p = self._pending.pop(idx)
             if not p.fut.done():
-                p.fut.set_exception(ProposalTimeout(f"index {idx} was covered by an installed snapshot; outcome unknown"))
+                p.fut.set_exception(
+                    ProposalTimeout(
+                        f"index {idx} was covered by an installed snapshot; outcome unknown"
+                    )
+                )
         for cc_peer in snap.meta.conf_state.voters + snap.meta.conf_state.learners:
-            if cc_peer not in self.cfg.peers and self.transport is not None and cc_peer not in self.transport.peer_addresses():
+            if (
+                cc_peer not in self.cfg.peers
+                and self.transport is not None
+                and cc_peer not in self.transport.peer_addresses()
+            ):
                 log.warning("replog node %d: member %d has no known address", self.id, cc_peer)
 
     def _apply(self, ents: list) -> None:
@@ -883,17 +926,25 @@ class RaftNode:
                     result = sm.apply(idx, e.data)
                 except Exception as ex:  # noqa: BLE001 - deterministic on every replica
                     result, err = None, CommandError(f"{type(ex).__name__}: {ex}")
-                    log.warning("replog node %d: state machine raised at index %d: %r", self.id, idx, ex)
+                    log.warning(
+                        "replog node %d: state machine raised at index %d: %r", self.id, idx, ex
+                    )
             self._applied = idx
             if p is None or p.fut.done():
                 continue
             if p.term != e.term:
-                p.fut.set_exception(ProposalLost(f"index {idx} was taken by an entry of term {e.term}, not {p.term}"))
+                p.fut.set_exception(
+                    ProposalLost(
+                        f"index {idx} was taken by an entry of term {e.term}, not {p.term}"
+                    )
+                )
             elif err is not None:
                 p.fut.set_exception(err)
             elif type(result) is SessionRejected:
                 cls = _REJECTED.get(result.reason, SessionExpiredError)
-                p.fut.set_exception(cls(f"client {result.client_id} seq {result.seq}: {result.reason}"))
+                p.fut.set_exception(
+                    cls(f"client {result.client_id} seq {result.seq}: {result.reason}")
+                )
             else:
                 p.fut.set_result(result)
         self.metrics["entries_applied"] += len(ents)
@@ -940,7 +991,9 @@ class RaftNode:
         if is_self and self.tracker is not None:
             self.tracker.reset(self.sm.session_ids(), time.monotonic())
         change = LeaderChange(ss.leader, core.term, is_self)
-        log.info("replog node %d: leader is now %s (term %d)", self.id, ss.leader or "unknown", core.term)
+        log.info(
+            "replog node %d: leader is now %s (term %d)", self.id, ss.leader or "unknown", core.term
+        )
         for cb in list(self._leader_cbs):
             try:
                 r = cb(change)
@@ -995,7 +1048,13 @@ class RaftNode:
             if compact_to >= storage.first_index():
                 storage.compact(compact_to)
             self.metrics["snapshots_taken"] += 1
-            log.info("replog node %d: snapshot at %d (%d bytes, %.3fs)", self.id, index, size, time.perf_counter() - t0)
+            log.info(
+                "replog node %d: snapshot at %d (%d bytes, %.3fs)",
+                self.id,
+                index,
+                size,
+                time.perf_counter() - t0,
+            )
             return index
         finally:
             self._snapshotting = False
@@ -1031,4 +1090,3 @@ def parse_peers(spec: str) -> dict[int, str]:
     if not out:
         raise ValueError("no peers given")
     return out
-

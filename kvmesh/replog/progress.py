@@ -17,7 +17,16 @@ from collections.abc import Iterable
 
 from .types import ProgressState, ProgressStatus
 
-__all__ = ["Inflights", "Progress", "quorum_size", "committed_index", "vote_result", "VOTE_PENDING", "VOTE_WON", "VOTE_LOST"]
+__all__ = [
+    "Inflights",
+    "Progress",
+    "quorum_size",
+    "committed_index",
+    "vote_result",
+    "VOTE_PENDING",
+    "VOTE_WON",
+    "VOTE_LOST",
+]
 
 PROBE = ProgressState.PROBE
 REPLICATE = ProgressState.REPLICATE
@@ -49,7 +58,9 @@ class Inflights:
             self._bytes -= self._q.popleft()[1]
 
     def full(self) -> bool:
-        return len(self._q) >= self.max_count or (self.max_bytes > 0 and self._bytes >= self.max_bytes)
+        return len(self._q) >= self.max_count or (
+            self.max_bytes > 0 and self._bytes >= self.max_bytes
+        )
 
     def reset(self) -> None:
         self._q.clear()
@@ -75,7 +86,13 @@ class Progress:
         "hb_match",
     )
 
-    def __init__(self, next_index: int, max_inflight: int, max_inflight_bytes: int = 0, is_learner: bool = False) -> None:
+    def __init__(
+        self,
+        next_index: int,
+        max_inflight: int,
+        max_inflight_bytes: int = 0,
+        is_learner: bool = False,
+    ) -> None:
         self.match = 0
         self.next = next_index
         self.state = PROBE

@@ -60,7 +60,9 @@ class ReadOnly:
             return True
         return False
 
-    def confirmed(self, voters: tuple[int, ...], self_id: int) -> list[tuple[int, list[ReadRequest]]]:
+    def confirmed(
+        self, voters: tuple[int, ...], self_id: int
+    ) -> list[tuple[int, list[ReadRequest]]]:
         """Pop every round confirmed by a quorum of ``voters``: (read index, requests)."""
         out = []
         q = quorum_size(len(voters))

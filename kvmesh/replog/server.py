@@ -112,7 +112,14 @@ class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
 def error_response(rid: int, e: BaseException) -> Response:
     """The wire form of an error (its code from :mod:`kvmesh.replog.errors`)."""
     if isinstance(e, NotLeaderError):
-        return Response(rid, False, kind=e.code, error=str(e), leader_id=e.leader_id or 0, leader_addr=e.leader_addr or "")
+        return Response(
+            rid,
+            False,
+            kind=e.code,
+            error=str(e),
+            leader_id=e.leader_id or 0,
+            leader_addr=e.leader_addr or "",
+        )
     if isinstance(e, asyncio.TimeoutError) and not isinstance(e, ReplogError):
         e = ProposalTimeout(str(e) or "timed out")
     if not isinstance(e, ReplogError):
@@ -193,7 +200,9 @@ class ReplicaServer(Generic[SM]):
     def _charge(self, c: _Client, buffered: int) -> None:
         delta = buffered - c.held
         if delta > 0 and self._buffered + delta > self.limits.max_buffered_bytes:
-            raise FrameTooLarge(f"incomplete requests would hold more than {self.limits.max_buffered_bytes} bytes")
+            raise FrameTooLarge(
+                f"incomplete requests would hold more than {self.limits.max_buffered_bytes} bytes"
+            )
         self._buffered += delta
         c.held = buffered
 
@@ -213,14 +222,21 @@ class ReplicaServer(Generic[SM]):
         try:
             try:
                 peer = await aserver_handshake(
-                    reader, writer, sec, CLIENT_SERVICE, f"replica-{self.node.id}", lim.handshake_timeout_s
+                    reader,
+                    writer,
+                    sec,
+                    CLIENT_SERVICE,
+                    f"replica-{self.node.id}",
+                    lim.handshake_timeout_s,
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
                 self.stats["auth_failures"] += 1
                 log.info("client connection refused: %s", clip(str(e)))
                 return
             self._admission.authenticated(slot)
-            authenticated = sec.token is not None or (sec.mutual_tls and writer.get_extra_info("peercert") is not None)
+            authenticated = sec.token is not None or (
+                sec.mutual_tls and writer.get_extra_info("peercert") is not None
+            )
             c = _Client(writer, authenticated, peer)
             self._clients.add(c)
             sock = writer.get_extra_info("socket")
@@ -262,7 +278,12 @@ class ReplicaServer(Generic[SM]):
             self._write(c.writer, error_response(0, BadRequest(clip(str(e)))))
             return
         if c.inflight >= self.limits.max_inflight:
-            self._write(c.writer, error_response(req.rid, Overloaded(f"more than {self.limits.max_inflight} requests in flight")))
+            self._write(
+                c.writer,
+                error_response(
+                    req.rid, Overloaded(f"more than {self.limits.max_inflight} requests in flight")
+                ),
+            )
             return
         if type(req) is ReqSubmit:
             # Hot path: no task per command; the answer is written from the future's
@@ -288,7 +309,9 @@ class ReplicaServer(Generic[SM]):
             # Refused before it costs a log entry; the apply-time check covers sessions this
             # replica has not applied yet.
             self.stats["denied"] += 1
-            raise SessionDenied(f"client {req.client_id}: the request does not carry the session's token")
+            raise SessionDenied(
+                f"client {req.client_id}: the request does not carry the session's token"
+            )
         return self.node.propose_nowait(req.body, req.client_id, req.seq, req.ack, token=req.token)
 
     def _answer(self, c: _Client, rid: int, fut: asyncio.Future) -> None:
@@ -333,7 +356,9 @@ class ReplicaServer(Generic[SM]):
                 result = SessionGrant(cid, token)
             elif t is ReqSnapshot:
                 if not c.authenticated:
-                    raise Unauthorized("admin requests need an authenticated connection (a cluster token)")
+                    raise Unauthorized(
+                        "admin requests need an authenticated connection (a cluster token)"
+                    )
                 if req.reset_lag:
                     node.reset_lag_stats()
                 result = await node.snapshot_now()
@@ -372,15 +397,25 @@ def client_addrs_for(peers: dict[int, str], offset: int) -> dict[int, str]:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.replog.server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvmesh.replog.server", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--id", type=int, required=True, help="this replica's id (a key of --peers)")
     p.add_argument("--peers", required=True, help="ID=HOST:PORT,... raft addresses of all replicas")
     p.add_argument("--dir", default=None, help="data directory (required with --durability disk)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
-    p.add_argument("--client-port-offset", type=int, default=100, help="client port = raft port + offset")
-    p.add_argument("--client-addrs", default=None, help="ID=HOST:PORT,... client endpoints (overrides the offset)")
+    p.add_argument(
+        "--client-port-offset", type=int, default=100, help="client port = raft port + offset"
+    )
+    p.add_argument(
+        "--client-addrs",
+        default=None,
+        help="ID=HOST:PORT,... client endpoints (overrides the offset)",
+    )
     p.add_argument("--tick-ms", type=float, default=100.0)
-    p.add_argument("--election-ticks", type=int, default=10, help="min election timeout in ticks (max = 2x)")
+    p.add_argument(
+        "--election-ticks", type=int, default=10, help="min election timeout in ticks (max = 2x)"
+    )
     p.add_argument("--lease-reads", action="store_true", help="serve reads from the leader lease")
     p.add_argument("--snapshot-threshold", type=int, default=50_000)
     p.add_argument("--trailing-logs", type=int, default=10_000)
@@ -391,17 +426,40 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-file", default=None, help="file holding the cluster shared secret")
     g.add_argument("--tls-cert", default=None, help="PEM certificate of this replica (both ports)")
     g.add_argument("--tls-key", default=None)
-    g.add_argument("--tls-ca", default=None, help="CA peers' and clients' certificates must chain to")
-    g.add_argument("--allow-insecure", action="store_true", help="bind non-loopback addresses without a token")
+    g.add_argument(
+        "--tls-ca", default=None, help="CA peers' and clients' certificates must chain to"
+    )
+    g.add_argument(
+        "--allow-insecure", action="store_true", help="bind non-loopback addresses without a token"
+    )
     g = p.add_argument_group("limits")
-    g.add_argument("--frame-timeout-s", type=float, default=10.0, help="a started frame must complete within this (both ports)")
-    g.add_argument("--idle-timeout-s", type=float, default=None, help="close connections idle this long (default: peers 60, clients 300)")
-    g.add_argument("--max-request-kb", type=int, default=MAX_REQUEST >> 10, help="largest client request frame")
-    g.add_argument("--peer-max-message-mb", type=int, default=256, help="largest reassembled replica message (snapshots)")
+    g.add_argument(
+        "--frame-timeout-s",
+        type=float,
+        default=10.0,
+        help="a started frame must complete within this (both ports)",
+    )
+    g.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=None,
+        help="close connections idle this long (default: peers 60, clients 300)",
+    )
+    g.add_argument(
+        "--max-request-kb", type=int, default=MAX_REQUEST >> 10, help="largest client request frame"
+    )
+    g.add_argument(
+        "--peer-max-message-mb",
+        type=int,
+        default=256,
+        help="largest reassembled replica message (snapshots)",
+    )
     return p
 
 
-def security_from_args(a: argparse.Namespace, environ: dict[str, str] | None = None) -> SecurityConfig:
+def security_from_args(
+    a: argparse.Namespace, environ: dict[str, str] | None = None
+) -> SecurityConfig:
     """The environment's :class:`SecurityConfig`, overridden by the command line."""
     env = dict(os.environ if environ is None else environ)
     if a.token_file:
@@ -446,7 +504,9 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         node_id=a.id,
         peers=peers,
-        client_addrs=parse_peers(a.client_addrs) if a.client_addrs else client_addrs_for(peers, a.client_port_offset),
+        client_addrs=parse_peers(a.client_addrs)
+        if a.client_addrs
+        else client_addrs_for(peers, a.client_port_offset),
         data_dir=a.dir,
         durability=a.durability,
         join=a.join,

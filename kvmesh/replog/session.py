@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 import struct
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import crc32c
 import msgspec
@@ -102,7 +102,7 @@ class Plain(msgspec.Struct, tag="plain", array_like=True, frozen=True):
     body: bytes
 
 
-Envelope = Union[Register, Command, Expire, Plain]
+Envelope = Register | Command | Expire | Plain
 
 
 class SessionRejected(msgspec.Struct, tag="session_rejected", array_like=True, frozen=True):

@@ -105,7 +105,9 @@ def _name(index: int, term: int) -> str:
     return f"snap-{index:016x}-{term:016x}.snap"
 
 
-def write_snapshot(dirpath: str, snap: Snapshot, chunk_bytes: int = 1 << 20, parts: list[bytes] | None = None) -> str:
+def write_snapshot(
+    dirpath: str, snap: Snapshot, chunk_bytes: int = 1 << 20, parts: list[bytes] | None = None
+) -> str:
     """Durably write ``snap`` into ``dirpath``; returns the final path.
 
     ``parts``: the image as a list of pieces (written as they are, without joining them
@@ -125,7 +127,9 @@ def write_snapshot(dirpath: str, snap: Snapshot, chunk_bytes: int = 1 << 20, par
     else:
         pieces = [p for p in parts if len(p)]
     total = sum(len(p) for p in pieces)
-    header = _enc.encode(SnapHeader(FORMAT_VERSION, meta.index, meta.term, meta.conf_state, total, chunk_bytes))
+    header = _enc.encode(
+        SnapHeader(FORMAT_VERSION, meta.index, meta.term, meta.conf_state, total, chunk_bytes)
+    )
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         with os.fdopen(fd, "wb", buffering=1 << 20, closefd=False) as f:
@@ -151,7 +155,9 @@ def _read_frame(buf: memoryview, pos: int, path: str, what: str) -> tuple[memory
     length, want = _HDR.unpack_from(buf, pos)
     end = pos + 8 + length
     if end > len(buf):
-        raise SnapshotCorruptionError(f"{path}: {what} at offset {pos} runs past the end of the file")
+        raise SnapshotCorruptionError(
+            f"{path}: {what} at offset {pos} runs past the end of the file"
+        )
     payload = buf[pos + 8 : end]
     if crc32c.crc32c(payload) != want:
         raise SnapshotCorruptionError(f"{path}: CRC mismatch in the {what} at offset {pos}")
@@ -186,7 +192,9 @@ def read_snapshot(path: str) -> Snapshot:
     hdr, pos = _parse_header(buf, path)
     m = _NAME.match(os.path.basename(path))
     if m and (int(m.group(1), 16), int(m.group(2), 16)) != (hdr.index, hdr.term):
-        raise SnapshotCorruptionError(f"{path}: header says index {hdr.index} term {hdr.term}, name disagrees")
+        raise SnapshotCorruptionError(
+            f"{path}: header says index {hdr.index} term {hdr.term}, name disagrees"
+        )
     out = bytearray()
     chunks = 0
     while len(out) < hdr.data_len:
@@ -201,7 +209,9 @@ def read_snapshot(path: str) -> Snapshot:
     except msgspec.DecodeError as e:
         raise SnapshotCorruptionError(f"{path}: undecodable trailer: {e}") from e
     if pos != len(buf):
-        raise SnapshotCorruptionError(f"{path}: {len(buf) - pos} unexpected bytes after the trailer")
+        raise SnapshotCorruptionError(
+            f"{path}: {len(buf) - pos} unexpected bytes after the trailer"
+        )
     if trl.chunks != chunks or trl.data_len != hdr.data_len or len(out) != hdr.data_len:
         raise SnapshotCorruptionError(f"{path}: trailer/header size mismatch")
     data = bytes(out)
@@ -218,7 +228,11 @@ def list_snapshots(dirpath: str) -> list[SnapshotFileInfo]:
     for name in os.listdir(dirpath):
         m = _NAME.match(name)
         if m:
-            out.append(SnapshotFileInfo(int(m.group(1), 16), int(m.group(2), 16), os.path.join(dirpath, name)))
+            out.append(
+                SnapshotFileInfo(
+                    int(m.group(1), 16), int(m.group(2), 16), os.path.join(dirpath, name)
+                )
+            )
     out.sort(key=lambda s: (s.index, s.term))
     return out
 

@@ -65,7 +65,15 @@ from .errors import FrameError
 from .protocol import PEER_SERVICE
 from .types import InstallSnapshot, decode_message, encode_message
 
-__all__ = ["Admission", "DeadlineWatch", "FrameError", "Transport", "TransportConfig", "parse_addr", "read_frames"]
+__all__ = [
+    "Admission",
+    "DeadlineWatch",
+    "FrameError",
+    "Transport",
+    "TransportConfig",
+    "parse_addr",
+    "read_frames",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +122,13 @@ class Watched:
 
     __slots__ = ("writer", "dec", "last", "started", "busy", "expired")
 
-    def __init__(self, writer: asyncio.StreamWriter, dec: FrameDecoder, busy: Callable[[], bool] | None, now: float) -> None:
+    def __init__(
+        self,
+        writer: asyncio.StreamWriter,
+        dec: FrameDecoder,
+        busy: Callable[[], bool] | None,
+        now: float,
+    ) -> None:
         self.writer = writer
         self.dec = dec
         self.last = now  # last time bytes arrived
@@ -138,7 +152,12 @@ class DeadlineWatch:
         self._task: asyncio.Task | None = None
         self.expired = 0
 
-    def watch(self, writer: asyncio.StreamWriter, dec: FrameDecoder, busy: Callable[[], bool] | None = None) -> Watched:
+    def watch(
+        self,
+        writer: asyncio.StreamWriter,
+        dec: FrameDecoder,
+        busy: Callable[[], bool] | None = None,
+    ) -> Watched:
         loop = asyncio.get_running_loop()
         w = Watched(writer, dec, busy, loop.time())
         self._conns[writer] = w
@@ -267,13 +286,18 @@ class _Peer:
         self.dropped_msgs = 0
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"replog-peer-{self.id}")
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"replog-peer-{self.id}"
+        )
 
     def enqueue(self, data: bytes, is_snapshot: bool) -> None:
         cfg = self.tr.cfg
         # An empty queue takes any one message, however big (a snapshot larger than the
         # byte bound must still be deliverable).
-        if self.queue and (len(self.queue) >= cfg.max_queue_msgs or self.queued_bytes + len(data) > cfg.max_queue_bytes):
+        if self.queue and (
+            len(self.queue) >= cfg.max_queue_msgs
+            or self.queued_bytes + len(data) > cfg.max_queue_bytes
+        ):
             self.dropped_msgs += 1
             self.tr._report(self.id, is_snapshot)
             return
@@ -299,7 +323,12 @@ class _Peer:
         try:
             _nodelay(writer)
             peer = await aclient_handshake(
-                reader, writer, tr.security, PEER_SERVICE, str(tr.node_id), tr.cfg.handshake_timeout_s
+                reader,
+                writer,
+                tr.security,
+                PEER_SERVICE,
+                str(tr.node_id),
+                tr.cfg.handshake_timeout_s,
             )
             if peer != str(self.id):
                 raise ConnectionError(f"{self.addr} is node {clip(peer, 40)}, expected {self.id}")
@@ -326,7 +355,13 @@ class _Peer:
                 await self._drain_queue(self.writer)
             except (TimeoutError, OSError, ConnectionError, NetError) as e:
                 if self.connected or backoff == cfg.min_backoff_s:
-                    log.info("replog transport %d -> %d (%s): %s", self.tr.node_id, self.id, self.addr, e or type(e).__name__)
+                    log.info(
+                        "replog transport %d -> %d (%s): %s",
+                        self.tr.node_id,
+                        self.id,
+                        self.addr,
+                        e or type(e).__name__,
+                    )
                 self._close_writer()
                 self._drop_all()
                 await asyncio.sleep(backoff)
@@ -525,7 +560,12 @@ class Transport:
         try:
             try:
                 who = await aserver_handshake(
-                    reader, writer, self.security, PEER_SERVICE, str(self.node_id), cfg.handshake_timeout_s
+                    reader,
+                    writer,
+                    self.security,
+                    PEER_SERVICE,
+                    str(self.node_id),
+                    cfg.handshake_timeout_s,
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
                 raise FrameError(f"handshake failed: {clip(str(e))}") from None
@@ -549,8 +589,10 @@ class Transport:
                     elif kind in (FRAG, FRAG_END):
                         size = len(body) - 1
                         if len(pending) + size > cfg.max_message_bytes:
-                            raise FrameError(f"fragmented message from node {peer} "
-                                             f"exceeds {cfg.max_message_bytes} bytes")
+                            raise FrameError(
+                                f"fragmented message from node {peer} "
+                                f"exceeds {cfg.max_message_bytes} bytes"
+                            )
                         if (
                             self._per_peer_bytes.get(peer, 0) + size > cfg.max_message_bytes
                             or self._buffered + size > cfg.max_buffered_bytes
@@ -570,7 +612,9 @@ class Transport:
                     try:
                         msg = decode_message(data)
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        raise FrameError(f"undecodable message from node {peer}: {clip(str(e))}") from e
+                        raise FrameError(
+                            f"undecodable message from node {peer}: {clip(str(e))}"
+                        ) from e
                     if msg.frm != peer or msg.to != self.node_id:
                         # The id is bound to the connection by the handshake: a message that
                         # claims another sender (or is for someone else) is forged.
@@ -589,7 +633,12 @@ class Transport:
             pass
         except (TimeoutError, FrameError, FrameTooLarge) as e:
             self.bad_frames += 1
-            log.warning("replog transport %d: closing connection from node %s: %s", self.node_id, peer or "?", e)
+            log.warning(
+                "replog transport %d: closing connection from node %s: %s",
+                self.node_id,
+                peer or "?",
+                e,
+            )
         finally:
             if watched is not None:
                 self._watch.unwatch(watched)
@@ -616,7 +665,12 @@ class Transport:
 
     def stats(self) -> dict[int, dict[str, int | bool]]:
         return {
-            p.id: {"connected": p.connected, "queued": len(p.queue), "sent": p.sent_msgs, "dropped": p.dropped_msgs}
+            p.id: {
+                "connected": p.connected,
+                "queued": len(p.queue),
+                "sent": p.sent_msgs,
+                "dropped": p.dropped_msgs,
+            }
             for p in self._peers.values()
         }
 

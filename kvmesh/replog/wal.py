@@ -114,9 +114,9 @@ def _valid_record_after(buf: bytes, start: int) -> int | None:
     if n - start >= _REC_HEADER.size:
         length, _ = unpack(buf, start)
         nxt = start + 8 + length
-        if 0 < length and nxt + _REC_HEADER.size <= n:
+        if length > 0 and nxt + _REC_HEADER.size <= n:
             l2, want = unpack(buf, nxt)
-            if 0 < l2 and nxt + 8 + l2 <= n and crc(buf[nxt + 8 : nxt + 8 + l2]) == want:
+            if l2 > 0 and nxt + 8 + l2 <= n and crc(buf[nxt + 8 : nxt + 8 + l2]) == want:
                 return nxt
     for pos in range(start + 1, n - _REC_HEADER.size):
         length, want = unpack(buf, pos)
@@ -136,7 +136,9 @@ class Wal:
     marker there, so that deleting older segments never loses them).
     """
 
-    def __init__(self, dirpath: str, segment_bytes: int, preamble: Callable[[], Sequence[bytes]] | None) -> None:
+    def __init__(
+        self, dirpath: str, segment_bytes: int, preamble: Callable[[], Sequence[bytes]] | None
+    ) -> None:
         self.dir = dirpath
         self.segment_bytes = segment_bytes
         self.preamble = preamble
@@ -157,7 +159,7 @@ class Wal:
         dirpath: str,
         segment_bytes: int = 64 << 20,
         preamble: Callable[[], Sequence[bytes]] | None = None,
-    ) -> "Wal":
+    ) -> Wal:
         """Open (creating if needed) and recover the WAL in ``dirpath``.
 
         Raises :class:`WalCorruptionError` if a record other than a torn tail is bad.
@@ -176,7 +178,9 @@ class Wal:
             try:
                 seq = int(stem, 16)
             except ValueError:
-                raise WalCorruptionError(f"unexpected file in WAL directory {self.dir}: {name}") from None
+                raise WalCorruptionError(
+                    f"unexpected file in WAL directory {self.dir}: {name}"
+                ) from None
             segs.append((seq, os.path.join(self.dir, name)))
         segs.sort()
         return segs
@@ -201,11 +205,15 @@ class Wal:
                 buf = _SEG_HEADER.pack(_MAGIC, seq)
             magic, hseq = _SEG_HEADER.unpack_from(buf, 0)
             if magic != _MAGIC or hseq != seq:
-                raise WalCorruptionError(f"WAL segment {path} has a bad header (magic {magic!r}, seq {hseq:#x})")
+                raise WalCorruptionError(
+                    f"WAL segment {path} has a bad header (magic {magic!r}, seq {hseq:#x})"
+                )
             records, end, problem = _parse_records(buf, HEADER_BYTES)
             if problem is not None:
                 if not last:
-                    raise WalCorruptionError(f"WAL segment {path}: {problem} (not the last segment)")
+                    raise WalCorruptionError(
+                        f"WAL segment {path}: {problem} (not the last segment)"
+                    )
                 later = _valid_record_after(buf, end)
                 if later is not None:
                     raise WalCorruptionError(
@@ -260,7 +268,9 @@ class Wal:
 
     def _check(self) -> None:
         if self._failed is not None:
-            raise WalFatalError(f"WAL in {self.dir} failed earlier ({self._failed}); restart the node")
+            raise WalFatalError(
+                f"WAL in {self.dir} failed earlier ({self._failed}); restart the node"
+            )
 
     def _fail(self, what: str, exc: BaseException) -> WalFatalError:
         self._failed = f"{what}: {exc}"
@@ -300,7 +310,9 @@ class Wal:
             if not p:
                 raise ValueError("WAL records must not be empty")
             if len(p) > MAX_RECORD_BYTES:
-                raise ValueError(f"WAL record of {len(p)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
+                raise ValueError(
+                    f"WAL record of {len(p)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit"
+                )
             parts.append(hdr(len(p), crc(p)))
             parts.append(p)
         buf = memoryview(b"".join(parts))

@@ -268,8 +268,9 @@ class Batch:
             return range(start, self._n)
 
     # --- submission -----------------------------------------------------------------------
-    def submit(self, timeout: float | None = None, *, _sync: bool = False,
-               _ranges_checked: bool = False) -> Batch:
+    def submit(
+        self, timeout: float | None = None, *, _sync: bool = False, _ranges_checked: bool = False
+    ) -> Batch:
         """Check every request, pick transports, start moving bytes; returns at once.
 
         ``timeout`` (default: the engine's ``transfer_timeout``) is the batch deadline: a job
@@ -287,8 +288,9 @@ class Batch:
             plans = []
             for g in self._groups.values():
                 lo, ro, ln, idx = g.build()
-                nbytes = validate_requests(ctx, g.op, g.local, g.remote, lo, ro, ln,
-                                           ranges_checked=_ranges_checked)
+                nbytes = validate_requests(
+                    ctx, g.op, g.local, g.remote, lo, ro, ln, ranges_checked=_ranges_checked
+                )
                 plans.append((g, nbytes, lo, ro, ln, idx))
             # Every request is valid: now pick (and open) a transport route per group.
             routes = [ctx.route(g.local, g.remote) for g, *_ in plans]
@@ -305,8 +307,9 @@ class Batch:
         if _sync:
             # Many small groups (a PD request: one per layer buffer) would pay a thread
             # hand-off each; CPU-copy transports run them here, big batches still fan out.
-            inline = len(tasks) == 1 or (self._nbytes <= cfg.split_bytes
-                                         and all(t.transport.inline_ok for t in tasks))
+            inline = len(tasks) == 1 or (
+                self._nbytes <= cfg.split_bytes and all(t.transport.inline_ok for t in tasks)
+            )
         else:
             limit = cfg.inline_bytes
             inline = True

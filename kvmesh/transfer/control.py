@@ -234,8 +234,9 @@ class ControlServer:
                 if self._closed:
                     return
                 # EMFILE/ENFILE and the like: back off a moment so closing connections free fds.
-                self._throttle.log(logging.WARNING, "accept",
-                                   "control server: accept failed: %r", exc)
+                self._throttle.log(
+                    logging.WARNING, "accept", "control server: accept failed: %r", exc
+                )
                 time.sleep(0.05)
                 continue
             try:
@@ -243,15 +244,23 @@ class ControlServer:
             except Exception as exc:
                 with contextlib.suppress(OSError):
                     sock.close()
-                self._throttle.log(logging.WARNING, "admit", "control server: dropped a "
-                                   "connection it could not serve: %r", exc)
+                self._throttle.log(
+                    logging.WARNING,
+                    "admit",
+                    "control server: dropped a connection it could not serve: %r",
+                    exc,
+                )
 
     def _admit(self, sock: socket.socket) -> None:
         slot = self._limiter.try_acquire()
         if slot is None:
             sock.close()
-            self._throttle.log(logging.WARNING, "limit", "control server: connection limit "
-                               "reached (%r); closing new connections", self._limiter)
+            self._throttle.log(
+                logging.WARNING,
+                "limit",
+                "control server: connection limit reached (%r); closing new connections",
+                self._limiter,
+            )
             return
         conn = Served(sock)
         t = threading.Thread(target=self._serve, args=(conn, slot), name="kvmesh-conn", daemon=True)
@@ -306,8 +315,13 @@ class ControlServer:
         try:
             conn.peer_id = run_server(conn.sock, hs, Deadline(self.config.connect_timeout))
         except AuthFailed as exc:
-            self._throttle.log(logging.WARNING, "auth", "refused a connection from %s: %s",
-                               _peer_name(conn.sock), exc)
+            self._throttle.log(
+                logging.WARNING,
+                "auth",
+                "refused a connection from %s: %s",
+                _peer_name(conn.sock),
+                exc,
+            )
             raise
         info = P.decode_info(hs.peer_info, P.ClientInfo)
         if info.version != P.PROTOCOL_VERSION:
@@ -395,8 +409,9 @@ class ControlServer:
             except TransferError as exc:
                 P.send_msg(sock, P.error_reply(exc))
             except Exception as exc:  # a transport bug must not kill the connection silently
-                self._throttle.log(logging.ERROR, "call", "transport call %r failed", msg.kind[:64],
-                                   exc_info=True)
+                self._throttle.log(
+                    logging.ERROR, "call", "transport call %r failed", msg.kind[:64], exc_info=True
+                )
                 why = f"{msg.kind[:64]} call failed: {exc!r}"[:1000]
                 P.send_msg(sock, P.Error("transfer", why))
             else:
@@ -553,9 +568,13 @@ class PeerClient:
         try:
             _tune(sock, self._config.tcp_keepalive)
             me = self._me
-            hs = ClientHandshake(self._sec, P.SERVICE, me.engine_id,
-                                 info=P.encode_info(P.ClientInfo(me.node_id, watch)),
-                                 expect_server_id=self.engine_id or None)
+            hs = ClientHandshake(
+                self._sec,
+                P.SERVICE,
+                me.engine_id,
+                info=P.encode_info(P.ClientInfo(me.node_id, watch)),
+                expect_server_id=self.engine_id or None,
+            )
             try:
                 engine_id = run_client(sock, hs, deadline)
             except AuthFailed as exc:
@@ -655,21 +674,49 @@ class PeerClient:
         return _expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload
 
     # --- TCP data path (kept for the NIXL transport's owner-push READs) ------------------
-    def write(self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray,
-              views: list[memoryview], total: int, timeout: float) -> None:
+    def write(
+        self,
+        desc: SegmentDescriptor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        views: list[memoryview],
+        total: int,
+        timeout: float,
+    ) -> None:
         """Push ``views`` into ``desc`` at ``offsets``; returns once the owner acknowledged."""
         from .transports import tcp
 
-        tcp.client_write(self, desc, offsets, lengths, total, timeout,
-                         lambda sock, head: tcp.send_views(sock, [memoryview(head), *views]))
+        tcp.client_write(
+            self,
+            desc,
+            offsets,
+            lengths,
+            total,
+            timeout,
+            lambda sock, head: tcp.send_views(sock, [memoryview(head), *views]),
+        )
 
-    def read(self, desc: SegmentDescriptor, offsets: np.ndarray, lengths: np.ndarray,
-             views: list[memoryview], total: int, timeout: float) -> None:
+    def read(
+        self,
+        desc: SegmentDescriptor,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        views: list[memoryview],
+        total: int,
+        timeout: float,
+    ) -> None:
         """Ask the owner to push the ranges; receive them straight into ``views``."""
         from .transports import tcp
 
-        tcp.client_read(self, desc, offsets, lengths, total, timeout,
-                        lambda sock: tcp.recv_into_views(sock, views))
+        tcp.client_read(
+            self,
+            desc,
+            offsets,
+            lengths,
+            total,
+            timeout,
+            lambda sock: tcp.recv_into_views(sock, views),
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -737,7 +784,11 @@ class Monitor:
             if isinstance(msg, P.SegmentRemoved):
                 self._on_removed(peer, msg.name, msg.seg_id)
                 return
-            reason = f"peer said goodbye: {msg.reason}" if isinstance(msg, P.Bye) else f"unexpected {type(msg).__name__}"
+            reason = (
+                f"peer said goodbye: {msg.reason}"
+                if isinstance(msg, P.Bye)
+                else f"unexpected {type(msg).__name__}"
+            )
         except TransferError as exc:
             reason = f"connection lost ({exc})"
         except OSError as exc:

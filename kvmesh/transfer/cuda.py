@@ -27,7 +27,8 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -250,16 +251,21 @@ def can_access_peer(device: int, peer: int) -> bool:
     key = (device, peer)
     got = _peer_cache.get(key)
     if got is None:
-        got = bool(_check(rt.cudaDeviceCanAccessPeer(device, peer),
-                          f"cudaDeviceCanAccessPeer({device}, {peer})"))
+        got = bool(
+            _check(
+                rt.cudaDeviceCanAccessPeer(device, peer),
+                f"cudaDeviceCanAccessPeer({device}, {peer})",
+            )
+        )
         if got:
             _set_device(device)
             err = rt.cudaDeviceEnablePeerAccess(peer, 0)
             err = err[0] if isinstance(err, tuple) else err
             # "already enabled" is fine (another thread, torch, or an earlier call did it)
             if int(err) not in (0, int(rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)):
-                log.warning("cudaDeviceEnablePeerAccess(%d -> %d): %s", device, peer,
-                            _err_text(rt, err))
+                log.warning(
+                    "cudaDeviceEnablePeerAccess(%d -> %d): %s", device, peer, _err_text(rt, err)
+                )
                 got = False
         _peer_cache[key] = got
     return got
@@ -309,8 +315,12 @@ def open_ipc(handle: bytes, device: int) -> int:
         _set_device(device)
         h = rt.cudaIpcMemHandle_t()
         ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_SIZE)
-        ptr = int(_check(rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess),
-                         "cudaIpcOpenMemHandle"))
+        ptr = int(
+            _check(
+                rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess),
+                "cudaIpcOpenMemHandle",
+            )
+        )
         _maps[handle] = _Mapping(ptr, device)
         return ptr
 
@@ -359,8 +369,10 @@ _streams = _Streams()
 def _stream(device: int) -> Any:
     s = _streams.by_device.get(device)
     if s is None:
-        s = _check(_rt.cudaStreamCreateWithFlags(_rt.cudaStreamNonBlocking),
-                   f"cudaStreamCreateWithFlags on device {device}")
+        s = _check(
+            _rt.cudaStreamCreateWithFlags(_rt.cudaStreamNonBlocking),
+            f"cudaStreamCreateWithFlags on device {device}",
+        )
         _streams.by_device[device] = s
     return s
 
@@ -388,8 +400,9 @@ def copy_runs(
     memcpy = rt.cudaMemcpyAsync
     failure: BaseException | None = None
     try:
-        for i, (d, s, n) in enumerate(zip(dst_offsets.tolist(), src_offsets.tolist(),
-                                          lengths.tolist())):
+        for i, (d, s, n) in enumerate(
+            zip(dst_offsets.tolist(), src_offsets.tolist(), lengths.tolist())
+        ):
             if check is not None and i and not i % 256:
                 check()
             res = memcpy(dst + d, src + s, n, kind, stream)

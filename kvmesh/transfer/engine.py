@@ -54,7 +54,7 @@ from .memory import (
 )
 from .ranges import as_int64, as_op, as_requests
 from .segment import RemoteSegment, RouteHandle, SegmentTable
-from .transports.base import Transport, TransportContext, TransferJob
+from .transports.base import TransferJob, Transport, TransportContext
 from .transports.tcp import TcpServer
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
@@ -91,7 +91,11 @@ def _tensor_meta(obj: Any) -> tuple[str, tuple[int, ...], int]:
     if isinstance(obj, np.ndarray):
         return obj.dtype.name, tuple(obj.shape), obj.nbytes
     if type(obj).__module__.startswith("torch"):
-        return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), obj.numel() * obj.element_size()
+        return (
+            str(obj.dtype).removeprefix("torch."),
+            tuple(obj.shape),
+            obj.numel() * obj.element_size(),
+        )
     raise InvalidArgument(f"expected a torch tensor or numpy array, got {type(obj).__name__}")
 
 
@@ -179,8 +183,13 @@ class TransferEngine:
                 t.close()
             raise
         self.address = self._server.address
-        log.info("transfer engine %s on %s (host %s), transports %s", self.node_id, self.address,
-                 self.host_id, [t.kind.value for t in self._transports])
+        log.info(
+            "transfer engine %s on %s (host %s), transports %s",
+            self.node_id,
+            self.address,
+            self.host_id,
+            [t.kind.value for t in self._transports],
+        )
 
     # --- set-up ---------------------------------------------------------------------------
     def _sweep(self) -> None:
@@ -235,7 +244,9 @@ class TransferEngine:
             raise EngineClosed(f"transfer engine {self.node_id} is closed")
 
     # --- memory ---------------------------------------------------------------------------
-    def register(self, obj: Any, *, name: str | None = None, kind: MemoryKind | None = None) -> MemoryRegion:
+    def register(
+        self, obj: Any, *, name: str | None = None, kind: MemoryKind | None = None
+    ) -> MemoryRegion:
         """Register a numpy array, torch tensor (CPU or CUDA), bytearray/memoryview or SharedBuffer.
 
         Register once and reuse the handle: that is the fast path. With ``name`` the region is
@@ -268,7 +279,9 @@ class TransferEngine:
             if shm is not None:
                 kind = MemoryKind.SHM
             elif kind is MemoryKind.SHM:
-                raise InvalidArgument("SHM regions must lie inside a SharedBuffer (use alloc_shared)")
+                raise InvalidArgument(
+                    "SHM regions must lie inside a SharedBuffer (use alloc_shared)"
+                )
         region = MemoryRegion(ptr, size, kind, device, owner, shm)
         done: list[Transport] = []
         try:
@@ -344,12 +357,16 @@ class TransferEngine:
         """The registered region holding ``[ptr, ptr + length)`` and the offset of ``ptr``."""
         return self._regions.find(ptr, length)
 
-    def find_regions(self, ptrs: Any, lengths: Any) -> tuple[list[MemoryRegion], np.ndarray, np.ndarray]:
+    def find_regions(
+        self, ptrs: Any, lengths: Any
+    ) -> tuple[list[MemoryRegion], np.ndarray, np.ndarray]:
         """Vectorised :meth:`find_region`: ``(regions, region index per address, offsets)``."""
         return self._regions.find_many(np.asarray(ptrs), np.asarray(lengths))
 
     # --- segments -------------------------------------------------------------------------
-    def publish(self, region: MemoryRegion, name: str, *, meta: dict[str, str] | None = None) -> SegmentDescriptor:
+    def publish(
+        self, region: MemoryRegion, name: str, *, meta: dict[str, str] | None = None
+    ) -> SegmentDescriptor:
         """Publish a registered region as segment ``name``; returns its descriptor."""
         self._check_open()
         if region not in self._regions:
@@ -410,7 +427,9 @@ class TransferEngine:
             p = self._peers.get(address)
             if p is not None and p.liveness.alive:
                 return p
-            p = PeerClient(address, Identity(self.node_id, self.engine_id, self.host_id), self.config)
+            p = PeerClient(
+                address, Identity(self.node_id, self.engine_id, self.host_id), self.config
+            )
             try:
                 sock = p.open_watch()
                 with self._lock:
@@ -446,7 +465,12 @@ class TransferEngine:
         key = (peer.engine_id, desc.name)
         with self._lock:
             rs = self._remote.get(key)
-            if rs is not None and rs.desc.seg_id == desc.seg_id and rs.stale_reason is None and rs.peer is peer:
+            if (
+                rs is not None
+                and rs.desc.seg_id == desc.seg_id
+                and rs.stale_reason is None
+                and rs.peer is peer
+            ):
                 return rs
             new = RemoteSegment(desc, peer)
             if desc.seg_id in self._removed:  # removal notice overtook our lookup
@@ -464,16 +488,24 @@ class TransferEngine:
         For address-based APIs (the Mooncake-style PD shim): the peer's segment list is
         fetched once and refreshed when an address is not found.
         """
-        segs, idx, offs = self.locate_many(address, np.array([remote_ptr], np.uint64), np.array([length], np.uint64))
+        segs, idx, offs = self.locate_many(
+            address, np.array([remote_ptr], np.uint64), np.array([length], np.uint64)
+        )
         return segs[int(idx[0])], int(offs[0])
 
-    def locate_many(self, address: str, remote_ptrs: Any, lengths: Any) -> tuple[list[RemoteSegment], np.ndarray, np.ndarray]:
+    def locate_many(
+        self, address: str, remote_ptrs: Any, lengths: Any
+    ) -> tuple[list[RemoteSegment], np.ndarray, np.ndarray]:
         """Vectorised :meth:`locate`: ``(segments, segment index per address, offsets)``."""
         ptrs = np.asarray(remote_ptrs, dtype=np.uint64)
         lens = np.asarray(lengths, dtype=np.uint64)
         peer = self.peer(address)
         for attempt in (0, 1):
-            segs = [s for (eid, _), s in list(self._remote.items()) if eid == peer.engine_id and s.stale_reason is None]
+            segs = [
+                s
+                for (eid, _), s in list(self._remote.items())
+                if eid == peer.engine_id and s.stale_reason is None
+            ]
             if attempt == 1 or not segs:
                 segs = [self._adopt(peer, d) for d in peer.list_segments()]
                 segs = [s for s in segs if s.stale_reason is None]
@@ -520,15 +552,35 @@ class TransferEngine:
         lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
         return self._sync(as_op(op), local, remote, lo, ro, ln, timeout)
 
-    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
-             length: int, *, timeout: float | None = None) -> BatchResult:
+    def read(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteSegment,
+        remote_offset: int,
+        length: int,
+        *,
+        timeout: float | None = None,
+    ) -> BatchResult:
         """READ one range of ``remote`` into ``local`` (synchronous)."""
-        return self._sync(Op.READ, local, remote, *_one(local_offset, remote_offset, length), timeout)
+        return self._sync(
+            Op.READ, local, remote, *_one(local_offset, remote_offset, length), timeout
+        )
 
-    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteSegment, remote_offset: int,
-              length: int, *, timeout: float | None = None) -> BatchResult:
+    def write(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteSegment,
+        remote_offset: int,
+        length: int,
+        *,
+        timeout: float | None = None,
+    ) -> BatchResult:
         """WRITE one range of ``local`` into ``remote`` (synchronous)."""
-        return self._sync(Op.WRITE, local, remote, *_one(local_offset, remote_offset, length), timeout)
+        return self._sync(
+            Op.WRITE, local, remote, *_one(local_offset, remote_offset, length), timeout
+        )
 
     def transfer_by_address(
         self,
@@ -547,9 +599,13 @@ class TransferEngine:
         resolved and grouped with vectorised lookups, then moved as one batch.
         """
         op = as_op(op)
-        lp, rp, ln = as_requests(local_ptrs, remote_ptrs, lengths, names=("local_ptrs", "remote_ptrs"))
+        lp, rp, ln = as_requests(
+            local_ptrs, remote_ptrs, lengths, names=("local_ptrs", "remote_ptrs")
+        )
         if len(ln) == 0:
-            return BatchResult(state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0)
+            return BatchResult(
+                state=BatchState.DONE, requests=0, nbytes=0, failed=0, transports=[], elapsed_s=0.0
+            )
         if int(ln.min()) <= 0:
             raise InvalidLength(f"request length must be positive, got {int(ln.min())}")
         if int(lp.min()) <= 0 or int(rp.min()) <= 0:
@@ -574,14 +630,26 @@ class TransferEngine:
         finally:
             b.free()
 
-    def _sync(self, op: Op, local: MemoryRegion, remote: RemoteSegment, lo: np.ndarray, ro: np.ndarray,
-              ln: np.ndarray, timeout: float | None) -> BatchResult:
+    def _sync(
+        self,
+        op: Op,
+        local: MemoryRegion,
+        remote: RemoteSegment,
+        lo: np.ndarray,
+        ro: np.ndarray,
+        ln: np.ndarray,
+        timeout: float | None,
+    ) -> BatchResult:
         # The lean path of the latency-bound case: no Batch, no Task, no status array.
         self._check_open()
         if not isinstance(local, MemoryRegion):
-            raise NotRegistered(f"local memory must be a MemoryRegion from register(), got {type(local).__name__}")
+            raise NotRegistered(
+                f"local memory must be a MemoryRegion from register(), got {type(local).__name__}"
+            )
         if not isinstance(remote, RemoteSegment):
-            raise InvalidArgument(f"remote must be a RemoteSegment from open_segment(), got {type(remote).__name__}")
+            raise InvalidArgument(
+                f"remote must be a RemoteSegment from open_segment(), got {type(remote).__name__}"
+            )
         nbytes = validate_requests(self._batch_ctx, op, local, remote, lo, ro, ln)
         if nbytes > self.config.split_bytes and len(ln) > 1:
             b = Batch(self._batch_ctx)
@@ -601,28 +669,47 @@ class TransferEngine:
             raise
         t0 = time.monotonic()
         deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
-        job = TransferJob(op, local, remote.desc, h.route, lo.view(np.uint64), ro.view(np.uint64),
-                          ln.view(np.uint64), nbytes, deadline, remote.peer.liveness)
+        job = TransferJob(
+            op,
+            local,
+            remote.desc,
+            h.route,
+            lo.view(np.uint64),
+            ro.view(np.uint64),
+            ln.view(np.uint64),
+            nbytes,
+            deadline,
+            remote.peer.liveness,
+        )
         try:
             job.check()
             h.transport.execute(job)
         except TransferError:
             raise
         except Exception as exc:
-            raise TransferError(f"{h.transport.kind.value} transport failed on segment {remote.name!r}: {exc!r}") from exc
+            raise TransferError(
+                f"{h.transport.kind.value} transport failed on segment {remote.name!r}: {exc!r}"
+            ) from exc
         finally:
             local.release()
             h.release()
         self._stats["batches"] += 1
-        return BatchResult(state=BatchState.DONE, requests=len(ln), nbytes=nbytes, failed=0,
-                           transports=[h.transport.kind], elapsed_s=time.monotonic() - t0)
+        return BatchResult(
+            state=BatchState.DONE,
+            requests=len(ln),
+            nbytes=nbytes,
+            failed=0,
+            transports=[h.transport.kind],
+            elapsed_s=time.monotonic() - t0,
+        )
 
     def _route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
         return remote.route_for(local, self._open_route)
 
     def _open_route(self, local: MemoryRegion, remote: RemoteSegment) -> RouteHandle:
-        return _select.open_route(self._transports, local, remote, host_id=self.host_id,
-                             unavailable=self.transport_status)
+        return _select.open_route(
+            self._transports, local, remote, host_id=self.host_id, unavailable=self.transport_status
+        )
 
     def _note_batch(self) -> None:
         self._stats["batches"] += 1
@@ -637,17 +724,23 @@ class TransferEngine:
         dtype, shape, _ = _tensor_meta(tensor)
         region = self.register(tensor)
         try:
-            return self.publish(region, name, meta={"dtype": dtype, "shape": ",".join(map(str, shape))})
+            return self.publish(
+                region, name, meta={"dtype": dtype, "shape": ",".join(map(str, shape))}
+            )
         except BaseException:
             self.unregister(region)
             raise
 
-    def _tensor_io(self, op: Op, address: str, name: str, tensor: Any, timeout: float | None) -> BatchResult:
+    def _tensor_io(
+        self, op: Op, address: str, name: str, tensor: Any, timeout: float | None
+    ) -> BatchResult:
         dtype, shape, nbytes = _tensor_meta(tensor)
         seg = self.open_segment(address, name)
         meta = seg.desc.meta
         want = ",".join(map(str, shape))
-        if seg.size != nbytes or ("dtype" in meta and (meta["dtype"] != dtype or meta.get("shape") != want)):
+        if seg.size != nbytes or (
+            "dtype" in meta and (meta["dtype"] != dtype or meta.get("shape") != want)
+        ):
             raise TensorMismatch(
                 f"tensor {name!r} of {address} "
                 f"is {meta.get('dtype', '?')}[{meta.get('shape', '?')}] "
@@ -666,7 +759,9 @@ class TransferEngine:
             if temp is not None:
                 self.unregister(temp)
 
-    def read_tensor(self, address: str, name: str, into: Any, *, timeout: float | None = None) -> BatchResult:
+    def read_tensor(
+        self, address: str, name: str, into: Any, *, timeout: float | None = None
+    ) -> BatchResult:
         """Copy the tensor ``name`` exposed by the engine at ``address`` into ``into``.
 
         ``into`` must match its dtype and shape. Register ``into`` beforehand to skip a
@@ -674,12 +769,16 @@ class TransferEngine:
         """
         return self._tensor_io(Op.READ, address, name, into, timeout)
 
-    def write_tensor(self, address: str, name: str, src: Any, *, timeout: float | None = None) -> BatchResult:
+    def write_tensor(
+        self, address: str, name: str, src: Any, *, timeout: float | None = None
+    ) -> BatchResult:
         """Copy ``src`` into the tensor ``name`` exposed by the engine at ``address``."""
         return self._tensor_io(Op.WRITE, address, name, src, timeout)
 
     # --- transport calls and monitor callbacks ----------------------------------------------
-    def _transport_call(self, address: str, kind: TransportKind, payload: bytes, timeout: float | None) -> bytes:
+    def _transport_call(
+        self, address: str, kind: TransportKind, payload: bytes, timeout: float | None
+    ) -> bytes:
         return self.peer(address).call(TransportKind(kind).value, payload, timeout)
 
     def _handle_call(self, kind: str, payload: bytes) -> bytes:
@@ -735,7 +834,9 @@ class TransferEngine:
             "host_id": self.host_id,
             "address": self.address,
             "pid": self.pid,
-            "transports": {k: ("enabled" if v is None else v) for k, v in self.transport_status.items()},
+            "transports": {
+                k: ("enabled" if v is None else v) for k, v in self.transport_status.items()
+            },
             "regions": len(self._regions.all()),
             "segments": [d.name for d in self._table.list()],
             "peers": sorted(self._peers),
@@ -782,7 +883,7 @@ class TransferEngine:
             except Exception:
                 log.exception("transport %s failed to close", t.kind.value)
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .transports.base import Transport, TransferJob
+    from .transports.base import TransferJob, Transport
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -27,11 +28,11 @@ class Task:
 
     def __init__(
         self,
-        job: "TransferJob",
-        transport: "Transport",
+        job: TransferJob,
+        transport: Transport,
         index: object,
         handle: object,
-        on_done: Callable[["Task", BaseException | None], None],
+        on_done: Callable[[Task, BaseException | None], None],
     ) -> None:
         self.job = job
         self.transport = transport

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -106,9 +106,12 @@ def copy_ranges(
     src = srcs.tolist()
     lens = lengths.tolist()
     fast = _dcopy
-    if fast is not None and len(lens) and not (
-        int(np.bitwise_or.reduce(dsts | srcs | lengths)) & 7
-    ) and int(lengths.min()) >= _MIN_BLAS:
+    if (
+        fast is not None
+        and len(lens)
+        and not (int(np.bitwise_or.reduce(dsts | srcs | lengths)) & 7)
+        and int(lengths.min()) >= _MIN_BLAS
+    ):
         # All aligned and large enough: the whole job goes through dcopy, counted in words.
         words = (lengths >> np.uint64(3)).tolist()
         if check is None:

@@ -77,8 +77,9 @@ def publish(region_id: int) -> str | None:
                 _owner = _OwnerFence()
             except OSError as exc:
                 _no_fence = str(exc)
-                log.warning("no fence file in %s (%s): same-host peers will use tcp",
-                            shmfile.SHM_DIR, exc)
+                log.warning(
+                    "no fence file in %s (%s): same-host peers will use tcp", shmfile.SHM_DIR, exc
+                )
                 return None
         _owner.published.add(region_id)
         return _owner.name

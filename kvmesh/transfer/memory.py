@@ -48,6 +48,7 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_HUGEPAGE = 14
 
+
 def host_array(ptr: int, size: int) -> np.ndarray:
     """A ``uint8`` numpy view of ``size`` bytes at host address ``ptr`` (no ownership)."""
     if size == 0:
@@ -95,7 +96,7 @@ class SharedBuffer:
         self._closed = False
 
     @classmethod
-    def create(cls, size: int, *, populate: bool = True) -> "SharedBuffer":
+    def create(cls, size: int, *, populate: bool = True) -> SharedBuffer:
         """Allocate ``size`` bytes (rounded up to pages) in a new ``/dev/shm`` file."""
         if size <= 0:
             raise InvalidLength(f"shared buffer size must be positive, got {size}")
@@ -112,7 +113,7 @@ class SharedBuffer:
         return buf
 
     @classmethod
-    def attach(cls, name: str, *, populate: bool = True) -> "SharedBuffer":
+    def attach(cls, name: str, *, populate: bool = True) -> SharedBuffer:
         """Map a ``/dev/shm`` file created by another engine (whole file).
 
         ``name`` usually comes from a peer: it is checked and opened as
@@ -192,10 +193,10 @@ def sweep_dead_shared(prefix: str = SHM_PREFIX) -> list[str]:
 
 _region_ids = itertools.count(1)
 _live_lock = threading.Lock()
-_live_regions: dict[int, "MemoryRegion"] = {}
+_live_regions: dict[int, MemoryRegion] = {}
 
 
-def find_live_region(region_id: int) -> "MemoryRegion | None":
+def find_live_region(region_id: int) -> MemoryRegion | None:
     """A registered region of this process by id, whichever engine registered it."""
     return _live_regions.get(region_id)
 
@@ -320,7 +321,13 @@ def describe_object(
             raise InvalidArgument("only C-contiguous numpy arrays can be registered")
         if not obj.flags.writeable:
             raise InvalidArgument("read-only numpy arrays cannot be registered (peers may write)")
-        return obj.ctypes.data, obj.nbytes, kind or MemoryKind.DRAM, -1 if device is None else device, obj
+        return (
+            obj.ctypes.data,
+            obj.nbytes,
+            kind or MemoryKind.DRAM,
+            -1 if device is None else device,
+            obj,
+        )
     mod = type(obj).__module__
     if mod.startswith("torch"):
         if not obj.is_contiguous():
@@ -397,7 +404,9 @@ class RegionIndex:
             i -= 1
         raise NotRegistered(f"address range 0x{ptr:x}+{length} is not inside registered memory")
 
-    def find_many(self, ptrs: np.ndarray, lengths: np.ndarray) -> tuple[list[MemoryRegion], np.ndarray, np.ndarray]:
+    def find_many(
+        self, ptrs: np.ndarray, lengths: np.ndarray
+    ) -> tuple[list[MemoryRegion], np.ndarray, np.ndarray]:
         """Vectorised :meth:`find`: ``(regions, region_index_per_request, offsets)``."""
         ptrs = np.asarray(ptrs, dtype=np.uint64)
         lengths = np.asarray(lengths, dtype=np.uint64)
@@ -413,4 +422,3 @@ class RegionIndex:
                 reg, _ = self.find(int(ptrs[j]), int(lengths[j]))
                 safe[j] = regs.index(reg)
         return regs, safe, ptrs - starts[safe]
-

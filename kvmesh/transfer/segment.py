@@ -27,22 +27,22 @@ class SegmentTable:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_name: dict[str, tuple[SegmentDescriptor, "MemoryRegion"]] = {}
+        self._by_name: dict[str, tuple[SegmentDescriptor, MemoryRegion]] = {}
 
-    def add(self, desc: SegmentDescriptor, region: "MemoryRegion") -> None:
+    def add(self, desc: SegmentDescriptor, region: MemoryRegion) -> None:
         with self._lock:
             if desc.name in self._by_name:
                 raise SegmentExists(f"segment {desc.name!r} is already published by this engine")
             self._by_name[desc.name] = (desc, region)
 
-    def remove(self, name: str) -> tuple[SegmentDescriptor, "MemoryRegion"]:
+    def remove(self, name: str) -> tuple[SegmentDescriptor, MemoryRegion]:
         with self._lock:
             try:
                 return self._by_name.pop(name)
             except KeyError:
                 raise SegmentNotFound(f"no segment named {name!r} is published here") from None
 
-    def lookup(self, name: str) -> tuple[SegmentDescriptor, "MemoryRegion"]:
+    def lookup(self, name: str) -> tuple[SegmentDescriptor, MemoryRegion]:
         try:
             return self._by_name[name]
         except KeyError:
@@ -52,7 +52,7 @@ class SegmentTable:
         with self._lock:
             return [d for d, _ in self._by_name.values()]
 
-    def names_of(self, region: "MemoryRegion") -> list[str]:
+    def names_of(self, region: MemoryRegion) -> list[str]:
         with self._lock:
             return [n for n, (_, r) in self._by_name.items() if r is region]
 
@@ -62,7 +62,7 @@ class RouteHandle:
 
     __slots__ = ("transport", "route", "_users", "_closing", "_lock")
 
-    def __init__(self, transport: "Transport", route: Any) -> None:
+    def __init__(self, transport: Transport, route: Any) -> None:
         self.transport = transport
         self.route = route
         self._users = 0
@@ -104,7 +104,7 @@ class RemoteSegment:
 
     __slots__ = ("desc", "peer", "_routes", "_lock", "stale_reason", "__weakref__")
 
-    def __init__(self, desc: SegmentDescriptor, peer: "PeerClient") -> None:
+    def __init__(self, desc: SegmentDescriptor, peer: PeerClient) -> None:
         self.desc = desc
         self.peer = peer
         self._routes: dict[tuple[MemoryKind, int], RouteHandle] = {}
@@ -124,7 +124,7 @@ class RemoteSegment:
         return self.desc.kind
 
     @property
-    def liveness(self) -> "PeerLiveness":
+    def liveness(self) -> PeerLiveness:
         return self.peer.liveness
 
     def transports(self) -> dict[str, str]:
@@ -159,8 +159,12 @@ class RemoteSegment:
 
         reason = self.peer.liveness.dead_reason
         if reason is not None:
-            return PeerDeadError(f"owner of segment {self.name!r} ({self.peer.address}) is dead: {reason}")
-        return SegmentNotFound(f"segment {self.name!r} is gone: {self.stale_reason or 'closed while submitting'}")
+            return PeerDeadError(
+                f"owner of segment {self.name!r} ({self.peer.address}) is dead: {reason}"
+            )
+        return SegmentNotFound(
+            f"segment {self.name!r} is gone: {self.stale_reason or 'closed while submitting'}"
+        )
 
     def _close_routes(self) -> None:
         with self._lock:

@@ -146,15 +146,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.transport is not None and not isinstance(self.transport, TransportKind):
                 self.transport = TransportKind(str(self.transport).lower())
             if self.transports_allow is not None:
-                self.transports_allow = [TransportKind(str(getattr(k, "value", k)).lower()) for k in self.transports_allow]
-            self.transports_disable = [TransportKind(str(getattr(k, "value", k)).lower()) for k in self.transports_disable]
+                self.transports_allow = [
+                    TransportKind(str(getattr(k, "value", k)).lower())
+                    for k in self.transports_allow
+                ]
+            self.transports_disable = [
+                TransportKind(str(getattr(k, "value", k)).lower()) for k in self.transports_disable
+            ]
         except ValueError as exc:
             known = ", ".join(k.value for k in TransportKind)
-            raise InvalidArgument(f"unknown transport in engine configuration ({exc}); known: {known}") from None
+            raise InvalidArgument(
+                f"unknown transport in engine configuration ({exc}); known: {known}"
+            ) from None
         if self.workers < 1:
             raise InvalidArgument(f"workers must be >= 1, got {self.workers}")
-        for name in ("max_connections", "max_unauthenticated", "max_request_pieces",
-                     "max_request_bytes"):
+        for name in (
+            "max_connections",
+            "max_unauthenticated",
+            "max_request_pieces",
+            "max_request_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "idle_timeout", "connect_timeout"):
@@ -162,7 +173,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "EngineConfig":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> EngineConfig:
         """Build a config from ``KVMESH_*`` variables; keyword overrides win over the env."""
         env = os.environ if environ is None else environ
         raw: dict[str, Any] = {}

@@ -238,17 +238,23 @@ class _Plan(msgspec.Struct):
         def lists(p: _Plan, xs: list[Any]) -> list[Any]:
             return xs if p.multi or not multi else [[x] for x in xs]
 
-        return _Plan([n for p in plans for n in p.names],
-                     [x for p in plans for x in lists(p, p.ptrs)],
-                     [x for p in plans for x in lists(p, p.sizes)],
-                     [x for p in plans for x in p.totals], multi, 1)
+        return _Plan(
+            [n for p in plans for n in p.names],
+            [x for p in plans for x in lists(p, p.ptrs)],
+            [x for p in plans for x in lists(p, p.sizes)],
+            [x for p in plans for x in p.totals],
+            multi,
+            1,
+        )
 
 
 def _is_mha(pool: Any) -> bool:
     # MHA host pools keep K and V apart (get_hybrid_pool_buffer() == [k, v]); their page
     # meta alternates K and V pointers (page_first: [k, v]; layer_first: [k0, v0, k1, ...]).
-    return hasattr(pool, "v_buffer") and hasattr(pool, "head_num") and not hasattr(
-        pool, "kv_lora_rank"
+    return (
+        hasattr(pool, "v_buffer")
+        and hasattr(pool, "head_num")
+        and not hasattr(pool, "kv_lora_rank")
     )
 
 
@@ -273,8 +279,8 @@ def _plan(pool: Any, keys: Sequence[str], host_indices: Any, obj: _Names, mha: b
     for i in range(n):
         b = i * per
         for c in range(step):
-            mp.append(ptrs[b + c:b + per:step])
-            ms.append(sizes[b + c:b + per:step])
+            mp.append(ptrs[b + c : b + per : step])
+            ms.append(sizes[b + c : b + per : step])
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
 
 
@@ -340,8 +346,10 @@ def _all_false(self: Any, keys: Sequence[str], *a: Any, **k: Any) -> list[bool]:
 
 
 def _v2_false(self: Any, transfers: Sequence[Any], *a: Any, **k: Any) -> dict[str, list[bool]]:
-    return {str(t.name.value if hasattr(t.name, "value") else t.name): [False] * len(t.keys or [])
-            for t in transfers}
+    return {
+        str(t.name.value if hasattr(t.name, "value") else t.name): [False] * len(t.keys or [])
+        for t in transfers
+    }
 
 
 def _whole(res: Sequence[Any]) -> Sequence[Any]:
@@ -502,9 +510,13 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
-        self._shards = _shards(self.storage_config, self.config.namespace,
-                               str(getattr(pool, "layout", "?")), getattr(pool, "dtype", "?"),
-                               self._page_size(pool))
+        self._shards = _shards(
+            self.storage_config,
+            self.config.namespace,
+            str(getattr(pool, "layout", "?")),
+            getattr(pool, "dtype", "?"),
+            self._page_size(pool),
+        )
         self._mha = not bool(getattr(self.storage_config, "is_mla_model", False))
         if getattr(pool, "kv_buffer", None) is None:
             return  # a logical anchor (DeepSeek-V4): the sidecar pools carry the bytes
@@ -543,9 +555,11 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             todo = [i for i, r in enumerate(there) if r is not True]
             res: list[Any] = [store_errors.ObjectExists("stored before")] * len(plan.names)
             if todo:
-                part = self.client.put_from_multi([plan.names[i] for i in todo],
-                                                  [plan.ptrs[i] for i in todo],
-                                                  [plan.sizes[i] for i in todo])
+                part = self.client.put_from_multi(
+                    [plan.names[i] for i in todo],
+                    [plan.ptrs[i] for i in todo],
+                    [plan.sizes[i] for i in todo],
+                )
                 for i, r in zip(todo, _whole(part)):
                     res[i] = r
         else:
@@ -564,11 +578,12 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     @staticmethod
     def _per_page(ok: list[bool], per: int) -> list[bool]:
-        return [all(ok[i:i + per]) for i in range(0, len(ok), per)]
+        return [all(ok[i : i + per]) for i in range(0, len(ok), per)]
 
     @_guard(_all_false)
-    def batch_get_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         if not keys:
             return []
         pool = self.mem_pool_host
@@ -581,14 +596,21 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         dt = time.perf_counter() - t0
         hits = sum(ok)
         nbytes = sum(plan.totals) // len(keys) * hits
-        self._counters.add(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits,
-                           get_bytes=nbytes, get_seconds=dt, prefetch_pgs=len(keys),
-                           prefetch_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
+        self._counters.add(
+            get_pages=len(keys),
+            get_hits=hits,
+            get_misses=len(keys) - hits,
+            get_bytes=nbytes,
+            get_seconds=dt,
+            prefetch_pgs=len(keys),
+            prefetch_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0,
+        )
         return ok
 
     @_guard(_all_false)
-    def batch_set_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         if not keys:
             return []
         pool = self.mem_pool_host
@@ -601,9 +623,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         dt = time.perf_counter() - t0
         good = sum(ok)
         nbytes = sum(plan.totals) // len(keys) * good
-        self._counters.add(set_pages=len(keys), set_written=good, set_failed=len(keys) - good,
-                           set_bytes=nbytes, set_seconds=dt, backup_pgs=len(keys),
-                           backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0)
+        self._counters.add(
+            set_pages=len(keys),
+            set_written=good,
+            set_failed=len(keys) - good,
+            set_bytes=nbytes,
+            set_seconds=dt,
+            backup_pgs=len(keys),
+            backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0,
+        )
         return ok
 
     @staticmethod
@@ -645,11 +673,13 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return r[0]
 
     @_guard(lambda self, keys, *a, **k: [None] * len(keys))
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any]:
         n = len(keys)
-        return self._generic_get(keys, list(target_locations or [None] * n),
-                                 list(target_sizes or [None] * n))
+        return self._generic_get(
+            keys, list(target_locations or [None] * n), list(target_sizes or [None] * n)
+        )
 
     def _generic_get(self, keys: list[str], targets: list[Any], sizes: list[Any]) -> list[Any]:
         """Fill each flat page tensor (SGLang's dummy pages) from one batched read."""
@@ -673,13 +703,19 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return out
 
     @_guard(lambda self, key, *a, **k: False)
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self._generic_set([key], [value])[0]
 
     @_guard(lambda self, keys, *a, **k: False)
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         if not keys or values is None or len(values) != len(keys):
             return False
         return all(self._generic_set(list(keys), list(values)))
@@ -692,8 +728,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         blobs = [v.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy() for v in values]
         res = _whole(self.client.put([self._flat(k) for k in keys], blobs))
         ok = [r is None or isinstance(r, store_errors.ObjectExists) for r in res]
-        self._counters.add(set_pages=len(keys), set_written=sum(ok),
-                           set_failed=len(keys) - sum(ok))
+        self._counters.add(set_pages=len(keys), set_written=sum(ok), set_failed=len(keys) - sum(ok))
         return ok
 
     # ------------------------------------------------------------------ v2 (sidecar pools)
@@ -736,14 +771,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         out: dict[str, list[bool]] = {}
         pos = 0
         for name, p in plans:
-            seg = ok[pos:pos + len(p.names)]
+            seg = ok[pos : pos + len(p.names)]
             pos += len(p.names)
             out[name] = self._per_page(seg, p.per_page)
         return out
 
     @_guard(lambda self, keys, *a, **k: _pool_result(0, {}, []))
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: Any = None) -> Any:
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
         """KV prefix intersected with every sidecar pool's verdict (ALL_PAGES: a prefix;
         TRAILING_PAGES: each end point whose window is complete), in one metadata RPC."""
         anchor = getattr(self.mem_pool_host, "kv_buffer", None) is not None
@@ -767,21 +803,22 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         per = len(comps)
         kv = len(keys)  # a logical anchor has no KV objects: the sidecars decide
         if anchor:
-            kv = next((i for i in range(len(keys)) if not all(flags[i * per:(i + 1) * per])),
-                      len(keys))
+            kv = next(
+                (i for i in range(len(keys)) if not all(flags[i * per : (i + 1) * per])), len(keys)
+            )
         hits: dict[str, int] = {"kv": kv} if kv else {}
         restorable = list(range(1, kv + 1))
         for t, name, per, start in side:
             if not restorable:
                 break
-            page = [all(flags[start + i * per:start + (i + 1) * per]) for i in range(kv)]
+            page = [all(flags[start + i * per : start + (i + 1) * per]) for i in range(kv)]
             policy = getattr(t.hit_policy, "value", t.hit_policy)
             if policy == "all_pages":
                 b = next((i for i in range(kv) if not page[i]), kv)
                 ok = set(range(1, b + 1))
             elif policy == "trailing_pages":
                 w = max(1, len(t.keys) if t.keys else 1)
-                ok = {p for p in range(1, kv + 1) if all(page[max(0, p - w):p])}
+                ok = {p for p in range(1, kv + 1) if all(page[max(0, p - w) : p])}
                 b = max(ok, default=0)
             else:
                 raise ValueError(f"kvmesh HiCache does not support hit policy {policy!r}")

@@ -57,8 +57,12 @@ def install(force: bool = False) -> bool:
     real = _real_mooncake()
     if real is not None:
         if not force:
-            log.warning("kvmesh: a real Mooncake is installed (%s); leaving it in place "
-                        "(%s=force replaces it with kvmesh for this process)", real, ENV)
+            log.warning(
+                "kvmesh: a real Mooncake is installed (%s); leaving it in place "
+                "(%s=force replaces it with kvmesh for this process)",
+                real,
+                ENV,
+            )
             return False
         log.warning("kvmesh: %s=force: mooncake.store now means kvmesh, shadowing %s", ENV, real)
     from kvmesh.store import compat

@@ -105,8 +105,12 @@ def _env_float(name: str) -> float | None:
 
 class _CudaPointerAttributes(ctypes.Structure):
     # cudaPointerAttributes since CUDA 11: type, device, devicePointer, hostPointer.
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+    ]
 
 
 def _cudart_probe() -> Any:
@@ -182,16 +186,21 @@ def _shared_engine(hostname: str) -> TransferEngine:
     except InvalidArgument:
         # It already runs (the HiCache backend made it first) with its own listen address.
         eng = get_engine()
-        log.warning("kvmesh PD: reusing the shared engine at %s (SGLang's host is %s); set "
-                    "KVMESH_LISTEN for peers on other hosts", eng.address, hostname)
+        log.warning(
+            "kvmesh PD: reusing the shared engine at %s (SGLang's host is %s); set "
+            "KVMESH_LISTEN for peers on other hosts",
+            eng.address,
+            hostname,
+        )
         return eng
 
 
 class KvmeshTransferEngine:
     """SGLang's ``MooncakeTransferEngine`` API on the process-wide kvmesh ``TransferEngine``."""
 
-    def __init__(self, hostname: str, gpu_id: int | None = None,
-                 ib_device: str | None = None) -> None:
+    def __init__(
+        self, hostname: str, gpu_id: int | None = None, ib_device: str | None = None
+    ) -> None:
         self.hostname = hostname
         self.gpu_id = gpu_id if gpu_id is not None else 0
         self.ib_device = _ib_device(ib_device, self.gpu_id)
@@ -209,11 +218,20 @@ class KvmeshTransferEngine:
         self._regions: dict[int, list[MemoryRegion]] = {}  # ptr -> regions we registered there
         self._sessions: dict[str, str] = {}  # session id -> engine address
         self._seen: set[tuple[str, str]] = set()  # (peer, transport) pairs already logged
-        self.stats: dict[str, Any] = {"transfers": 0, "bytes": 0, "failures": 0,
-                                      "by_transport": {}, "by_code": {}}
+        self.stats: dict[str, Any] = {
+            "transfers": 0,
+            "bytes": 0,
+            "failures": 0,
+            "by_transport": {},
+            "by_code": {},
+        }
         self._metrics = _Metrics.get()
-        log.info("kvmesh PD transfer engine ready: session %s, node %s, transports %s",
-                 self.session_id, self.engine.node_id, [k.value for k in self.engine.transports])
+        log.info(
+            "kvmesh PD transfer engine ready: session %s, node %s, transports %s",
+            self.session_id,
+            self.engine.node_id,
+            [k.value for k in self.engine.transports],
+        )
 
     def __repr__(self) -> str:
         return f"KvmeshTransferEngine({self.session_id})"
@@ -230,8 +248,9 @@ class KvmeshTransferEngine:
             if any(r.size == length for r in self._regions.get(ptr, ())):
                 return None
         kind, device = pointer_kind(ptr)
-        region = self.engine.register_raw(ptr, length, kind, device,
-                                          name=f"{SEGMENT_PREFIX}{ptr:x}-{length:x}")
+        region = self.engine.register_raw(
+            ptr, length, kind, device, name=f"{SEGMENT_PREFIX}{ptr:x}-{length:x}"
+        )
         with self._lock:
             self._regions.setdefault(ptr, []).append(region)
         return region
@@ -247,8 +266,9 @@ class KvmeshTransferEngine:
         try:
             self._register_one(ptr, length)
         except Exception as exc:
-            raise RuntimeError(f"kvmesh memory registration of {length} bytes at {ptr} failed: "
-                               f"{exc}") from exc
+            raise RuntimeError(
+                f"kvmesh memory registration of {length} bytes at {ptr} failed: {exc}"
+            ) from exc
 
     def deregister(self, ptr: int) -> None:
         try:
@@ -307,7 +327,7 @@ class KvmeshTransferEngine:
                     f"session {session_id!r} is not a kvmesh session: is the peer running SGLang "
                     "with the kvmesh PD plugin (KVMESH_SGLANG_PD) too?"
                 )
-            addr = session_id[len(SESSION_PREFIX):]
+            addr = session_id[len(SESSION_PREFIX) :]
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise InvalidArgument(f"session {session_id!r} is not kvmesh://host:port")
@@ -326,8 +346,9 @@ class KvmeshTransferEngine:
             lengths = np.asarray(lengths, dtype=np.int64)
             if not (src.ndim == dst.ndim == lengths.ndim == 1):
                 raise InvalidArgument("buffers, peer addresses and lengths must be flat lists")
-            res = self.engine.transfer_by_address(Op.WRITE, address, src, dst, lengths,
-                                                  timeout=self.timeout)
+            res = self.engine.transfer_by_address(
+                Op.WRITE, address, src, dst, lengths, timeout=self.timeout
+            )
         except Exception as exc:
             code = error_code(exc)
             with self._lock:
@@ -335,8 +356,13 @@ class KvmeshTransferEngine:
                 self.stats["by_code"][code] = self.stats["by_code"].get(code, 0) + 1
             if self._metrics is not None:
                 self._metrics.failures.labels(code=str(code)).inc()
-            log.warning("kvmesh PD write to %s failed (code %d): %s: %s", session_id, code,
-                        type(exc).__name__, exc)
+            log.warning(
+                "kvmesh PD write to %s failed (code %d): %s: %s",
+                session_id,
+                code,
+                type(exc).__name__,
+                exc,
+            )
             return code
         transport = res.transports[0].value if res.transports else "none"
         with self._lock:
@@ -354,17 +380,28 @@ class KvmeshTransferEngine:
             self._metrics.seconds.observe(time.perf_counter() - t0)
         return 0
 
-    def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int,
-                      length: int) -> int:
+    def transfer_sync(
+        self, session_id: str, buffer: int, peer_buffer_address: int, length: int
+    ) -> int:
         """WRITE ``length`` bytes at ``buffer`` to the peer's ``peer_buffer_address``; 0 or < 0."""
         return self._write(session_id, (buffer,), (peer_buffer_address,), (length,))
 
-    def batch_transfer_sync(self, session_id: str, buffers: list[int],
-                            peer_buffer_addresses: list[int], lengths: list[int]) -> int:
+    def batch_transfer_sync(
+        self,
+        session_id: str,
+        buffers: list[int],
+        peer_buffer_addresses: list[int],
+        lengths: list[int],
+    ) -> int:
         """WRITE every block as one synchronous batch; 0 when all landed, else < 0."""
         if len(buffers) != len(peer_buffer_addresses) or len(buffers) != len(lengths):
-            log.warning("kvmesh PD write to %s refused: %d buffers, %d peer addresses, %d lengths",
-                        session_id, len(buffers), len(peer_buffer_addresses), len(lengths))
+            log.warning(
+                "kvmesh PD write to %s refused: %d buffers, %d peer addresses, %d lengths",
+                session_id,
+                len(buffers),
+                len(peer_buffer_addresses),
+                len(lengths),
+            )
             return E_BAD_ARGUMENT
         return self._write(session_id, buffers, peer_buffer_addresses, lengths)
 
@@ -398,12 +435,13 @@ class _Metrics:
     _lock = threading.Lock()
 
     def __init__(self, prom: Any) -> None:
-        self.bytes = prom.Counter("kvmesh_pd_bytes", "PD KV bytes written by kvmesh",
-                                  ["transport"])
-        self.failures = prom.Counter("kvmesh_pd_failures", "failed PD writes by return code",
-                                     ["code"])
-        self.seconds = prom.Histogram("kvmesh_pd_write_seconds",
-                                      "duration of one PD batch write (batch_transfer_sync)")
+        self.bytes = prom.Counter("kvmesh_pd_bytes", "PD KV bytes written by kvmesh", ["transport"])
+        self.failures = prom.Counter(
+            "kvmesh_pd_failures", "failed PD writes by return code", ["code"]
+        )
+        self.seconds = prom.Histogram(
+            "kvmesh_pd_write_seconds", "duration of one PD batch write (batch_transfer_sync)"
+        )
 
     @classmethod
     def get(cls) -> _Metrics | None:

@@ -19,8 +19,9 @@ import os
 log = logging.getLogger("kvmesh.sglang")
 
 ENV_PD = "KVMESH_SGLANG_PD"
-TARGET = ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
-          "MooncakeTransferEngine")
+TARGET = (
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
+)
 _OFF = {"0", "false", "no", "off"}
 
 
@@ -35,8 +36,11 @@ def load() -> None:
     a plugin must not stop SGLang's other processes from starting.
     """
     if not pd_enabled():
-        log.info("kvmesh PD plugin off (%s=%s): SGLang keeps its Mooncake transfer engine",
-                 ENV_PD, os.environ.get(ENV_PD))
+        log.info(
+            "kvmesh PD plugin off (%s=%s): SGLang keeps its Mooncake transfer engine",
+            ENV_PD,
+            os.environ.get(ENV_PD),
+        )
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -45,7 +49,8 @@ def load() -> None:
 
         HookRegistry.register(TARGET, KvmeshTransferEngine, HookType.REPLACE)
     except Exception:
-        log.exception("kvmesh PD plugin could not be registered; SGLang keeps its Mooncake "
-                      "transfer engine")
+        log.exception(
+            "kvmesh PD plugin could not be registered; SGLang keeps its Mooncake transfer engine"
+        )
         return
     log.info("kvmesh PD plugin: MooncakeTransferEngine -> kvmesh_sglang.pd.KvmeshTransferEngine")

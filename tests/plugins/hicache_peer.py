@@ -40,8 +40,11 @@ def main() -> None:
     def get(name: str, keys: list[str]) -> dict:
         b, pool = backends[name]
         idx = pool.alloc(len(keys) * pool.page_size)
-        reply = {"exists": b.batch_exists(keys), "ok": b.batch_get_v1(keys, idx),
-                 "digests": page_digests(pool, idx, len(keys))}
+        reply = {
+            "exists": b.batch_exists(keys),
+            "ok": b.batch_get_v1(keys, idx),
+            "digests": page_digests(pool, idx, len(keys)),
+        }
         pool.free(idx)
         return reply
 

@@ -25,9 +25,18 @@ def page_keys(n: int, salt: str = "") -> list[str]:
     return out
 
 
-def build_pool(kind: str, layout: str, *, layers: int = 4, heads: int = 2, head_dim: int = 8,
-               page_size: int = 16, device_tokens: int = 256, dtype: Any = torch.bfloat16,
-               mla_dim: int = 72) -> Any:
+def build_pool(
+    kind: str,
+    layout: str,
+    *,
+    layers: int = 4,
+    heads: int = 2,
+    head_dim: int = 8,
+    page_size: int = 16,
+    device_tokens: int = 256,
+    dtype: Any = torch.bfloat16,
+    mla_dim: int = 72,
+) -> Any:
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout,
         KVBuffers,
@@ -75,9 +84,15 @@ def build_pool(kind: str, layout: str, *, layers: int = 4, heads: int = 2, head_
     return pool
 
 
-def storage_config(*, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                   model: str | None = "org/test-model", extra: dict | None = None,
-                   page_first: bool = True) -> Any:
+def storage_config(
+    *,
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    model: str | None = "org/test-model",
+    extra: dict | None = None,
+    page_first: bool = True,
+) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(

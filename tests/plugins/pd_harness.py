@@ -33,7 +33,8 @@ def entry_points_dist(where: Path) -> Path:
     meta = f"Metadata-Version: 2.1\nName: kvmesh\nVersion: {project['version']}\n"
     (d / "METADATA").write_text(meta)
     (d / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+        "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
+    )
     return where
 
 

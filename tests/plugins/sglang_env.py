@@ -19,9 +19,15 @@ import types
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 PLUGINS = ROOT / "plugins"
 
-_STUBS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-          "torchvision.transforms.v2", "torchvision.transforms.v2.functional", "torchvision.io",
-          "torchvision.ops")
+_STUBS = (
+    "torchvision",
+    "torchvision.transforms",
+    "torchvision.transforms.functional",
+    "torchvision.transforms.v2",
+    "torchvision.transforms.v2.functional",
+    "torchvision.io",
+    "torchvision.ops",
+)
 
 
 class InterpolationMode(enum.Enum):
@@ -36,8 +42,15 @@ class InterpolationMode(enum.Enum):
 
 def _placeholder(module: str, name: str) -> type:
     # A class: callable, subclassable and usable in annotations, which is all imports need.
-    return type(name, (), {"__module__": module, "__init__": lambda self, *a, **k: None,
-                           "__call__": lambda self, *a, **k: None})
+    return type(
+        name,
+        (),
+        {
+            "__module__": module,
+            "__init__": lambda self, *a, **k: None,
+            "__call__": lambda self, *a, **k: None,
+        },
+    )
 
 
 def _module(name: str) -> types.ModuleType:
@@ -64,8 +77,12 @@ def install_torchvision_stub() -> None:
         return
     mods = {n: _module(n) for n in _STUBS}
     mods["torchvision"].__version__ = "0.28.0"  # type: ignore[attr-defined]
-    for n in ("torchvision.transforms", "torchvision.transforms.functional",
-              "torchvision.transforms.v2", "torchvision.transforms.v2.functional"):
+    for n in (
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    ):
         mods[n].InterpolationMode = InterpolationMode  # type: ignore[attr-defined]
     for n, m in mods.items():
         parent, _, leaf = n.rpartition(".")

@@ -41,8 +41,7 @@ CASES = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAY
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cl = StoreCluster(str(tmp_path_factory.mktemp("hicache")), 1, token=TOKEN,
-                      durability="memory")
+    cl = StoreCluster(str(tmp_path_factory.mktemp("hicache")), 1, token=TOKEN, durability="memory")
     cl.start_all()
     # The storage node of this process (the backends below contribute no segment of their
     # own: one engine publishes one storage segment).
@@ -62,8 +61,9 @@ def peer_process():
 
     def start() -> None:
         try:
-            box["peer"] = Child([sys.executable, "-m", "tests.plugins.hicache_peer"], cwd=ROOT,
-                                timeout=120)
+            box["peer"] = Child(
+                [sys.executable, "-m", "tests.plugins.hicache_peer"], cwd=ROOT, timeout=120
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the test that needs it
             box["error"] = e
 
@@ -83,9 +83,17 @@ def peer_process():
 
 
 def extra(cluster, **kw):
-    return {"backend_name": "kvmesh", "module_path": "kvmesh_sglang.hicache",
-            "class_name": "KvmeshHiCacheStorage", "interface_v1": 1, "master": cluster.address,
-            "token": TOKEN, "segment_size": 0, "namespace": "t", **kw}
+    return {
+        "backend_name": "kvmesh",
+        "module_path": "kvmesh_sglang.hicache",
+        "class_name": "KvmeshHiCacheStorage",
+        "interface_v1": 1,
+        "master": cluster.address,
+        "token": TOKEN,
+        "segment_size": 0,
+        "namespace": "t",
+        **kw,
+    }
 
 
 def backend(cluster, kind="mha", layout="page_first", pool=None, cfg_kw=None, **kw):
@@ -93,7 +101,8 @@ def backend(cluster, kind="mha", layout="page_first", pool=None, cfg_kw=None, **
 
     pool = pool if pool is not None else build_pool(kind, layout)
     b = KvmeshHiCacheStorage(
-        storage_config(mla=kind == "mla", extra=extra(cluster, **kw), **(cfg_kw or {})), {})
+        storage_config(mla=kind == "mla", extra=extra(cluster, **kw), **(cfg_kw or {})), {}
+    )
     b.register_mem_pool_host(pool)
     return b, pool
 
@@ -106,12 +115,20 @@ def test_config_sources_and_priority(tmp_path):
 
     f = tmp_path / "kvmesh.json"
     f.write_text(json.dumps({"master": "file:1", "namespace": "from-file", "replica_num": 2}))
-    env = {"KVMESH_HICACHE_MASTER": "env:1", "KVMESH_HICACHE_SEGMENT_SIZE": "1GiB",
-           "KVMESH_HICACHE_NAMESPACE": "from-env", "KVMESH_HICACHE_CONFIG": str(f)}
+    env = {
+        "KVMESH_HICACHE_MASTER": "env:1",
+        "KVMESH_HICACHE_SEGMENT_SIZE": "1GiB",
+        "KVMESH_HICACHE_NAMESPACE": "from-env",
+        "KVMESH_HICACHE_CONFIG": str(f),
+    }
     c = load_config({"namespace": "from-extra", "backend_name": "kvmesh"}, env)
     # extra-config > JSON file > environment > defaults, per field
     assert (c.namespace, c.master, c.segment_size, c.replica_num) == (
-        "from-extra", "file:1", 1 << 30, 2)
+        "from-extra",
+        "file:1",
+        1 << 30,
+        2,
+    )
     assert load_config({}, {}).embedded and load_config({}, {}).namespace == "default"
     assert load_config({"segment_size": "4gb"}, {}).segment_size == 4 << 30
     with pytest.raises(ValueError, match="unknown keys.*mastr"):
@@ -150,7 +167,7 @@ def test_round_trip_every_layout_partial_prefix_write_once(cluster, kind, layout
         want = page_digests(pa, ia, 6)
         assert b.batch_exists(keys) == 0
         assert a.batch_set_v1(keys[:4], ia[: 4 * ps]) == [True] * 4
-        assert a.batch_set_v1(keys[5:], ia[5 * ps:]) == [True]  # a hole at page 4
+        assert a.batch_set_v1(keys[5:], ia[5 * ps :]) == [True]  # a hole at page 4
         assert b.batch_exists(keys) == 4  # a prefix count, not a total
         assert b.batch_exists(keys[1:]) == 3
         assert b.batch_get_v1(keys, ib) == [True] * 4 + [False, True]
@@ -180,11 +197,21 @@ def test_names_separate_namespaces_layouts_ranks_and_share_mla(cluster):
     others = [
         backend(cluster, "mha", "page_first", namespace="iso2"),  # namespace
         backend(cluster, "mha", "page_first_direct", namespace="iso"),  # layout
-        backend(cluster, "mha", "page_first", namespace="iso",  # TP rank
-                cfg_kw={"tp_rank": 1, "tp_size": 2}),
+        backend(
+            cluster,
+            "mha",
+            "page_first",
+            namespace="iso",  # TP rank
+            cfg_kw={"tp_rank": 1, "tp_size": 2},
+        ),
         backend(cluster, "mha", "page_first", namespace="iso", cfg_kw={"model": "other"}),
-        backend(cluster, "mha", "page_first", namespace="iso",  # dtype
-                pool=build_pool("mha", "page_first", dtype=torch.float16)),
+        backend(
+            cluster,
+            "mha",
+            "page_first",
+            namespace="iso",  # dtype
+            pool=build_pool("mha", "page_first", dtype=torch.float16),
+        ),
         backend(cluster, "mla", "page_first", namespace="iso"),  # MHA vs MLA
     ]
     for b, pool in others:
@@ -193,10 +220,12 @@ def test_names_separate_namespaces_layouts_ranks_and_share_mla(cluster):
         b.close()
     a.close()
     # MLA KV is rank-replicated: one object per page, written by one rank, read by all
-    w, pw = backend(cluster, "mla", "page_first", namespace="iso",
-                    cfg_kw={"tp_rank": 0, "tp_size": 2})
-    r, pr = backend(cluster, "mla", "page_first", namespace="iso",
-                    cfg_kw={"tp_rank": 1, "tp_size": 2})
+    w, pw = backend(
+        cluster, "mla", "page_first", namespace="iso", cfg_kw={"tp_rank": 0, "tp_size": 2}
+    )
+    r, pr = backend(
+        cluster, "mla", "page_first", namespace="iso", cfg_kw={"tp_rank": 1, "tp_size": 2}
+    )
     iw, ir = pw.alloc(3 * pw.page_size), pr.alloc(3 * pr.page_size)
     fill_pages(pw, iw, [4, 5, 6])
     assert w.batch_set_v1(keys, iw) == [True] * 3
@@ -283,8 +312,9 @@ def test_generic_get_set_paths(cluster):
     keys = [k + ".draft" for k in page_keys(3, "generic")]
     idx = pool.alloc(3 * pool.page_size)
     fill_pages(pool, idx, [5, 6, 7])
-    pages = [pool.get_data_page(int(idx[i * pool.page_size]), flat=True).contiguous()
-             for i in range(3)]
+    pages = [
+        pool.get_data_page(int(idx[i * pool.page_size]), flat=True).contiguous() for i in range(3)
+    ]
     assert not b.exists(keys[0])
     assert b.set(keys[0], pages[0]) is True
     assert b.batch_set(keys, pages) is True  # keys[0] already there: still True
@@ -314,27 +344,35 @@ def test_v2_sidecar_pools(cluster):
     fill_pages(draft, idd, [5, 6, 7, 8])
     fill_pages(idxr, ii, [9, 10, 11, 12])
     assert b.batch_set_v1(keys, ik) == [True] * 4
-    sets = [PoolTransfer(name=PoolName.DRAFT, host_indices=idd, keys=keys),
-            PoolTransfer(name=PoolName.INDEXER, host_indices=ii[: 2 * ps], keys=keys[:2])]
+    sets = [
+        PoolTransfer(name=PoolName.DRAFT, host_indices=idd, keys=keys),
+        PoolTransfer(name=PoolName.INDEXER, host_indices=ii[: 2 * ps], keys=keys[:2]),
+    ]
     assert b.batch_set_v2(sets) == {"draft": [True] * 4, "indexer": [True, True]}
-    q = [PoolTransfer(name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
-         PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    q = [
+        PoolTransfer(name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+        PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+    ]
     res = b.batch_exists_v2(keys, q)
     assert res.kv_hit_pages == 2 and res.extra_pool_hit_pages["draft"] == 4
     assert res.restorable_prefix_pages == [1, 2]
     # trailing window of one page: every prefix ending on a stored indexer page
-    trail = [PoolTransfer(name=PoolName.INDEXER, keys=keys[:1],
-                          hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    trail = [
+        PoolTransfer(name=PoolName.INDEXER, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    ]
     assert b.batch_exists_v2(keys, trail).restorable_prefix_pages == [1, 2]
     od, oi = draft.alloc(4 * ps), idxr.alloc(4 * ps)
-    gets = [PoolTransfer(name=PoolName.DRAFT, host_indices=od, keys=keys),
-            PoolTransfer(name=PoolName.INDEXER, host_indices=oi, keys=keys)]
+    gets = [
+        PoolTransfer(name=PoolName.DRAFT, host_indices=od, keys=keys),
+        PoolTransfer(name=PoolName.INDEXER, host_indices=oi, keys=keys),
+    ]
     assert b.batch_get_v2(gets) == {"draft": [True] * 4, "indexer": [True, True, False, False]}
     assert page_digests(draft, od, 4) == page_digests(draft, idd, 4)
     assert page_digests(idxr, oi, 2) == page_digests(idxr, ii, 2)
     # an unregistered pool is a per-pool failure, not an exception in SGLang's thread
     assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=od, keys=keys)]) == {
-        "mamba": [False] * 4}
+        "mamba": [False] * 4
+    }
     b.close()
 
 
@@ -412,9 +450,15 @@ def test_sglang_mooncake_store_runs_unchanged_on_kvmesh(cluster, monkeypatch, ki
         from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
         pool = build_pool(kind, layout)
-        cfg = storage_config(mla=kind == "mla", extra={
-            "master_server_address": cluster.address, "global_segment_size": 0,
-            "protocol": "tcp", "extra_backend_tag": f"mc-{kind}"})
+        cfg = storage_config(
+            mla=kind == "mla",
+            extra={
+                "master_server_address": cluster.address,
+                "global_segment_size": 0,
+                "protocol": "tcp",
+                "extra_backend_tag": f"mc-{kind}",
+            },
+        )
         store = MooncakeStore(cfg, pool)
         store.register_mem_pool_host(pool)
         keys = page_keys(4, f"mc{kind}")
@@ -446,8 +490,9 @@ def test_sglang_mooncake_store_runs_unchanged_on_kvmesh(cluster, monkeypatch, ki
 
 
 def test_store_down_then_restarted(cluster):
-    b, pool = backend(cluster, "mha", "page_first", namespace="down", timeout_s=1.0,
-                      down_backoff_s=3.0)
+    b, pool = backend(
+        cluster, "mha", "page_first", namespace="down", timeout_s=1.0, down_backoff_s=3.0
+    )
     keys = page_keys(2, "down")
     ps = pool.page_size
     idx, out = pool.alloc(2 * ps), pool.alloc(2 * ps)

@@ -25,9 +25,8 @@ GEOM = {"layers": 2, "pages": 32, "page_size": 16, "heads": 2, "head_dim": 64}
 
 
 def test_batch_register_tells_device_from_host_memory():
-    from kvmesh_sglang.pd import KvmeshTransferEngine, pointer_kind
-
     from bench._pd import KVPool
+    from kvmesh_sglang.pd import KvmeshTransferEngine, pointer_kind
 
     pool = KVPool(**GEOM, device="cuda")
     try:
@@ -46,24 +45,28 @@ def test_batch_register_tells_device_from_host_memory():
 
 
 def test_gpu_pages_to_another_process():
-    from kvmesh_sglang.pd import KvmeshTransferEngine
-
     from bench._common import Child
     from bench._pd import KVPool, geometry_argv
+    from kvmesh_sglang.pd import KvmeshTransferEngine
 
     pool = KVPool(**GEOM, device="cuda")
     pool.fill(seed=4)
     eng = KvmeshTransferEngine("127.0.0.1", 0, None)
     assert pool.register(eng) == 0
-    child = Child([sys.executable, "-m", "bench._pd", *geometry_argv(**GEOM, device="cuda")],
-                  timeout=120, cwd=str(ROOT))
+    child = Child(
+        [sys.executable, "-m", "bench._pd", *geometry_argv(**GEOM, device="cuda")],
+        timeout=120,
+        cwd=str(ROOT),
+    )
     try:
         src = np.array([1, 2, 3, 7, 20])
         dst = np.array([0, 1, 2, 30, 31])
         item = pool.item_len
-        blocks = [(s + int(a) * item, d + int(b) * item, item)
-                  for s, d in zip(pool.kv_data_ptrs, child.info["kv_data_ptrs"])
-                  for a, b in zip(src, dst)]
+        blocks = [
+            (s + int(a) * item, d + int(b) * item, item)
+            for s, d in zip(pool.kv_data_ptrs, child.info["kv_data_ptrs"])
+            for a, b in zip(src, dst)
+        ]
         # The aux row goes from host memory to the peer's host memory in the same batch.
         aux = (pool.aux_data_ptrs[0] + 64 * 3, child.info["aux_data_ptrs"][0] + 64 * 5, 64)
         s, d, n = (list(x) for x in zip(*blocks, aux))

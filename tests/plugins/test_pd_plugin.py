@@ -17,10 +17,9 @@ _why = sglang_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 if _why is None:
+    from kvmesh.transfer import MemoryKind, get_engine
     from kvmesh_sglang import pd as kpd
     from kvmesh_sglang import plugin as kplugin
-
-    from kvmesh.transfer import MemoryKind, get_engine
 
     from .pd_harness import load_plugin_via_sglang, original_engine_class
 

@@ -29,10 +29,9 @@ _why = sglang_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 if _why is None:
-    from kvmesh_sglang import pd as kpd
-
     from bench._common import Child
     from bench._pd import KVPool, geometry_argv
+    from kvmesh_sglang import pd as kpd
 
     from .pd_harness import load_plugin_via_sglang, prefill_manager, transfer_info
 
@@ -78,8 +77,13 @@ def zero_digest(pages, aux_row=None) -> str:
 
 def send_request(mgr, executor, child, src_pages, dst_pages, src_aux, dst_aux) -> tuple[int, int]:
     sid = child.info["session_id"]
-    rc = mgr.send_kvcache(sid, np.asarray(src_pages, np.int32), child.info["kv_data_ptrs"],
-                          np.asarray(dst_pages, np.int32), executor)
+    rc = mgr.send_kvcache(
+        sid,
+        np.asarray(src_pages, np.int32),
+        child.info["kv_data_ptrs"],
+        np.asarray(dst_pages, np.int32),
+        executor,
+    )
     rc_aux = mgr.send_aux(transfer_info(sid, dst_aux), src_aux, child.info["aux_data_ptrs"])
     return rc, rc_aux
 
@@ -113,9 +117,12 @@ def test_concurrent_requests_from_threads(prefill, decode):
     dst_all = rng.permutation(GEOM["pages"])[: nreq * per].reshape(nreq, per)
     src_all = [rng.choice(GEOM["pages"], per, replace=False) for _ in range(nreq)]
     with concurrent.futures.ThreadPoolExecutor(4) as workers:  # SGLang's transfer workers
-        results = list(workers.map(
-            lambda i: send_request(mgr, executor, child, src_all[i], dst_all[i], i, 63 - i),
-            range(nreq)))
+        results = list(
+            workers.map(
+                lambda i: send_request(mgr, executor, child, src_all[i], dst_all[i], i, 63 - i),
+                range(nreq),
+            )
+        )
     assert results == [(0, 0)] * nreq
     for i in range(nreq):
         got = child.call("digest", pages=dst_all[i].tolist(), aux_row=63 - i)["digest"]
@@ -142,8 +149,10 @@ def test_out_of_region_addresses_refused_before_a_byte_moves(prefill, decode):
         assert child.call("digest", pages=everything)["digest"] == zero_digest(everything)
     # An address the peer never registered at all, and a source outside our registrations.
     assert eng.transfer_sync(sid, src_ptrs[0], 4096, item) == kpd.E_PEER_REGION
-    assert eng.batch_transfer_sync(sid, [src_ptrs[0], 8192], [dst_ptrs[0], dst_ptrs[1]],
-                                   [item, 16]) == kpd.E_NOT_REGISTERED
+    assert (
+        eng.batch_transfer_sync(sid, [src_ptrs[0], 8192], [dst_ptrs[0], dst_ptrs[1]], [item, 16])
+        == kpd.E_NOT_REGISTERED
+    )
     assert child.call("digest", pages=everything)["digest"] == zero_digest(everything)
     s, d, n = (list(x) for x in zip(*good))
     assert eng.batch_transfer_sync(sid, s, d, n) == 0  # the same valid blocks alone do land
@@ -214,9 +223,11 @@ def test_blocks_in_any_order_across_layers(prefill, decode):
     src_pages = rng.choice(GEOM["pages"], 8, replace=False)
     dst_pages = rng.choice(GEOM["pages"], 8, replace=False)
     item = pool.item_len
-    blocks = [(s + int(a) * item, d + int(b) * item, item)
-              for s, d in zip(pool.kv_data_ptrs, child.info["kv_data_ptrs"])
-              for a, b in zip(src_pages, dst_pages)]
+    blocks = [
+        (s + int(a) * item, d + int(b) * item, item)
+        for s, d in zip(pool.kv_data_ptrs, child.info["kv_data_ptrs"])
+        for a, b in zip(src_pages, dst_pages)
+    ]
     order = rng.permutation(len(blocks))
     src, dst, ln = (list(x) for x in zip(*(blocks[i] for i in order)))
     assert mgr.engine.batch_transfer_sync(child.info["session_id"], src, dst, ln) == 0

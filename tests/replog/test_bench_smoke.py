@@ -14,7 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_smoke(tmp_path):
     out = tmp_path / "replog.json"
     p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "replog.py"), "--smoke", "--json", str(out), "--dir", str(tmp_path / "work")],
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "replog.py"),
+            "--smoke",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path / "work"),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -29,7 +37,13 @@ def test_bench_smoke(tmp_path):
     for r in recs:
         assert fields <= set(r), r
     by = {(r["case"], r.get("durability")) for r in recs}
-    assert {("commit", "disk"), ("commit", "memory"), ("latency", "disk"), ("latency", "memory"), ("failover", "disk")} <= by
+    assert {
+        ("commit", "disk"),
+        ("commit", "memory"),
+        ("latency", "disk"),
+        ("latency", "memory"),
+        ("failover", "disk"),
+    } <= by
     for r in recs:
         if r["case"] == "commit":
             assert r["ops_per_s"] > 0 and r["verified_reads"] > 0 and r["ratio_memcpy"] > 0

@@ -96,7 +96,10 @@ def test_a5_isolated_leader_steps_down_within_one_election_timeout() -> None:
     n.recover()
     n.tick_all(10)
     assert all(b"never-committed" not in n.nodes[i].applied_data() for i in (1, 2, 3))
-    assert n[1].log.term(idx) != n[1].term or n[1].log.entries(idx, idx + 1)[0].data != b"never-committed"
+    assert (
+        n[1].log.term(idx) != n[1].term
+        or n[1].log.entries(idx, idx + 1)[0].data != b"never-committed"
+    )
 
 
 def test_a6_one_way_inbound_loss_deposes_leader() -> None:
@@ -190,7 +193,9 @@ def test_prevote_does_not_change_voter_state() -> None:
 
 
 def test_prevote_rejected_for_stale_log() -> None:
-    n = cluster(cfg=RaftConfig(election_tick=10, heartbeat_tick=1, pre_vote=True, check_quorum=False))
+    n = cluster(
+        cfg=RaftConfig(election_tick=10, heartbeat_tick=1, pre_vote=True, check_quorum=False)
+    )
     n.propose(1, b"x")
     c = n[2]
     c.step(PreVote(3, 2, c.term + 1, 1, 1))
@@ -326,7 +331,9 @@ def test_heartbeat_response_does_not_wait_for_persistence() -> None:
 def test_restart_in_lease_mode_withholds_votes_for_one_timeout() -> None:
     """A restarted node may have vouched for a leader's lease before it crashed: in lease
     mode it grants no vote for one election timeout after booting."""
-    cfg = RaftConfig(election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED)
+    cfg = RaftConfig(
+        election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED
+    )
     n = Network([1, 2, 3], cfg)
     # Freshly booted nodes withhold votes too: the first election needs a timeout.
     n.elect(1)
@@ -341,13 +348,17 @@ def test_restart_in_lease_mode_withholds_votes_for_one_timeout() -> None:
     n.restart(other[0])
     c = n[other[0]]
     term = c.term
-    c.step(Vote(other[1], c.id, term + 1, n[other[1]].log.last_index(), n[other[1]].log.last_term()))
+    c.step(
+        Vote(other[1], c.id, term + 1, n[other[1]].log.last_index(), n[other[1]].log.last_term())
+    )
     n.flush()
     assert c.term == term
     n.isolate(c.id)
     n.tick(c.id, cfg.election_tick)
     n.recover()
-    c.step(Vote(other[1], c.id, term + 1, n[other[1]].log.last_index(), n[other[1]].log.last_term()))
+    c.step(
+        Vote(other[1], c.id, term + 1, n[other[1]].log.last_index(), n[other[1]].log.last_term())
+    )
     n.flush()
     assert c.term == term + 1 and c.vote == other[1]
 

@@ -62,7 +62,11 @@ def test_gap_append_is_dropped_and_the_follower_keeps_working() -> None:
     n = cluster()
     f = n[2]
     last, term = f.log.last_index(), f.term
-    f.step(Append(1, 2, term, last, f.log.last_term(), f.log.committed, [Entry(term, last + 3, 0, b"x")]))
+    f.step(
+        Append(
+            1, 2, term, last, f.log.last_term(), f.log.committed, [Entry(term, last + 3, 0, b"x")]
+        )
+    )
     n.nodes[2].process_ready()  # used to raise StorageError
     assert f.log.last_index() == last and f.dropped_msgs == 1
     commit_everywhere(n, b"after")
@@ -96,7 +100,9 @@ def test_append_resp_beyond_the_leaders_log_is_dropped() -> None:
     ld = n[1]
     last, term = ld.log.last_index(), ld.term
     ld.step(AppendResp(2, 1, term, index=last + 1000))
-    ld.step(AppendResp(3, 1, term, index=last + 1, reject=True, hint_index=last + 1, hint_term=term))
+    ld.step(
+        AppendResp(3, 1, term, index=last + 1, reject=True, hint_index=last + 1, hint_term=term)
+    )
     ld.step(AppendResp(3, 1, term, index=last, reject=True, hint_index=-4, hint_term=0))
     ld.step(InstallSnapshotResp(2, 1, term, index=last + 50))
     n.flush()
@@ -191,13 +197,22 @@ def _random_message(rng: random.Random, to: int, n: Network):
         base = idx()
         out = []
         for k in range(rng.randrange(0, 4)):
-            out.append(Entry(rng.choice([t, t + 1, 1, 0]), base + k + rng.choice([1, 1, 2, 0]), rng.choice([0, 0, 1, 5]), rng.choice([b"", b"x", b"\x93\x00\x04\xc4\x00"])))
+            out.append(
+                Entry(
+                    rng.choice([t, t + 1, 1, 0]),
+                    base + k + rng.choice([1, 1, 2, 0]),
+                    rng.choice([0, 0, 1, 5]),
+                    rng.choice([b"", b"x", b"\x93\x00\x04\xc4\x00"]),
+                )
+            )
         return out
 
     if mt is Append:
         return Append(frm, to, term, idx(), rng.choice([0, 1, t, t + 9]), idx(), ents())
     if mt is AppendResp:
-        return AppendResp(frm, to, term, idx(), rng.random() < 0.5, idx(), rng.choice([-1, 0, t, t + 3]))
+        return AppendResp(
+            frm, to, term, idx(), rng.random() < 0.5, idx(), rng.choice([-1, 0, t, t + 3])
+        )
     if mt in (Vote, PreVote):
         return mt(frm, to, term, idx(), rng.choice([0, t, t + 9]), rng.random() < 0.5)
     if mt in (VoteResp, PreVoteResp):
@@ -208,7 +223,9 @@ def _random_message(rng: random.Random, to: int, n: Network):
         return HeartbeatResp(frm, to, term, rng.choice([0, 1, 10**6, -1]))
     if mt is InstallSnapshot:
         cs = rng.choice([ConfState((1, 2, 3)), ConfState(()), ConfState((1, 9), (9,))])
-        return InstallSnapshot(frm, to, term, Snapshot(SnapshotMeta(idx(), rng.choice([0, t, t + 2]), cs), b"junk"))
+        return InstallSnapshot(
+            frm, to, term, Snapshot(SnapshotMeta(idx(), rng.choice([0, t, t + 2]), cs), b"junk")
+        )
     if mt is InstallSnapshotResp:
         return InstallSnapshotResp(frm, to, term, idx())
     if mt is TimeoutNow:
@@ -232,7 +249,10 @@ def test_random_hostile_messages_never_raise_and_the_cluster_keeps_committing() 
         n.tick_all(1)
     for _ in range(200):
         n.tick_all(1)
-        if len(n.leaders()) == 1 and n[n.leader()].log.zero_term(n[n.leader()].log.committed) == n[n.leader()].term:
+        if (
+            len(n.leaders()) == 1
+            and n[n.leader()].log.zero_term(n[n.leader()].log.committed) == n[n.leader()].term
+        ):
             break
     lid = n.leader()
     idx = n.propose(lid, b"final")

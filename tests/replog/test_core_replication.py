@@ -163,7 +163,11 @@ def test_fast_backtracking_uses_few_round_trips() -> None:
     st_follower.set_hard_state(HardState(term=2, vote=0, commit=3))
     st_leader.append([Entry(3, i, 0, b"l%d" % i) for i in range(4, 8)])
     st_leader.set_hard_state(HardState(term=3, vote=0, commit=3))
-    n = Network([1, 2, 3], CFG, storages={1: st_leader, 2: st_follower, 3: MemoryStorage.bootstrap([1, 2, 3])})
+    n = Network(
+        [1, 2, 3],
+        CFG,
+        storages={1: st_leader, 2: st_follower, 3: MemoryStorage.bootstrap([1, 2, 3])},
+    )
     n.cut(2, 3)
     n.elect(1)
     assert n.leader() == 1
@@ -292,7 +296,17 @@ def test_truncation_between_ready_and_advance_is_not_marked_durable() -> None:
     st = MemoryStorage.bootstrap([1, 2, 3])
     core = RaftCore(2, st, CFG, random.Random(0))
     core.advance(core.ready())
-    core.step(Append(1, 2, 2, prev_index=3, prev_term=1, commit=3, entries=[Entry(2, 4, 0, b"a"), Entry(2, 5, 0, b"b")]))
+    core.step(
+        Append(
+            1,
+            2,
+            2,
+            prev_index=3,
+            prev_term=1,
+            commit=3,
+            entries=[Entry(2, 4, 0, b"a"), Entry(2, 5, 0, b"b")],
+        )
+    )
     rd = core.ready()
     assert [e.index for e in rd.entries_to_append] == [4, 5]
     # Before rd is persisted, a leader of term 3 replaces index 5.
@@ -312,7 +326,17 @@ def test_follower_applies_only_locally_durable_entries() -> None:
     st = MemoryStorage.bootstrap([1, 2, 3])
     core = RaftCore(2, st, CFG, random.Random(0))
     core.advance(core.ready())
-    core.step(Append(1, 2, 2, prev_index=3, prev_term=1, commit=5, entries=[Entry(2, 4, 0, b"a"), Entry(2, 5, 0, b"b")]))
+    core.step(
+        Append(
+            1,
+            2,
+            2,
+            prev_index=3,
+            prev_term=1,
+            commit=5,
+            entries=[Entry(2, 4, 0, b"a"), Entry(2, 5, 0, b"b")],
+        )
+    )
     rd = core.ready()
     assert core.log.committed == 5
     assert rd.committed_entries == []  # not persisted yet
@@ -342,7 +366,17 @@ def test_stale_acks_are_dropped_on_term_change() -> None:
     st = MemoryStorage(hs)
     st.append(ents)
     core = RaftCore(2, st, CFG, random.Random(1))
-    core.step(Append(1, 2, 2, prev_index=2, prev_term=1, commit=2, entries=[Entry(2, 3, 0, b"a"), Entry(2, 4, 0, b"b")]))
+    core.step(
+        Append(
+            1,
+            2,
+            2,
+            prev_index=2,
+            prev_term=1,
+            commit=2,
+            entries=[Entry(2, 3, 0, b"a"), Entry(2, 4, 0, b"b")],
+        )
+    )
     # No Ready taken yet: the ack for index 4 (term 2) is queued.
     core.step(Append(3, 2, 3, prev_index=2, prev_term=1, commit=2, entries=[Entry(3, 3, 0, b"c")]))
     rd = core.ready()

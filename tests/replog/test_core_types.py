@@ -60,7 +60,15 @@ MESSAGES = [
     VoteResp(2, 1, 5, reject=True),
     PreVote(1, 2, 6, 10, 4),
     PreVoteResp(2, 1, 6, reject=False),
-    Append(1, 2, 5, 9, 4, 8, [Entry(5, 10, 0, b"a"), Entry(5, 11, 1, encode_conf_change(ConfChange(0, 4)))]),
+    Append(
+        1,
+        2,
+        5,
+        9,
+        4,
+        8,
+        [Entry(5, 10, 0, b"a"), Entry(5, 11, 1, encode_conf_change(ConfChange(0, 4)))],
+    ),
     Append(1, 2, 5, 9, 4, 8),
     AppendResp(2, 1, 5, 11),
     AppendResp(2, 1, 5, 9, reject=True, hint_index=7, hint_term=3),
@@ -130,7 +138,9 @@ def test_config_validation(kwargs: dict, match: str) -> None:
 
 
 def test_config_from_json() -> None:
-    cfg = msgspec.json.decode(b'{"election_tick": 20, "read_only_option": "lease_based"}', type=RaftConfig)
+    cfg = msgspec.json.decode(
+        b'{"election_tick": 20, "read_only_option": "lease_based"}', type=RaftConfig
+    )
     assert cfg.election_range == (20, 40) and cfg.lease_ticks == 17
 
 

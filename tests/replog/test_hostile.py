@@ -57,7 +57,14 @@ def run(coro, timeout=120):
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = LocalCluster(str(tmp_path), 3, tick_ms=TICK_MS, election_ticks=10, token=TOKEN, extra_args=["--frame-timeout-s", "1.5"])
+    c = LocalCluster(
+        str(tmp_path),
+        3,
+        tick_ms=TICK_MS,
+        election_ticks=10,
+        token=TOKEN,
+        extra_args=["--frame-timeout-s", "1.5"],
+    )
     try:
         c.start_all()
         yield c
@@ -147,7 +154,9 @@ async def closed_within(reader, seconds) -> float:
     """Seconds until the server closes the connection (fails after ``seconds``)."""
     t0 = time.monotonic()
     while True:
-        data = await asyncio.wait_for(reader.read(65536), max(0.01, seconds - (time.monotonic() - t0)))
+        data = await asyncio.wait_for(
+            reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
+        )
         if not data:
             return time.monotonic() - t0
 
@@ -225,7 +234,9 @@ def test_forged_append_cannot_lose_an_acknowledged_write(cluster):
     run(main())
 
 
-def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and_restartable(cluster):
+def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and_restartable(
+    cluster,
+):
     """Defect 2: a snapshot whose image does not restore used to be persisted first, kill
     the replica (exit 3) and every restart after it (exit 4). An authenticated impostor
     sends one to every replica, as the leader to the followers and at a higher term to the
@@ -249,7 +260,9 @@ def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and
             await asyncio.sleep(1.0)
             assert_alive(cluster)
             st = await statuses(cluster)
-            assert all(s["snapshots_rejected"] >= 1 and s["snapshots_installed"] == 0 for s in st.values()), st
+            assert all(
+                s["snapshots_rejected"] >= 1 and s["snapshots_installed"] == 0 for s in st.values()
+            ), st
             assert st[lid]["role"] == "LEADER" and st[lid]["term"] == term  # no step-down either
             await put_many(c, "b", 10)
         for i in cluster.ids:
@@ -277,11 +290,19 @@ def test_gap_append_forged_votes_and_timeout_now_change_nothing(cluster):
             f1, f2 = [i for i in cluster.ids if i != lid]
             last = st[f1]["last_index"]
             _r, w = await peer_as(cluster.peers[f1], lid)
-            w.write(msg_frames(Append(lid, f1, term, last, term, last, [Entry(term, last + 5, 0, b"gap")])))
+            w.write(
+                msg_frames(
+                    Append(lid, f1, term, last, term, last, [Entry(term, last + 5, 0, b"gap")])
+                )
+            )
             w.write(msg_frames(TimeoutNow(lid, f1, term + 7)))
             await w.drain()
             _r2, w2 = await peer_as(cluster.peers[f1], f2)
-            w2.write(msg_frames(Vote(f2, f1, term + 1000, 10**9, term + 1000, True), TimeoutNow(f2, f1, term)))
+            w2.write(
+                msg_frames(
+                    Vote(f2, f1, term + 1000, 10**9, term + 1000, True), TimeoutNow(f2, f1, term)
+                )
+            )
             await w2.drain()
             _r3, w3 = await peer_as(cluster.peers[lid], f2)
             w3.write(msg_frames(Vote(f2, lid, term + 1000, 10**9, term + 1000, True)))
@@ -398,7 +419,9 @@ def test_submit_naming_another_clients_session_is_refused(cluster):
             r, w = await open_raw(cluster.client_addrs[lid])
             await aclient_handshake(r, w, cluster.security, CLIENT_SERVICE, "attacker")
             w.write(encode_frame(encode(ReqRegister(1))))
-            grant = msgspec.msgpack.decode(decode_response(await aread_frame(r, 1 << 20)).result, type=SessionGrant)
+            grant = msgspec.msgpack.decode(
+                decode_response(await aread_frame(r, 1 << 20)).result, type=SessionGrant
+            )
             from kvmesh.replog.kvsm import KvPut, encode_command
 
             body = encode_command(KvPut("k", b"attacker"))
@@ -429,7 +452,9 @@ def test_admin_snapshot_and_ports_need_the_token(tmp_path):
         with LocalCluster(str(tmp_path / "sec"), 1, tick_ms=TICK_MS, token=TOKEN) as c:
             c.start_all()
             for sec in (SecurityConfig(), SecurityConfig(token="wrong")):
-                async with KvClient(c.client_addrs, security=sec, timeout=2, attempt_timeout=0.5) as kc:
+                async with KvClient(
+                    c.client_addrs, security=sec, timeout=2, attempt_timeout=0.5
+                ) as kc:
                     with pytest.raises((ConnectionError, OSError)):
                         await kc.snapshot(c.client_addrs[1])
                 with pytest.raises(Exception, match="token|refused|auth"):
@@ -465,19 +490,62 @@ def test_tls_on_both_ports(tmp_path):
     def ossl(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=kvmesh-test-ca")
-    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", str(tmp_path / "node.csr"), "-subj", "/CN=node")
-    ossl("x509", "-req", "-in", str(tmp_path / "node.csr"), "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt, "-days", "2")
+    ossl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvmesh-test-ca",
+    )
+    ossl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        str(tmp_path / "node.csr"),
+        "-subj",
+        "/CN=node",
+    )
+    ossl(
+        "x509",
+        "-req",
+        "-in",
+        str(tmp_path / "node.csr"),
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        crt,
+        "-days",
+        "2",
+    )
     args = ["--tls-cert", crt, "--tls-key", key, "--tls-ca", ca]
 
     async def main():
-        with LocalCluster(str(tmp_path / "c"), 3, tick_ms=TICK_MS, token=TOKEN, extra_args=args) as c:
+        with LocalCluster(
+            str(tmp_path / "c"), 3, tick_ms=TICK_MS, token=TOKEN, extra_args=args
+        ) as c:
             c.start_all()
             sec = SecurityConfig(token=TOKEN, tls_cert=crt, tls_key=key, tls_ca=ca)
             async with KvClient(c.client_addrs, security=sec, timeout=20) as kc:
                 await kc.put("k", b"tls")
                 assert await kc.get("k") == b"tls"
-            async with KvClient(c.client_addrs, security=SecurityConfig(token=TOKEN), timeout=2, attempt_timeout=0.5) as kc:
+            async with KvClient(
+                c.client_addrs, security=SecurityConfig(token=TOKEN), timeout=2, attempt_timeout=0.5
+            ) as kc:
                 with pytest.raises((ConnectionError, OSError, ReplogError)):
                     await kc.get("k")
 
@@ -506,7 +574,10 @@ def test_stalled_handshakes_do_not_lock_out_replicas_or_clients(cluster):
             for w in conns:
                 w.close()
 
-        tasks = [asyncio.ensure_future(stall(a)) for a in [*cluster.peers.values(), *cluster.client_addrs.values()]]
+        tasks = [
+            asyncio.ensure_future(stall(a))
+            for a in [*cluster.peers.values(), *cluster.client_addrs.values()]
+        ]
         try:
             await asyncio.sleep(1.0)
             cluster.kill(lid)
@@ -535,7 +606,12 @@ def test_one_bad_connection_never_stops_the_server(cluster):
 
     async def main():
         _lid, _ = await leader_status(cluster)
-        garbage = [b"\xff" * 64, struct.pack("<I", 0xFFFFFFFF) + b"x", b"GET / HTTP/1.1\r\n\r\n", b""]
+        garbage = [
+            b"\xff" * 64,
+            struct.pack("<I", 0xFFFFFFFF) + b"x",
+            b"GET / HTTP/1.1\r\n\r\n",
+            b"",
+        ]
         for addr in [*cluster.peers.values(), *cluster.client_addrs.values()]:
             for g in garbage:
                 _r, w = await open_raw(addr)

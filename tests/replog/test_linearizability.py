@@ -178,9 +178,14 @@ def test_pending_write_may_happen_late_or_never():
     # Took effect between two reads, long after the client gave up.
     assert run(base + [op(2, KvOp.get("x"), 5, None, 6), op(2, KvOp.get("x"), 7, 1, 8)]).ok
     # But it cannot be undone once observed.
-    assert run(base + [op(2, KvOp.get("x"), 5, 1, 6), op(2, KvOp.get("x"), 7, None, 8)]).outcome == "illegal"
+    assert (
+        run(base + [op(2, KvOp.get("x"), 5, 1, 6), op(2, KvOp.get("x"), 7, None, 8)]).outcome
+        == "illegal"
+    )
     # Nor take effect before its call.
-    assert run([op(2, KvOp.get("x"), 0, 1, 1), pending(1, KvOp.put("x", 1), 2)]).outcome == "illegal"
+    assert (
+        run([op(2, KvOp.get("x"), 0, 1, 1), pending(1, KvOp.put("x", 1), 2)]).outcome == "illegal"
+    )
 
 
 def test_many_pending_reads_do_not_explode():
@@ -317,7 +322,9 @@ def brute_force(ops):
                     continue
                 states = {}
                 for a in perm:
-                    good, states[a.input.key] = model.step(states.get(a.input.key), a.input, a.output)
+                    good, states[a.input.key] = model.step(
+                        states.get(a.input.key), a.input, a.output
+                    )
                     if not good:
                         okay = False
                         break
@@ -329,7 +336,9 @@ def brute_force(ops):
 def test_random_linearizable_histories_accepted():
     rng = random.Random(1234)
     for _ in range(300):
-        ops = gen_linearizable(rng, rng.randrange(1, 40), rng.randrange(1, 6), ["a", "b", "c"][: rng.randrange(1, 4)])
+        ops = gen_linearizable(
+            rng, rng.randrange(1, 40), rng.randrange(1, 6), ["a", "b", "c"][: rng.randrange(1, 4)]
+        )
         r = run(ops)
         assert r.ok, r.report()
 
@@ -374,7 +383,11 @@ def test_few_thousand_op_history_checks_fast():
     # CPU time, not wall time: the machine is shared. Target is well under a second.
     assert cpu < 1.0, f"checking 4000 ops took {cpu:.2f}s of CPU"
     # And an illegal variant of the same history is found as fast.
-    gets = [i for i, o in enumerate(ops) if o.input.op == "get" and not o.pending and o.output is not None]
+    gets = [
+        i
+        for i, o in enumerate(ops)
+        if o.input.op == "get" and not o.pending and o.output is not None
+    ]
     i = gets[len(gets) // 2]
     o = ops[i]
     ops[i] = Operation(o.client, o.input, o.call, "never-written", o.ret)

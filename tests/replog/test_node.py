@@ -82,7 +82,9 @@ class Cluster:
             if len(ls) == 1:
                 return ls[0]
             await asyncio.sleep(0.02)
-        raise AssertionError(f"no leader within {timeout}s: {[n.status() for n in self.nodes.values()]}")
+        raise AssertionError(
+            f"no leader within {timeout}s: {[n.status() for n in self.nodes.values()]}"
+        )
 
     async def put(self, key, value, timeout=10.0):
         """Write through whoever leads (like a client would), retrying on redirects."""
@@ -121,7 +123,9 @@ def test_elect_propose_read_and_redirect(tmp_path, durability):
         async with Cluster(tmp_path, durability=durability) as c:
             leader = await c.leader()
             assert await leader.propose(encode_command(KvPut("a", b"1"))) is None
-            assert await leader.propose(encode_command(KvBatch([KvPut("b", b"2"), KvGet("a"), KvDelete("zz")]))) == [None, b"1", False]
+            assert await leader.propose(
+                encode_command(KvBatch([KvPut("b", b"2"), KvGet("a"), KvDelete("zz")]))
+            ) == [None, b"1", False]
             follower = next(n for n in c.nodes.values() if n is not leader)
             with pytest.raises(NotLeaderError) as ei:
                 await follower.propose(encode_command(KvPut("x", b"y")))
@@ -146,7 +150,9 @@ def test_batched_concurrent_proposals_group_commit(tmp_path):
         async with Cluster(tmp_path) as c:
             leader = await c.leader()
             n = 2000
-            res = await asyncio.gather(*[leader.propose(encode_command(KvPut(f"k{i}", b"v%d" % i))) for i in range(n)])
+            res = await asyncio.gather(
+                *[leader.propose(encode_command(KvPut(f"k{i}", b"v%d" % i))) for i in range(n)]
+            )
             assert res == [None] * n
             st = leader.status()
             # Many proposals per Ready: far fewer fsyncs than entries.
@@ -229,7 +235,9 @@ def test_leader_change_callbacks(tmp_path):
             assert ("async", True) in events[leader.id]
             for i, evs in events.items():
                 if i != leader.id:
-                    assert any(getattr(e, "leader_id", None) == leader.id and not e.is_self for e in evs)
+                    assert any(
+                        getattr(e, "leader_id", None) == leader.id and not e.is_self for e in evs
+                    )
             old = leader.id
             await c.stop(old)
             new = await c.leader()
@@ -306,7 +314,9 @@ def test_snapshot_encoding_yields_to_the_loop(tmp_path):
         async with Cluster(tmp_path, n=1, snapshot_threshold=10**9) as c:
             node = await c.leader()
             for i in range(0, 45_000, 5000):
-                await node.propose(encode_command(KvBatch([KvPut(f"k{j}", b"v") for j in range(i, i + 5000)])))
+                await node.propose(
+                    encode_command(KvBatch([KvPut(f"k{j}", b"v") for j in range(i, i + 5000)]))
+                )
             beats = 0
             running = True
 
@@ -348,7 +358,15 @@ def test_session_expiry_is_a_committed_entry(tmp_path):
 
 def test_lease_reads(tmp_path):
     async def main():
-        async with Cluster(tmp_path, raft=RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED)) as c:
+        async with Cluster(
+            tmp_path,
+            raft=RaftConfig(
+                election_tick=10,
+                max_election_tick=20,
+                heartbeat_tick=1,
+                read_only_option=ReadOnlyOption.LEASE_BASED,
+            ),
+        ) as c:
             leader = await c.leader()
             await c.put("a", b"1")
             for _ in range(20):
@@ -405,7 +423,9 @@ def test_membership_add_learner_promote_and_remove(tmp_path):
             n4 = RaftNode(c.config(4, peers=peers4, join=True), KvStateMachine())
             await n4.start()
             c.nodes[4] = n4
-            await leader.change_membership(ConfChange(ConfChangeType.ADD_LEARNER, 4, addr4.encode()))
+            await leader.change_membership(
+                ConfChange(ConfChangeType.ADD_LEARNER, 4, addr4.encode())
+            )
             assert leader.status()["learners"] == [4]
             for _ in range(200):
                 if n4.applied_index >= leader.applied_index and n4.state_machine.get("k49") == b"v":
@@ -460,7 +480,13 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
     from kvmesh.replog.core import next_conf_state
     from kvmesh.replog.diskstorage import DiskStorage
     from kvmesh.replog.memstorage import MemoryStorage
-    from kvmesh.replog.types import ConfChange, ConfChangeType, ConfState, EntryKind, decode_conf_change
+    from kvmesh.replog.types import (
+        ConfChange,
+        ConfChangeType,
+        ConfState,
+        EntryKind,
+        decode_conf_change,
+    )
 
     monkeypatch.setattr(nodemod, "_APPLY_SLICE", 4)  # yield between slices of 4 entries
     taken: list = []
@@ -475,7 +501,9 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
 
         monkeypatch.setattr(cls, "commit_local_snapshot", spy)
     # About a dozen small entries per Ready: a chain of commit-only Readies when catching up.
-    raft = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=800)
+    raft = RaftConfig(
+        election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=800
+    )
 
     async def main():
         c = Cluster(tmp_path, durability=durability, raft=raft, snapshot_threshold=100_000)

@@ -26,7 +26,14 @@ from kvmesh.replog.types import (
 CFG = RaftConfig(election_tick=10, heartbeat_tick=1, pre_vote=False, check_quorum=False)
 
 
-def make_core(node_id: int = 1, voters=(1, 2, 3), cfg: RaftConfig = CFG, entries: list[Entry] | None = None, term: int = 1, seed: int = 0) -> RaftCore:
+def make_core(
+    node_id: int = 1,
+    voters=(1, 2, 3),
+    cfg: RaftConfig = CFG,
+    entries: list[Entry] | None = None,
+    term: int = 1,
+    seed: int = 0,
+) -> RaftCore:
     """A core over a bootstrapped storage whose log is the bootstrap prefix + ``entries``."""
     st = MemoryStorage.bootstrap(list(voters))
     if entries:
@@ -89,7 +96,17 @@ def test_reject_stale_term_message() -> None:
     learns the newer term)."""
     core = make_core(term=3)
     last = core.log.last_index()
-    core.step(Append(2, 1, 2, prev_index=last, prev_term=1, commit=last, entries=[Entry(2, last + 1, 0, b"x")]))
+    core.step(
+        Append(
+            2,
+            1,
+            2,
+            prev_index=last,
+            prev_term=1,
+            commit=last,
+            entries=[Entry(2, last + 1, 0, b"x")],
+        )
+    )
     msgs = drain(core, core.storage)
     assert core.log.last_index() == last
     assert core.term == 3
@@ -179,7 +196,9 @@ def test_candidate_falls_back_to_follower() -> None:
     core.campaign()
     drain(core, core.storage)
     t = core.term
-    core.step(Append(2, 1, t, prev_index=core.log.last_index(), prev_term=core.log.last_term(), commit=0))
+    core.step(
+        Append(2, 1, t, prev_index=core.log.last_index(), prev_term=core.log.last_term(), commit=0)
+    )
     assert core.role == Role.FOLLOWER and core.lead == 2 and core.term == t
 
 
@@ -295,11 +314,23 @@ def test_follower_commit_entry() -> None:
     assert applied == [b"a"]
 
 
-@pytest.mark.parametrize("prev_term,prev_index,rejected", [(1, 5, False), (1, 4, False), (2, 5, True), (1, 7, True)])
+@pytest.mark.parametrize(
+    "prev_term,prev_index,rejected", [(1, 5, False), (1, 4, False), (2, 5, True), (1, 7, True)]
+)
 def test_follower_check_append(prev_term: int, prev_index: int, rejected: bool) -> None:
     """§5.3: a follower refuses entries whose predecessor (index, term) it lacks."""
     core = make_core(entries=[Entry(1, 4, 0, b"a"), Entry(1, 5, 0, b"b")])  # commit 3
-    core.step(Append(2, 1, 2, prev_index=prev_index, prev_term=prev_term, commit=0, entries=[Entry(2, prev_index + 1, 0, b"x")]))
+    core.step(
+        Append(
+            2,
+            1,
+            2,
+            prev_index=prev_index,
+            prev_term=prev_term,
+            commit=0,
+            entries=[Entry(2, prev_index + 1, 0, b"x")],
+        )
+    )
     resp = [m for m in drain(core, core.storage) if type(m) is AppendResp][-1]
     assert resp.reject == rejected
     if rejected:
@@ -310,11 +341,28 @@ def test_follower_check_append(prev_term: int, prev_index: int, rejected: bool) 
 
 def test_follower_append_entries_truncates_conflicts() -> None:
     """§5.3: a conflicting suffix is deleted and replaced by the leader's entries."""
-    core = make_core(entries=[Entry(1, 4, 0, b"a"), Entry(2, 5, 0, b"b"), Entry(2, 6, 0, b"c")], term=2)
-    core.step(Append(2, 1, 3, prev_index=4, prev_term=1, commit=3, entries=[Entry(3, 5, 0, b"B"), Entry(3, 6, 0, b"C"), Entry(3, 7, 0, b"D")]))
+    core = make_core(
+        entries=[Entry(1, 4, 0, b"a"), Entry(2, 5, 0, b"b"), Entry(2, 6, 0, b"c")], term=2
+    )
+    core.step(
+        Append(
+            2,
+            1,
+            3,
+            prev_index=4,
+            prev_term=1,
+            commit=3,
+            entries=[Entry(3, 5, 0, b"B"), Entry(3, 6, 0, b"C"), Entry(3, 7, 0, b"D")],
+        )
+    )
     drain(core, core.storage)
     st = core.storage
-    assert [(e.term, e.data) for e in st.entries(4, 8)] == [(1, b"a"), (3, b"B"), (3, b"C"), (3, b"D")]
+    assert [(e.term, e.data) for e in st.entries(4, 8)] == [
+        (1, b"a"),
+        (3, b"B"),
+        (3, b"C"),
+        (3, b"D"),
+    ]
 
 
 FIG7_LEADER_TERMS = [1, 1, 1, 4, 4, 5, 5, 6, 6, 6]
@@ -332,7 +380,10 @@ def _storage_with_terms(terms: list[int], voters: list[int], term: int) -> Memor
     boot, hs = bootstrap_entries(voters)
     st = MemoryStorage()
     # Shift the figure's logs after the 3 bootstrap entries (which all logs share).
-    ents = list(boot) + [Entry(t, len(boot) + i, 0, b"e%d-%d" % (i, t)) for i, t in enumerate(terms[len(boot) - 0 :], start=1)]
+    ents = list(boot) + [
+        Entry(t, len(boot) + i, 0, b"e%d-%d" % (i, t))
+        for i, t in enumerate(terms[len(boot) - 0 :], start=1)
+    ]
     st.append(ents)
     st.set_hard_state(HardState(term=term, vote=0, commit=hs.commit))
     return st
@@ -346,7 +397,15 @@ def test_leader_sync_follower_log(name: str) -> None:
     leader_st = _storage_with_terms(FIG7_LEADER_TERMS, voters, 8)
     follower_st = _storage_with_terms(FIG7_FOLLOWERS[name], voters, 8)
     # Node 3 votes for the leader but does not take part otherwise.
-    n = Network([1, 2, 3], CFG, storages={1: leader_st, 2: follower_st, 3: _storage_with_terms(FIG7_LEADER_TERMS, voters, 8)})
+    n = Network(
+        [1, 2, 3],
+        CFG,
+        storages={
+            1: leader_st,
+            2: follower_st,
+            3: _storage_with_terms(FIG7_LEADER_TERMS, voters, 8),
+        },
+    )
     n.cut(2, 3)
     n.elect(1)
     assert n.leader() == 1
@@ -370,7 +429,9 @@ def test_leader_sync_follower_log(name: str) -> None:
         (3, 2, True),  # higher last term wins regardless of length
     ],
 )
-def test_voter_rejects_less_up_to_date(cand_last_term: int, cand_last_index: int, granted: bool) -> None:
+def test_voter_rejects_less_up_to_date(
+    cand_last_term: int, cand_last_index: int, granted: bool
+) -> None:
     """§5.4.1: a vote is denied to a candidate whose log is less up-to-date."""
     core = make_core(entries=[Entry(2, 4, 0, b"x")], term=2)
     core.step(Vote(2, 1, 5, cand_last_index, cand_last_term))

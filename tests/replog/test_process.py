@@ -15,7 +15,12 @@ from kvmesh.replog.server import LocalCluster
 from kvmesh.replog.types import ReplogError
 
 TICK_MS = 50  # elections after 0.5-1.0 s
-ARGS = ["--snapshot-threshold", "400", "--trailing-logs", "50"]  # snapshots + compaction during the test
+ARGS = [
+    "--snapshot-threshold",
+    "400",
+    "--trailing-logs",
+    "50",
+]  # snapshots + compaction during the test
 
 
 class Load:
@@ -92,8 +97,10 @@ class Load:
         assert r.outcome == "ok", r.report()
         assert lost_acknowledged_writes(ops, final) == []
         assert self.acked > 50, f"too little progress: {self.acked} acknowledged writes"
-        print(f"history: {len(ops)} ops, {self.acked} acknowledged writes, {self.unknown} unknown; "
-              f"checked in {r.elapsed_s:.3f}s")
+        print(
+            f"history: {len(ops)} ops, {self.acked} acknowledged writes, {self.unknown} unknown; "
+            f"checked in {r.elapsed_s:.3f}s"
+        )
 
 
 async def statuses(cluster, ids=None, digest=False):
@@ -105,7 +112,7 @@ async def statuses(cluster, ids=None, digest=False):
                 continue
             try:
                 out[i] = await c.status(cluster.client_addrs[i], digest=digest)
-            except (OSError, asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, OSError, ConnectionError):
                 pass
     finally:
         await c.close()
@@ -235,7 +242,13 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
     acknowledged writes, and the same harness must report it."""
 
     async def main():
-        c = LocalCluster(str(tmp_path), 3, tick_ms=TICK_MS, election_ticks=10, extra_args=["--durability", "memory"])
+        c = LocalCluster(
+            str(tmp_path),
+            3,
+            tick_ms=TICK_MS,
+            election_ticks=10,
+            extra_args=["--durability", "memory"],
+        )
         try:
             c.start_all()
             load = Load(c, seed=44, read_ratio=0.0)
@@ -251,7 +264,9 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
             r = check(KvModel(), ops, timeout_s=30)
             assert r.outcome == "illegal"
             assert "ILLEGAL" in r.report()
-            assert lost_acknowledged_writes(ops, final), "the acknowledged-set check must flag the loss too"
+            assert lost_acknowledged_writes(ops, final), (
+                "the acknowledged-set check must flag the loss too"
+            )
         finally:
             c.close()
 

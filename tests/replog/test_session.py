@@ -198,7 +198,13 @@ def test_replicas_applying_same_log_with_retries_agree():
             envs.append(rng.choice(sent))  # a retry reaches the log again
             continue
         seqs[cid] += 1
-        c = rng.choice([KvPut(f"k{rng.randrange(5)}", b"%d" % rng.randrange(100)), KvDelete(f"k{rng.randrange(5)}"), KvCas(f"k{rng.randrange(5)}", None, b"n")])
+        c = rng.choice(
+            [
+                KvPut(f"k{rng.randrange(5)}", b"%d" % rng.randrange(100)),
+                KvDelete(f"k{rng.randrange(5)}"),
+                KvCas(f"k{rng.randrange(5)}", None, b"n"),
+            ]
+        )
         e = cmd(cid, seqs[cid], c)
         sent.append(e)
         envs.append(e)

@@ -60,7 +60,11 @@ def test_each_fault_alone(fault: str, seed: int) -> None:
 def test_five_voters_with_crashes_and_partitions() -> None:
     for seed in (2000, 2001, 2002):
         r = run_seed(
-            seed, "ci", n_voters=5, duration=30.0, faults=("crash_leader", "crash", "partition", "isolate_leader", "crash_all")
+            seed,
+            "ci",
+            n_voters=5,
+            duration=30.0,
+            faults=("crash_leader", "crash", "partition", "isolate_leader", "crash_all"),
         )
         assert r.ok, _explain(r)
         assert r.crashes > 0
@@ -69,15 +73,24 @@ def test_five_voters_with_crashes_and_partitions() -> None:
 def test_e1_clock_rates_half_and_double_with_read_index() -> None:
     raft = RaftConfig(election_tick=10, heartbeat_tick=1)
     for seed in (3000, 3001, 3002):
-        r = run_seed(seed, "ci", raft=raft, faults=("clock", "isolate_leader", "pause"), clock_drift=0.5)
+        r = run_seed(
+            seed, "ci", raft=raft, faults=("clock", "isolate_leader", "pause"), clock_drift=0.5
+        )
         assert r.ok, _explain(r)
 
 
 def test_e1_lease_reads_within_drift_bound() -> None:
-    raft = RaftConfig(election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED)
+    raft = RaftConfig(
+        election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED
+    )
     for seed in (3100, 3101, 3102):
         r = run_seed(
-            seed, "ci", raft=raft, faults=("clock", "isolate_leader", "pause", "partition"), clock_drift=0.03, read_ratio=0.6
+            seed,
+            "ci",
+            raft=raft,
+            faults=("clock", "isolate_leader", "pause", "partition"),
+            clock_drift=0.03,
+            read_ratio=0.6,
         )
         assert r.ok, _explain(r)
 
@@ -112,15 +125,18 @@ def test_c3_memory_durability_loses_acknowledged_writes() -> None:
     """C3: with durability="memory", correlated crashes lose acknowledged writes, and the
     client-side checks (linearizability / lost-write) report it."""
     caught = [_control(seed, "memory") for seed in range(4000, 4005)]
-    assert all(not r.ok and r.violation in ("linearizability", "lost-acknowledged-write") for r in caught), [
-        (r.seed, r.violation) for r in caught
-    ]
+    assert all(
+        not r.ok and r.violation in ("linearizability", "lost-acknowledged-write") for r in caught
+    ), [(r.seed, r.violation) for r in caught]
 
 
 def test_ack_before_fsync_is_caught() -> None:
     """Acknowledging before the fsync completes loses acknowledged writes when every node
     crashes inside the fsync window; the checker finds it in some of the seeds."""
-    results = [_control(seed, "ack_before_fsync", fsync_min=0.02, fsync_max=0.06) for seed in range(4100, 4110)]
+    results = [
+        _control(seed, "ack_before_fsync", fsync_min=0.02, fsync_max=0.06)
+        for seed in range(4100, 4110)
+    ]
     caught = [r for r in results if not r.ok]
     assert caught, "no seed exposed the lost writes"
     assert all(r.violation in ("linearizability", "lost-acknowledged-write") for r in caught)
@@ -129,7 +145,9 @@ def test_ack_before_fsync_is_caught() -> None:
 def test_c2_same_schedule_with_real_durability_is_safe() -> None:
     """C2: the schedules of the controls above, with persist-before-ack, lose nothing."""
     for seed in list(range(4000, 4005)) + list(range(4100, 4105)):
-        r = run_seed(seed, "ci", durability="disk", faults=("crash_all",), fsync_min=0.02, fsync_max=0.06)
+        r = run_seed(
+            seed, "ci", durability="disk", faults=("crash_all",), fsync_min=0.02, fsync_max=0.06
+        )
         assert r.ok, _explain(r)
         assert r.crashes > 0
 
@@ -146,7 +164,12 @@ def _lease_scenario(drift: float):
         buggify=False,
         client_timeout=0.5,
         op_deadline=8.0,
-        raft=RaftConfig(election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED, lease_drift_bound=0.1),
+        raft=RaftConfig(
+            election_tick=10,
+            heartbeat_tick=1,
+            read_only_option=ReadOnlyOption.LEASE_BASED,
+            lease_drift_bound=0.1,
+        ),
     )
     sim = Simulator(cfg)
     sim.run_until(3.0)
@@ -162,10 +185,16 @@ def _lease_scenario(drift: float):
     sim.run_until(4.5)
     sim.net.isolate(old, sim.nodes)
     other = next(i for i in sim.nodes if i != old)
-    overwriter.done_callbacks.append(lambda _v: sim.schedule(0.01, reader.submit, "get", "x", None, False, old))
+    overwriter.done_callbacks.append(
+        lambda _v: sim.schedule(0.01, reader.submit, "get", "x", None, False, old)
+    )
     overwriter.submit("put", "x", target=other)
     sim.run_until(15.0)
-    reads = [o for o in sim.history.operations() if o.input.key == "x" and o.input.op == "get" and not o.pending]
+    reads = [
+        o
+        for o in sim.history.operations()
+        if o.input.key == "x" and o.input.op == "get" and not o.pending
+    ]
     return sim.check_history(), reads
 
 
@@ -223,7 +252,9 @@ def test_leader_churn_in_a_stable_window_is_flagged() -> None:
     from kvmesh.replog.sim.invariants import SimViolation
     from kvmesh.replog.sim.nemesis import Nemesis
 
-    cfg = SimConfig(seed=11, n_clients=2, nemesis=True, faults=("loss",), fault_min=0.5, fault_max=0.5)
+    cfg = SimConfig(
+        seed=11, n_clients=2, nemesis=True, faults=("loss",), fault_min=0.5, fault_max=0.5
+    )
     sim = Simulator(cfg)
     sim.nemesis = Nemesis(sim, __import__("random").Random(1), cfg.faults)
     sim.start_clients()
@@ -271,7 +302,9 @@ def _stall_scenario(catch_up: bool):
         client_timeout=0.5,
         op_deadline=6.0,
         catch_up_ticks=catch_up,
-        raft=RaftConfig(election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED),
+        raft=RaftConfig(
+            election_tick=10, heartbeat_tick=1, read_only_option=ReadOnlyOption.LEASE_BASED
+        ),
     )
     sim = Simulator(cfg)
     sim.run_until(3.0)
@@ -293,7 +326,11 @@ def _stall_scenario(catch_up: bool):
     overwriter.done_callbacks.append(resume_and_read)
     overwriter.submit("put", "x", target=other)
     sim.run_until(14.0)
-    reads = [o for o in sim.history.operations() if o.input.key == "x" and o.input.op == "get" and not o.pending]
+    reads = [
+        o
+        for o in sim.history.operations()
+        if o.input.key == "x" and o.input.op == "get" and not o.pending
+    ]
     return sim.check_history(), reads
 
 
@@ -342,7 +379,11 @@ def test_commit_durability_needs_a_majority_of_four_voters() -> None:
 
 @pytest.mark.parametrize(
     "fault,counter",
-    [("stale_snapshot", "stale_snapshots"), ("figure8", "figure8"), ("vote_suppression", "contested_votes")],
+    [
+        ("stale_snapshot", "stale_snapshots"),
+        ("figure8", "figure8"),
+        ("vote_suppression", "contested_votes"),
+    ],
 )
 def test_targeted_schedules_reach_their_situation(fault: str, counter: str) -> None:
     """The targeted nemesis schedules (also drawn in the CI seeds) produce what they aim at:
@@ -350,4 +391,6 @@ def test_targeted_schedules_reach_their_situation(fault: str, counter: str) -> N
     index (Figure 8), campaigns reaching nodes that follow a live leader."""
     results = [run_seed(seed, "ci", faults=(fault,)) for seed in (0, 1, 2, 5, 7)]
     assert all(r.ok for r in results), _explain(next(r for r in results if not r.ok))
-    assert sum(getattr(r, counter) for r in results) > 0, [(r.seed, getattr(r, counter)) for r in results]
+    assert sum(getattr(r, counter) for r in results) > 0, [
+        (r.seed, getattr(r, counter)) for r in results
+    ]

@@ -265,7 +265,9 @@ def test_damaged_snapshot_with_compacted_wal_fails_stop(tmp_path):
     newest = snapfile.list_snapshots(os.path.join(d, "snap"))[-1]
     assert newest.index == 500
     _corrupt_snapshot(newest.path)
-    with pytest.raises(StorageCorruptionError, match="older than the WAL's first retained index.*damaged"):
+    with pytest.raises(
+        StorageCorruptionError, match="older than the WAL's first retained index.*damaged"
+    ):
         DiskStorage.open(d, segment_bytes=2048)
 
 
@@ -399,7 +401,11 @@ def test_random_ops_match_memory_storage_and_survive_crashes(tmp_path, seed):
             st.append(new)
             ref.append(new)
         elif r < 0.7:
-            hs = HardState(term, rng.randrange(0, 4), rng.randrange(ref.hard_state.commit, ref.last_index() + 1))
+            hs = HardState(
+                term,
+                rng.randrange(0, 4),
+                rng.randrange(ref.hard_state.commit, ref.last_index() + 1),
+            )
             st.set_hard_state(hs)
             ref.set_hard_state(hs)
         elif r < 0.85:
@@ -491,5 +497,7 @@ def test_pruning_never_touches_snapshots_being_written(tmp_path):
     st.defer_pruning = True
     st.create_snapshot(50, CS, b"s50")
     assert names() == [30, 40, 50, 90]
-    assert st.obsolete_snapshot_files() == [os.path.join(st.snap_dir, f"snap-{30:016x}-{1:016x}.snap")]
+    assert st.obsolete_snapshot_files() == [
+        os.path.join(st.snap_dir, f"snap-{30:016x}-{1:016x}.snap")
+    ]
     st.close()

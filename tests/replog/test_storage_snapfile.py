@@ -68,7 +68,9 @@ def test_renamed_file_is_detected(tmp_path):
 
 def test_tmp_cleanup_and_pruning(tmp_path):
     d = str(tmp_path)
-    paths = [snapfile.write_snapshot(d, Snapshot(SnapshotMeta(i, 1), b"%d" % i)) for i in (10, 20, 30)]
+    paths = [
+        snapfile.write_snapshot(d, Snapshot(SnapshotMeta(i, 1), b"%d" % i)) for i in (10, 20, 30)
+    ]
     with open(os.path.join(d, f"snap-{40:016x}-{1:016x}.snap.tmp"), "wb") as f:
         f.write(b"partial")
     assert snapfile.cleanup_tmp(d) == 1

@@ -99,7 +99,12 @@ def test_torn_tail_partial_record_is_truncated(tmp_path):
 
 @pytest.mark.parametrize(
     "tail",
-    [b"\x00" * 4096, b"\x07\x00", struct.pack("<II", 6, 0) + b"garbag", struct.pack("<II", 2**31, 0)],
+    [
+        b"\x00" * 4096,
+        b"\x07\x00",
+        struct.pack("<II", 6, 0) + b"garbag",
+        struct.pack("<II", 2**31, 0),
+    ],
     ids=["zeros", "partial-header", "crc-mismatch", "huge-length"],
 )
 def test_torn_tail_variants(tmp_path, tail):

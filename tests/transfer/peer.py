@@ -36,8 +36,11 @@ def main() -> None:
     ap.add_argument("--token")
     ap.add_argument("--node-id", default="peer")
     ap.add_argument("--listen", default=None)
-    ap.add_argument("--no-fence", action="store_true",
-                    help="act as a host whose /dev/shm refuses new files (no fence file)")
+    ap.add_argument(
+        "--no-fence",
+        action="store_true",
+        help="act as a host whose /dev/shm refuses new files (no fence file)",
+    )
     ap.add_argument("--stderr", help="send this process's stderr (its log) to this file")
     args = ap.parse_args()
     if args.stderr:
@@ -79,8 +82,13 @@ def main() -> None:
         out.write(json.dumps(kw) + "\n")
         out.flush()
 
-    say(address=eng.address, node_id=eng.node_id, pid=os.getpid(), host_id=eng.host_id,
-        transports=[k.value for k in eng.transports])
+    say(
+        address=eng.address,
+        node_id=eng.node_id,
+        pid=os.getpid(),
+        host_id=eng.host_id,
+        transports=[k.value for k in eng.transports],
+    )
     for line in sys.stdin:
         try:
             msg = json.loads(line)
@@ -97,7 +105,9 @@ def main() -> None:
             elif cmd == "expose":
                 import torch
 
-                t = torch.arange(msg["numel"], dtype=getattr(torch, msg["dtype"])).reshape(msg["shape"])
+                t = torch.arange(msg["numel"], dtype=getattr(torch, msg["dtype"])).reshape(
+                    msg["shape"]
+                )
                 t.mul_(msg.get("scale", 1))
                 tensors[msg["name"]] = t
                 eng.expose_tensor(msg["name"], t)
@@ -108,7 +118,9 @@ def main() -> None:
             elif cmd in ("read_from", "write_to"):
                 seg = eng.open_segment(msg["address"], msg["name"])
                 op = Op.READ if cmd == "read_from" else Op.WRITE
-                res = eng.transfer(op, region, [msg["local"]], seg, [msg["remote"]], [msg["length"]])
+                res = eng.transfer(
+                    op, region, [msg["local"]], seg, [msg["remote"]], [msg["length"]]
+                )
                 say(ok=True, transports=[k.value for k in res.transports])
             elif cmd == "unpublish":
                 eng.unpublish(msg["name"])

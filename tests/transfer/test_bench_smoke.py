@@ -21,12 +21,37 @@ FIELDS = RECORD_FIELDS
 def test_bench_quick_tiny(tmp_path):
     out = tmp_path / "bench.json"
     labels = ["local", "shm", "tcp"] + (["nixl", "nixl-tcp"] if nixl.available() else [])
-    cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--quick", "--json", str(out),
-           "--pages", "16384,65536", "--batches", "8", "--reps", "1", "--latency-samples", "20",
-           "--pool-mib", "4", "--tcp-mib", "16", "--idle-seconds", "0.5",
-           "--transports", ",".join(labels)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "transfer.py"),
+        "--quick",
+        "--json",
+        str(out),
+        "--pages",
+        "16384,65536",
+        "--batches",
+        "8",
+        "--reps",
+        "1",
+        "--latency-samples",
+        "20",
+        "--pool-mib",
+        "4",
+        "--tcp-mib",
+        "16",
+        "--idle-seconds",
+        "0.5",
+        "--transports",
+        ",".join(labels),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio memcpy" in proc.stdout and "targets:" in proc.stdout
 
@@ -35,7 +60,9 @@ def test_bench_quick_tiny(tmp_path):
     assert data["machine"]["cpus"] == os.cpu_count() and data["machine"]["python"]
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
     samples = data["limit_samples"]
-    assert len(samples["memcpy_gbps"]) == 1 + len(labels) and len(samples["tcp_gbps"]) == 2 + len(labels)
+    assert len(samples["memcpy_gbps"]) == 1 + len(labels) and len(samples["tcp_gbps"]) == 2 + len(
+        labels
+    )
     assert data["limits"]["memcpy_gbps"] == pytest.approx(max(samples["memcpy_gbps"]), abs=1e-3)
     recs = data["records"]
     for r in recs:
@@ -43,18 +70,30 @@ def test_bench_quick_tiny(tmp_path):
     moves = [r for r in recs if r["case"] in ("same-process", "cross-process", "network")]
     # every transport, both directions, both page sizes, each verified
     assert {(r["path"], r["op"], r["page_bytes"]) for r in moves} == {
-        (p, op, size) for p in labels for op in ("read", "write") for size in (16384, 65536)}
-    expect_transport = {"local": "local", "shm": "shm", "tcp": "tcp", "nixl": "nixl",
-                        "nixl-tcp": "nixl"}
+        (p, op, size) for p in labels for op in ("read", "write") for size in (16384, 65536)
+    }
+    expect_transport = {
+        "local": "local",
+        "shm": "shm",
+        "tcp": "tcp",
+        "nixl": "nixl",
+        "nixl-tcp": "nixl",
+    }
     for r in moves:
         assert r["verified"] is True and r["batch"] == 8
         assert r["transport"] == expect_transport[r["path"]], r
         assert r["gbps"] > 0 and r["ops_per_s"] > 0
-        assert r["ratio_memcpy"] == pytest.approx(r["gbps"] / data["limits"]["memcpy_gbps"], rel=0.01, abs=1e-3)
-        assert r["ratio_tcp"] == pytest.approx(r["gbps"] / data["limits"]["tcp_gbps"], rel=0.01, abs=1e-3)
+        assert r["ratio_memcpy"] == pytest.approx(
+            r["gbps"] / data["limits"]["memcpy_gbps"], rel=0.01, abs=1e-3
+        )
+        assert r["ratio_tcp"] == pytest.approx(
+            r["gbps"] / data["limits"]["tcp_gbps"], rel=0.01, abs=1e-3
+        )
         assert r["p50_us"] is None
     lat = [r for r in recs if r["case"] == "latency"]
-    assert {(r["path"], r["op"]) for r in lat} == {(p, op) for p in labels for op in ("read", "write")}
+    assert {(r["path"], r["op"]) for r in lat} == {
+        (p, op) for p in labels for op in ("read", "write")
+    }
     for r in lat:
         assert 0 < r["p50_us"] <= r["p99_us"] and r["page_bytes"] == 4096 and r["gbps"] is None
     # Idle engines block in the kernel: docs/transfer.md's target is < 5 % of a core per engine

@@ -14,8 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvmesh.transfer import EngineConfig, MemoryKind, Op, TransferEngine, TransportKind
-from kvmesh.transfer import cuda
+from kvmesh.transfer import EngineConfig, MemoryKind, Op, TransferEngine, TransportKind, cuda
 from kvmesh.transfer import nixl as na
 
 pytestmark = [
@@ -130,7 +129,9 @@ def test_cuda_ipc_transport(local):
             assert res.transports == [TransportKind.CUDA_IPC]
             got = _to_host(lbase, SIZE, 0) if local == "vram" else host
             assert _sha(got.reshape(n, page)[perm]) == _sha(_pattern(SIZE, 2).reshape(n, page))
-            res = eng.transfer(Op.WRITE, region, np.arange(n) * page, seg, np.arange(n) * page, page)
+            res = eng.transfer(
+                Op.WRITE, region, np.arange(n) * page, seg, np.arange(n) * page, page
+            )
             assert res.transports == [TransportKind.CUDA_IPC]
             conn.send("sha")
             assert conn.recv() == _sha(got)
@@ -145,8 +146,10 @@ def test_cuda_ipc_transport(local):
             proc.kill()
 
 
-@pytest.mark.skipif(cuda.device_count() < 2 or not cuda.can_access_peer(1, 0),
-                    reason="needs two GPUs with peer access")
+@pytest.mark.skipif(
+    cuda.device_count() < 2 or not cuda.can_access_peer(1, 0),
+    reason="needs two GPUs with peer access",
+)
 def test_nvlink_transport():
     proc, conn = _spawn(_child_engine, 0)
     try:

@@ -30,8 +30,8 @@ from kvmesh.transfer import (
     TransferEngine,
     TransportKind,
     TransportUnavailable,
+    cuda,
 )
-from kvmesh.transfer import cuda
 from kvmesh.transfer.memory import SharedBuffer, host_array
 from kvmesh.transfer.transports import cuda_ipc
 
@@ -269,8 +269,12 @@ def test_unavailable_cleanly():
     assert cuda.ordinal_of(b"x" * 16) is None
     assert cuda_ipc.CudaIpcTransport.unavailable_reason() == reason
     assert cuda_ipc.NvlinkTransport.unavailable_reason() == reason
-    for call in (lambda: cuda.malloc(16), lambda: cuda.export_ipc(1, 0),
-                 lambda: cuda.open_ipc(b"\0" * 64, 0), lambda: cuda.device_uuid(0)):
+    for call in (
+        lambda: cuda.malloc(16),
+        lambda: cuda.export_ipc(1, 0),
+        lambda: cuda.open_ipc(b"\0" * 64, 0),
+        lambda: cuda.device_uuid(0),
+    ):
         with pytest.raises(TransportUnavailable):
             call()
     with TransferEngine() as eng:
@@ -300,8 +304,14 @@ def test_helpers_on_simulated_runtime(fake):
     src = _pattern(1 << 20, 1)
     host_array(base, 1 << 20)[:] = src
     dst = np.zeros(1 << 20, np.uint8)
-    cuda.copy_runs(dst.ctypes.data, np.array([0, 5000], np.uint64), base,
-                   np.array([4096, 0], np.uint64), np.array([3000, 100], np.uint64), 1)
+    cuda.copy_runs(
+        dst.ctypes.data,
+        np.array([0, 5000], np.uint64),
+        base,
+        np.array([4096, 0], np.uint64),
+        np.array([3000, 100], np.uint64),
+        1,
+    )
     assert (dst[:3000] == src[4096:7096]).all() and (dst[5000:5100] == src[:100]).all()
     assert not dst[3000:5000].any()
     assert {c[3] for c in fake.copies} == {1}
@@ -314,8 +324,15 @@ def test_helpers_on_simulated_runtime(fake):
 
     n = 600
     with pytest.raises(TimeoutError):
-        cuda.copy_runs(dst.ctypes.data, np.arange(n, dtype=np.uint64), base,
-                       np.arange(n, dtype=np.uint64), np.ones(n, np.uint64), 0, stop)
+        cuda.copy_runs(
+            dst.ctypes.data,
+            np.arange(n, dtype=np.uint64),
+            base,
+            np.arange(n, dtype=np.uint64),
+            np.ones(n, np.uint64),
+            0,
+            stop,
+        )
     assert calls == [1] and len(fake.copies) == 2 + 256
     cuda.free(base, 0)
 

@@ -50,7 +50,9 @@ def test_read_write_and_transport_report(pair):
     local.array()[:] = 7
     a.write(local, 100, rs, 1000, 5000)
     assert (seg.array()[1000:6000] == 7).all()
-    assert (seg.array()[:1000] == before[:1000]).all() and (seg.array()[6000:] == before[6000:]).all()
+    assert (seg.array()[:1000] == before[:1000]).all() and (
+        seg.array()[6000:] == before[6000:]
+    ).all()
     assert rs.transports() == {"dram": "local"}
 
 
@@ -131,8 +133,14 @@ def test_bad_requests_refuse_the_whole_batch(pair, args, exc, match):
     big = np.zeros(300, np.int64)
     big[-1] = args[2]
     with pytest.raises(exc):  # the vectorised check finds it too
-        a.transfer(Op.WRITE, local, np.where(big == args[2], args[0], 0), rs,
-                   np.where(big == args[2], args[1], 0), np.where(big == args[2], args[2], 1))
+        a.transfer(
+            Op.WRITE,
+            local,
+            np.where(big == args[2], args[0], 0),
+            rs,
+            np.where(big == args[2], args[1], 0),
+            np.where(big == args[2], args[2], 1),
+        )
     assert (seg.array() == before).all()
 
 
@@ -283,7 +291,9 @@ def test_locate_raw_peer_addresses(make_engine):
     _rx, _ry = b.register(x, name="x"), b.register(y, name="y")  # keep registrations alive
     seg, off = a.locate(b.address, y.ctypes.data + 100, 50)
     assert seg.name == "y" and off == 100
-    segs, idx, offs = a.locate_many(b.address, [x.ctypes.data, y.ctypes.data + 4095, x.ctypes.data + 8000], [10, 1, 192])
+    segs, idx, offs = a.locate_many(
+        b.address, [x.ctypes.data, y.ctypes.data + 4095, x.ctypes.data + 8000], [10, 1, 192]
+    )
     assert [segs[i].name for i in idx] == ["x", "y", "x"] and offs.tolist() == [0, 4095, 8000]
     z = np.zeros(100, np.uint8)
     b.register(z, name="z")  # published after our first lookup: found on refresh
@@ -307,7 +317,11 @@ def test_closed_engine_refuses_and_stops_its_threads():
         eng.batch()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("kvmesh")]
+        left = [
+            t
+            for t in threading.enumerate()
+            if t.ident not in before and t.name.startswith("kvmesh")
+        ]
         if not left:
             break
         time.sleep(0.05)
@@ -371,7 +385,14 @@ def test_owner_rechecks_requests_it_receives(make_engine):
     with pytest.raises(SegmentNotFound, match="replaced"):
         peer.write(stale, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
     with pytest.raises(SegmentNotFound):
-        peer.read(msgspec.structs.replace(desc, name="other"), u(0), u(16), [memoryview(bytearray(16))], 16, 5.0)
+        peer.read(
+            msgspec.structs.replace(desc, name="other"),
+            u(0),
+            u(16),
+            [memoryview(bytearray(16))],
+            16,
+            5.0,
+        )
     assert (seg.array() == 1).all()  # nothing landed
     peer.write(desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)  # pooled connections still fine
     assert (seg.array()[:8192] == 9).all() and (seg.array()[8192:] == 1).all()

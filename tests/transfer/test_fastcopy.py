@@ -52,7 +52,9 @@ def test_long_copies_call_check_and_can_abort():
 
     offs = np.arange(64, dtype=np.uint64) * np.uint64(1 << 20)
     with pytest.raises(RuntimeError):
-        fastcopy.copy_ranges(dst.ctypes.data, offs, src.ctypes.data, offs, np.full(64, 1 << 20, np.uint64), check)
+        fastcopy.copy_ranges(
+            dst.ctypes.data, offs, src.ctypes.data, offs, np.full(64, 1 << 20, np.uint64), check
+        )
     assert len(calls) == 2
     assert 0 < int(dst.sum()) < dst.size  # stopped part-way, not before or after
 
@@ -60,7 +62,10 @@ def test_long_copies_call_check_and_can_abort():
 def test_backend_can_be_forced_to_memmove():
     out = subprocess.run(
         [sys.executable, "-c", "from kvmesh.transfer import fastcopy; print(fastcopy.BACKEND)"],
-        env={**os.environ, "KVMESH_COPY": "memmove"}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "KVMESH_COPY": "memmove"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.stdout.strip().startswith("memmove")
     assert fastcopy.BACKEND  # whichever backend this process found, it passed the exactness check

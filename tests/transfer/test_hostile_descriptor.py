@@ -30,14 +30,17 @@ def owner(make_peer):
     return make_peer("--kind", "shm", "--size", str(SIZE), "--name", "pool")
 
 
-@pytest.mark.parametrize("field,how", [
-    ("shm_name", "dotdot"),
-    ("shm_name", "absolute"),
-    ("shm_name", "symlink"),
-    ("shm_name", "foreign"),
-    ("fence", "dotdot"),
-    ("fence", "symlink"),
-])
+@pytest.mark.parametrize(
+    "field,how",
+    [
+        ("shm_name", "dotdot"),
+        ("shm_name", "absolute"),
+        ("shm_name", "symlink"),
+        ("shm_name", "foreign"),
+        ("fence", "dotdot"),
+        ("fence", "symlink"),
+    ],
+)
 def test_forged_file_names_are_refused(owner, make_engine, tmp_path, field, how):
     target = tmp_path / "victim.bin"
     target.write_bytes(bytes(SIZE))
@@ -65,8 +68,10 @@ def test_forged_file_names_are_refused(owner, make_engine, tmp_path, field, how)
         src = eng.register(np.full(SIZE, 0xC3, np.uint8))
         seg = eng.open_segment(owner.address, "pool")
         assert getattr(seg.desc, field) == evil
-        with pytest.raises(TransportUnavailable, match="not a kvmesh shared-memory name|symbolic|"
-                           "Too many levels|belongs to uid"):
+        with pytest.raises(
+            TransportUnavailable,
+            match="not a kvmesh shared-memory name|symbolic|Too many levels|belongs to uid",
+        ):
             eng.write(src, 0, seg, 0, SIZE)
         with open(target, "rb") as f:
             assert f.read() == bytes(SIZE)  # not a byte of ours landed there

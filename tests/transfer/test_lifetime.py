@@ -101,8 +101,19 @@ def test_no_write_lands_after_unregister_returns(make_peer, make_engine, kind, t
 
 def _start_write(writer, address: str) -> None:
     # Sent without waiting: the writer answers when its 256 MiB WRITE ends.
-    writer.proc.stdin.write(json.dumps({"cmd": "write_to", "address": address, "name": "pool",
-                                        "local": 0, "remote": 0, "length": SIZE}) + "\n")
+    writer.proc.stdin.write(
+        json.dumps(
+            {
+                "cmd": "write_to",
+                "address": address,
+                "name": "pool",
+                "local": 0,
+                "remote": 0,
+                "length": SIZE,
+            }
+        )
+        + "\n"
+    )
     writer.proc.stdin.flush()
 
 

@@ -186,8 +186,12 @@ def test_sweep_judges_liveness_by_the_owners_lock_not_its_pid():
     dead.wait()
     names = {k: f"kvmesh-{dead.pid}-{secrets.token_hex(6)}" for k in ("held", "orphan", "foreign")}
     path = {k: os.path.join(SHM_DIR, n) for k, n in names.items()}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, path["held"]], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, path["held"]],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     mine = SharedBuffer.create(4096)  # alive in this very process: no shortcut for our own pid
     try:
         assert holder.stdout.readline().strip() == "locked"

@@ -20,7 +20,6 @@ from kvmesh.transfer import (
     TransferTimeout,
     TransportKind,
 )
-
 from kvmesh.transfer.nixl import has_rdma_devices
 
 from .util import pattern, sha
@@ -57,7 +56,11 @@ def _write_read_verify(eng, peer, size, page, n, seed, *, expect):
         (["--kind", "shm"], {"transports_disable": NO_NIXL}, TransportKind.SHM),
         (["--kind", "shm"], {"transport": "tcp"}, TransportKind.TCP),
         (["--kind", "dram"], {"transports_disable": NO_NIXL}, TransportKind.TCP),
-        (["--kind", "shm"], {"transports_disable": NO_NIXL, "host_id": "another-host"}, TransportKind.TCP),
+        (
+            ["--kind", "shm"],
+            {"transports_disable": NO_NIXL, "host_id": "another-host"},
+            TransportKind.TCP,
+        ),
     ],
     ids=["shm", "forced-tcp", "dram-peer-tcp", "other-host-tcp"],
 )
@@ -102,7 +105,9 @@ def test_default_selection_follows_the_design_table(make_engine, make_peer):
         assert peer.cmd("sha", offset=0, length=MiB)["sha"] == sha(buf.array())
 
 
-@pytest.mark.parametrize("cfg", [{"transports_disable": NO_NIXL}, {"transport": "tcp"}], ids=["shm", "tcp"])
+@pytest.mark.parametrize(
+    "cfg", [{"transports_disable": NO_NIXL}, {"transport": "tcp"}], ids=["shm", "tcp"]
+)
 def test_several_threads_submit_at_once(make_engine, make_peer, cfg):
     size, page, threads = 32 * MiB, 16384, 6
     peer = make_peer("--size", str(size))
@@ -232,7 +237,9 @@ def test_peer_initiated_transfers_into_our_segment(make_engine, make_peer):
     mine = eng.alloc_shared(4 * MiB, name="pool")
     mine.array()[:] = pattern(9, 0, 4 * MiB)
     peer = make_peer("--size", str(4 * MiB), "--seed", "3", "--disable", "nixl")
-    got = peer.cmd("write_to", address=eng.address, name="pool", local=0, remote=MiB, length=2 * MiB)
+    got = peer.cmd(
+        "write_to", address=eng.address, name="pool", local=0, remote=MiB, length=2 * MiB
+    )
     assert got["transports"] == ["shm"]
     assert (mine.array()[MiB : 3 * MiB] == pattern(3, 0, 2 * MiB)).all()
     got = peer.cmd("read_from", address=eng.address, name="pool", local=0, remote=0, length=MiB)
@@ -287,8 +294,12 @@ def _cpu_ticks(pid):
 def test_idle_engines_use_almost_no_cpu(make_peer):
     peer = make_peer("--size", str(MiB))
     ticks0, t0 = _cpu_ticks(peer.pid), time.monotonic()
-    out = subprocess.run([sys.executable, "-c", IDLE_SCRIPT, peer.address], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_SCRIPT, peer.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     client_share = float(out.stdout.strip().splitlines()[-1])
     assert client_share < 0.05, client_share

@@ -54,8 +54,13 @@ def namespaces():
         pytest.skip(f"ip netns not permitted here: {exc}")
     try:
         _sh("ip", "netns", "add", nb)
-        _sh("ip", "-n", na, "link", "add", "kva", "type", "veth", "peer", "name", "kvb", "netns", nb)
-        for ns, dev, ip in ((na, "kva", f"10.77.{subnet}.1/24"), (nb, "kvb", f"10.77.{subnet}.2/24")):
+        _sh(
+            "ip", "-n", na, "link", "add", "kva", "type", "veth", "peer", "name", "kvb", "netns", nb
+        )
+        for ns, dev, ip in (
+            (na, "kva", f"10.77.{subnet}.1/24"),
+            (nb, "kvb", f"10.77.{subnet}.2/24"),
+        ):
             _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -74,11 +79,23 @@ def test_transfers_across_a_veth_pair(namespaces):
     # The peer runs inside namespace b on the wildcard address: it must advertise its veth
     # address (the one on its default route), not 0.0.0.0. A non-loopback listener needs a
     # token (kvmesh.net check_bind).
-    with Peer("--size", str(16 << 20), "--listen", "0.0.0.0:0", "--token", "netns-secret",
-              prefix=("ip", "netns", "exec", nb)) as peer:
+    with Peer(
+        "--size",
+        str(16 << 20),
+        "--listen",
+        "0.0.0.0:0",
+        "--token",
+        "netns-secret",
+        prefix=("ip", "netns", "exec", nb),
+    ) as peer:
         assert peer.address.startswith(f"10.77.{subnet}.2:")
-        out = subprocess.run(["ip", "netns", "exec", na, sys.executable, "-c", CLIENT, peer.address, subnet],
-                             capture_output=True, text=True, timeout=120, cwd=root)
+        out = subprocess.run(
+            ["ip", "netns", "exec", na, sys.executable, "-c", CLIENT, peer.address, subnet],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=root,
+        )
         assert out.returncode == 0, out.stderr
         res = json.loads(out.stdout.strip().splitlines()[-1])
         # Other host id: the network path over the veth. Same host id (namespaces share

@@ -34,7 +34,17 @@ def test_not_found_from_a_dead_peer_is_peer_dead(monkeypatch, dead):
         live.dead_reason = "watch connection closed"
     one = np.zeros(1, np.uint64)
     route = types.SimpleNamespace(read_mode="nixl", peer="p", remote="r", fence=None)
-    job = TransferJob(Op.WRITE, object(), types.SimpleNamespace(name="seg"), route, one, one,
-                      one + 4096, 4096, time.monotonic() + 30, live)
+    job = TransferJob(
+        Op.WRITE,
+        object(),
+        types.SimpleNamespace(name="seg"),
+        route,
+        one,
+        one,
+        one + 4096,
+        4096,
+        time.monotonic() + 30,
+        live,
+    )
     with pytest.raises(PeerDeadError if dead else NotRegistered):
         t.execute(job)

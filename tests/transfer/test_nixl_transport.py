@@ -151,7 +151,8 @@ def test_forced_tcp_read_modes(read_mode):
         assert route.read_mode == read_mode
         for i in (0, n - 1):
             assert peer.cmd("sha", offset=int(dst[i]) * page, length=page)["sha"] == sha(
-                src[i * page : (i + 1) * page])
+                src[i * page : (i + 1) * page]
+            )
         # READ them back, reversed, into the upper half of the buffer
         back = POOL // 2 + np.arange(n)[::-1] * page
         res = eng.transfer(Op.READ, local, back, seg, dst * page, page)
@@ -207,8 +208,15 @@ def test_peer_killed_mid_batch():
             try:
                 end = time.monotonic() + 60
                 while time.monotonic() < end:
-                    eng.transfer(Op.WRITE, local, np.arange(16) * (16 << 20), seg,
-                                 np.arange(16) * (16 << 20), 16 << 20, timeout=30)
+                    eng.transfer(
+                        Op.WRITE,
+                        local,
+                        np.arange(16) * (16 << 20),
+                        seg,
+                        np.arange(16) * (16 << 20),
+                        16 << 20,
+                        timeout=30,
+                    )
                 outcome.append(None)
             except BaseException as exc:
                 outcome.append(exc)
@@ -270,16 +278,32 @@ def test_vram_and_same_process_not_served():
         local = eng.register(buf, name="self-seg")
         desc = eng.segments()[0]
         assert not tr.can_serve(local, desc), "same process is the local transport's job"
-        other = type(desc)(**{f: getattr(desc, f) for f in desc.__struct_fields__ if f not in ("pid", "kind", "device")},
-                           pid=desc.pid + 1, kind=MemoryKind.VRAM, device=0)
+        other = type(desc)(
+            **{
+                f: getattr(desc, f)
+                for f in desc.__struct_fields__
+                if f not in ("pid", "kind", "device")
+            },
+            pid=desc.pid + 1,
+            kind=MemoryKind.VRAM,
+            device=0,
+        )
         from kvmesh.transfer import cuda
 
         assert tr.can_serve(local, other) == cuda.available()
-        host = type(desc)(**{f: getattr(desc, f) for f in desc.__struct_fields__ if f != "pid"},
-                          pid=desc.pid + 1)
+        host = type(desc)(
+            **{f: getattr(desc, f) for f in desc.__struct_fields__ if f != "pid"}, pid=desc.pid + 1
+        )
         assert tr.can_serve(local, host)
-        no_nixl = type(desc)(**{f: getattr(desc, f) for f in desc.__struct_fields__ if f not in ("pid", "nixl_agent")},
-                             pid=desc.pid + 1, nixl_agent=None)
+        no_nixl = type(desc)(
+            **{
+                f: getattr(desc, f)
+                for f in desc.__struct_fields__
+                if f not in ("pid", "nixl_agent")
+            },
+            pid=desc.pid + 1,
+            nixl_agent=None,
+        )
         assert not tr.can_serve(local, no_nixl)
 
 
@@ -312,8 +336,13 @@ def test_without_nixl_falls_back_to_tcp():
     )
     with _peer() as peer:
         env = dict(os.environ, KVMESH_NIXL_MODULE="no_such_nixl_module")
-        out = subprocess.run([sys.executable, "-c", code, peer.address], capture_output=True,
-                             text=True, timeout=120, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", code, peer.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         import json
 

@@ -109,8 +109,6 @@ def test_oversized_and_garbage_frames_are_protocol_errors():
     b.close()
 
 
-
-
 def test_split_host_port():
     assert P.split_host_port("10.0.0.1:80") == ("10.0.0.1", 80)
     assert P.split_host_port("[::1]:9") == ("::1", 9)

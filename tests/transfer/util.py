@@ -51,8 +51,12 @@ class Peer(Child):
         timeout: float = 60.0,
         prefix: tuple[str, ...] = (),
     ) -> None:
-        super().__init__([*prefix, sys.executable, "-m", "tests.transfer.peer", *args],
-                         env=env, timeout=timeout, cwd=_ROOT)
+        super().__init__(
+            [*prefix, sys.executable, "-m", "tests.transfer.peer", *args],
+            env=env,
+            timeout=timeout,
+            cwd=_ROOT,
+        )
         self.address: str = self.info["address"]
 
     def cmd(self, cmd: str, timeout: float = 60.0, **kw: Any) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from .cluster import run_seed_args as _run
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmesh.replog.sim", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvmesh.replog.sim", description=__doc__.split("\n")[0]
+    )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--seed", type=int, help="run one seed")
     g.add_argument("--seeds", type=int, help="run this many seeds, starting at --start")
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         acked += r.writes_acked
         ops += r.ops_ok
         if a.json:
-            print(json.dumps({k: getattr(r, k) for k in r.__struct_fields__ if k != "trace"}), flush=True)
+            print(
+                json.dumps({k: getattr(r, k) for k in r.__struct_fields__ if k != "trace"}),
+                flush=True,
+            )
         if not r.ok:
             failed.append(r)
             print(f"seed {r.seed}: VIOLATION {r.violation}: {r.detail[:2000]}", file=sys.stderr)
@@ -65,15 +70,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.virtual_s:.1f}s virtual in {r.wall_s:.2f}s)"
             )
         if n % 100 == 0 and len(seeds) > 1 and not a.json:
-            print(f"... {n}/{len(seeds)} seeds, {len(failed)} failed, "
-                  f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(
+                f"... {n}/{len(seeds)} seeds, {len(failed)} failed, "
+                f"{time.perf_counter() - t0:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     dt = time.perf_counter() - t0
     print(
         f"{n} seeds, {len(failed)} failed, {acked} acknowledged writes checked, {ops} ops ok, "
         f"{dt:.1f}s wall ({a.jobs} jobs)"
     )
     if failed:
-        print("failing seeds: " + " ".join(str(r.seed) for r in sorted(failed, key=lambda r: r.seed)))
+        print(
+            "failing seeds: " + " ".join(str(r.seed) for r in sorted(failed, key=lambda r: r.seed))
+        )
     return 1 if failed else 0
 
 

@@ -51,7 +51,15 @@ from .invariants import Invariants, SimViolation
 from .kv import ApplyLedger, make_state_machine, state_digest
 from .network import NetParams, SimNetwork
 
-__all__ = ["SimConfig", "SimResult", "Simulator", "SimNode", "SimClient", "run_seed", "run_seed_args"]
+__all__ = [
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "SimNode",
+    "SimClient",
+    "run_seed",
+    "run_seed_args",
+]
 
 _NORMAL = int(EntryKind.NORMAL)
 WRITE_OPS = ("put", "delete", "cas")
@@ -68,7 +76,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     duration: float = 20.0  # seconds of workload and faults (virtual)
     tick: float = 0.1
     raft: RaftConfig = RaftConfig(election_tick=10, heartbeat_tick=1)
-    durability: str = "disk"  # "disk" | "memory" | "ack_before_fsync" (the last two are negative controls)
+    durability: str = (
+        "disk"  # "disk" | "memory" | "ack_before_fsync" (the last two are negative controls)
+    )
     net_delay: float = 0.002
     net_jitter: float = 0.003
     client_delay: float = 0.001
@@ -105,7 +115,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
         return self.raft.election_range[1] * self.tick
 
     @classmethod
-    def generate(cls, seed: int, profile: str = "ci") -> "SimConfig":
+    def generate(cls, seed: int, profile: str = "ci") -> SimConfig:
         """A random configuration drawn from ``seed``; ``profile`` "ci" keeps runs short,
         "soak" makes them longer and larger."""
         r = random.Random(seed ^ 0x5EED)
@@ -189,7 +199,7 @@ class SimNode:
     class is only the host (network, state machine) and performs the path's effects in
     virtual time (an fsync completes after a latency; a yield lets queued events run)."""
 
-    def __init__(self, sim: "Simulator", node_id: int, storage: MemoryStorage) -> None:
+    def __init__(self, sim: Simulator, node_id: int, storage: MemoryStorage) -> None:
         self.sim = sim
         self.id = node_id
         self.disk = SimDisk(storage, volatile_only=sim.cfg.durability == "memory")
@@ -219,7 +229,9 @@ class SimNode:
         self.sm = sm
         self.applied = snap.meta.index
         self.last_snap = snap.meta.index
-        self.core = RaftCore(self.id, st, sim.raft_cfg, random.Random(sim.rng.random()), applied=snap.meta.index)
+        self.core = RaftCore(
+            self.id, st, sim.raft_cfg, random.Random(sim.rng.random()), applied=snap.meta.index
+        )
         self.path = ReadyPath(self.core, self.disk, self, sim.cfg.apply_slice)
         self._gen = None  # the Ready being processed (a ReadyPath.run generator)
         self._ss = None
@@ -256,7 +268,9 @@ class SimNode:
         if self.alive:
             return
         self.start()
-        self.sim.log_event("restart", self.id, f"term={self.core.term} last={self.core.log.last_index()}")
+        self.sim.log_event(
+            "restart", self.id, f"term={self.core.term} last={self.core.log.last_index()}"
+        )
 
     def pause(self) -> None:
         if self.alive:
@@ -309,7 +323,12 @@ class SimNode:
             self.inbox.append(m)
             return
         t = type(m)
-        if (t is Vote or t is PreVote) and not m.transfer and m.term > self.core.term and self.core.lead:
+        if (
+            (t is Vote or t is PreVote)
+            and not m.transfer
+            and m.term > self.core.term
+            and self.core.lead
+        ):
             self.sim.contested_votes += 1  # a campaign reaching a node that follows a leader
         self.core.step(m)
         self._stepped()
@@ -324,7 +343,7 @@ class SimNode:
         else:
             self.step_commit = core.log.committed
 
-    def on_request(self, client: "SimClient", req_id: int, op: tuple) -> None:
+    def on_request(self, client: SimClient, req_id: int, op: tuple) -> None:
         if not self.alive:
             return
         if self.paused:
@@ -357,7 +376,7 @@ class SimNode:
             self.pending_writes[idx] = (core.term, client, req_id)
         self.pump()
 
-    def reply(self, client: "SimClient", req_id: int, reply: tuple) -> None:
+    def reply(self, client: SimClient, req_id: int, reply: tuple) -> None:
         sim = self.sim
         sim.schedule(sim.cfg.client_delay * (1 + sim.rng.random()), client.on_reply, req_id, reply)
 
@@ -481,7 +500,9 @@ class SimNode:
                     term, client, req_id = w
                     if e.term == term:
                         if type(result) is SessionRejected:
-                            sim.session_rejections.append(f"node {self.id} index {e.index}: {result!r}")
+                            sim.session_rejections.append(
+                                f"node {self.id} index {e.index}: {result!r}"
+                            )
                         self.reply(client, req_id, ("ok", result))
                     else:
                         self.reply(client, req_id, ("retry", None))
@@ -556,7 +577,7 @@ class SimNode:
 class SimClient:
     """Issues one operation at a time, retrying (same seq) until answered or out of time."""
 
-    def __init__(self, sim: "Simulator", idx: int) -> None:
+    def __init__(self, sim: Simulator, idx: int) -> None:
         self.sim = sim
         self.idx = idx
         self.rng = random.Random(sim.rng.random())
@@ -600,7 +621,9 @@ class SimClient:
             return self._build("delete", key)
         return self._build("cas", key, sim.last_value.get(key))
 
-    def _build(self, kind: str, key: str, expected: Any = None, follower: bool | None = None) -> tuple[tuple, KvOp]:
+    def _build(
+        self, kind: str, key: str, expected: Any = None, follower: bool | None = None
+    ) -> tuple[tuple, KvOp]:
         if kind == "get":
             if follower is None:
                 follower = self.rng.random() < self.sim.cfg.follower_read_ratio
@@ -626,15 +649,26 @@ class SimClient:
         self.idle = False
         self.op, self.hist_input = choice
         sim = self.sim
-        self.handle = sim.history.invoke(self.idx, self.hist_input) if self.hist_input is not None else None
+        self.handle = (
+            sim.history.invoke(self.idx, self.hist_input) if self.hist_input is not None else None
+        )
         self.deadline = sim.now + sim.cfg.op_deadline
         self.target = None if self.op[0] == "get" and self.op[2] else self.target
         self.backoff = 0.02
         self.send()
 
-    def submit(self, kind: str, key: str, expected: Any = None, follower: bool = False, target: int | None = None) -> None:
+    def submit(
+        self,
+        kind: str,
+        key: str,
+        expected: Any = None,
+        follower: bool = False,
+        target: int | None = None,
+    ) -> None:
         """Queue one operation (scripted scenarios); it starts when the previous one ends."""
-        self.scripted.append((kind, key, expected, follower) if kind == "get" else (kind, key, expected))
+        self.scripted.append(
+            (kind, key, expected, follower) if kind == "get" else (kind, key, expected)
+        )
         if target is not None:
             self.target = target
         if self.op is None:
@@ -748,7 +782,9 @@ class Simulator:
         self.now = 0.0
         self._q: list = []
         self._seq = 0
-        self.net = SimNetwork(random.Random(self.rng.random()), NetParams(delay=cfg.net_delay, jitter=cfg.net_jitter))
+        self.net = SimNetwork(
+            random.Random(self.rng.random()), NetParams(delay=cfg.net_delay, jitter=cfg.net_jitter)
+        )
         self.inv = Invariants(durable_checks=cfg.durability == "disk", enabled=cfg.internal_checks)
         self.inv.verified_commit = cfg.n_voters  # the bootstrap prefix is durable everywhere
         self.ledger = ApplyLedger()
@@ -869,7 +905,9 @@ class Simulator:
 
     def client_send(self, node_id: int, client: SimClient, req_id: int, op: tuple) -> None:
         node = self.nodes[node_id]
-        self.schedule(self.cfg.client_delay * (1 + self.rng.random()), node.on_request, client, req_id, op)
+        self.schedule(
+            self.cfg.client_delay * (1 + self.rng.random()), node.on_request, client, req_id, op
+        )
 
     # -- faults (used by the nemesis and by scripted tests) ------------------------------------
 
@@ -897,7 +935,7 @@ class Simulator:
             self.inv.advance_reference(min(live))
         self.schedule(1.0, self._reference_tick)
 
-    def add_client(self) -> "SimClient":
+    def add_client(self) -> SimClient:
         """A client for scripted scenarios: queue operations with :meth:`SimClient.submit`."""
         c = SimClient(self, len(self.clients) + 1)
         c.scripted_only = True
@@ -973,7 +1011,12 @@ class Simulator:
         if max(drifts) > min(drifts) * (1.0 + raft.lease_drift_bound):
             return
         for n in live:
-            if n.id != node_id and not n.paused and n.core.role == Role.LEADER and n.core.lease_valid():
+            if (
+                n.id != node_id
+                and not n.paused
+                and n.core.role == Role.LEADER
+                and n.core.lease_valid()
+            ):
                 raise SimViolation(
                     "lease-overlap",
                     f"node {node_id} became leader (term {self.nodes[node_id].core.term}) "
@@ -1035,9 +1078,15 @@ class Simulator:
 
     def check_liveness(self, em: float) -> None:
         """Invariant 14: one leader, and a new write commits within 2 x election_max."""
-        leaders = [i for i, n in self.nodes.items() if n.alive and not n.removed and n.core.role == Role.LEADER]
+        leaders = [
+            i
+            for i, n in self.nodes.items()
+            if n.alive and not n.removed and n.core.role == Role.LEADER
+        ]
         if len(leaders) != 1:
-            raise SimViolation("liveness", f"after healing and {3 * em:.1f}s of stability: leaders {leaders}")
+            raise SimViolation(
+                "liveness", f"after healing and {3 * em:.1f}s of stability: leaders {leaders}"
+            )
         probe = SimClient(self, 10_000)
         probe.records_final = True
         probe.scripted_only = True
@@ -1049,7 +1098,9 @@ class Simulator:
         while not done and self.now < deadline:
             self.run_until(self.now + 0.05)
         if not done or probe.cid is None:
-            raise SimViolation("liveness", f"a write did not commit within {2 * em + 1.0:.1f}s after healing")
+            raise SimViolation(
+                "liveness", f"a write did not commit within {2 * em + 1.0:.1f}s after healing"
+            )
         self.probe = probe
 
     def final_read_all(self) -> None:
@@ -1072,7 +1123,11 @@ class Simulator:
         """All live members apply the same log and reach the same state."""
         em = self.cfg.election_max_s
         deadline = self.now + 2 * em
-        members = [n for n in self.nodes.values() if n.alive and not n.removed and n.core.id in self._current_voters_and_learners()]
+        members = [
+            n
+            for n in self.nodes.values()
+            if n.alive and not n.removed and n.core.id in self._current_voters_and_learners()
+        ]
         while self.now < deadline:
             target = max(n.core.log.committed for n in members)
             if all(n.applied >= target for n in members):
@@ -1083,7 +1138,9 @@ class Simulator:
             raise SimViolation("convergence", f"replicas did not converge: applied {applied}")
         digests = {n.id: state_digest(n.sm) for n in members}
         if len(set(digests.values())) != 1 and self.cfg.internal_checks:
-            raise SimViolation("state-machine-safety", f"replicas at the same index differ: {digests}")
+            raise SimViolation(
+                "state-machine-safety", f"replicas at the same index differ: {digests}"
+            )
 
     def _current_voters_and_learners(self) -> set[int]:
         lid = self.leader_id()
@@ -1096,7 +1153,9 @@ class Simulator:
         inv = self.inv
         if self.cfg.internal_checks:
             inv.advance_reference(inv.max_applied)
-            Invariants.check_log_matching({i: Invariants.log_of(n.core) for i, n in self.nodes.items() if n.alive})
+            Invariants.check_log_matching(
+                {i: Invariants.log_of(n.core) for i, n in self.nodes.items() if n.alive}
+            )
 
     def check_client_history(self, res: SimResult) -> None:
         """Invariants 10-12 on what clients saw."""
@@ -1104,7 +1163,9 @@ class Simulator:
         # The search-free check understands put/delete only: leave keys with CAS writes to
         # the linearizability checker.
         cas_keys = {o.input.key for o in ops if o.input.op == "cas"}
-        lost = lost_acknowledged_writes([o for o in ops if o.input.key not in cas_keys], self.final_reads)
+        lost = lost_acknowledged_writes(
+            [o for o in ops if o.input.key not in cas_keys], self.final_reads
+        )
         if lost:
             raise SimViolation("lost-acknowledged-write", "; ".join(lost[:5]))
         if self.cfg.check_linearizability:
@@ -1118,7 +1179,10 @@ class Simulator:
             raise SimViolation("exactly-once", "; ".join(self.ledger.violations[:5]))
         if self.session_rejections:
             # Sessions never expire in the simulator: a rejection means the table was lost.
-            raise SimViolation("lost-session", "session rejected a live client: " + "; ".join(self.session_rejections[:3]))
+            raise SimViolation(
+                "lost-session",
+                "session rejected a live client: " + "; ".join(self.session_rejections[:3]),
+            )
 
     def format_trace(self, n: int) -> list[str]:
         out = []

@@ -18,7 +18,14 @@ __all__ = ["HarnessNode", "Network"]
 class HarnessNode:
     """A core plus a MemoryStorage; ``process_ready`` persists and "applies" instantly."""
 
-    def __init__(self, node_id: int, storage: MemoryStorage, config: RaftConfig, rng: random.Random, applied: int | None = None) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        storage: MemoryStorage,
+        config: RaftConfig,
+        rng: random.Random,
+        applied: int | None = None,
+    ) -> None:
         self.id = node_id
         self.storage = storage
         self.config = config
@@ -83,8 +90,14 @@ class Network:
         for i in ids:
             st = storages.get(i)
             if st is None:
-                st = MemoryStorage.bootstrap(voters, learners) if i in voters or i in learners else MemoryStorage()
-            self.nodes[i] = HarnessNode(i, st, configs.get(i, self.config), random.Random(seed * 1000 + i))
+                st = (
+                    MemoryStorage.bootstrap(voters, learners)
+                    if i in voters or i in learners
+                    else MemoryStorage()
+                )
+            self.nodes[i] = HarnessNode(
+                i, st, configs.get(i, self.config), random.Random(seed * 1000 + i)
+            )
         for n in self.nodes.values():
             self.queue.extend(n.process_ready())
 

@@ -140,7 +140,9 @@ class Invariants:
         if t is VoteResp and not m.reject:
             prev = self.granted.setdefault((node, m.term), m.to)
             if prev != m.to:
-                raise SimViolation("vote-durability", f"node {node} voted for {prev} and {m.to} in term {m.term}")
+                raise SimViolation(
+                    "vote-durability", f"node {node} voted for {prev} and {m.to} in term {m.term}"
+                )
             if self.durable_checks:
                 # Durable: this vote, or a later term (which rules out any other vote in
                 # m.term after a restart).
@@ -155,7 +157,8 @@ class Invariants:
             hs = durable.hard_state
             if hs.term < m.term or (hs.term == m.term and hs.vote != node):
                 raise SimViolation(
-                    "vote-durability", f"node {node} campaigned in term {m.term} before persisting (durable {hs})"
+                    "vote-durability",
+                    f"node {node} campaigned in term {m.term} before persisting (durable {hs})",
                 )
         elif (
             t is AppendResp
@@ -225,13 +228,19 @@ class Invariants:
                 f"leader {node} (term {core.term}) committed index {c} of term {log.zero_term(c)} "
                 "by counting",
             )
-        matches = [log.persisted if v == node else core.prs[v].match for v in core.voters if v == node or v in core.prs]
+        matches = [
+            log.persisted if v == node else core.prs[v].match
+            for v in core.voters
+            if v == node or v in core.prs
+        ]
         ci = committed_index(matches)
         if ci > c and log.zero_term(ci) != core.term:
             self.figure8 += 1
         return c
 
-    def entry_applied(self, node: int, e: Entry, voters: tuple[int, ...], durables: dict[int, MemoryStorage]) -> None:
+    def entry_applied(
+        self, node: int, e: Entry, voters: tuple[int, ...], durables: dict[int, MemoryStorage]
+    ) -> None:
         if not self.enabled:
             return
         prev = self.applied.get(e.index)
@@ -258,11 +267,15 @@ class Invariants:
         if not self.enabled:
             return c
         if c < prev_commit:
-            raise SimViolation("commit-monotonic", f"node {node} commit went back from {prev_commit} to {c}")
+            raise SimViolation(
+                "commit-monotonic", f"node {node} commit went back from {prev_commit} to {c}"
+            )
         if log.applied > c:
             raise SimViolation("commit-bounds", f"node {node} applied {log.applied} > commit {c}")
         if c > log.last_index():
-            raise SimViolation("commit-bounds", f"node {node} commit {c} > last index {log.last_index()}")
+            raise SimViolation(
+                "commit-bounds", f"node {node} commit {c} > last index {log.last_index()}"
+            )
         if c > prev_commit and core.role == Role.LEADER and log.zero_term(c) != core.term:
             # Figure 8: a leader moves its commit index only onto an entry of its own term.
             raise SimViolation(
@@ -274,21 +287,29 @@ class Invariants:
 
     # -- 8: snapshots ------------------------------------------------------------------------
 
-    def snapshot_taken(self, node: int, index: int, digest: int, conf: ConfState | None = None) -> None:
+    def snapshot_taken(
+        self, node: int, index: int, digest: int, conf: ConfState | None = None
+    ) -> None:
         if not self.enabled:
             return
         if conf is not None:
             prev_conf = self.snap_confs.setdefault(index, conf)
             if prev_conf != conf:
                 raise SimViolation(
-                    "snapshot-configuration", f"node {node} snapshot at {index} records {conf}, another {prev_conf}"
+                    "snapshot-configuration",
+                    f"node {node} snapshot at {index} records {conf}, another {prev_conf}",
                 )
         prev = self.snap_digests.setdefault(index, digest)
         if prev != digest:
-            raise SimViolation("snapshot-equivalence", f"node {node} snapshot at {index} differs from another node's")
+            raise SimViolation(
+                "snapshot-equivalence",
+                f"node {node} snapshot at {index} differs from another node's",
+            )
         ref = self.ref_digests.get(index)
         if ref is not None and ref != digest:
-            raise SimViolation("snapshot-equivalence", f"node {node} snapshot at {index} differs from log replay")
+            raise SimViolation(
+                "snapshot-equivalence", f"node {node} snapshot at {index} differs from log replay"
+            )
 
     def snapshot_restored(self, node: int, index: int, digest: int) -> None:
         if not self.enabled:
@@ -296,7 +317,8 @@ class Invariants:
         want = self.snap_digests.get(index)
         if want is not None and want != digest:
             raise SimViolation(
-                "snapshot-equivalence", f"node {node} restored a snapshot at {index} into a different state"
+                "snapshot-equivalence",
+                f"node {node} restored a snapshot at {index} into a different state",
             )
 
     def advance_reference(self, upto: int) -> None:
@@ -328,7 +350,8 @@ class Invariants:
                 self.snapshots_replayed += 1
                 if d != want:
                     raise SimViolation(
-                        "snapshot-equivalence", f"snapshot at {self.ref_index} differs from replaying the log"
+                        "snapshot-equivalence",
+                        f"snapshot at {self.ref_index} differs from replaying the log",
                     )
 
     # -- 3: log matching (end of run) ----------------------------------------------------------

@@ -24,7 +24,15 @@ import random
 from collections.abc import Callable
 
 from ..memstorage import MemoryStorage
-from ..types import ConfChange, ConfChangeError, ConfChangeType, LeaderTransferError, NotLeader, ProposalDropped, Role
+from ..types import (
+    ConfChange,
+    ConfChangeError,
+    ConfChangeType,
+    LeaderTransferError,
+    NotLeader,
+    ProposalDropped,
+    Role,
+)
 from .network import NetParams
 
 __all__ = ["FAULTS", "Nemesis"]
@@ -154,7 +162,12 @@ class Nemesis:
         self.rng.shuffle(ids)
         k = self.rng.randint(1, max(1, len(ids) // 2))
         a, b = set(ids[:k]), set(ids[k:])
-        pairs = [(x, y) for x in self._all_ids() for y in self._all_ids() if x != y and ((x in a) != (y in a) or x not in a | b or y not in a | b)]
+        pairs = [
+            (x, y)
+            for x in self._all_ids()
+            for y in self._all_ids()
+            if x != y and ((x in a) != (y in a) or x not in a | b or y not in a | b)
+        ]
         return self._cut(pairs)
 
     def _isolate(self, n: int) -> Undo:
@@ -295,7 +308,10 @@ class Nemesis:
         if sim.inv.uncommitted_conf_changes(core) > 1:
             from .invariants import SimViolation
 
-            raise SimViolation("configuration", f"leader {lid} holds more than one uncommitted configuration change")
+            raise SimViolation(
+                "configuration",
+                f"leader {lid} holds more than one uncommitted configuration change",
+            )
         leader.pump()
         return None
 

@@ -14,17 +14,21 @@ class NetParams:
 
     __slots__ = ("loss", "dup", "delay", "jitter")
 
-    def __init__(self, loss: float = 0.0, dup: float = 0.0, delay: float = 0.001, jitter: float = 0.001) -> None:
+    def __init__(
+        self, loss: float = 0.0, dup: float = 0.0, delay: float = 0.001, jitter: float = 0.001
+    ) -> None:
         self.loss = loss
         self.dup = dup
         self.delay = delay
         self.jitter = jitter
 
-    def copy(self) -> "NetParams":
+    def copy(self) -> NetParams:
         return NetParams(self.loss, self.dup, self.delay, self.jitter)
 
     def __repr__(self) -> str:
-        return f"NetParams(loss={self.loss}, dup={self.dup}, delay={self.delay}, jitter={self.jitter})"
+        return (
+            f"NetParams(loss={self.loss}, dup={self.dup}, delay={self.delay}, jitter={self.jitter})"
+        )
 
 
 class SimNetwork:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 from ..types import TransportKind
-from .base import Transport, TransportContext, TransferJob, coalesce
+from .base import TransferJob, Transport, TransportContext, coalesce
 
 # kind -> "module:Class", in preference order.
 REGISTRY: dict[TransportKind, str] = {

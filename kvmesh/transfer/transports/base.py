@@ -38,7 +38,8 @@ from __future__ import annotations
 import abc
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class TransportContext:
         pid: int,
         config: EngineConfig,
         call: Callable[[str, TransportKind, bytes, float | None], bytes],
-        find_region: Callable[[int], "MemoryRegion | None"],
+        find_region: Callable[[int], MemoryRegion | None],
         peer: Callable[[str], Any],
     ) -> None:
         self.engine_id = engine_id
@@ -120,7 +121,7 @@ class TransferJob:
     def __init__(
         self,
         op: Op,
-        local: "MemoryRegion",
+        local: MemoryRegion,
         remote: SegmentDescriptor,
         route: Any,
         local_offsets: np.ndarray,
@@ -249,19 +250,19 @@ class Transport(abc.ABC):
         return None
 
     # --- local memory -------------------------------------------------------------------
-    def on_register(self, region: "MemoryRegion") -> None:
+    def on_register(self, region: MemoryRegion) -> None:
         """A local region was registered (called before it can be used or published)."""
 
-    def on_unregister(self, region: "MemoryRegion") -> None:
+    def on_unregister(self, region: MemoryRegion) -> None:
         """A local region is going away (no job uses it any more)."""
 
-    def describe(self, region: "MemoryRegion") -> dict[str, Any]:
+    def describe(self, region: MemoryRegion) -> dict[str, Any]:
         """Descriptor fields this transport needs peers to know about a published region."""
         return {}
 
     # --- remote segments ----------------------------------------------------------------
     @abc.abstractmethod
-    def can_serve(self, local: "MemoryRegion", remote: SegmentDescriptor) -> bool:
+    def can_serve(self, local: MemoryRegion, remote: SegmentDescriptor) -> bool:
         """Whether this transport can move bytes between ``local`` and ``remote``. Cheap."""
 
     def open(self, remote: SegmentDescriptor) -> Any:

@@ -26,7 +26,7 @@ from .. import cuda
 from ..errors import TransportUnavailable
 from ..memory import MemoryRegion
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import Transport, TransferJob
+from .base import TransferJob, Transport
 
 log = logging.getLogger("kvmesh.transfer")
 

@@ -50,7 +50,9 @@ class LocalTransport(Transport):
         try:
             region.acquire()
         except Exception:
-            raise SegmentNotFound(f"segment {job.remote.name!r} was unregistered by its owner") from None
+            raise SegmentNotFound(
+                f"segment {job.remote.name!r} was unregistered by its owner"
+            ) from None
         try:
             lo, ro, ln = job.coalesced()
             check = None
@@ -63,6 +65,7 @@ class LocalTransport(Transport):
                         raise SegmentNotFound(
                             f"segment {job.remote.name!r} was unregistered by its owner"
                         )
+
             if job.op is Op.WRITE:
                 dst, dst_off, src, src_off = region.ptr, ro, job.local.ptr, lo
             else:

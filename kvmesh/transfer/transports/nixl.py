@@ -63,7 +63,7 @@ from ..errors import (
 from ..memory import MemoryRegion
 from ..protocol import split_host_port
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
-from .base import CHUNK_BYTES, Transport, TransportContext, TransferJob, chunks
+from .base import CHUNK_BYTES, TransferJob, Transport, TransportContext, chunks
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -147,8 +147,9 @@ def _devices_chosen(opts: na.NixlOptions) -> bool:
     """Whether the user picked UCX's network devices (option, agent config or environment)."""
     if opts.ucx_devices is not None or "UCX_NET_DEVICES" in os.environ:
         return True
-    return any(kv.split("=", 1)[0].strip().upper() == "NET_DEVICES"
-               for kv in opts.engine_config.split(","))
+    return any(
+        kv.split("=", 1)[0].strip().upper() == "NET_DEVICES" for kv in opts.engine_config.split(",")
+    )
 
 
 def get_is_emulated(tls: str | None, same_host: bool, rdma: bool) -> bool:
@@ -163,8 +164,14 @@ def get_is_emulated(tls: str | None, same_host: bool, rdma: bool) -> bool:
 class _Route:
     __slots__ = ("peer", "remote", "control", "engine_id", "read_mode", "desc", "fence")
 
-    def __init__(self, peer: str, remote: na.RemoteRegion, desc: SegmentDescriptor,
-                 read_mode: str, fc: fence.FenceClient | None) -> None:
+    def __init__(
+        self,
+        peer: str,
+        remote: na.RemoteRegion,
+        desc: SegmentDescriptor,
+        read_mode: str,
+        fc: fence.FenceClient | None,
+    ) -> None:
         self.peer = peer
         self.remote = remote
         self.control = desc.control
@@ -204,7 +211,9 @@ class NixlTransport(Transport):
         raw = dict(ctx.config.nixl)
         read_mode = raw.pop("read_mode", "auto").strip().lower()
         if read_mode not in ("auto", "nixl", "push", "socket"):
-            raise InvalidArgument(f"NIXL read_mode must be auto|nixl|push|socket, not {read_mode!r}")
+            raise InvalidArgument(
+                f"NIXL read_mode must be auto|nixl|push|socket, not {read_mode!r}"
+            )
         self.read_mode: ReadMode = read_mode  # type: ignore[assignment]
         network = raw.pop("network", "auto").strip().lower()
         if network not in ("auto", "nixl", "tcp"):
@@ -238,8 +247,12 @@ class NixlTransport(Transport):
         with self._lock:
             if self._agent is None:
                 self._agent = na.NixlAgent(self.agent_name, self.options)
-                log.info("NIXL agent %s up (%s, progress %s)", self.agent_name,
-                         self._agent.nixl_module, self._agent.progress_mode)
+                log.info(
+                    "NIXL agent %s up (%s, progress %s)",
+                    self.agent_name,
+                    self._agent.nixl_module,
+                    self._agent.progress_mode,
+                )
             return self._agent
 
     @property
@@ -297,9 +310,8 @@ class NixlTransport(Transport):
         host_only = local.is_host and remote.kind.is_host
         if not host_only and not _cuda_ok():
             return False
-        if host_only and remote.host_id != self.ctx.host_id and self._cede_network():
-            return False
-        return True
+        # Host memory on another host goes to the plain TCP transport where that is faster.
+        return not (host_only and remote.host_id != self.ctx.host_id and self._cede_network())
 
     def _cede_network(self) -> bool:
         """Whether host-to-host traffic to other hosts goes to the plain TCP transport.
@@ -322,7 +334,7 @@ class NixlTransport(Transport):
             # failure shows again (and is reported) when self.agent is read below.
             def start() -> None:
                 try:
-                    self.agent
+                    _ = self.agent  # the property creates the agent
                 except Exception:
                     pass
 
@@ -349,8 +361,12 @@ class NixlTransport(Transport):
         peer = agent.add_remote(resp.metadata)
         with self._lock:
             self._peers[remote.engine_id] = peer
-        rr = na.RemoteRegion(remote.base, remote.size, _nixl_kind(remote.kind),
-                             remote.device if remote.device >= 0 else 0)
+        rr = na.RemoteRegion(
+            remote.base,
+            remote.size,
+            _nixl_kind(remote.kind),
+            remote.device if remote.device >= 0 else 0,
+        )
         fc = None
         if remote.host_id == self.ctx.host_id:
             # Same host: UCX copies with cma, which only the owner's fence makes safe against
@@ -399,8 +415,9 @@ class NixlTransport(Transport):
                     job.check()
                     if fc is not None:
                         fc.check(job.remote.region_id, job.remote.name)
-                xfer = agent.make_xfer(op, local, lo, route.peer, route.remote, ro, ln,
-                                       trusted=True)
+                xfer = agent.make_xfer(
+                    op, local, lo, route.peer, route.remote, ro, ln, trusted=True
+                )
                 try:
                     if not xfer.post():
                         xfer.wait(job.remaining(), check=job.check)
@@ -414,8 +431,9 @@ class NixlTransport(Transport):
         lo, ro, ln = job.coalesced()
         mv = memoryview(job.local.array())
         views = [mv[o : o + n] for o, n in zip(lo.tolist(), ln.tolist())]
-        self.ctx.peer(job.remote.control).read(job.remote, ro, ln, views, job.nbytes,
-                                               job.remaining())
+        self.ctx.peer(job.remote.control).read(
+            job.remote, ro, ln, views, job.nbytes, job.remaining()
+        )
 
     def _pull(self, job: TransferJob, route: _Route) -> None:
         agent = self.agent
@@ -427,9 +445,19 @@ class NixlTransport(Transport):
         d = job.remote
         timeout = job.remaining()
         req = PullReq(
-            d.name, d.region_id, d.base, d.size, agent.name, md, local.addr, local.size,
-            local.kind, local.device, lo.astype("<u8", copy=False).tobytes(),
-            ro.astype("<u8", copy=False).tobytes(), ln.astype("<u8", copy=False).tobytes(),
+            d.name,
+            d.region_id,
+            d.base,
+            d.size,
+            agent.name,
+            md,
+            local.addr,
+            local.size,
+            local.kind,
+            local.device,
+            lo.astype("<u8", copy=False).tobytes(),
+            ro.astype("<u8", copy=False).tobytes(),
+            ln.astype("<u8", copy=False).tobytes(),
             timeout,
         )
         reply = self.ctx.call(route.control, self.kind, _enc.encode(req), timeout + 1.0)
@@ -440,8 +468,13 @@ class NixlTransport(Transport):
     # --- owner side ------------------------------------------------------------------------
     def _owned(self, name: str, region_id: int, base: int, size: int) -> MemoryRegion:
         region = self.ctx.find_region(region_id)
-        if region is None or region.closed or region.name != name or region.ptr != base \
-                or region.size != size:
+        if (
+            region is None
+            or region.closed
+            or region.name != name
+            or region.ptr != base
+            or region.size != size
+        ):
             raise SegmentNotFound(f"segment {name!r} is not published here (any more)")
         return region
 
@@ -465,11 +498,22 @@ class NixlTransport(Transport):
             peer = agent.add_remote(req.metadata)
             if peer != req.agent:
                 raise ProtocolError(f"pull metadata names agent {peer!r}, not {req.agent!r}")
-            dest = na.RemoteRegion(req.dest_addr, req.dest_size, req.dest_kind,  # type: ignore[arg-type]
-                                   req.dest_device)
-            xfer = agent.transfer("WRITE", nr, _u64(req.src_offsets), peer, dest,
-                                  _u64(req.dest_offsets), _u64(req.lengths),
-                                  timeout=max(0.001, req.timeout))
+            dest = na.RemoteRegion(
+                req.dest_addr,
+                req.dest_size,
+                req.dest_kind,  # type: ignore[arg-type]
+                req.dest_device,
+            )
+            xfer = agent.transfer(
+                "WRITE",
+                nr,
+                _u64(req.src_offsets),
+                peer,
+                dest,
+                _u64(req.dest_offsets),
+                _u64(req.lengths),
+                timeout=max(0.001, req.timeout),
+            )
             return _enc.encode(PullResp(xfer.nbytes))
         finally:
             region.release()

@@ -78,7 +78,9 @@ class ShmTransport(Transport):
                 except (OSError, InvalidArgument) as exc:
                     # Same host id but the file is not visible here (container with its own
                     # /dev/shm, other user), or a name we refuse: let the engine fall back.
-                    raise TransportUnavailable(f"cannot map shared segment {name!r}: {exc}") from None
+                    raise TransportUnavailable(
+                        f"cannot map shared segment {name!r}: {exc}"
+                    ) from None
                 entry = (buf, 0)
             buf, n = entry
             off, size = remote.shm_offset, remote.size
