@@ -2,7 +2,7 @@
 
     python bench/replog.py [--quick] [--json PATH] [--dir DIR]
 
-Cases (3 replica processes on loopback, ``python -m kvmesh.replog.server``; clients in this
+Cases (3 replica processes on loopback, ``python -m kvmesh.replog.net.server``; clients in this
 process, ~100-byte KV puts):
 
 * ``commit``: committed + applied ops/s with ``durability=disk`` (fdatasync per batch on
@@ -41,12 +41,18 @@ sys.path.insert(0, _HERE)
 
 import _common as C  # noqa: E402
 
-from kvmesh.replog.client import KvClient  # noqa: E402
-from kvmesh.replog.diskstorage import DiskStorage  # noqa: E402
 from kvmesh.replog.kvsm import KvPut, KvStateMachine, KvValue  # noqa: E402
-from kvmesh.replog.linearizability import History, KvModel, KvOp, check, lost_acknowledged_writes  # noqa: E402
-from kvmesh.replog.server import LocalCluster  # noqa: E402
+from kvmesh.replog.net.client import KvClient  # noqa: E402
+from kvmesh.replog.net.server import LocalCluster  # noqa: E402
 from kvmesh.replog.session import SessionStateMachine  # noqa: E402
+from kvmesh.replog.sim.linearizability import (  # noqa: E402
+    History,
+    KvModel,
+    KvOp,
+    check,
+    lost_acknowledged_writes,
+)
+from kvmesh.replog.storage.disk import DiskStorage  # noqa: E402
 from kvmesh.replog.types import ConfState, ReplogError  # noqa: E402
 
 VALUE = b"v" * 64  # key ~24 B + value 64 B + envelope: a ~100-byte PutEnd-like command

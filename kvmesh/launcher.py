@@ -5,7 +5,7 @@
 (SIGTERM, then SIGKILL), pauses and resumes them. stderr goes to ``base_dir/<role>N.log``. A
 subclass says only how to run replica ``i`` (:meth:`~ProcessCluster.command`,
 :meth:`~ProcessCluster.env`) and what its READY line carries
-(:meth:`~ProcessCluster.on_ready`): :class:`kvmesh.replog.server.LocalCluster` and
+(:meth:`~ProcessCluster.on_ready`): :class:`kvmesh.replog.net.server.LocalCluster` and
 :class:`kvmesh.store.cluster.StoreCluster`.
 """
 

@@ -1,7 +1,7 @@
 """Leader finding, redirects and backoff for clients of a replicated group; no I/O.
 
 The store's :class:`~kvmesh.store.rpc.MasterClient` (blocking sockets) and the replicated
-log's :class:`~kvmesh.replog.client.ReplogClient` (asyncio) both send one request until some
+log's :class:`~kvmesh.replog.net.client.ReplogClient` (asyncio) both send one request until some
 replica answers it definitely. This module is that walk, once; the clients only do the I/O and
 say what each answer was:
 

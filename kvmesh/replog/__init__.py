@@ -16,9 +16,7 @@ Layers (see docs/replog.md):
 * :mod:`.sim` - the deterministic simulator.
 """
 
-from .client import ClusterUnavailable, KvClient, ReplogClient
-from .core import RaftCore
-from .diskstorage import DiskStorage, StorageCorruptionError, StorageLockedError
+from .core.raft import RaftCore
 from .errors import (
     ERROR_CODES,
     BadRequest,
@@ -28,8 +26,8 @@ from .errors import (
     Unauthorized,
 )
 from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, KvStateMachine
-from .linearizability import History, KvModel, KvOp, Operation, check
-from .memstorage import MemoryStorage
+from .net.client import ClusterUnavailable, KvClient, ReplogClient
+from .net.server import LocalCluster, ReplicaServer, ServerLimits
 from .node import (
     CommandError,
     LeaderChange,
@@ -42,8 +40,11 @@ from .node import (
     ReadTimeout,
     SessionExpiredError,
 )
-from .server import LocalCluster, ReplicaServer, ServerLimits
 from .session import SessionLimits, SessionStateMachine, SessionTracker
+from .sim.linearizability import History, KvModel, KvOp, Operation, check
+from .storage.disk import DiskStorage, StorageCorruptionError, StorageLockedError
+from .storage.memory import MemoryStorage
+from .storage.wal import WalCorruptionError, WalFatalError
 from .types import (
     ConfChange,
     ConfChangeType,
@@ -60,7 +61,6 @@ from .types import (
     SnapshotMeta,
     StateMachine,
 )
-from .wal import WalCorruptionError, WalFatalError
 
 __all__ = [
     "RaftCore",

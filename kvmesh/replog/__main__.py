@@ -1,7 +1,7 @@
-"""``python -m kvmesh.replog`` runs one replica (same options as ``kvmesh.replog.server``)."""
+"""``python -m kvmesh.replog`` runs one replica (same options as ``kvmesh.replog.net.server``)."""
 
 import sys
 
-from .server import main
+from .net.server import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ command               effect                                  result
 ``KvBatch(cmds)``     each command in order                   list of the results
 ====================  ======================================  =============================
 
-These match :class:`kvmesh.replog.linearizability.KvModel` (``get``/``put``/``delete``/``cas``).
+These match :class:`kvmesh.replog.sim.linearizability.KvModel` (``get``/``put``/``delete``/``cas``).
 
 Values are stored as ``KvValue(value, index)`` frozen ``gc=False`` structs, ``index`` being
 the log index of the last write (a per-key revision). Snapshots are a sequence of
@@ -29,7 +29,7 @@ from typing import Any
 import crc32c
 import msgspec
 
-from .snapfile import iter_chunks, pack_chunk
+from .storage.snapfile import iter_chunks, pack_chunk
 
 __all__ = [
     "KvGet",

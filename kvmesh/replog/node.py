@@ -1,4 +1,4 @@
-"""The asyncio driver: runs one replica's :class:`~kvmesh.replog.core.RaftCore` against a
+"""The asyncio driver: runs one replica's :class:`~kvmesh.replog.core.raft.RaftCore` against a
 real clock, a TCP transport, durable storage and the application's state machine.
 
 One event loop per replica. The driver:
@@ -49,8 +49,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..net import SecurityConfig
-from .core import RaftCore
-from .diskstorage import DiskStorage
+from .core.raft import RaftCore
 from .errors import (
     CommandError,
     NodeStopped,
@@ -62,8 +61,8 @@ from .errors import (
     SessionDenied,
     SessionExpiredError,
 )
-from .memstorage import MemoryStorage
-from .protocol import SESSION_TOKEN_BYTES
+from .net.protocol import SESSION_TOKEN_BYTES
+from .net.transport import Transport, TransportConfig
 from .readypath import SYNC, YIELD, ReadyPath
 from .session import (
     Command,
@@ -76,7 +75,8 @@ from .session import (
     SessionTracker,
     encode_envelope,
 )
-from .transport import Transport, TransportConfig
+from .storage.disk import DiskStorage
+from .storage.memory import MemoryStorage
 from .types import (
     NONE,
     ConfChange,

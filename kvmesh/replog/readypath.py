@@ -1,5 +1,5 @@
 """The one Ready/persist/apply path: the ordering every driver of
-:class:`~kvmesh.replog.core.RaftCore` must follow, written once and without I/O, and run by
+:class:`~kvmesh.replog.core.raft.RaftCore` must follow, written once and without I/O, and run by
 both the asyncio driver (``node.py``) and the simulator (``sim/cluster.py``).
 
 :meth:`ReadyPath.run` is a generator over one :class:`~kvmesh.replog.types.Ready`. It does
@@ -23,7 +23,7 @@ only in ``advance``). A snapshot taken at any yield records exactly these
 (:meth:`ReadyPath.snapshot_point`).
 
 Every write-side storage (``MemoryStorage``, ``DiskStorage``, the simulator's ``SimDisk``)
-inherits :class:`~kvmesh.replog.memstorage.ReadyWriter`: the same ``write(ready)``,
+inherits :class:`~kvmesh.replog.storage.memory.ReadyWriter`: the same ``write(ready)``,
 ``stage_snapshot``, ``stage_local_snapshot``/``commit_local_snapshot`` and ``sync`` entry
 points, so no driver branches on the storage type.
 """
@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
-from .core import RaftCore, next_conf_state
-from .memstorage import ReadyWriter
+from .core.raft import RaftCore, next_conf_state
+from .storage.memory import ReadyWriter
 from .types import ConfState, Entry, EntryKind, Ready, Snapshot, decode_conf_change
 
 __all__ = ["APPLY_SLICE", "SYNC", "YIELD", "Io", "ReadyHost", "ReadyPath"]

@@ -35,7 +35,7 @@ from typing import Any
 import crc32c
 import msgspec
 
-from .snapfile import SnapshotCorruptionError, pack_chunk
+from .storage.snapfile import SnapshotCorruptionError, pack_chunk
 from .types import StateMachine, snapshot_chunks_of
 
 __all__ = [

@@ -27,7 +27,7 @@ from ..net.handshake import client_handshake
 from ..net.limits import Deadline
 from ..net.retry import LeaderFinder, LeaderFinderViews
 from ..net.security import SecurityConfig, client_ssl_context
-from ..replog.transport import parse_addr
+from ..replog.net.transport import parse_addr
 from . import errors as E
 from . import protocol as P
 

@@ -59,8 +59,8 @@ from ..replog import (
     ReplogError,
     SessionExpiredError,
 )
+from ..replog.net.transport import parse_addr
 from ..replog.session import SessionLimits, SessionRejected
-from ..replog.transport import parse_addr
 from ..replog.types import ProposalTooLarge
 from . import errors as E
 from . import protocol as P
@@ -1092,7 +1092,7 @@ def _code_of(res: Any) -> int:
 
 
 def _free_addr(host: str) -> str:
-    from ..replog.server import free_ports
+    from ..replog.net.server import free_ports
 
     return f"{host}:{free_ports(1, host)[0]}"
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from kvmesh.replog.core import RaftCore
-from kvmesh.replog.memstorage import MemoryStorage
-from kvmesh.replog.progress import PROBE, REPLICATE, SNAPSHOT
+from kvmesh.replog.core.progress import PROBE, REPLICATE, SNAPSHOT
+from kvmesh.replog.core.raft import RaftCore
 from kvmesh.replog.sim.harness import Network
+from kvmesh.replog.storage.memory import MemoryStorage
 from kvmesh.replog.types import (
     ENTRY_OVERHEAD,
     Append,

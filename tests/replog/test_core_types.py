@@ -5,8 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvmesh.replog.memstorage import MemoryStorage, limit_size
-from kvmesh.replog.progress import (
+from kvmesh.replog.core.progress import (
     PROBE,
     REPLICATE,
     SNAPSHOT,
@@ -18,6 +17,7 @@ from kvmesh.replog.progress import (
     committed_index,
     vote_result,
 )
+from kvmesh.replog.storage.memory import MemoryStorage, limit_size
 from kvmesh.replog.types import (
     ENTRY_OVERHEAD,
     Append,

@@ -1,6 +1,6 @@
 """Attacks on LIVE replica processes (issue 7, defects 1-4 and the security model).
 
-Every test runs 3 replicas (``python -m kvmesh.replog.server``) with a cluster token and
+Every test runs 3 replicas (``python -m kvmesh.replog.net.server``) with a cluster token and
 attacks their ports from this process: unauthenticated connections speaking the pre-auth
 protocol (what any process that reaches a port could do on the old code), authenticated
 impostors claiming another node's id, forged and malformed Raft messages, floods, truncated
@@ -22,9 +22,9 @@ import msgspec
 import pytest
 
 from kvmesh.net import SecurityConfig, aclient_handshake, aread_frame, encode_frame
-from kvmesh.replog.client import KvClient
 from kvmesh.replog.errors import ReplogError, SessionDenied, Unauthorized
-from kvmesh.replog.protocol import (
+from kvmesh.replog.net.client import KvClient
+from kvmesh.replog.net.protocol import (
     CLIENT_SERVICE,
     PEER_SERVICE,
     ReqRegister,
@@ -33,8 +33,8 @@ from kvmesh.replog.protocol import (
     decode_response,
     encode,
 )
-from kvmesh.replog.server import LocalCluster, free_ports
-from kvmesh.replog.transport import FRAG, MSG, parse_addr
+from kvmesh.replog.net.server import LocalCluster, free_ports
+from kvmesh.replog.net.transport import FRAG, MSG, parse_addr
 from kvmesh.replog.types import (
     Append,
     ConfState,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvmesh.replog.linearizability import (
+from kvmesh.replog.sim.linearizability import (
     UNKNOWN,
     History,
     KvModel,

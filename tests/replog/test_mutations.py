@@ -34,8 +34,8 @@ import textwrap
 import msgspec
 import pytest
 
-from kvmesh.replog.core import RaftCore
-from kvmesh.replog.log import RaftLog
+from kvmesh.replog.core.log import RaftLog
+from kvmesh.replog.core.raft import RaftCore
 from kvmesh.replog.readypath import ReadyPath
 from kvmesh.replog.sim.cluster import SimConfig, Simulator
 from kvmesh.replog.sim.invariants import Invariants
@@ -211,7 +211,7 @@ def test_e_no_vote_suppression(monkeypatch):
 def test_f_quorum_durability_invariant_with_four_voters(monkeypatch):
     """The invariant that once asked quorum_size(len(voters) - 1) copies: its unit test
     fails against that version."""
-    from kvmesh.replog.progress import quorum_size
+    from kvmesh.replog.core.progress import quorum_size
 
     from .test_sim import test_commit_durability_needs_a_majority_of_four_voters as unit
 

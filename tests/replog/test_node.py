@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from kvmesh.replog import wal as walmod
 from kvmesh.replog.kvsm import KvBatch, KvDelete, KvGet, KvPut, KvStateMachine, encode_command
+from kvmesh.replog.net.server import free_ports
+from kvmesh.replog.net.transport import TransportConfig
 from kvmesh.replog.node import (
     NodeConfig,
     NodeStopped,
@@ -18,8 +19,7 @@ from kvmesh.replog.node import (
     ReadTimeout,
     SessionExpiredError,
 )
-from kvmesh.replog.server import free_ports
-from kvmesh.replog.transport import TransportConfig
+from kvmesh.replog.storage import wal as walmod
 from kvmesh.replog.types import RaftConfig, ReadOnlyOption
 
 FAST = RaftConfig(election_tick=10, max_election_tick=20, heartbeat_tick=1)
@@ -477,9 +477,9 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
     recorded the one before the batch: a learner added inside the batch was lost from the
     snapshot, and a replica restarted from the compacted storage forgot the learner)."""
     from kvmesh.replog import node as nodemod
-    from kvmesh.replog.core import next_conf_state
-    from kvmesh.replog.diskstorage import DiskStorage
-    from kvmesh.replog.memstorage import MemoryStorage
+    from kvmesh.replog.core.raft import next_conf_state
+    from kvmesh.replog.storage.disk import DiskStorage
+    from kvmesh.replog.storage.memory import MemoryStorage
     from kvmesh.replog.types import (
         ConfChange,
         ConfChangeType,

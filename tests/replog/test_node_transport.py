@@ -5,9 +5,9 @@ import asyncio
 import struct
 
 from kvmesh.net import SecurityConfig, aclient_handshake
-from kvmesh.replog.protocol import PEER_SERVICE
-from kvmesh.replog.server import free_ports
-from kvmesh.replog.transport import FRAG, Transport, TransportConfig
+from kvmesh.replog.net.protocol import PEER_SERVICE
+from kvmesh.replog.net.server import free_ports
+from kvmesh.replog.net.transport import FRAG, Transport, TransportConfig
 from kvmesh.replog.types import ConfState, Heartbeat, InstallSnapshot, Snapshot, SnapshotMeta
 
 

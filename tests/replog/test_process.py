@@ -1,4 +1,4 @@
-"""Real processes: 3 replicas (``python -m kvmesh.replog.server``) on loopback under client
+"""Real processes: 3 replicas (``python -m kvmesh.replog.net.server``) on loopback under client
 load; kill -9 the leader, SIGSTOP/SIGCONT it, kill the whole cluster and restart from disk.
 Every client operation is recorded; the history must be linearizable (which includes: no
 acknowledged write lost), and all replicas must converge to the same state."""
@@ -9,9 +9,15 @@ import time
 
 import pytest
 
-from kvmesh.replog.client import KvClient
-from kvmesh.replog.linearizability import History, KvModel, KvOp, check, lost_acknowledged_writes
-from kvmesh.replog.server import LocalCluster
+from kvmesh.replog.net.client import KvClient
+from kvmesh.replog.net.server import LocalCluster
+from kvmesh.replog.sim.linearizability import (
+    History,
+    KvModel,
+    KvOp,
+    check,
+    lost_acknowledged_writes,
+)
 from kvmesh.replog.types import ReplogError
 
 TICK_MS = 50  # elections after 0.5-1.0 s

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvmesh.replog.server import LocalCluster
+from kvmesh.replog.net.server import LocalCluster
 
 from .test_process import ARGS, TICK_MS, Load, converge, find_leader, run
 

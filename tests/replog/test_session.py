@@ -15,7 +15,7 @@ from kvmesh.replog.session import (
     decode_envelope,
     encode_envelope,
 )
-from kvmesh.replog.snapfile import SnapshotCorruptionError
+from kvmesh.replog.storage.snapfile import SnapshotCorruptionError
 from kvmesh.replog.types import StateMachine
 
 

@@ -351,8 +351,8 @@ def test_e3_stalled_leader_with_tick_catch_up_is_safe() -> None:
 def test_commit_durability_needs_a_majority_of_four_voters() -> None:
     """Invariant 6 with 4 voters: an entry committed on only 2 durable copies is a
     violation (3 are needed); it once asked quorum_size(len(voters) - 1) = 2."""
-    from kvmesh.replog.memstorage import MemoryStorage
     from kvmesh.replog.sim.invariants import Invariants, SimViolation
+    from kvmesh.replog.storage.memory import MemoryStorage
     from kvmesh.replog.types import Entry, HardState
 
     def durables(n_with: int) -> dict:

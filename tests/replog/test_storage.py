@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 
-from kvmesh.replog import snapfile
-from kvmesh.replog import wal as walmod
-from kvmesh.replog.diskstorage import DiskStorage, StorageCorruptionError, StorageLockedError
-from kvmesh.replog.memstorage import MemoryStorage
+from kvmesh.replog.storage import snapfile
+from kvmesh.replog.storage import wal as walmod
+from kvmesh.replog.storage.disk import DiskStorage, StorageCorruptionError, StorageLockedError
+from kvmesh.replog.storage.memory import MemoryStorage
+from kvmesh.replog.storage.wal import WalFatalError
 from kvmesh.replog.types import (
     ConfState,
     Entry,
@@ -23,7 +24,6 @@ from kvmesh.replog.types import (
     SnapshotMeta,
     StorageError,
 )
-from kvmesh.replog.wal import WalFatalError
 
 CS = ConfState(voters=(1, 2, 3))
 
@@ -463,7 +463,7 @@ def test_random_ops_match_memory_storage_and_survive_crashes(tmp_path, seed):
 
 
 def test_snapshot_image_loaded_lazily_from_file(tmp_path):
-    from kvmesh.replog import snapfile as sf
+    from kvmesh.replog.storage import snapfile as sf
 
     st = DiskStorage.open(str(tmp_path / "n"))
     _fill(st, 100)
@@ -481,7 +481,7 @@ def test_snapshot_image_loaded_lazily_from_file(tmp_path):
 
 
 def test_pruning_never_touches_snapshots_being_written(tmp_path):
-    from kvmesh.replog import snapfile as sf
+    from kvmesh.replog.storage import snapfile as sf
 
     st = DiskStorage.open(str(tmp_path / "n"))
     _fill(st, 100)

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from kvmesh.replog import snapfile
 from kvmesh.replog.kvsm import (
     CHUNK_ITEMS,
     KvBatch,
@@ -16,7 +15,8 @@ from kvmesh.replog.kvsm import (
     decode_command,
     encode_command,
 )
-from kvmesh.replog.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
+from kvmesh.replog.storage import snapfile
+from kvmesh.replog.storage.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
 from kvmesh.replog.types import ConfState, Snapshot, SnapshotMeta, StateMachine
 
 META = SnapshotMeta(1234, 5, ConfState((1, 2, 3), (4,)))

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from kvmesh.replog import wal as walmod
-from kvmesh.replog.wal import HEADER_BYTES, Wal, WalCorruptionError, WalFatalError
+from kvmesh.replog.storage import wal as walmod
+from kvmesh.replog.storage.wal import HEADER_BYTES, Wal, WalCorruptionError, WalFatalError
 
 
 def recs(w):

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from kvmesh.replog.server import free_ports
+from kvmesh.replog.net.server import free_ports
 from kvmesh.store import StoreClient
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.replog.linearizability import UNKNOWN, Operation, check
+from kvmesh.replog.sim.linearizability import UNKNOWN, Operation, check
 from kvmesh.store.master.sim import StoreModel, StoreOp, run_seed
 
 CLEAN_SEEDS = range(10)

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.replog.session import Command as SessionCommand
 from kvmesh.replog.session import Register, SessionStateMachine, encode_envelope
-from kvmesh.replog.snapfile import SnapshotCorruptionError
+from kvmesh.replog.storage.snapfile import SnapshotCorruptionError
 from kvmesh.store import errors
 from kvmesh.store.errors import Code, error_for
 from kvmesh.store.master import invariants
@@ -269,7 +269,7 @@ def test_snapshot_corruption_is_detected() -> None:
 def test_inconsistent_snapshot_is_refused() -> None:
     """Well-framed (CRCs fine) but wrong images are refused: an object count that disagrees
     with the header, an undecodable object chunk."""
-    from kvmesh.replog.snapfile import iter_chunks, pack_chunk
+    from kvmesh.replog.storage.snapfile import iter_chunks, pack_chunk
     from kvmesh.store.master.objects import Obj
 
     sm = _sm()

@@ -1,7 +1,7 @@
 """Seeded discrete-event simulation of a replicated KV store on the real Raft core.
 
 One ``random.Random(seed)``, a virtual clock and a priority queue of events drive N replicas
-(each: :class:`~kvmesh.replog.core.RaftCore`, a :class:`~.disk.SimDisk`, the production
+(each: :class:`~kvmesh.replog.core.raft.RaftCore`, a :class:`~.disk.SimDisk`, the production
 session + KV state machine), a faulty :class:`~.network.SimNetwork`, clients that time out and
 retry with the same ``(client_id, seq)``, and a :class:`~.nemesis.Nemesis`. Invariants are
 checked as the run goes (:mod:`.invariants`); at the end the cluster is healed, liveness is
@@ -22,12 +22,11 @@ from typing import Any
 
 import msgspec
 
-from ..core import RaftCore
+from ..core.raft import RaftCore
 from ..kvsm import KvCas, KvDelete, KvPut, encode_command
-from ..linearizability import History, KvModel, KvOp, check, lost_acknowledged_writes
-from ..memstorage import MemoryStorage
 from ..readypath import APPLY_SLICE, SYNC, YIELD, ReadyPath
 from ..session import Command, Register, SessionRejected, encode_envelope
+from ..storage.memory import MemoryStorage
 from ..types import (
     ConfChangeType,
     EntryKind,
@@ -49,6 +48,7 @@ from ..types import (
 from .disk import SimDisk
 from .invariants import Invariants, SimViolation
 from .kv import ApplyLedger, make_state_machine, state_digest
+from .linearizability import History, KvModel, KvOp, check, lost_acknowledged_writes
 from .network import NetParams, SimNetwork
 
 __all__ = [

@@ -1,7 +1,7 @@
 """A simulated disk with a volatile (page cache) and a durable layer, after LazyFS, that
 follows ``DiskStorage``'s ordering rules.
 
-It is a :class:`~kvmesh.replog.memstorage.ReadyWriter`: the simulator persists Readies
+It is a :class:`~kvmesh.replog.storage.memory.ReadyWriter`: the simulator persists Readies
 through the same ``write(ready)`` / staging / ``sync`` entry points as the real driver.
 Like ``DiskStorage``'s WAL, entries, hard states and installed-snapshot markers go to the
 volatile layer and are visible to the node at once (``live``); an fsync makes every write
@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..memstorage import MemoryStorage, ReadyWriter
+from ..storage.memory import MemoryStorage, ReadyWriter
 from ..types import (
     Entry,
     HardState,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 
-from ..core import RaftCore
-from ..memstorage import MemoryStorage
+from ..core.raft import RaftCore
+from ..storage.memory import MemoryStorage
 from ..types import Entry, EntryKind, RaftConfig, ReadState, Role, Snapshot
 
 __all__ = ["HarnessNode", "Network"]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..core import RaftCore, next_conf_state
-from ..memstorage import MemoryStorage
-from ..progress import committed_index, quorum_size
+from ..core.progress import committed_index, quorum_size
+from ..core.raft import RaftCore, next_conf_state
+from ..storage.memory import MemoryStorage
 from ..types import (
     Append,
     AppendResp,

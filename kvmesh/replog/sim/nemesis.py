@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from ..memstorage import MemoryStorage
+from ..storage.memory import MemoryStorage
 from ..types import (
     ConfChange,
     ConfChangeError,

@@ -27,7 +27,7 @@ Checked on every step (:class:`SimViolation` names the first failure):
 * replicas that applied the same prefix have the same state digest.
 
 At the end the network heals, every key is read through the leader (bytes checked), and the
-put/get/exists/remove/evict history goes through :func:`kvmesh.replog.linearizability.check`
+put/get/exists/remove/evict history goes through :func:`kvmesh.replog.sim.linearizability.check`
 with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from ...replog.linearizability import UNKNOWN, History, Operation, check
 from ...replog.sim.harness import Network
+from ...replog.sim.linearizability import UNKNOWN, History, Operation, check
 from ...replog.types import EntryKind, NotLeader, ProposalDropped, RaftConfig, Role
 from ..errors import Code
 from ..types import ReplicateConfig

@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ..net import (
+from ...net import (
     ConnectionLimiter,
     FrameDecoder,
     FrameTooLarge,
@@ -61,9 +61,9 @@ from ..net import (
     clip,
     server_ssl_context,
 )
-from .errors import FrameError
+from ..errors import FrameError
+from ..types import InstallSnapshot, decode_message, encode_message
 from .protocol import PEER_SERVICE
-from .types import InstallSnapshot, decode_message, encode_message
 
 __all__ = [
     "Admission",

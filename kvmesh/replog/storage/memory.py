@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .types import (
+from ..types import (
     ENTRY_OVERHEAD,
     ConfState,
     Entry,
@@ -43,7 +43,7 @@ class EntryLog:
 
     Gives the read side of :class:`~kvmesh.replog.types.LogStorage` (``first_index``,
     ``last_index``, ``term``, ``entries``) and the in-memory half of ``append``/``compact``;
-    :class:`MemoryStorage` and :class:`~kvmesh.replog.diskstorage.DiskStorage` add durability
+    :class:`MemoryStorage` and :class:`~kvmesh.replog.storage.disk.DiskStorage` add durability
     (or not) around it.
     """
 

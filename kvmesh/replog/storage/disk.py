@@ -22,7 +22,7 @@ Recovery (:meth:`open`), per the durability rules of the design notes §4.3:
 3. reconcile: a snapshot newer than the log (or disagreeing with it at its index) replaces
    the log; the hard state's commit is raised to the snapshot index.
 
-Every write or fsync failure raises :class:`~kvmesh.replog.wal.WalFatalError` (or the
+Every write or fsync failure raises :class:`~kvmesh.replog.storage.wal.WalFatalError` (or the
 ``OSError`` of a snapshot write): the node must stop.
 
 Compaction removes whole WAL segments whose entries are all at or below the compaction
@@ -39,11 +39,8 @@ from typing import Any
 
 import msgspec
 
-from . import snapfile
-from .errors import StorageCorruptionError, StorageLockedError
-from .memstorage import EntryLog, ReadyWriter
-from .snapfile import SnapshotCorruptionError
-from .types import (
+from ..errors import StorageCorruptionError, StorageLockedError
+from ..types import (
     ConfState,
     Entry,
     HardState,
@@ -54,6 +51,9 @@ from .types import (
     StorageError,
     bootstrap_entries,
 )
+from . import snapfile
+from .memory import EntryLog, ReadyWriter
+from .snapfile import SnapshotCorruptionError
 from .wal import Wal, WalCorruptionError, fsync_dir
 
 __all__ = ["DiskStorage", "StorageCorruptionError", "StorageLockedError"]

@@ -2,7 +2,7 @@
 
 Run one replica of a 3-node cluster (client port = raft port + ``--client-port-offset``)::
 
-    KVMESH_TOKEN_FILE=/etc/kvmesh/token python -m kvmesh.replog.server --id 1 \\
+    KVMESH_TOKEN_FILE=/etc/kvmesh/token python -m kvmesh.replog.net.server --id 1 \\
         --peers 1=10.0.0.1:7001,2=10.0.0.2:7001,3=10.0.0.3:7001 --dir /data/replog1
 
 Both ports authenticate every connection with the cluster token (:mod:`kvmesh.net`; from
@@ -12,7 +12,7 @@ add (mutual) TLS on both ports.
 
 The example state machine is :class:`~kvmesh.replog.kvsm.KvStateMachine`; embedders pass
 their own to :class:`ReplicaServer` with a ``query`` function for reads. The wire protocol
-is :mod:`kvmesh.replog.protocol`; what the port accepts is in :class:`ServerLimits`.
+is :mod:`kvmesh.replog.net.protocol`; what the port accepts is in :class:`ServerLimits`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from ..launcher import ProcessCluster, free_ports
-from ..net import (
+from ...launcher import ProcessCluster, free_ports
+from ...net import (
     FrameDecoder,
     FrameTooLarge,
     InsecureBind,
@@ -43,7 +43,7 @@ from ..net import (
     encode_frame,
     server_ssl_context,
 )
-from .errors import (
+from ..errors import (
     BadRequest,
     NotLeaderError,
     Overloaded,
@@ -55,8 +55,9 @@ from .errors import (
     Unauthorized,
     WalCorruptionError,
 )
-from .kvsm import KvStateMachine
-from .node import NodeConfig, RaftNode, parse_peers
+from ..kvsm import KvStateMachine
+from ..node import NodeConfig, RaftNode, parse_peers
+from ..types import RaftConfig, ReadOnlyOption, StateMachine
 from .protocol import (
     CLIENT_SERVICE,
     MAX_REQUEST,
@@ -71,7 +72,6 @@ from .protocol import (
     encode,
 )
 from .transport import Admission, DeadlineWatch, TransportConfig, Watched, parse_addr, read_frames
-from .types import RaftConfig, ReadOnlyOption, StateMachine
 
 __all__ = [
     "LocalCluster",
@@ -92,7 +92,7 @@ class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
     """What the client port accepts: a connection is refused (closed at once) beyond
     ``max_connections`` (``max_unauthenticated`` of them in the handshake, which must end
     within ``handshake_timeout_s``; a newcomer evicts the oldest connection still in its
-    handshake, see :class:`~kvmesh.replog.transport.Admission`); a request frame is at most
+    handshake, see :class:`~kvmesh.replog.net.transport.Admission`); a request frame is at most
     ``max_request`` bytes, must be complete ``frame_timeout_s`` after its first byte, and all
     connections together hold at most ``max_buffered_bytes`` of incomplete requests (the one
     that would exceed it is closed); a connection with more than ``max_inflight`` unanswered
@@ -145,7 +145,7 @@ def _query(sm: Any, body: bytes) -> Any:
 
 
 class ReplicaServer(Generic[SM]):
-    """Serves the client protocol (:mod:`kvmesh.replog.protocol`) for one
+    """Serves the client protocol (:mod:`kvmesh.replog.net.protocol`) for one
     :class:`RaftNode`, whatever its state machine: reads call ``query(state_machine, body)``
     (default: the machine's own ``query`` method); results are msgpack-encoded.
 
@@ -398,7 +398,7 @@ def client_addrs_for(peers: dict[int, str], offset: int) -> dict[int, str]:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kvmesh.replog.server", description=__doc__.split("\n\n")[0]
+        prog="python -m kvmesh.replog.net.server", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--id", type=int, required=True, help="this replica's id (a key of --peers)")
     p.add_argument("--peers", required=True, help="ID=HOST:PORT,... raft addresses of all replicas")
@@ -641,7 +641,7 @@ class LocalCluster(ProcessCluster):
 
     def command(self, i: int) -> list[str]:
         return [
-            self.python, "-m", "kvmesh.replog.server",
+            self.python, "-m", "kvmesh.replog.net.server",
             "--id", str(i),
             "--peers", self._spec(self.peers),
             "--client-addrs", self._spec(self.client_addrs),

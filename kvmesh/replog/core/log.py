@@ -15,8 +15,8 @@ Indices tracked here:
 
 from __future__ import annotations
 
-from .memstorage import limit_size
-from .types import ENTRY_OVERHEAD, Entry, LogCompacted, LogStorage, LogUnavailable, Snapshot
+from ..storage.memory import limit_size
+from ..types import ENTRY_OVERHEAD, Entry, LogCompacted, LogStorage, LogUnavailable, Snapshot
 
 __all__ = ["RaftLog"]
 

@@ -5,7 +5,7 @@ with a 16-byte header (``b"KVMWAL01"`` + u64 little-endian segment sequence numb
 followed by records framed as ``[len u32 LE][crc32c(payload) u32 LE][payload]``.
 
 This module only frames bytes: what a record means (entries, hard state, snapshot
-markers) is the business of :mod:`kvmesh.replog.diskstorage`.
+markers) is the business of :mod:`kvmesh.replog.storage.disk`.
 
 Durability rules implemented here:
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from .errors import WalCorruptionError, WalError, WalFatalError
+from ..errors import WalCorruptionError, WalError, WalFatalError
 
 __all__ = [
     "WalError",

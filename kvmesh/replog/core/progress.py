@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from .types import ProgressState, ProgressStatus
+from ..types import ProgressState, ProgressStatus
 
 __all__ = [
     "Inflights",

@@ -1,4 +1,4 @@
-"""Client of a replica cluster (the protocol of :mod:`kvmesh.replog.server`).
+"""Client of a replica cluster (the protocol of :mod:`kvmesh.replog.net.server`).
 
 :class:`ReplogClient` finds the leader itself (following ``not_leader`` redirects, trying
 the next replica on connection errors and timeouts) and makes every command exactly-once:
@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from ..net import (
+from ...net import (
     NetError,
     SecurityConfig,
     aclient_handshake,
@@ -40,8 +40,8 @@ from ..net import (
     client_ssl_context,
     encode_frame,
 )
-from ..net.retry import LeaderFinder, LeaderFinderViews
-from .errors import (
+from ...net.retry import LeaderFinder, LeaderFinderViews
+from ..errors import (
     RETRYABLE,
     ClusterUnavailable,
     NotLeader,
@@ -49,7 +49,7 @@ from .errors import (
     ReadTimeout,
     error_from_code,
 )
-from .kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, encode_command
+from ..kvsm import KvBatch, KvCas, KvDelete, KvGet, KvPut, encode_command
 from .protocol import (
     CLIENT_SERVICE,
     MAX_RESPONSE,

@@ -31,20 +31,7 @@ import random
 
 import msgspec
 
-from .log import RaftLog
-from .progress import (
-    PROBE,
-    REPLICATE,
-    SNAPSHOT,
-    VOTE_LOST,
-    VOTE_WON,
-    Progress,
-    committed_index,
-    quorum_size,
-    vote_result,
-)
-from .readonly import ReadOnly
-from .types import (
+from ..types import (
     ENTRY_OVERHEAD,
     NONE,
     Append,
@@ -87,6 +74,19 @@ from .types import (
     decode_conf_change,
     encode_conf_change,
 )
+from .log import RaftLog
+from .progress import (
+    PROBE,
+    REPLICATE,
+    SNAPSHOT,
+    VOTE_LOST,
+    VOTE_WON,
+    Progress,
+    committed_index,
+    quorum_size,
+    vote_result,
+)
+from .readonly import ReadOnly
 
 __all__ = ["RaftCore", "next_conf_state"]
 

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Iterator
 import crc32c
 import msgspec
 
-from .errors import SnapshotCorruptionError
-from .types import ConfState, Snapshot, SnapshotMeta
+from ..errors import SnapshotCorruptionError
+from ..types import ConfState, Snapshot, SnapshotMeta
 from .wal import fsync_dir
 
 __all__ = [
