@@ -70,6 +70,18 @@ def _rpc_parts(idx: list[int], keys: Sequence[Any]) -> list[list[int]]:
     return parts
 
 
+def _valid_indices(keys: Sequence[Any], out: list[Any]) -> list[int]:
+    """Indexes of the well-formed keys; each malformed key's error goes into ``out``."""
+    idx: list[int] = []
+    for i, k in enumerate(keys):
+        err = _key_error(k)
+        if err is not None:
+            out[i] = err
+        else:
+            idx.append(i)
+    return idx
+
+
 _STAGING_MIN = 1 << 20
 _STAGING_KEEP = 64 << 20
 
@@ -566,17 +578,10 @@ class StoreClient:
             out.append((region, base, sz))
         return out
 
-    def put_from_multi(
-        self,
-        keys: list[str],
-        buffers: list[list[Any]],
-        sizes: list[list[int]],
-        *,
-        config: ReplicateConfig | None = None,
-        upsert: bool = False,
-    ) -> BatchResults:
-        """Batch put where object ``i`` is the concatenation of ``sizes[i][k]`` bytes at
-        ``buffers[i][k]`` (registered memory), written zero-copy."""
+    def _multi_pieces(
+        self, keys: list[str], buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> tuple[list[Any], list[int]]:
+        """Per object, its registered pieces (or the error that refused them) and byte total."""
         n = len(keys)
         if len(buffers) != n or len(sizes) != n:
             raise E.InvalidParams(
@@ -592,6 +597,20 @@ class StoreClient:
             except E.StoreError as e:
                 bufs.append(e)
                 totals.append(0)
+        return bufs, totals
+
+    def put_from_multi(
+        self,
+        keys: list[str],
+        buffers: list[list[Any]],
+        sizes: list[list[int]],
+        *,
+        config: ReplicateConfig | None = None,
+        upsert: bool = False,
+    ) -> BatchResults:
+        """Batch put where object ``i`` is the concatenation of ``sizes[i][k]`` bytes at
+        ``buffers[i][k]`` (registered memory), written zero-copy."""
+        bufs, totals = self._multi_pieces(keys, buffers, sizes)
         return self._put_regions(list(keys), bufs, totals, upsert, config)
 
     def get_into_multi(
@@ -599,21 +618,7 @@ class StoreClient:
     ) -> BatchResults:
         """Batch get filling object ``i``'s bytes into ``buffers[i]`` in order (capacity
         ``sum(sizes[i])``); per key the number of bytes read."""
-        n = len(keys)
-        if len(buffers) != n or len(sizes) != n:
-            raise E.InvalidParams(
-                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
-            )
-        where = self._resolver()
-        bufs: list[Any] = []
-        caps: list[int] = []
-        for i in range(n):
-            try:
-                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
-                caps.append(sum(sizes[i]))
-            except E.StoreError as e:
-                bufs.append(e)
-                caps.append(0)
+        bufs, caps = self._multi_pieces(keys, buffers, sizes)
         return self._get_regions(list(keys), bufs, caps)
 
     def put(self, keys: Any, values: Any, *, config: ReplicateConfig | None = None) -> Any:
@@ -832,15 +837,7 @@ class StoreClient:
         out: list[Any] = [None] * len(ks)
         # The hot path (HiCache's batch_exists): all keys valid, checked once for the batch,
         # and results written by slice, with no per-key Python work on this side.
-        idx: list[int] | None = None
-        if not keys_valid(ks):
-            idx = []
-            for i, k in enumerate(ks):
-                err = _key_error(k)
-                if err is not None:
-                    out[i] = err
-                else:
-                    idx.append(i)
+        idx: list[int] | None = None if keys_valid(ks) else _valid_indices(ks, out)
         n = len(ks) if idx is None else len(idx)
         for start in range(0, n, MAX_KEYS_PER_RPC):
             if idx is None:
@@ -866,13 +863,7 @@ class StoreClient:
     def get_size(self, keys: Any) -> Any:
         ks, batch = self._listify(keys)
         out: list[Any] = [None] * len(ks)
-        idx = []
-        for i, k in enumerate(ks):
-            err = _key_error(k)
-            if err is not None:
-                out[i] = err
-            else:
-                idx.append(i)
+        idx = _valid_indices(ks, out)
         for start in range(0, len(idx), MAX_KEYS_PER_RPC):
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
@@ -891,13 +882,7 @@ class StoreClient:
         ``force`` (then readers holding a lease may get LeaseExpired)."""
         ks, batch = self._listify(keys)
         out: list[Any] = [None] * len(ks)
-        idx = []
-        for i, k in enumerate(ks):
-            err = _key_error(k)
-            if err is not None:
-                out[i] = err
-            else:
-                idx.append(i)
+        idx = _valid_indices(ks, out)
         for part in _rpc_parts(idx, ks):
             pk = [ks[i] for i in part]
             resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
