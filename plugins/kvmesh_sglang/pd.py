@@ -368,8 +368,9 @@ class KvmeshTransferEngine:
         with self._lock:
             self.stats["transfers"] += 1
             self.stats["bytes"] += res.nbytes
-            bt = self.stats["by_transport"]
-            bt[transport] = bt.get(transport, 0) + res.nbytes
+            if res.nbytes:  # an empty call moved nothing: no transport to credit
+                bt = self.stats["by_transport"]
+                bt[transport] = bt.get(transport, 0) + res.nbytes
             first = (session_id, transport) not in self._seen
             if first and len(self._seen) < 4096:
                 self._seen.add((session_id, transport))
