@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig"]
+__all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig", "parse_size"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,8 +26,8 @@ def __getattr__(name: str) -> Any:
         from .embedded import embedded
 
         return embedded
-    if name == "ReplicateConfig":
-        from .types import ReplicateConfig
+    if name in ("ReplicateConfig", "parse_size"):
+        from . import types
 
-        return ReplicateConfig
+        return getattr(types, name)
     raise AttributeError(f"module 'kvmesh.store' has no attribute {name!r}")

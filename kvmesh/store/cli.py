@@ -21,30 +21,9 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["parse_size", "register"]
+from .types import parse_size
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"1g"``, ``"4096"`` -> bytes."""
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num) :]
-    if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 256MiB, 1GiB)")
-    return int(float(num) * _UNITS[unit])
+__all__ = ["parse_size", "register"]  # parse_size re-exported for the CLI's users
 
 
 def _wait_for_signal() -> None:

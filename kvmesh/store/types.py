@@ -25,6 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "parse_size",
     "MAX_BATCH_KEYS",
     "MAX_KEY_BYTES",
     "MAX_OBJECT_SIZE",
@@ -200,3 +201,22 @@ def keys_valid(keys: list[Any]) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    # "4g", "4gib" and Mooncake's "4gb" all mean 4 * 2**30.
+    _UNITS.update({_p: 1 << (10 * _i), f"{_p}ib": 1 << (10 * _i), f"{_p}b": 1 << (10 * _i)})
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"1g"``, ``"4gb"``, ``"4096"`` -> bytes (binary units); ValueError else."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num) :]
+    try:
+        if unit in _UNITS and num and float(num) >= 0:
+            return int(float(num) * _UNITS[unit])
+    except (ValueError, OverflowError):
+        pass
+    raise ValueError(f"bad size {text!r} (use e.g. 256MiB, 1GiB, 4gb or bytes)")
