@@ -43,7 +43,7 @@ import msgspec
 
 from kvmesh import StoreClient
 from kvmesh.store import errors as store_errors
-from kvmesh.store.cli import parse_size
+from kvmesh.store import parse_size
 from kvmesh.transfer import get_engine
 
 try:  # Both supported SGLang versions have these; without SGLang the module still imports.
@@ -121,17 +121,9 @@ _FIELDS = KvmeshHiCacheConfig.__struct_fields__
 
 
 def _size(v: Any) -> Any:
-    """``"256MiB"``/``"1g"``/``"1024"`` (kvmesh's spellings) and Mooncake's ``"4gb"``/``"512mb"``
-    -> bytes; other types pass through to the config's own validation."""
-    if not isinstance(v, str):
-        return v
-    t = v.strip().lower()
-    if len(t) > 2 and t.endswith("b") and t[-2] in "kmgt":
-        t = t[:-1]  # "4gb" is "4g"
-    try:
-        return parse_size(t)
-    except Exception:  # noqa: BLE001 - argparse's error type; reported with the field name
-        raise ValueError(f"bad size {v!r} (use e.g. 256MiB, 4gb, or bytes)") from None
+    """``"256MiB"``/``"1g"``/``"1024"`` and Mooncake's ``"4gb"``/``"512mb"`` -> bytes; other
+    types pass through to the config's own validation."""
+    return parse_size(v) if isinstance(v, str) else v
 
 
 def load_config(extra_config: dict | None = None, env: dict | None = None) -> KvmeshHiCacheConfig:
@@ -584,18 +576,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
-        if not keys:
-            return []
-        pool = self.mem_pool_host
-        if getattr(pool, "kv_buffer", None) is None:
-            return [True] * len(keys)  # logical anchor: no KV bytes of its own
-        self._check_indices(keys, host_indices, self._page_size(pool))
-        t0 = time.perf_counter()
-        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
-        ok = self._per_page(self._get_plan(plan), plan.per_page)
-        dt = time.perf_counter() - t0
+        ok, nbytes, dt = self._run_v1(keys, host_indices, self._get_plan)
+        if dt is None:
+            return ok
         hits = sum(ok)
-        nbytes = sum(plan.totals) // len(keys) * hits
         self._counters.add(
             get_pages=len(keys),
             get_hits=hits,
@@ -611,18 +595,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
-        if not keys:
-            return []
-        pool = self.mem_pool_host
-        if getattr(pool, "kv_buffer", None) is None:
-            return [True] * len(keys)
-        self._check_indices(keys, host_indices, self._page_size(pool))
-        t0 = time.perf_counter()
-        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
-        ok = self._per_page(self._set_plan(plan), plan.per_page)
-        dt = time.perf_counter() - t0
+        ok, nbytes, dt = self._run_v1(keys, host_indices, self._set_plan)
+        if dt is None:
+            return ok
         good = sum(ok)
-        nbytes = sum(plan.totals) // len(keys) * good
         self._counters.add(
             set_pages=len(keys),
             set_written=good,
@@ -633,6 +609,24 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0,
         )
         return ok
+
+    def _run_v1(
+        self, keys: list[str], host_indices: Any, run: Callable[[Any], Any]
+    ) -> tuple[list[bool], int, float | None]:
+        """One v1 batch: plan the pages, ``run`` the plan as one store batch. Returns the
+        per-page results, the bytes of the pages that succeeded and the elapsed seconds
+        (``None`` when nothing ran: no keys, or a logical-anchor pool without KV bytes)."""
+        if not keys:
+            return [], 0, None
+        pool = self.mem_pool_host
+        if getattr(pool, "kv_buffer", None) is None:
+            return [True] * len(keys), 0, None  # logical anchor: no KV bytes of its own
+        self._check_indices(keys, host_indices, self._page_size(pool))
+        t0 = time.perf_counter()
+        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
+        ok = self._per_page(run(plan), plan.per_page)
+        nbytes = sum(plan.totals) // len(keys) * sum(ok)
+        return ok, nbytes, time.perf_counter() - t0
 
     @staticmethod
     def _check_indices(keys: Sequence[str], host_indices: Any, page_size: int) -> None:
