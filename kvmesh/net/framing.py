@@ -10,6 +10,10 @@ and below it buffers still grow only as bytes arrive (at most doubling what has 
 * :func:`read_frame` / :func:`send_frame` drive a blocking socket under an optional
   :class:`~kvmesh.net.limits.Deadline`. ``read_frame`` never reads past the end of its frame,
   so raw payload bytes that follow a frame (the transfer engine's data path) stay in the socket.
+  Its ``spin`` (seconds, see :func:`spin_budget`) first polls the socket without blocking for
+  that long before it blocks: a request/reply client whose peer answers within tens of
+  microseconds then skips the scheduler wake-up a blocking ``recv`` costs (on the VMs we
+  measured, ~25-30 us per side of a round trip).
 * :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``; its
   ``frame_timeout`` bounds the body of a frame once its length prefix arrived).
 """
@@ -17,14 +21,41 @@ and below it buffers still grow only as bytes arrive (at most doubling what has 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import ssl
 import struct
+import time
 
 from .errors import DeadlineExceeded, FrameTooLarge, PeerClosed
 from .limits import Deadline
 
 HEADER = struct.Struct("<I")
 CHUNK = 64 << 10  # buffers grow by at most this much (or by what already arrived) per step
+
+SPIN_ENV = "KVMESH_SPIN_US"
+DEFAULT_SPIN_US = 100.0
+"""Default busy-poll budget of a request/reply client (``KVMESH_SPIN_US`` overrides it; 0
+turns spinning off). The store master answers a one-key read in ~20-60 us when it is idle;
+100 us catches that reply with the client still on-CPU and bounds what a slow reply costs
+(docs/store.md, "Performance and tuning", has the measurements)."""
+MAX_SPIN_US = 10_000.0  # a budget beyond this is a configuration error, not a tuning choice
+
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+def spin_budget(spin_us: float | None = None) -> float:
+    """The busy-poll budget in seconds: ``spin_us`` if given, else ``$KVMESH_SPIN_US``, else
+    :data:`DEFAULT_SPIN_US`. Raises ``ValueError`` outside ``0..MAX_SPIN_US``."""
+    if spin_us is None:
+        raw = os.environ.get(SPIN_ENV, "").strip()
+        try:
+            spin_us = float(raw) if raw else DEFAULT_SPIN_US
+        except ValueError:
+            raise ValueError(f"{SPIN_ENV}={raw!r} is not a number of microseconds") from None
+    if not 0.0 <= spin_us <= MAX_SPIN_US:  # also refuses NaN
+        raise ValueError(f"spin budget must be 0..{MAX_SPIN_US:g} us, got {spin_us!r}")
+    return spin_us / 1e6
 
 
 def encode_frame(body: bytes | bytearray | memoryview) -> bytes:
@@ -97,16 +128,56 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline | None)
         view = view[n:]
 
 
-def read_frame(sock: socket.socket, max_frame: int, deadline: Deadline | None = None) -> bytearray:
+def _spin_recv_into(
+    sock: socket.socket, view: memoryview, spin: float, deadline: Deadline | None
+) -> int:
+    """Poll ``sock`` with non-blocking ``recv_into(view)`` for at most ``spin`` seconds (and
+    never past ``deadline``); the bytes received, 0 if none arrived in time. Each poll is one
+    syscall with the GIL released, so other threads run meanwhile; the socket's timeout is
+    restored before returning. TLS: a non-blocking read also returns bytes the TLS layer
+    already decrypted (``pending()``), and a record that is only partly in raises
+    ``SSLWantReadError`` like an empty socket."""
+    end = time.perf_counter() + spin
+    if deadline is not None:
+        end = min(end, time.perf_counter() + deadline.remaining())
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        while True:
+            try:
+                n = sock.recv_into(view)
+            except _WOULD_BLOCK:
+                if time.perf_counter() >= end:
+                    return 0
+                continue
+            if n == 0:
+                raise PeerClosed("peer closed the connection")
+            return n
+    finally:
+        sock.settimeout(timeout)
+
+
+def read_frame(
+    sock: socket.socket,
+    max_frame: int,
+    deadline: Deadline | None = None,
+    *,
+    spin: float = 0.0,
+) -> bytearray:
     """Read exactly one frame from a blocking socket and return its body.
 
     With ``deadline`` every ``recv`` gets only the time left (one absolute bound for the whole
     frame, however slowly the peer trickles); without it the socket's own timeout applies.
+    ``spin``: seconds to busy-poll for the frame's first bytes before blocking (0: block at
+    once); it never extends the deadline, and the CPU it can burn per call is bounded by it.
     Raises :class:`FrameTooLarge`, :class:`PeerClosed` (EOF), :class:`DeadlineExceeded`,
     ``TimeoutError`` (socket timeout, no deadline) or ``OSError``.
     """
     head = bytearray(HEADER.size)
-    _recv_into(sock, memoryview(head), deadline)
+    hv = memoryview(head)
+    if spin > 0.0:
+        hv = hv[_spin_recv_into(sock, hv, spin, deadline) :]
+    _recv_into(sock, hv, deadline)
     (size,) = HEADER.unpack(head)
     if size > max_frame:
         raise _too_large(size, max_frame)

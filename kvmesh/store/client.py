@@ -162,6 +162,8 @@ class StoreClient:
     this process contributes as a storage node (default 0 with a master address, 256 MiB
     embedded). ``replica_num``: copies per object (on distinct nodes). ``token``/``security``:
     the cluster's shared secret (default: ``KVMESH_TOKEN`` etc. from the environment).
+    ``spin_us``: how long a master call busy-polls for its reply before blocking (default
+    ``$KVMESH_SPIN_US`` or 100 us, 0 = off; see :class:`~.rpc.MasterClient`).
     """
 
     def __init__(
@@ -176,6 +178,7 @@ class StoreClient:
         timeout: float = 15.0,
         transfer_timeout: float = 30.0,
         heartbeat_s: float = 2.0,
+        spin_us: float | None = None,
     ) -> None:
         self._embedded = None
         sec = security
@@ -199,7 +202,11 @@ class StoreClient:
                 sec = SecurityConfig.from_env()
         self.engine = engine if engine is not None else get_engine()
         self.rpc = MasterClient(
-            addrs, sec, name=f"store-client-{self.engine.node_id}", timeout=timeout
+            addrs,
+            sec,
+            name=f"store-client-{self.engine.node_id}",
+            timeout=timeout,
+            spin_us=spin_us,
         )
         self.config = ReplicateConfig(replica_num=replica_num, writer_host=self.engine.host_id)
         self.transfer_timeout = transfer_timeout

@@ -55,7 +55,9 @@ class _Conn:
 class MasterClient(LeaderFinderViews):
     """``addrs``: store RPC addresses of the master replicas (any subset that includes a
     live one). ``timeout``: the longest one call keeps retrying; ``attempt_timeout``: how
-    long one replica gets to answer one attempt."""
+    long one replica gets to answer one attempt. ``spin_us``: how long a call busy-polls
+    for the master's reply before it blocks (default ``$KVMESH_SPIN_US`` or
+    :data:`~kvmesh.net.framing.DEFAULT_SPIN_US`; 0 turns it off; see docs/store.md)."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class MasterClient(LeaderFinderViews):
         timeout: float = 15.0,
         attempt_timeout: float = 5.0,
         max_pool: int = 8,
+        spin_us: float | None = None,
     ) -> None:
         if not addrs:
             raise ValueError("no master addresses")
@@ -77,6 +80,7 @@ class MasterClient(LeaderFinderViews):
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_pool = max_pool
+        self.spin = _framing.spin_budget(spin_us)  # seconds
         self._lock = threading.Lock()
         self._pool: dict[str, list[_Conn]] = {}
         self._rid = itertools.count(1)
@@ -129,7 +133,7 @@ class MasterClient(LeaderFinderViews):
             conn.sock.sendall(_framing.encode_frame(P.encode(req)))
             while True:
                 body = _framing.read_frame(
-                    conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic())
+                    conn.sock, _MAX_RESPONSE, Deadline(deadline - time.monotonic()), spin=self.spin
                 )
                 resp = P.decode_response(body)
                 if resp.rid == req.rid:
