@@ -225,7 +225,10 @@ async def aread_frame(
         if frame_timeout is None:
             return await _abody(reader, size)
         try:
-            return await asyncio.wait_for(_abody(reader, size), frame_timeout)
+            # A timer on this task, not wait_for's extra task per frame (a small request's
+            # body is usually buffered already: the timer is then all this costs).
+            async with asyncio.timeout(frame_timeout):
+                return await _abody(reader, size)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"a frame of {size} bytes did not arrive within {frame_timeout:g} s"

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from . import errors as E
 from . import protocol as P
 from .node import StorageNode
 from .rpc import MasterClient
-from .types import ObjectReplica, ReplicateConfig, key_error, keys_valid
+from .types import ROW, ObjectReplica, ReplicateConfig, key_error, keys_valid
 
 __all__ = ["BatchResults", "StoreClient"]
 
@@ -365,68 +365,113 @@ class StoreClient:
         """Move ``(owner, region, local_off, endpoint, segment, remote_off, length)`` requests
         as one engine batch. Returns the owners (caller indices) whose requests failed and
         the transports used."""
+        regs: dict[int, int] = {}
+        regions: list[MemoryRegion] = []
+        segx: dict[tuple[str, str], int] = {}
+        segs: list[tuple[str, str, str]] = []
+        cols = np.empty((len(reqs), 6), np.int64)  # owner, region, lo, segment, ro, ln
+        for r, (owner, region, lo, ep, name, ro, ln) in enumerate(reqs):
+            x = regs.get(id(region))
+            if x is None:
+                x = regs[id(region)] = len(regions)
+                regions.append(region)
+            y = segx.get((ep, name))
+            if y is None:
+                y = segx[(ep, name)] = len(segs)
+                segs.append((name, "", ep))
+            cols[r] = (owner, x, lo, y, ro, ln)
+        failed, transports = self._move_arrays(
+            op, cols[:, 0], regions, cols[:, 1], cols[:, 2], segs, cols[:, 3], cols[:, 4],
+            cols[:, 5], timeout,
+        )  # fmt: skip
+        return set(failed.tolist()), transports
+
+    def _move_arrays(
+        self,
+        op: Op,
+        owner: np.ndarray,
+        regions: list[MemoryRegion],
+        reg: np.ndarray,
+        lo: np.ndarray,
+        segs: list[tuple[str, str, str]],
+        seg: np.ndarray,
+        ro: np.ndarray,
+        ln: np.ndarray,
+        timeout: float | None = None,
+    ) -> tuple[np.ndarray, list[str]]:
+        """Move request ``r``: ``ln[r]`` bytes between ``regions[reg[r]]`` at ``lo[r]`` and
+        segment ``segs[seg[r]]`` (name, node id, endpoint) at ``ro[r]``, as one engine batch.
+        Returns the distinct owners with a failed request and the transports used."""
         deadline = self.transfer_timeout if timeout is None else timeout
-        groups: dict[tuple[int, str, str], list[tuple[int, int, int, int]]] = {}
-        regions: dict[int, MemoryRegion] = {}
-        for owner, region, lo, ep, seg, ro, ln in reqs:
-            regions[id(region)] = region
-            groups.setdefault((id(region), ep, seg), []).append((owner, lo, ro, ln))
-        failed: set[int] = set()
         transports: set[str] = set()
-        runnable = []
-        for (rid, ep, name), items in groups.items():
+        handles: dict[int, Any] = {}
+        dead: list[int] = []
+        for y in np.unique(seg).tolist() if len(seg) > 1 else seg.tolist():
+            name, _node, ep = segs[y]
             try:
-                seg = self._segment(ep, name)
+                handles[y] = self._segment(ep, name)
             except (TransferError, OSError, ValueError) as e:
                 log.info("store: segment %s at %s unreachable: %s", name, ep, e)
-                failed.update(o for o, *_ in items)
-                continue
-            runnable.append((regions[rid], seg, items, ep, name))
-        if not runnable:
-            return failed, []
-        if len(runnable) == 1:
-            region, seg, items, ep, name = runnable[0]
-            arr = np.asarray([(lo, ro, ln) for _, lo, ro, ln in items], dtype=np.int64)
+                dead.append(y)
+        failed: list[np.ndarray] = []
+        if dead:
+            gone = np.isin(seg, dead)
+            failed.append(owner[gone])
+            keep = ~gone
+            owner, reg, lo, seg, ro, ln = (
+                owner[keep],
+                reg[keep],
+                lo[keep],
+                seg[keep],
+                ro[keep],
+                ln[keep],
+            )
+        if not len(owner):
+            return _owners(failed), []
+        group = reg * len(segs) + seg
+        if len(group) == 1 or int(group.min()) == int(group.max()):
+            x, y = int(reg[0]), int(seg[0])
             try:
-                res = self.engine.transfer(
-                    op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2], timeout=deadline
-                )
+                res = self.engine.transfer(op, regions[x], lo, handles[y], ro, ln, timeout=deadline)
                 transports.update(t.value for t in res.transports)
                 self._count(op, res)
             except (TransferError, OSError, ValueError) as e:
+                name, _node, ep = segs[y]
                 log.info("store: %s batch on %s failed: %s", op.value, name, e)
                 self._forget_segment(ep, name)
-                failed.update(o for o, *_ in items)
-            return failed, sorted(transports)
+                failed.append(owner)
+            return _owners(failed), sorted(transports)
+        order = np.argsort(group, kind="stable")
+        group, owner = group[order], owner[order]
+        reg, lo, seg, ro, ln = reg[order], lo[order], seg[order], ro[order], ln[order]
+        cuts = [0, *(np.flatnonzero(group[1:] != group[:-1]) + 1).tolist(), len(group)]
         b = self.engine.batch()
-        owners: list[np.ndarray] = []
         try:
-            for region, seg, items, _, _ in runnable:
-                arr = np.asarray([(lo, ro, ln, o) for o, lo, ro, ln in items], dtype=np.int64)
-                b.add_many(op, region, arr[:, 0], seg, arr[:, 1], arr[:, 2])
-                owners.append(arr[:, 3])
+            for a, z in zip(cuts[:-1], cuts[1:]):
+                b.add_many(
+                    op, regions[int(reg[a])], lo[a:z], handles[int(seg[a])], ro[a:z], ln[a:z]
+                )
             try:
                 b.submit(deadline)
             except TransferError:
                 # One group was refused before anything moved: run the groups one by one.
                 b.free()
-                for region, _seg, items, ep, name in runnable:
-                    f, t = self._move(
-                        op, [(o, region, lo, ep, name, ro, ln) for o, lo, ro, ln in items], deadline
-                    )
-                    failed |= f
+                for a, z in zip(cuts[:-1], cuts[1:]):
+                    sl = slice(a, z)
+                    f, t = self._move_arrays(
+                        op, owner[sl], regions, reg[sl], lo[sl], segs, seg[sl], ro[sl], ln[sl],
+                        deadline,
+                    )  # fmt: skip
+                    failed.append(f)
                     transports.update(t)
-                return failed, sorted(transports)
+                return _owners(failed), sorted(transports)
             res = b.wait(raise_on_error=False)
             transports.update(t.value for t in res.transports)
             self._count(op, res)
-            st = b.status()
-            own = np.concatenate(owners)
-            bad = own[st != 1]
-            failed.update(int(x) for x in np.unique(bad))
+            failed.append(owner[b.status() != 1])
         finally:
             b.free()
-        return failed, sorted(transports)
+        return _owners(failed), sorted(transports)
 
     # ------------------------------------------------------------------ put
 
@@ -666,103 +711,188 @@ class StoreClient:
 
     # ------------------------------------------------------------------ get
 
-    def _lookup(self, keys: list[str]) -> tuple[list[int], list[int], list[Any], float]:
-        """GetReplicas in RPC-sized parts: (codes, sizes, replicas, lease deadline)."""
-        codes: list[int] = []
-        sizes: list[int] = []
-        reps: list[Any] = []
+    def _lookup(self, keys: list[str]) -> _Looked:
+        """GetReplicas (table form) in RPC-sized parts: per key code and size, the slice rows
+        of the found keys (key index relative to ``keys``), and the lease deadline."""
+        n = len(keys)
+        codes = np.zeros(n, np.int64)
+        sizes = np.zeros(n, np.int64)
+        parts: list[np.ndarray] = []
+        segs: list[tuple[str, str, str]] = []
         deadline = float("inf")
         host = self.engine.host_id
-        for start in range(0, len(keys), MAX_KEYS_PER_RPC):
+        for start in range(0, n, MAX_KEYS_PER_RPC):
             part = keys[start : start + MAX_KEYS_PER_RPC]
+            end = start + len(part)
             t0 = time.monotonic()
-            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host))
-            if type(resp) is not P.ReplicasResp:
-                err = _whole_error(resp)
-                codes += [err.code] * len(part)
-                sizes += [0] * len(part)
-                reps += [None] * len(part)
+            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host, True))
+            try:
+                if type(resp) is not P.ReplicaTableResp:
+                    raise _whole_error(resp)
+                c, z, rows = _table(resp, len(part))
+            except E.StoreError as err:
+                codes[start:end] = err.code
                 continue
             deadline = min(deadline, t0 + resp.lease_ms / 1000.0)
-            codes += resp.codes
-            sizes += resp.sizes
-            reps += resp.replicas
-        return codes, sizes, reps, deadline
+            codes[start:end] = c
+            sizes[start:end] = z
+            if len(rows):
+                rows[:, 0] += start
+                rows[:, 2] += len(segs)
+                parts.append(rows)
+            segs += resp.segments
+        rows = np.concatenate(parts) if parts else np.empty((0, ROW), np.int64)
+        return _Looked(codes, sizes, rows, segs, deadline)
 
-    def _order(self, replicas: list[ObjectReplica]) -> list[ObjectReplica]:
-        """Replicas nearest first: this process, then this host (by endpoint host), then others."""
-        if len(replicas) < 2:
-            return replicas
+    def _ranks(self, rows: np.ndarray, segs: list[tuple[str, str, str]]) -> np.ndarray:
+        """Per row the attempt in which its copy is read: the master's order (copies on this
+        host first), except that copies wholly in this process come before all others."""
+        rank = rows[:, 1]
+        if not len(rank) or not rank.any():  # one copy per key (the common case)
+            return rank
         me = self.engine.address
+        local = np.fromiter((ep == me for _, _, ep in segs), bool, len(segs))[rows[:, 2]]
+        kc = rows[:, 0] * (int(rank.max()) + 1) + rank
+        starts = np.flatnonzero(np.r_[True, kc[1:] != kc[:-1]])
+        mine = np.logical_and.reduceat(local, starts)
+        gkey, gcopy = rows[starts, 0], rank[starts]
+        order = np.lexsort((gcopy, ~mine, gkey))  # per key: ours first, then master's order
+        sk = gkey[order]
+        first = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        pos = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+        new = np.empty(len(starts), np.int64)
+        new[order] = pos
+        return np.repeat(new, np.diff(np.r_[starts, len(rows)]))
 
-        def rank(r: ObjectReplica) -> int:
-            if all(s.endpoint == me for s in r.slices):
-                return 0
-            return 1
-
-        return sorted(replicas, key=rank)
-
-    def _get_regions(self, keys: list[Any], bufs: list[Any], caps: list[int]) -> BatchResults:
+    def _get_regions(self, keys: list[Any], bufs: Any, caps: Any) -> BatchResults:
         n = len(keys)
         out: list[Any] = [None] * n
-        idx: list[int] = []
-        for i, k in enumerate(keys):
-            err = _key_error(k) or (bufs[i] if isinstance(bufs[i], E.StoreError) else None)
-            if err is not None:
-                out[i] = err
-            else:
-                idx.append(i)
-        if not idx:
-            return BatchResults(out, [])
-        looked = self._lookup([keys[i] for i in idx])
+        one = isinstance(bufs, _OneRegion)
+        if one and keys_valid(keys):
+            idx: list[int] = list(range(n))
+        else:
+            idx = []
+            for i, k in enumerate(keys):
+                b = None if one else bufs[i]
+                err = _key_error(k) or (b if isinstance(b, E.StoreError) else None)
+                if err is not None:
+                    out[i] = err
+                else:
+                    idx.append(i)
+            if not idx:
+                return BatchResults(out, [])
+        looked = self._lookup(keys if len(idx) == n else [keys[i] for i in idx])
         return self._read(keys, idx, bufs, caps, looked, out)
 
     def _read(
         self,
         keys: list[Any],
         idx: list[int],
-        bufs: list[Any],
-        caps: list[int],
-        looked: tuple[list[int], list[int], list[Any], float],
+        bufs: Any,
+        caps: Any,
+        looked: _Looked,
         out: list[Any],
     ) -> BatchResults:
-        """READ the looked-up objects ``keys[idx[j]]`` into ``bufs[idx[j]]``."""
-        codes, sizes, reps, lease_deadline = looked
-        pending: dict[int, list[ObjectReplica]] = {}
-        for j, i in enumerate(idx):
-            if codes[j] != 0:
-                out[i] = E.error_for(codes[j], f"get of {keys[i]!r}")
-            elif sizes[j] > caps[i]:
-                out[i] = E.BufferOverflow(
-                    f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {caps[i]}"
-                )
-            elif not reps[j]:
-                out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
-            else:
-                pending[j] = self._order(reps[j])
+        """READ the looked-up objects ``keys[idx[j]]`` into their buffers: ``bufs`` is a
+        :class:`_OneRegion` (offsets per key of ``keys``) or per key ``(region, offset)``
+        or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
+        codes, sizes, rows, segs, lease_deadline = looked
+        m = len(idx)
+        ix = np.asarray(idx, np.int64)
+        cap = np.asarray(caps, np.int64)[ix]
+        kj = rows[:, 0]
+        copies = np.zeros(m, np.int64)
+        rank = self._ranks(rows, segs)
+        if len(rows):
+            np.maximum.at(copies, kj, rank + 1)
+        pend = (codes == 0) & (sizes <= cap) & (copies > 0)
+        if not pend.all():
+            for j in np.flatnonzero(~pend).tolist():
+                i = idx[j]
+                if codes[j] != 0:
+                    out[i] = E.error_for(int(codes[j]), f"get of {keys[i]!r}")
+                elif sizes[j] > cap[j]:
+                    out[i] = E.BufferOverflow(
+                        f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {cap[j]}"
+                    )
+                else:
+                    out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
+        # Where each key's bytes go: one region at an offset (numpy), or pieces (Python).
+        pieces: dict[int, list[tuple]] = {}
+        if isinstance(bufs, _OneRegion):
+            regions = [bufs.region]
+            kreg = np.zeros(m, np.int64)
+            koff = bufs.offs[ix]
+        else:
+            regions, seen = [], {}
+            kreg = np.full(m, -1, np.int64)
+            koff = np.zeros(m, np.int64)
+            for j in np.flatnonzero(pend).tolist():
+                b = bufs[idx[j]]
+                if type(b) is tuple:
+                    x = seen.get(id(b[0]))
+                    if x is None:
+                        x = seen[id(b[0])] = len(regions)
+                        regions.append(b[0])
+                    kreg[j], koff[j] = x, b[1]
+                else:
+                    pieces[j] = b
         transports: set[str] = set()
-        while pending:
-            reqs = []
-            for j, replicas in pending.items():
-                reqs.extend(_copy_reqs(j, bufs[idx[j]], replicas[0]))
+        attempt = 0
+        sz = sizes.tolist()
+        while pend.any():
+            r = rows[(rank == attempt) & pend[kj]]
+            k, ro, ln = r[:, 0], r[:, 3], r[:, 4]
+            # Each key's slices fill its buffer in order: offset = bytes of earlier slices.
+            ends = np.cumsum(ln)
+            head = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+            within = ends - ln - np.repeat((ends - ln)[head], np.diff(np.r_[head, len(k)]))
+            reg, lo, seg = kreg[k], koff[k] + within, r[:, 2]
+            if pieces:  # the multi-buffer forms: split each slice over the key's pieces
+                flat = reg >= 0
+                lut = {id(q): x for x, q in enumerate(regions)}
+                ext = []
+                for j, b in pieces.items():
+                    if not pend[j]:
+                        continue
+                    mine = k == j
+                    sl = zip(seg[mine].tolist(), ro[mine].tolist(), ln[mine].tolist())
+                    for rg, lo_, y, ro_, ln_ in _split(b, sl):
+                        x = lut.get(id(rg))
+                        if x is None:
+                            x = lut[id(rg)] = len(regions)
+                            regions.append(rg)
+                        ext.append((j, x, lo_, y, ro_, ln_))
+                e = np.asarray(ext, np.int64).reshape(-1, 6)
+                k = np.concatenate([k[flat], e[:, 0]])
+                reg = np.concatenate([reg[flat], e[:, 1]])
+                lo = np.concatenate([lo[flat], e[:, 2]])
+                seg = np.concatenate([seg[flat], e[:, 3]])
+                ro = np.concatenate([ro[flat], e[:, 4]])
+                ln = np.concatenate([ln[flat], e[:, 5]])
             # Never copy past the lease: after it the memory may belong to another object.
-            failed, t = self._move(Op.READ, reqs, max(0.001, lease_deadline - time.monotonic()))
+            bad, t = self._move_arrays(
+                Op.READ, k, regions, reg, lo, segs, seg, ro, ln,
+                max(0.001, lease_deadline - time.monotonic()),
+            )  # fmt: skip
             transports.update(t)
             expired = time.monotonic() > lease_deadline
-            nxt: dict[int, list[ObjectReplica]] = {}
-            for j, replicas in pending.items():
-                i = idx[j]
-                if expired:
-                    out[i] = E.LeaseExpired(
-                        f"the read lease of {keys[i]!r} ended before its copy finished"
+            failed = np.ones(m, bool)
+            failed[k] = False  # a pending key without a request this round did not read
+            failed[bad] = True
+            tried = pend
+            if expired:
+                for j in np.flatnonzero(tried).tolist():
+                    out[idx[j]] = E.LeaseExpired(
+                        f"the read lease of {keys[idx[j]]!r} ended before its copy finished"
                     )
-                elif j not in failed:
-                    out[i] = sizes[j]
-                elif len(replicas) > 1:
-                    nxt[j] = replicas[1:]  # try the next replica under the same lease
-                else:
-                    out[i] = E.TransferFailed(f"reading {keys[i]!r} from its replicas failed")
-            pending = nxt
+                break
+            for j in np.flatnonzero(tried & ~failed).tolist():
+                out[idx[j]] = sz[j]
+            attempt += 1
+            pend = tried & failed & (copies > attempt)  # next copy, under the same lease
+            for j in np.flatnonzero(tried & failed & (copies <= attempt)).tolist():
+                out[idx[j]] = E.TransferFailed(f"reading {keys[idx[j]]!r} from its replicas failed")
         self.last_transports = sorted(transports)
         return BatchResults(out, self.last_transports)
 
@@ -772,6 +902,10 @@ class StoreClient:
         of bytes read per key."""
         ks, batch = self._listify(keys)
         n = len(ks)
+        if not (batch and isinstance(buffer, list)):
+            one = self._one_region(buffer, offsets, sizes, n, batch)
+            if one is not None:
+                return self._finish(self._get_regions(ks, one, one.caps), batch)
         offs = _per_key(offsets, n, "offsets", batch)
         caps_in = _per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
@@ -797,37 +931,60 @@ class StoreClient:
                 caps.append(0)
         return self._finish(self._get_regions(ks, bufs, caps), batch)
 
+    def _one_region(
+        self, buffer: Any, offsets: Any, sizes: Any, n: int, batch: bool
+    ) -> _OneRegion | None:
+        """The batch's destinations when every key reads into one registered buffer at valid
+        offsets, worked out with numpy; None sends the call down the per-key path (which
+        reports each bad key, or raises for a malformed call)."""
+        try:
+            offs = np.asarray(offsets if batch else [offsets], np.int64)
+            caps = None if sizes is None else np.asarray(sizes if batch else [sizes], np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if offs.ndim == 0:
+            offs = np.full(n, int(offs), np.int64)
+        if caps is not None and caps.ndim == 0:
+            caps = np.full(n, int(caps), np.int64)
+        if offs.shape != (n,) or (caps is not None and caps.shape != (n,)):
+            return None
+        try:
+            region, base = self._region_of(buffer, 1)
+        except E.StoreError:
+            return None
+        at = offs + base
+        if caps is None:
+            caps = region.size - at
+        if n and (
+            int(offs.min()) < 0 or int(caps.min()) <= 0 or int((at + caps).max()) > region.size
+        ):
+            return None
+        return _OneRegion(region, at, caps)
+
     def get(self, keys: Any) -> Any:
         """Objects as ``bytes`` (one copy out of a staging buffer)."""
         ks, batch = self._listify(keys)
         n = len(ks)
         out: list[Any] = [None] * n
-        idx = []
-        for i, k in enumerate(ks):
-            err = _key_error(k)
-            if err is not None:
-                out[i] = err
-            else:
-                idx.append(i)
+        idx = list(range(n)) if keys_valid(ks) else _valid_indices(ks, out)
         if not idx:
             return self._finish(BatchResults(out), batch)
-        looked = self._lookup([ks[i] for i in idx])  # one RPC: sizes, replicas and leases
-        sizes = looked[1]
-        total = sum(sz for c, sz in zip(looked[0], sizes) if c == 0)
-        stage = self._staging.acquire(max(1, total))
+        looked = self._lookup(ks if len(idx) == n else [ks[i] for i in idx])  # one RPC
+        codes, sizes = looked.codes, looked.sizes
+        want = np.where(codes == 0, sizes, 0)
+        stage = self._staging.acquire(max(1, int(want.sum())))
         try:
             region, arr = stage
-            bufs: list[Any] = [None] * n
-            caps = [0] * n
-            pos = 0
-            for j, i in enumerate(idx):
-                bufs[i] = (region, pos)
-                caps[i] = sizes[j]
-                pos += sizes[j] if looked[0][j] == 0 else 0
-            res = self._read(ks, idx, bufs, caps, looked, out)
+            at = np.zeros(n, np.int64)
+            caps = np.zeros(n, np.int64)
+            ix = np.asarray(idx, np.int64)
+            at[ix] = np.cumsum(want) - want
+            caps[ix] = sizes
+            res = self._read(ks, idx, _OneRegion(region, at, caps), caps, looked, out)
+            pos = at.tolist()
             results = BatchResults(
                 [
-                    arr[bufs[i][1] : bufs[i][1] + r].tobytes() if isinstance(r, int) else r
+                    arr[pos[i] : pos[i] + r].tobytes() if isinstance(r, int) else r
                     for i, r in enumerate(res)
                 ],
                 res.transports,
@@ -956,26 +1113,102 @@ def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:
     """Engine requests moving one copy's slices to/from the caller's memory: ``buf`` is
     ``(region, offset)`` (contiguous) or a list of ``(region, offset, length)`` pieces that
     the object's bytes fill in order (the multi-buffer forms)."""
-    out = []
     if type(buf) is tuple:
         region, pos = buf
+        out = []
         for sl in replica.slices:
             out.append((owner, region, pos, sl.endpoint, sl.segment, sl.offset, sl.length))
             pos += sl.length
         return out
+    slices = (((sl.endpoint, sl.segment), sl.offset, sl.length) for sl in replica.slices)
+    return [(owner, rg, lo, *where, ro, ln) for rg, lo, where, ro, ln in _split(buf, slices)]
+
+
+def _split(pieces: list[tuple], slices: Any) -> list[tuple]:
+    """``(region, local_off, segment, remote_off, length)`` moving ``slices`` (``(segment,
+    remote_off, length)`` in byte order) to/from ``pieces`` (``(region, offset, length)``
+    that the object's bytes fill in order); ``segment`` is passed through as given."""
+    out = []
     pi, used = 0, 0
-    for sl in replica.slices:
-        left, roff = sl.length, sl.offset
+    for where, roff, left in slices:
         while left > 0:
-            region, off, ln = buf[pi]
+            region, off, ln = pieces[pi]
             take = min(left, ln - used)
-            out.append((owner, region, off + used, sl.endpoint, sl.segment, roff, take))
+            out.append((region, off + used, where, roff, take))
             used += take
             roff += take
             left -= take
             if used == ln:
                 pi, used = pi + 1, 0
     return out
+
+
+class _Looked(NamedTuple):
+    """A GetReplicas answer (table form) for the keys asked: per key its code and size,
+    the slice rows (:data:`~.types.ROW` columns, key index relative to the keys asked,
+    segment index into ``segs``), and when the leases end (client clock)."""
+
+    codes: np.ndarray
+    sizes: np.ndarray
+    rows: np.ndarray
+    segs: list[tuple[str, str, str]]
+    lease_deadline: float
+
+
+class _OneRegion(NamedTuple):
+    """A batch's destinations in one registered region: per key the offset and capacity."""
+
+    region: MemoryRegion
+    offs: np.ndarray
+    caps: np.ndarray
+
+
+def _table(resp: P.ReplicaTableResp, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, sizes, rows) of a table reply for ``n`` keys, checked: a reply that does not
+    describe exactly one full copy per row group of each found key is refused whole (it
+    would otherwise make us report bytes we never copied)."""
+    codes = np.asarray(resp.codes, np.int64)
+    sizes = np.asarray(resp.sizes, np.int64)
+    bad = E.InternalError("the master sent a malformed replica table")
+    if codes.shape != (n,) or sizes.shape != (n,) or len(resp.rows) % (8 * ROW):
+        raise bad
+    rows = np.frombuffer(resp.rows, "<i8").astype(np.int64).reshape(-1, ROW)
+    found = codes == 0
+    if not len(rows):
+        if found.any():
+            raise bad
+        return codes, sizes, rows
+    k, c, y, ro, ln = rows.T
+    if (
+        int(k.min()) < 0
+        or int(k.max()) >= n
+        or int(c.min()) < 0
+        or int(y.min()) < 0
+        or int(y.max()) >= len(resp.segments)
+        or int(ro.min()) < 0
+        or int(ln.min()) <= 0
+    ):
+        raise bad
+    kc = k * (int(c.max()) + 1) + c
+    if (
+        (np.diff(kc) < 0).any()
+        or not found[k].all()
+        or (np.bincount(k, minlength=n)[found] == 0).any()
+    ):
+        raise bad
+    heads = np.flatnonzero(np.r_[True, kc[1:] != kc[:-1]])
+    gk, gc = k[heads], c[heads]
+    first = np.flatnonzero(np.r_[True, gk[1:] != gk[:-1]])
+    nth = np.arange(len(heads)) - np.repeat(first, np.diff(np.r_[first, len(heads)]))
+    if (gc != nth).any() or (np.add.reduceat(ln, heads) != sizes[gk]).any():
+        raise bad  # copies numbered 0, 1, ... per key, each exactly the object's size
+    return codes, sizes, rows
+
+
+def _owners(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return np.empty(0, np.int64)
+    return np.unique(np.concatenate(parts))
 
 
 def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:

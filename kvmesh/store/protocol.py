@@ -47,6 +47,7 @@ __all__ = [
     "RegisterResp",
     "RemoveAllReq",
     "RemoveReq",
+    "ReplicaTableResp",
     "ReplicasResp",
     "Request",
     "Response",
@@ -117,11 +118,13 @@ class PutRevokeReq(msgspec.Struct, tag="put_revoke", array_like=True, frozen=Tru
 class GetReplicasReq(msgspec.Struct, tag="get_replicas", array_like=True, frozen=True):
     """COMPLETE replicas of ``keys`` under a read lease; reply :class:`ReplicasResp`.
     Served by the leader after a read-index barrier, without a log entry. ``host``: the
-    reader's host id (copies on that host come first)."""
+    reader's host id (copies on that host come first). ``table``: answer with the compact
+    :class:`ReplicaTableResp` instead (what :class:`~kvmesh.store.StoreClient` asks for)."""
 
     rid: int
     keys: list[str]
     host: str = ""
+    table: bool = False
 
 
 class ExistsReq(msgspec.Struct, tag="exists", array_like=True, frozen=True):
@@ -250,6 +253,22 @@ class ReplicasResp(msgspec.Struct, tag="replicas", array_like=True, frozen=True)
     lease_ms: int
 
 
+class ReplicaTableResp(msgspec.Struct, tag="replica_table", array_like=True, frozen=True):
+    """:class:`ReplicasResp` as a table (``GetReplicasReq(table=True)``): per key a code and
+    the object size; ``segments``: ``[segment, node_id, endpoint]`` of every segment the
+    rows name; ``rows``: little-endian int64, :data:`~kvmesh.store.types.ROW` per slice of
+    the found keys -- key index, copy index, segment index, offset, length -- grouped by key
+    in key order, copies in preference order, slices in byte order. No Python object per
+    replica on either side. ``lease_ms`` as in :class:`ReplicasResp`."""
+
+    rid: int
+    codes: list[int]
+    sizes: list[int]
+    segments: list[tuple[str, str, str]]
+    rows: bytes
+    lease_ms: int
+
+
 class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):
     rid: int
     codes: list[int]
@@ -290,6 +309,7 @@ Response = (
     | PutStartResp
     | CodesResp
     | ReplicasResp
+    | ReplicaTableResp
     | SizesResp
     | CountResp
     | StatusResp

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from ..net import framing as _framing
 from ..net.errors import NetError
@@ -70,7 +71,13 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key
+from .types import (
+    MAX_BATCH_KEYS,
+    MAX_OBJECT_SIZE,
+    MAX_REPLICAS,
+    bad_key,
+    replica_lists,
+)
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -255,6 +262,7 @@ class MasterService:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        self._mounting = 0  # Mount proposals in flight (they count against max_segments)
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
@@ -732,7 +740,9 @@ class MasterService:
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
-            if self.sm.usage().segments >= self.cfg.max_segments:
+            # Mounts still in flight count too: pipelined mounts would all pass a check of
+            # the applied state alone and overshoot the limit.
+            if self.sm.usage().segments + self._mounting >= self.cfg.max_segments:
                 raise E.InvalidParams(
                     f"the pool holds {self.cfg.max_segments} segments, its limit (max_segments)"
                 )
@@ -744,7 +754,11 @@ class MasterService:
                 size=req.size,
                 now=_now(),
             )
-            code = _code_of(await self._propose(node, req.session, cmd))
+            self._mounting += 1
+            try:
+                code = _code_of(await self._propose(node, req.session, cmd))
+            finally:
+                self._mounting -= 1
             if code == 0:
                 self.heartbeats.beat(req.node_id, time.monotonic())
                 self._node_owners[req.node_id] = peer
@@ -804,32 +818,37 @@ class MasterService:
         elif owner != peer:
             raise E.InvalidParams(f"storage node {node_id[:_MAX_NAME]!r} belongs to another peer")
 
-    def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp:
+    def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp | P.ReplicaTableResp:
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
         keys = req.keys
-        found = self.sm.lookup(keys, req.host or None, self.cfg.max_reply_bytes)
-        codes = [f.code for f in found]
+        t = self.sm.lookup_table(keys, req.host or None, self.cfg.max_reply_bytes)
+        codes = t.codes
         ok = [i for i, c in enumerate(codes) if c == 0]
         if self._removing_all:
             until = [0.0] * len(ok)
         else:
             until = self.leases.grant([keys[i] for i in ok], mono, ttl)
-        replicas: list[Any] = [None] * len(keys)
-        sizes = [0] * len(keys)
-        granted = []
-        for i, u in zip(ok, until):
-            if u == 0.0:
-                # A removal of this key is in flight: no lease on memory about to be freed.
-                codes[i] = E.ObjectNotFound.code
-                continue
-            replicas[i] = found[i].replicas
-            sizes[i] = found[i].size
-            granted.append(keys[i])
+        if 0.0 in until:
+            # A removal of these keys is in flight: no lease on memory about to be freed,
+            # and no descriptor of it in the reply.
+            codes = list(codes)
+            for i, u in zip(ok, until):
+                if u == 0.0:
+                    codes[i] = E.ObjectNotFound.code
+            granted = [keys[i] for i in ok if codes[i] == 0]
+            keep = t.rows[np.asarray(codes, np.int64)[t.rows[:, 0]] == 0]
+            t = t._replace(codes=codes, rows=keep)
+        else:
+            granted = [keys[i] for i in ok] if len(ok) < len(keys) else keys
         self.stats.touch(granted)
         self.hits += len(granted)
         self.misses += len(keys) - len(granted)
-        return P.ReplicasResp(req.rid, codes, sizes, replicas, int(ttl * 1000))
+        sizes = [z if c == 0 else 0 for c, z in zip(codes, t.sizes)]
+        if req.table:
+            rows = t.rows.astype("<i8", copy=False).tobytes()
+            return P.ReplicaTableResp(req.rid, codes, sizes, t.segments, rows, int(ttl * 1000))
+        return P.ReplicasResp(req.rid, codes, sizes, replica_lists(t), int(ttl * 1000))
 
     async def _put_start(self, node: RaftNode, req: P.PutStartReq) -> P.PutStartResp:
         keys = req.keys

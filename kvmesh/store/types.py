@@ -20,7 +20,7 @@ Stability: additions only (new optional trailing fields with defaults).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -130,6 +130,45 @@ class ObjectLookup(msgspec.Struct, array_like=True, frozen=True):
     size: int = 0
     replicas: list[ObjectReplica] = []
     version: int = 0
+
+
+ROW = 5
+"""int64 per slice in a replica table (:class:`LookupTable`, the ``rows`` of
+:class:`~kvmesh.store.protocol.ReplicaTableResp`): key index, copy index, segment index,
+offset, length."""
+
+
+class LookupTable(NamedTuple):
+    """The master's answer to a lookup in table form (``StoreStateMachine.lookup_table``):
+    per key ``codes``/``sizes``/``versions``; ``segments``: (segment, node_id, endpoint) of
+    each segment the rows name; ``rows``: int64 numpy array, one row of :data:`ROW` per slice."""
+
+    codes: list[int]
+    sizes: list[int]
+    versions: list[int]
+    segments: list[tuple[str, str, str]]
+    rows: Any
+
+
+def replica_lists(t: LookupTable) -> list[list[ObjectReplica] | None]:
+    """Per key of ``t`` its copies as objects (None for a key not found): the readable
+    form of the same answer (``lookup``, :class:`~kvmesh.store.protocol.ReplicasResp`)."""
+    names = t.segments
+    out: list[list[ObjectReplica] | None] = [None] * len(t.codes)
+    rows = t.rows.tolist()
+    r = 0
+    while r < len(rows):
+        i, copies = rows[r][0], []
+        while r < len(rows) and rows[r][0] == i:
+            copy, cur = rows[r][1], []
+            while r < len(rows) and rows[r][0] == i and rows[r][1] == copy:
+                _, _, x, off, ln = rows[r]
+                seg, node, ep = names[x]
+                cur.append(ReplicaDesc(seg, node, ep, off, ln))
+                r += 1
+            copies.append(ObjectReplica(cur))
+        out[i] = copies
+    return out
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

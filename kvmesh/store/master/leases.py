@@ -35,25 +35,44 @@ class LeaseTable:
     def __init__(self, start: float = float("-inf"), grace: float = 0.0) -> None:
         self.blanket_until = start + grace
         self._until: dict[str, float] = {}
-        self._order: deque[tuple[float, str]] = deque()
+        # Expiry queue, one entry per grant: (expiry, keys granted it), in expiry order.
+        self._order: deque[tuple[float, list[str]]] = deque()
+        self._queued = 0  # keys in the queue
         self._blocked: dict[str, int] = {}
+        self._latest = float("-inf")  # the latest expiry ever granted
 
     def grant(self, keys: Iterable[str], now: float, ttl: float = DEFAULT_LEASE_TTL) -> list[float]:
         """Lease ``keys`` until ``now + ttl``; per key the expiry, or 0.0 if blocked."""
         until = now + ttl
-        out = []
         u = self._until
-        if len(self._order) > 2 * len(u) + 4096:
+        if self._queued > 2 * len(u) + 4096:
             self.purge(now)  # keep the expiry queue proportional to the live leases
-        for k in keys:
+        ks = keys if type(keys) is list else list(keys)
+        if until >= self._latest and not self._blocked:
+            # No lease ends later and no key is blocked (the usual case): every key gets
+            # `until`, set with C-level passes instead of a Python step per key.
+            self._latest = until
+            u.update(dict.fromkeys(ks, until))
+            self._queue(until, ks)
+            return [until] * len(ks)
+        out = []
+        got = []
+        for k in ks:
             if k in self._blocked:
                 out.append(0.0)
                 continue
             if u.get(k, float("-inf")) < until:
                 u[k] = until
-                self._order.append((until, k))
+                got.append(k)
             out.append(until)
+        if got:
+            self._queue(until, got)
         return out
+
+    def _queue(self, until: float, keys: list[str]) -> None:
+        self._order.append((until, keys))
+        self._latest = max(self._latest, until)
+        self._queued += len(keys)
 
     def leased(self, key: str, now: float) -> bool:
         """True if a reader may still be copying ``key`` at ``now``."""
@@ -94,10 +113,12 @@ class LeaseTable:
         n = 0
         q, u = self._order, self._until
         while q and n < limit and q[0][0] <= now:
-            t, k = q.popleft()
-            if u.get(k) == t:
-                del u[k]
-                n += 1
+            t, keys = q.popleft()
+            self._queued -= len(keys)
+            for k in keys:
+                if u.get(k) == t:
+                    del u[k]
+                    n += 1
         return n
 
     def __len__(self) -> int:

@@ -28,11 +28,13 @@ objects fit well under 1 GiB and restore in a few seconds.
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import crc32c
 import msgspec
+import numpy as np
 from msgspec.structs import replace
 
 from ...replog.storage.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
@@ -43,6 +45,8 @@ from ..types import (
     MAX_OBJECT_SIZE,
     MAX_REPLICAS,
     MAX_SLICES_PER_BATCH,
+    ROW,
+    LookupTable,
     ObjectLookup,
     ObjectReplica,
     ReplicaDesc,
@@ -50,6 +54,7 @@ from ..types import (
     SegmentInfo,
     Usage,
     key_error,
+    replica_lists,
 )
 from .allocator import SegmentAllocator
 from .commands import (
@@ -183,6 +188,17 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
 
 _DESC_BYTES = 24  # msgpack framing and the two ints of one encoded ReplicaDesc (upper bound)
 
+
+_SIMPLE_MIN = 16  # below this many keys numpy's per-call costs exceed the loop's per-key ones
+_SLICE_DTYPE = np.dtype([("sid", "<u4"), ("off", "<u8")])  # SLICE ("<IQ") as numpy reads it
+assert _SLICE_DTYPE.itemsize == SLICE.size
+
+
+def _seg_cost(s: _Seg) -> int:
+    """Reply-budget charge of one slice in segment ``s`` (its ReplicaDesc, encoded)."""
+    return _DESC_BYTES + len(s.name) + len(s.node_id) + len(s.endpoint)
+
+
 _enc = msgspec.msgpack.Encoder()
 _hdr_dec = msgspec.msgpack.Decoder(_Header)
 _chunk_dec = msgspec.msgpack.Decoder(tuple[list[str], list[Obj]])
@@ -266,32 +282,155 @@ class StoreStateMachine:
         bytes): a small request naming big objects, or one key many times, must not make a
         reply of gigabytes. The first found key is always answered (one object's copies
         are bounded by ``MAX_SLICES_PER_BATCH``); a later key that would pass the budget
-        answers ``InvalidParams`` (ask for it in another request)."""
-        out = []
+        answers ``InvalidParams`` (ask for it in another request).
+
+        The same answer as :meth:`lookup_table` (which it is built from), as objects."""
+        t = self.lookup_table(keys, host, max_bytes)
+        return [
+            ObjectLookup(c, z, reps, v) if c == 0 else ObjectLookup(c)
+            for c, z, v, reps in zip(t.codes, t.sizes, t.versions, replica_lists(t))
+        ]
+
+    def lookup_table(
+        self, keys: Iterable[str], host: str | None = None, max_bytes: int | None = None
+    ) -> LookupTable:
+        """:meth:`lookup` without a Python object per replica (the read hot path): per key a
+        code, size and version, the segments named (each once), and ``rows``, :data:`ROW`
+        int64 per slice -- key index, copy index, segment index (into ``segments``), offset,
+        length -- grouped by key in key order, copies in preference order (copies with a
+        slice on ``host`` first), slices in byte order. ``max_bytes``: as in :meth:`lookup`
+        (the same per-slice estimate, so both forms refuse the same keys)."""
+        keys = keys if type(keys) is list else list(keys)
+        if len(keys) >= _SIMPLE_MIN:
+            fast = self._lookup_simple(keys, max_bytes)
+            if fast is not None:
+                return fast
+        codes: list[int] = []
+        sizes: list[int] = []
+        versions: list[int] = []
+        rows = array("q")
+        index: dict[int, int] = {}  # segment id -> position in `named`
+        named: list[_Seg] = []
+        costs: list[int] = []  # budget charge of one slice in named[x]
         objs = self.objects
+        segs = self.segs
+        lim = self.config.slice_limit
+        unpack = SLICE.unpack
+        not_found, refused = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_PARAMS)
         spent = 0
-        for k in keys:
+        for i, k in enumerate(keys):
             o = objs.get(k) if type(k) is str else None
             if o is None or o.state != _C:
-                out.append(ObjectLookup(int(Code.OBJECT_NOT_FOUND)))
+                codes.append(not_found)
+                sizes.append(0)
+                versions.append(0)
                 continue
             if max_bytes is not None and spent >= max_bytes:
-                out.append(ObjectLookup(int(Code.INVALID_PARAMS)))
+                codes.append(refused)
+                sizes.append(0)
+                versions.append(0)
                 continue
-            reps = self._replicas(o, host)
+            lay = o.layout
+            if len(lay) == 12 and o.size <= lim:  # one copy of one slice: the common case
+                sid, off = unpack(lay)
+                x = index.get(sid)
+                if x is None:
+                    x = index[sid] = len(named)
+                    s = segs[sid]
+                    named.append(s)
+                    costs.append(_seg_cost(s))
+                new: Any = (i, 0, x, off, o.size)
+                cost = costs[x]
+            else:
+                new, cost = self._rows(i, o, host, index, named, costs)
             if max_bytes is not None:
-                cost = sum(
-                    _DESC_BYTES + len(d.segment) + len(d.node_id) + len(d.endpoint)
-                    for r in reps
-                    for d in r.slices
-                )
                 if spent and spent + cost > max_bytes:
                     spent = max_bytes  # keep the answer in key order: no later key either
-                    out.append(ObjectLookup(int(Code.INVALID_PARAMS)))
+                    codes.append(refused)
+                    sizes.append(0)
+                    versions.append(0)
                     continue
                 spent += cost
-            out.append(ObjectLookup(0, o.size, reps, o.version))
-        return out
+            rows.extend(new)
+            codes.append(0)
+            sizes.append(o.size)
+            versions.append(o.version)
+        return LookupTable(
+            codes,
+            sizes,
+            versions,
+            [(s.name, s.node_id, s.endpoint) for s in named],
+            np.frombuffer(rows, np.int64).reshape(-1, ROW),  # 'q' is int64 in native order
+        )
+
+    def _lookup_simple(self, keys: list[str], max_bytes: int | None) -> LookupTable | None:
+        """:meth:`lookup_table` of the common batch -- every key a COMPLETE object of one
+        copy in one slice, within the reply budget -- with C-level passes instead of a
+        Python loop per key; None when the batch is anything else (the loop answers it)."""
+        if not keys or set(map(type, keys)) != {str}:
+            return None
+        got = list(map(self.objects.get, keys))
+        if None in got or {o.state for o in got} != {_C}:
+            return None
+        sizes = [o.size for o in got]
+        lay = b"".join([o.layout for o in got])
+        if len(lay) != 12 * len(keys) or max(sizes) > self.config.slice_limit:
+            return None
+        slices = np.frombuffer(lay, _SLICE_DTYPE)
+        uniq, xs = np.unique(slices["sid"], return_inverse=True)
+        named = [self.segs[sid] for sid in uniq.tolist()]
+        if max_bytes is not None:
+            costs = np.asarray([_seg_cost(s) for s in named], np.int64)
+            if int(costs[xs].sum()) > max_bytes:
+                return None  # the loop refuses the keys past the budget, in key order
+        n = len(keys)
+        rows = np.zeros((n, ROW), np.int64)
+        rows[:, 0] = np.arange(n)
+        rows[:, 2] = xs.reshape(-1)
+        rows[:, 3] = slices["off"]
+        rows[:, 4] = sizes
+        return LookupTable(
+            [0] * n,
+            sizes,
+            [o.version for o in got],
+            [(s.name, s.node_id, s.endpoint) for s in named],
+            rows,
+        )
+
+    def _rows(
+        self,
+        i: int,
+        o: Obj,
+        host: str | None,
+        index: dict[int, int],
+        named: list[_Seg],
+        costs: list[int],
+    ) -> tuple[list[int], int]:
+        """:meth:`lookup_table`'s rows of object ``o`` (key index ``i``) and their cost."""
+        lens = slice_lengths(o.size, self.config.slice_limit)
+        segs = self.segs
+        near: list[list[int]] = []
+        far: list[list[int]] = []
+        cost = 0
+        for copy in unpack_layout(o.layout, len(lens)):
+            cur: list[int] = []
+            on_host = False
+            for (sid, off), ln in zip(copy, lens):
+                x = index.get(sid)
+                if x is None:
+                    x = index[sid] = len(named)
+                    named.append(segs[sid])
+                    costs.append(_seg_cost(segs[sid]))
+                s = named[x]
+                cost += costs[x]
+                cur += (i, 0, x, off, ln)
+                on_host = on_host or (host is not None and s.host_id == host)
+            (near if on_host else far).append(cur)
+        out: list[int] = []
+        for c, cur in enumerate(near + far):
+            cur[1::ROW] = [c] * (len(cur) // ROW)
+            out += cur
+        return out, cost
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         """COMPLETE objects only."""
