@@ -1,0 +1,98 @@
+"""The table form of a lookup (``lookup_table`` / ``ReplicaTableResp``): the vectorised
+simple-batch path answers exactly what the per-key loop answers (reply budget included), and
+the client refuses a malformed table whole instead of reporting bytes it never copied."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmesh.store import errors as E
+from kvmesh.store import protocol as P
+from kvmesh.store.client import _table
+from kvmesh.store.master import state as state_mod
+from kvmesh.store.master.commands import Mount, PutEnd, PutStart, encode_command
+from kvmesh.store.master.state import MasterConfig, StoreStateMachine
+from kvmesh.store.types import ROW, ReplicateConfig, replica_lists
+
+
+def _filled(n: int) -> tuple[StoreStateMachine, list[str]]:
+    sm = StoreStateMachine(MasterConfig(slice_limit=4096, align=64))
+    sm.apply(1, encode_command(Mount("n1", "s1", "e1", "h1", 1 << 24, 0.0)))
+    sm.apply(2, encode_command(Mount("n2", "seg-two", "e2", "h2", 1 << 24, 0.0)))
+    keys = [f"k{i}" for i in range(n)]
+    cfg = ReplicateConfig(strategy="random")  # spreads keys over both segments
+    r = sm.apply(3, encode_command(PutStart(keys, [100 + i for i in range(n)], cfg, 0.0)))
+    assert r.codes == [0] * n
+    sm.apply(4, encode_command(PutEnd(keys, [3] * n)))
+    return sm, keys
+
+
+def _both(sm, keys, monkeypatch, **kw):
+    fast = sm.lookup_table(keys, **kw)
+    monkeypatch.setattr(state_mod, "_SIMPLE_MIN", 1 << 30)  # the per-key loop only
+    slow = sm.lookup_table(keys, **kw)
+    monkeypatch.undo()
+    return fast, slow
+
+
+def _same(a, b) -> None:
+    assert a.codes == b.codes and a.sizes == b.sizes and a.versions == b.versions
+    assert replica_lists(a) == replica_lists(b)
+
+
+def test_simple_batch_path_matches_the_loop(monkeypatch):
+    sm, keys = _filled(64)
+    calls = []
+    real = sm._lookup_simple
+    monkeypatch.setattr(sm, "_lookup_simple", lambda *a: calls.append(1) or real(*a))
+    fast, slow = _both(sm, keys, monkeypatch)
+    assert calls and len(fast.segments) == 2  # the fast path ran, over both segments
+    _same(fast, slow)
+    assert fast.rows.shape == (64, ROW) and fast.rows[:, 4].tolist() == fast.sizes
+    # A budget that holds only part of the batch: the loop answers it (refusing the rest
+    # in key order) and the fast path must not answer differently.
+    fast, slow = _both(sm, keys, monkeypatch, max_bytes=500)
+    _same(fast, slow)
+    assert 0 < fast.codes.count(0) < 64 and fast.codes[-1] == E.InvalidParams.code
+    # Mixed batches (a missing key, a duplicate) take the loop and still agree.
+    mixed = [*keys[:20], "absent", keys[3]]
+    _same(*_both(sm, mixed, monkeypatch))
+
+
+def _resp(codes, sizes, rows, segs=(("s", "n", "e"),)) -> P.ReplicaTableResp:
+    raw = np.asarray(rows, "<i8").reshape(-1, ROW).tobytes()
+    return P.ReplicaTableResp(1, list(codes), list(sizes), list(segs), raw, 5000)
+
+
+def test_client_accepts_a_well_formed_table():
+    # key 0: two copies, the second in two slices; key 1 not found; key 2 one slice
+    rows = [(0, 0, 0, 0, 10), (0, 1, 0, 100, 4), (0, 1, 0, 200, 6), (2, 0, 0, 300, 5)]
+    codes, sizes, got = _table(_resp([0, -704, 0], [10, 0, 5], rows), 3)
+    assert codes.tolist() == [0, -704, 0] and got.tolist() == [list(r) for r in rows]
+
+
+@pytest.mark.parametrize(
+    "codes,sizes,rows",
+    [
+        ([0], [10], [(0, 0, 0, 0, 9)]),  # slices shorter than the object
+        ([0], [10], [(0, 0, 0, 0, 10), (0, 2, 0, 50, 10)]),  # copy 1 missing
+        ([0, 0], [10, 10], [(1, 0, 0, 0, 10), (0, 0, 0, 20, 10)]),  # keys out of order
+        ([0, 0], [10, 10], [(0, 0, 0, 0, 10)]),  # a found key without rows
+        ([-704], [0], [(0, 0, 0, 0, 10)]),  # rows for a key not found
+        ([0], [10], [(0, 0, 1, 0, 10)]),  # unknown segment
+        ([0], [10], [(0, 0, 0, -5, 10)]),  # negative offset
+        ([0], [10], [(3, 0, 0, 0, 10)]),  # key index out of range
+        ([0], [0], [(0, 0, 0, 0, 0)]),  # empty slice
+        ([0, 0], [10], []),  # sizes shorter than codes
+    ],
+)
+def test_client_refuses_a_malformed_table(codes, sizes, rows):
+    with pytest.raises(E.InternalError):
+        _table(_resp(codes, sizes, rows), len(codes))
+
+
+def test_client_refuses_a_table_of_partial_rows():
+    bad = P.ReplicaTableResp(1, [0], [10], [("s", "n", "e")], b"\0" * 12, 5000)
+    with pytest.raises(E.InternalError):
+        _table(bad, 1)
