@@ -12,8 +12,9 @@ and below it buffers still grow only as bytes arrive (at most doubling what has 
   so raw payload bytes that follow a frame (the transfer engine's data path) stay in the socket.
   Its ``spin`` (seconds, see :func:`spin_budget`) first polls the socket without blocking for
   that long before it blocks: a request/reply client whose peer answers within tens of
-  microseconds then skips the scheduler wake-up a blocking ``recv`` costs (on the VMs we
-  measured, ~25-30 us per side of a round trip).
+  microseconds then skips the scheduler wake-up a blocking ``recv`` costs (~25-30 us per
+  side of a round trip on a quiet VM). Between polls it yields the CPU (``sched_yield``),
+  so a peer waiting for the same CPU runs at once instead of after the budget.
 * :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``; its
   ``frame_timeout`` bounds the body of a frame once its length prefix arrived).
 """
@@ -34,13 +35,15 @@ HEADER = struct.Struct("<I")
 CHUNK = 64 << 10  # buffers grow by at most this much (or by what already arrived) per step
 
 SPIN_ENV = "KVMESH_SPIN_US"
-DEFAULT_SPIN_US = 100.0
-"""Default busy-poll budget of a request/reply client (``KVMESH_SPIN_US`` overrides it; 0
-turns spinning off). The store master answers a one-key read in ~20-60 us when it is idle;
-100 us catches that reply with the client still on-CPU and bounds what a slow reply costs
-(docs/store.md, "Performance and tuning", has the measurements)."""
+DEFAULT_SPIN_US = 0.0
+"""Default busy-poll budget of a request/reply client (``KVMESH_SPIN_US`` overrides it).
+Off by default: on the 2-core shared VM we measure on, a store master reply arrives no
+sooner while we spin (the master needs the CPU we would hold) and each call burns 25-45 us
+more CPU; on a host with idle cores 50-100 us catches a reply that lands within the budget
+without a scheduler wake-up (docs/store.md, "Performance and tuning", has the numbers)."""
 MAX_SPIN_US = 10_000.0  # a budget beyond this is a configuration error, not a tuning choice
 
+_yield = getattr(os, "sched_yield", lambda: None)
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -149,6 +152,9 @@ def _spin_recv_into(
             except _WOULD_BLOCK:
                 if time.perf_counter() >= end:
                     return 0
+                # Let a peer that shares our CPU (the server we wait for, on a small box)
+                # run now instead of when our budget ends; returns at once on an idle CPU.
+                _yield()
                 continue
             if n == 0:
                 raise PeerClosed("peer closed the connection")

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -163,7 +165,7 @@ class StoreClient:
     embedded). ``replica_num``: copies per object (on distinct nodes). ``token``/``security``:
     the cluster's shared secret (default: ``KVMESH_TOKEN`` etc. from the environment).
     ``spin_us``: how long a master call busy-polls for its reply before blocking (default
-    ``$KVMESH_SPIN_US`` or 100 us, 0 = off; see :class:`~.rpc.MasterClient`).
+    ``$KVMESH_SPIN_US`` or 0 = off; see :class:`~.rpc.MasterClient`).
     """
 
     def __init__(
@@ -715,6 +717,18 @@ class StoreClient:
         """GetReplicas (table form) in RPC-sized parts: per key code and size, the slice rows
         of the found keys (key index relative to ``keys``), and the lease deadline."""
         n = len(keys)
+        if n <= MAX_KEYS_PER_RPC:  # one RPC (the usual case): its arrays as they are
+            t0 = time.monotonic()
+            host = self.engine.host_id
+            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, keys, host, True))
+            try:
+                if type(resp) is not P.ReplicaTableResp:
+                    raise _whole_error(resp)
+                c, z, rows = _table(resp, n)
+            except E.StoreError as err:
+                c = np.full(n, err.code, np.int64)
+                return _Looked(c, np.zeros(n, np.int64), _NO_ROWS, [], float("inf"))
+            return _Looked(c, z, rows, resp.segments, t0 + resp.lease_ms / 1000.0)
         codes = np.zeros(n, np.int64)
         sizes = np.zeros(n, np.int64)
         parts: list[np.ndarray] = []
@@ -741,7 +755,7 @@ class StoreClient:
                 rows[:, 2] += len(segs)
                 parts.append(rows)
             segs += resp.segments
-        rows = np.concatenate(parts) if parts else np.empty((0, ROW), np.int64)
+        rows = np.concatenate(parts) if parts else _NO_ROWS
         return _Looked(codes, sizes, rows, segs, deadline)
 
     def _ranks(self, rows: np.ndarray, segs: list[tuple[str, str, str]]) -> np.ndarray:
@@ -753,16 +767,15 @@ class StoreClient:
         me = self.engine.address
         local = np.fromiter((ep == me for _, _, ep in segs), bool, len(segs))[rows[:, 2]]
         kc = rows[:, 0] * (int(rank.max()) + 1) + rank
-        starts = np.flatnonzero(np.r_[True, kc[1:] != kc[:-1]])
+        starts = _heads(kc)
         mine = np.logical_and.reduceat(local, starts)
         gkey, gcopy = rows[starts, 0], rank[starts]
         order = np.lexsort((gcopy, ~mine, gkey))  # per key: ours first, then master's order
-        sk = gkey[order]
-        first = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
-        pos = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+        first = _heads(gkey[order])
+        pos = np.arange(len(order)) - np.repeat(first, np.diff(np.append(first, len(order))))
         new = np.empty(len(starts), np.int64)
         new[order] = pos
-        return np.repeat(new, np.diff(np.r_[starts, len(rows)]))
+        return np.repeat(new, np.diff(np.append(starts, len(rows))))
 
     def _get_regions(self, keys: list[Any], bufs: Any, caps: Any) -> BatchResults:
         n = len(keys)
@@ -798,31 +811,38 @@ class StoreClient:
         or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
         codes, sizes, rows, segs, lease_deadline = looked
         m = len(idx)
-        ix = np.asarray(idx, np.int64)
-        cap = np.asarray(caps, np.int64)[ix]
+        if (
+            m == 1
+            and len(rows) == 1
+            and (isinstance(bufs, _OneRegion) or type(bufs[idx[0]]) is tuple)
+        ):
+            return self._read_one(keys, idx[0], bufs, caps, looked, out)
+        whole = m == len(keys)  # every key was looked up (idx is 0..n-1)
+        ix = None if whole else np.asarray(idx, np.int64)
+        cap = np.asarray(caps, np.int64) if whole else np.asarray(caps, np.int64)[ix]
         kj = rows[:, 0]
-        copies = np.zeros(m, np.int64)
-        rank = self._ranks(rows, segs)
-        if len(rows):
+        found = codes == 0
+        # One copy of one slice per found key (checked whole by _table): no ranking, and
+        # each key's bytes land at its buffer offset.
+        simple = len(rows) == int(np.count_nonzero(found)) and not rows[:, 1].any()
+        if simple:
+            rank = None
+            copies = found.astype(np.int64)
+        else:
+            rank = self._ranks(rows, segs)
+            copies = np.zeros(m, np.int64)
             np.maximum.at(copies, kj, rank + 1)
-        pend = (codes == 0) & (sizes <= cap) & (copies > 0)
+        pend = found & (sizes <= cap) & (copies > 0)
         if not pend.all():
             for j in np.flatnonzero(~pend).tolist():
                 i = idx[j]
-                if codes[j] != 0:
-                    out[i] = E.error_for(int(codes[j]), f"get of {keys[i]!r}")
-                elif sizes[j] > cap[j]:
-                    out[i] = E.BufferOverflow(
-                        f"object {keys[i]!r} has {sizes[j]} bytes; the buffer holds {cap[j]}"
-                    )
-                else:
-                    out[i] = E.ObjectNotFound(f"no complete replica of {keys[i]!r}")
+                out[i] = _refusal(keys[i], int(codes[j]), int(sizes[j]), int(cap[j]))
         # Where each key's bytes go: one region at an offset (numpy), or pieces (Python).
         pieces: dict[int, list[tuple]] = {}
         if isinstance(bufs, _OneRegion):
             regions = [bufs.region]
             kreg = np.zeros(m, np.int64)
-            koff = bufs.offs[ix]
+            koff = bufs.offs if whole else bufs.offs[ix]
         else:
             regions, seen = [], {}
             kreg = np.full(m, -1, np.int64)
@@ -841,13 +861,17 @@ class StoreClient:
         attempt = 0
         sz = sizes.tolist()
         while pend.any():
-            r = rows[(rank == attempt) & pend[kj]]
-            k, ro, ln = r[:, 0], r[:, 3], r[:, 4]
-            # Each key's slices fill its buffer in order: offset = bytes of earlier slices.
-            ends = np.cumsum(ln)
-            head = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-            within = ends - ln - np.repeat((ends - ln)[head], np.diff(np.r_[head, len(k)]))
-            reg, lo, seg = kreg[k], koff[k] + within, r[:, 2]
+            if rank is None:
+                r = rows if pend.all() else rows[pend[kj]]
+            else:
+                r = rows[(rank == attempt) & pend[kj]]
+            k, seg, ro, ln = r[:, 0], r[:, 2], r[:, 3], r[:, 4]
+            reg, lo = kreg[k], koff[k]
+            if rank is not None and len(k):
+                # Each key's slices fill its buffer in order: + bytes of earlier slices.
+                before = np.cumsum(ln) - ln
+                head = _heads(k)
+                lo = lo + before - np.repeat(before[head], np.diff(np.append(head, len(k))))
             if pieces:  # the multi-buffer forms: split each slice over the key's pieces
                 flat = reg >= 0
                 lut = {id(q): x for x, q in enumerate(regions)}
@@ -883,18 +907,45 @@ class StoreClient:
             tried = pend
             if expired:
                 for j in np.flatnonzero(tried).tolist():
-                    out[idx[j]] = E.LeaseExpired(
-                        f"the read lease of {keys[idx[j]]!r} ended before its copy finished"
-                    )
+                    out[idx[j]] = _lease_expired(keys[idx[j]])
                 break
             for j in np.flatnonzero(tried & ~failed).tolist():
                 out[idx[j]] = sz[j]
             attempt += 1
             pend = tried & failed & (copies > attempt)  # next copy, under the same lease
             for j in np.flatnonzero(tried & failed & (copies <= attempt)).tolist():
-                out[idx[j]] = E.TransferFailed(f"reading {keys[idx[j]]!r} from its replicas failed")
+                out[idx[j]] = _read_failed(keys[idx[j]])
         self.last_transports = sorted(transports)
         return BatchResults(out, self.last_transports)
+
+    def _read_one(
+        self, keys: list[Any], i: int, bufs: Any, caps: Any, looked: _Looked, out: list[Any]
+    ) -> BatchResults:
+        """:meth:`_read` of one key found as one copy of one slice (a single get): the same
+        refusals, lease rule and outcomes with Python scalars instead of array set-up."""
+        code, size, cap = int(looked.codes[0]), int(looked.sizes[0]), int(caps[i])
+        if code != 0 or size > cap:
+            out[i] = _refusal(keys[i], code, size, cap)
+            self.last_transports = []
+            return BatchResults(out, [])
+        if isinstance(bufs, _OneRegion):
+            region, at = bufs.region, int(bufs.offs[i])
+        else:
+            region, at = bufs[i]
+        row = looked.rows
+        # Never copy past the lease: after it the memory may belong to another object.
+        bad, t = self._move_arrays(
+            Op.READ, row[:, 0], [region], _ZERO, np.full(1, at, np.int64), looked.segs,
+            row[:, 2], row[:, 3], row[:, 4], max(0.001, looked.lease_deadline - time.monotonic()),
+        )  # fmt: skip
+        if time.monotonic() > looked.lease_deadline:
+            out[i] = _lease_expired(keys[i])
+        elif len(bad):
+            out[i] = _read_failed(keys[i])
+        else:
+            out[i] = size
+        self.last_transports = t
+        return BatchResults(out, t)
 
     def get_into(self, keys: Any, buffer: Any, offsets: Any = 0, sizes: Any = None) -> Any:
         """Read objects into registered memory at ``buffer + offsets[i]`` (capacity
@@ -937,6 +988,17 @@ class StoreClient:
         """The batch's destinations when every key reads into one registered buffer at valid
         offsets, worked out with numpy; None sends the call down the per-key path (which
         reports each bad key, or raises for a malformed call)."""
+        if not batch and type(offsets) is int and (sizes is None or type(sizes) is int):
+            # One key (a single get): the same checks on Python ints.
+            try:
+                region, base = self._region_of(buffer, 1)
+            except E.StoreError:
+                return None
+            at = base + offsets
+            cap = region.size - at if sizes is None else sizes
+            if offsets < 0 or cap <= 0 or at + cap > region.size:
+                return None
+            return _OneRegion(region, np.full(1, at, np.int64), np.full(1, cap, np.int64))
         try:
             offs = np.asarray(offsets if batch else [offsets], np.int64)
             caps = None if sizes is None else np.asarray(sizes if batch else [sizes], np.int64)
@@ -1143,6 +1205,28 @@ def _split(pieces: list[tuple], slices: Any) -> list[tuple]:
     return out
 
 
+_NO_ROWS = np.empty((0, ROW), np.int64)
+assert array("q").itemsize == 8
+_ZERO = np.zeros(1, np.int64)
+
+
+def _refusal(key: Any, code: int, size: int, cap: int) -> E.StoreError:
+    """Why a looked-up key is not read: its lookup code, a buffer too small, or no copy."""
+    if code != 0:
+        return E.error_for(code, f"get of {key!r}")
+    if size > cap:
+        return E.BufferOverflow(f"object {key!r} has {size} bytes; the buffer holds {cap}")
+    return E.ObjectNotFound(f"no complete replica of {key!r}")
+
+
+def _lease_expired(key: Any) -> E.StoreError:
+    return E.LeaseExpired(f"the read lease of {key!r} ended before its copy finished")
+
+
+def _read_failed(key: Any) -> E.StoreError:
+    return E.TransferFailed(f"reading {key!r} from its replicas failed")
+
+
 class _Looked(NamedTuple):
     """A GetReplicas answer (table form) for the keys asked: per key its code and size,
     the slice rows (:data:`~.types.ROW` columns, key index relative to the keys asked,
@@ -1167,42 +1251,60 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[np.ndarray, np.ndarray, np
     """(codes, sizes, rows) of a table reply for ``n`` keys, checked: a reply that does not
     describe exactly one full copy per row group of each found key is refused whole (it
     would otherwise make us report bytes we never copied)."""
+    bad = E.InternalError("the master sent a malformed replica table")
+    if len(resp.codes) != n or len(resp.sizes) != n or len(resp.rows) % (8 * ROW):
+        raise bad
+    flat = array("q")  # int64 (checked at import)
+    flat.frombytes(resp.rows)
+    if sys.byteorder != "little":
+        flat.byteswap()
     codes = np.asarray(resp.codes, np.int64)
     sizes = np.asarray(resp.sizes, np.int64)
-    bad = E.InternalError("the master sent a malformed replica table")
-    if codes.shape != (n,) or sizes.shape != (n,) or len(resp.rows) % (8 * ROW):
-        raise bad
-    rows = np.frombuffer(resp.rows, "<i8").astype(np.int64).reshape(-1, ROW)
-    found = codes == 0
-    if not len(rows):
-        if found.any():
+    rows = np.frombuffer(flat, np.int64).reshape(-1, ROW)
+    found = [i for i, x in enumerate(resp.codes) if x == 0]
+    if not flat:
+        if found:
             raise bad
         return codes, sizes, rows
-    k, c, y, ro, ln = rows.T
+    # Range checks column by column with C-level min/max (cheap for one key and for 256).
+    k, c, y, ro, ln = (flat[f::ROW] for f in range(ROW))
     if (
-        int(k.min()) < 0
-        or int(k.max()) >= n
-        or int(c.min()) < 0
-        or int(y.min()) < 0
-        or int(y.max()) >= len(resp.segments)
-        or int(ro.min()) < 0
-        or int(ln.min()) <= 0
+        min(k) < 0
+        or max(k) >= n
+        or min(c) < 0
+        or min(y) < 0
+        or max(y) >= len(resp.segments)
+        or min(ro) < 0
+        or min(ln) <= 0
     ):
         raise bad
+    if len(k) == len(found) and max(c) == 0:
+        # One copy of one slice per found key (the common case): the rows must be exactly
+        # the found keys, in order, each slice the whole object.
+        if k.tolist() != found or ln.tolist() != [resp.sizes[i] for i in found]:
+            raise bad
+        return codes, sizes, rows
+    found_mask = codes == 0
+    k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
     kc = k * (int(c.max()) + 1) + c
     if (
         (np.diff(kc) < 0).any()
-        or not found[k].all()
-        or (np.bincount(k, minlength=n)[found] == 0).any()
+        or not found_mask[k].all()
+        or (np.bincount(k, minlength=n)[found_mask] == 0).any()
     ):
         raise bad
-    heads = np.flatnonzero(np.r_[True, kc[1:] != kc[:-1]])
+    heads = _heads(kc)
     gk, gc = k[heads], c[heads]
-    first = np.flatnonzero(np.r_[True, gk[1:] != gk[:-1]])
-    nth = np.arange(len(heads)) - np.repeat(first, np.diff(np.r_[first, len(heads)]))
+    first = _heads(gk)
+    nth = np.arange(len(heads)) - np.repeat(first, np.diff(np.append(first, len(heads))))
     if (gc != nth).any() or (np.add.reduceat(ln, heads) != sizes[gk]).any():
         raise bad  # copies numbered 0, 1, ... per key, each exactly the object's size
     return codes, sizes, rows
+
+
+def _heads(v: np.ndarray) -> np.ndarray:
+    """Indexes where a run of equal values in ``v`` starts (``v`` non-empty)."""
+    return np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
 
 
 def _owners(parts: list[np.ndarray]) -> np.ndarray:
