@@ -430,8 +430,8 @@ class StoreClient:
             )
         if not len(owner):
             return _owners(failed), []
-        group = reg * len(segs) + seg
-        if len(group) == 1 or int(group.min()) == int(group.max()):
+        group = None if len(owner) == 1 else reg * len(segs) + seg
+        if group is None or int(group.min()) == int(group.max()):
             x, y = int(reg[0]), int(seg[0])
             try:
                 res = self.engine.transfer(op, regions[x], lo, handles[y], ro, ln, timeout=deadline)
@@ -726,8 +726,7 @@ class StoreClient:
                     raise _whole_error(resp)
                 c, z, rows = _table(resp, n)
             except E.StoreError as err:
-                c = np.full(n, err.code, np.int64)
-                return _Looked(c, np.zeros(n, np.int64), _NO_ROWS, [], float("inf"))
+                return _Looked([err.code] * n, [0] * n, _NO_ROWS, [], float("inf"))
             return _Looked(c, z, rows, resp.segments, t0 + resp.lease_ms / 1000.0)
         codes = np.zeros(n, np.int64)
         sizes = np.zeros(n, np.int64)
@@ -809,7 +808,7 @@ class StoreClient:
         """READ the looked-up objects ``keys[idx[j]]`` into their buffers: ``bufs`` is a
         :class:`_OneRegion` (offsets per key of ``keys``) or per key ``(region, offset)``
         or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
-        codes, sizes, rows, segs, lease_deadline = looked
+        _, _, rows, segs, lease_deadline = looked
         m = len(idx)
         if (
             m == 1
@@ -817,6 +816,8 @@ class StoreClient:
             and (isinstance(bufs, _OneRegion) or type(bufs[idx[0]]) is tuple)
         ):
             return self._read_one(keys, idx[0], bufs, caps, looked, out)
+        codes = np.asarray(looked.codes, np.int64)
+        sizes = np.asarray(looked.sizes, np.int64)
         whole = m == len(keys)  # every key was looked up (idx is 0..n-1)
         ix = None if whole else np.asarray(idx, np.int64)
         cap = np.asarray(caps, np.int64) if whole else np.asarray(caps, np.int64)[ix]
@@ -842,7 +843,8 @@ class StoreClient:
         if isinstance(bufs, _OneRegion):
             regions = [bufs.region]
             kreg = np.zeros(m, np.int64)
-            koff = bufs.offs if whole else bufs.offs[ix]
+            koff = np.asarray(bufs.offs, np.int64)
+            koff = koff if whole else koff[ix]
         else:
             regions, seen = [], {}
             kreg = np.full(m, -1, np.int64)
@@ -932,11 +934,12 @@ class StoreClient:
             region, at = bufs.region, int(bufs.offs[i])
         else:
             region, at = bufs[i]
-        row = looked.rows
+        _, _, y, ro, ln = looked.rows[0].tolist()
+        req = np.array([at, y, ro, ln], np.int64)  # one array, four views of one element
         # Never copy past the lease: after it the memory may belong to another object.
         bad, t = self._move_arrays(
-            Op.READ, row[:, 0], [region], _ZERO, np.full(1, at, np.int64), looked.segs,
-            row[:, 2], row[:, 3], row[:, 4], max(0.001, looked.lease_deadline - time.monotonic()),
+            Op.READ, _ZERO, [region], _ZERO, req[0:1], looked.segs, req[1:2], req[2:3],
+            req[3:4], max(0.001, looked.lease_deadline - time.monotonic()),
         )  # fmt: skip
         if time.monotonic() > looked.lease_deadline:
             out[i] = _lease_expired(keys[i])
@@ -998,7 +1001,7 @@ class StoreClient:
             cap = region.size - at if sizes is None else sizes
             if offsets < 0 or cap <= 0 or at + cap > region.size:
                 return None
-            return _OneRegion(region, np.full(1, at, np.int64), np.full(1, cap, np.int64))
+            return _OneRegion(region, [at], [cap])
         try:
             offs = np.asarray(offsets if batch else [offsets], np.int64)
             caps = None if sizes is None else np.asarray(sizes if batch else [sizes], np.int64)
@@ -1032,7 +1035,7 @@ class StoreClient:
         if not idx:
             return self._finish(BatchResults(out), batch)
         looked = self._lookup(ks if len(idx) == n else [ks[i] for i in idx])  # one RPC
-        codes, sizes = looked.codes, looked.sizes
+        codes, sizes = np.asarray(looked.codes), np.asarray(looked.sizes, np.int64)
         want = np.where(codes == 0, sizes, 0)
         stage = self._staging.acquire(max(1, int(want.sum())))
         try:
@@ -1228,26 +1231,28 @@ def _read_failed(key: Any) -> E.StoreError:
 
 
 class _Looked(NamedTuple):
-    """A GetReplicas answer (table form) for the keys asked: per key its code and size,
+    """A GetReplicas answer (table form) for the keys asked: per key its code and size
+    (lists or int64 arrays),
     the slice rows (:data:`~.types.ROW` columns, key index relative to the keys asked,
     segment index into ``segs``), and when the leases end (client clock)."""
 
-    codes: np.ndarray
-    sizes: np.ndarray
+    codes: Any
+    sizes: Any
     rows: np.ndarray
     segs: list[tuple[str, str, str]]
     lease_deadline: float
 
 
 class _OneRegion(NamedTuple):
-    """A batch's destinations in one registered region: per key the offset and capacity."""
+    """A batch's destinations in one registered region: per key the offset and capacity
+    (numpy arrays, or lists for a single key)."""
 
     region: MemoryRegion
-    offs: np.ndarray
-    caps: np.ndarray
+    offs: Any
+    caps: Any
 
 
-def _table(resp: P.ReplicaTableResp, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     """(codes, sizes, rows) of a table reply for ``n`` keys, checked: a reply that does not
     describe exactly one full copy per row group of each found key is refused whole (it
     would otherwise make us report bytes we never copied)."""
@@ -1258,12 +1263,18 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[np.ndarray, np.ndarray, np
     flat.frombytes(resp.rows)
     if sys.byteorder != "little":
         flat.byteswap()
-    codes = np.asarray(resp.codes, np.int64)
-    sizes = np.asarray(resp.sizes, np.int64)
+    codes, sizes = resp.codes, resp.sizes
     rows = np.frombuffer(flat, np.int64).reshape(-1, ROW)
-    found = [i for i, x in enumerate(resp.codes) if x == 0]
+    found = [i for i, x in enumerate(codes) if x == 0]
     if not flat:
         if found:
+            raise bad
+        return codes, sizes, rows
+    if len(flat) == ROW and n == 1:  # a single get: the checks below, on five ints
+        k, c, y, ro, ln = flat
+        if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
+            raise bad
+        if ln <= 0 or ln != sizes[0]:
             raise bad
         return codes, sizes, rows
     # Range checks column by column with C-level min/max (cheap for one key and for 256).
@@ -1281,10 +1292,11 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[np.ndarray, np.ndarray, np
     if len(k) == len(found) and max(c) == 0:
         # One copy of one slice per found key (the common case): the rows must be exactly
         # the found keys, in order, each slice the whole object.
-        if k.tolist() != found or ln.tolist() != [resp.sizes[i] for i in found]:
+        if k.tolist() != found or ln.tolist() != [sizes[i] for i in found]:
             raise bad
         return codes, sizes, rows
-    found_mask = codes == 0
+    sizes = np.asarray(sizes, np.int64)
+    found_mask = np.asarray(codes, np.int64) == 0
     k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
     kc = k * (int(c.max()) + 1) + c
     if (

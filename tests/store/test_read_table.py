@@ -69,7 +69,7 @@ def test_client_accepts_a_well_formed_table():
     # key 0: two copies, the second in two slices; key 1 not found; key 2 one slice
     rows = [(0, 0, 0, 0, 10), (0, 1, 0, 100, 4), (0, 1, 0, 200, 6), (2, 0, 0, 300, 5)]
     codes, sizes, got = _table(_resp([0, -704, 0], [10, 0, 5], rows), 3)
-    assert codes.tolist() == [0, -704, 0] and got.tolist() == [list(r) for r in rows]
+    assert list(codes) == [0, -704, 0] and got.tolist() == [list(r) for r in rows]
 
 
 @pytest.mark.parametrize(
