@@ -255,7 +255,8 @@ def geometry_argv(
 
 
 def serve_decode(argv: Sequence[str] | None = None) -> None:
-    """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``exit``."""
+    """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``deregister``/
+    ``stats``/``exit``."""
     from bench._common import serve_json_lines
     from kvmesh_sglang.pd import KvmeshTransferEngine
 
@@ -277,10 +278,15 @@ def serve_decode(argv: Sequence[str] | None = None) -> None:
         pool.zero()
         return {"ok": True}
 
+    def deregister() -> dict[str, Any]:
+        # As SGLang's manager does on shutdown; the memory itself stays (the pool is alive).
+        return {"rc": eng.batch_deregister(pool.kv_data_ptrs + pool.aux_data_ptrs)}
+
     serve_json_lines(
         {
             "digest": digest,
             "zero": zero,
+            "deregister": deregister,
             "stats": lambda: {"stats": {k: v for k, v in eng.stats.items() if k != "by_code"}},
         },
         {

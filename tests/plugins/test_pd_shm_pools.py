@@ -258,3 +258,20 @@ def test_private_decode_pool_keeps_the_cma_path(prefill):
         assert "shm" not in used and "tcp" not in used and used
     finally:
         child.close()
+
+
+def test_write_after_decode_deregistered_its_shm_pool_fails_and_lands_nothing(prefill):
+    mgr, pool, executor = prefill
+    argv = [sys.executable, "-m", "bench._pd", *geometry_argv(**GEOM, memory="shm")]
+    child = Child(argv, timeout=60, cwd=str(ROOT))
+    try:
+        assert _send(mgr, executor, child, [4, 5], [10, 11], 3, 3) == (0, 0)  # route is open
+        child.call("zero")
+        assert child.call("deregister")["rc"] == 0
+        sid, src, dst = child.info["session_id"], pool.kv_data_ptrs, child.info["kv_data_ptrs"]
+        rc = mgr.engine.batch_transfer_sync(sid, src, dst, [pool.item_len] * len(src))
+        assert rc == kpd.E_PEER_REGION
+        everything = list(range(GEOM["pages"]))
+        assert child.call("digest", pages=everything)["digest"] == _zero_digest(everything)
+    finally:
+        child.close()
