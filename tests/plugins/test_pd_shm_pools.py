@@ -275,3 +275,20 @@ def test_write_after_decode_deregistered_its_shm_pool_fails_and_lands_nothing(pr
         assert child.call("digest", pages=everything)["digest"] == _zero_digest(everything)
     finally:
         child.close()
+
+
+def test_short_dev_shm_leaves_the_buffer_private(monkeypatch):
+    # A container's 64 MiB /dev/shm: a pool that does not fit must not be mapped (SIGBUS on
+    # first touch); it stays in private memory and the fallback is counted (and logged).
+    monkeypatch.setattr(shm_pools, "_shm_free", lambda: 1 << 20)
+    pool = _Pool("cpu")
+    before = dict(shm_pools.stats)
+
+    def create(p):
+        p.small = torch.zeros(1024, dtype=torch.uint8)
+        p.big = torch.zeros(2 << 20, dtype=torch.uint8)
+
+    shm_pools.around_pool(create, pool)
+    assert _in_shared_memory(pool.small) and not _in_shared_memory(pool.big)
+    assert shm_pools.stats["fallbacks"] == before["fallbacks"] + 1
+    assert shm_pools.stats["buffers"] == before["buffers"] + 1
