@@ -7,6 +7,10 @@ simulator and the transcript tests:
 * :func:`plan_remove`: leased keys answer ``ObjectHasLease`` without a log entry, unless
   ``force``: then they are removed with ``hold=True`` (invisible at once, bytes kept until
   the leases end) and :class:`HoldTracker` remembers when the hold may be released.
+* :func:`plan_remove_prefix`: one round of a remove by prefix over the keys the leader's
+  bounded scan found (:meth:`~.state.StoreStateMachine.prefix_candidates`), with the rules of
+  :func:`plan_remove`: leased keys are skipped and counted, or with ``force`` removed under a
+  hold.
 * :func:`plan_upsert`: an existing key that is leased answers ``ObjectHasLease`` (upsert would
   rewrite or free memory a reader is copying).
 * :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker was not
@@ -28,10 +32,17 @@ from collections.abc import Iterable
 import msgspec
 
 from ..errors import Code
-from .commands import Release, Remove, Upsert
+from .commands import Release, Remove, RemovePrefix, Upsert
 from .leases import DEFAULT_LEASE_TTL, LeaseTable
 
-__all__ = ["RemovePlan", "UpsertPlan", "plan_remove", "plan_upsert", "HoldTracker"]
+__all__ = [
+    "RemovePlan",
+    "UpsertPlan",
+    "plan_remove",
+    "plan_remove_prefix",
+    "plan_upsert",
+    "HoldTracker",
+]
 
 
 class RemovePlan(msgspec.Struct, frozen=True):
@@ -65,6 +76,27 @@ def plan_remove(leases: LeaseTable, keys: list[str], now: float, force: bool = F
         return RemovePlan(codes, None)
     hold = release_at > 0.0
     return RemovePlan(codes, Remove(send, force=force, hold=hold), release_at if hold else 0.0)
+
+
+def plan_remove_prefix(
+    prefix: str,
+    found: list[str],
+    skipped: int,
+    more: bool,
+    leases: LeaseTable,
+    now: float,
+    force: bool = False,
+) -> tuple[RemovePrefix, float]:
+    """The entry for one round of a remove by prefix and its hold's release time (0.0 if
+    none). ``found``: the scan's keys (the scan already passed over keys leased when it
+    saw them, counted in ``skipped``, unless ``force``). They are checked against the
+    leases again here, synchronously with the caller's ``block``: a lease granted while a
+    long scan yielded must not be missed."""
+    plan = plan_remove(leases, found, now, force)
+    keys = plan.command.keys if plan.command is not None else []
+    skipped += len(found) - len(keys)
+    cmd = RemovePrefix(prefix, keys, skipped, more, force, plan.release_at > 0.0)
+    return cmd, plan.release_at
 
 
 def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float) -> UpsertPlan:
