@@ -68,7 +68,13 @@ from .master import commands as C
 from .master.eviction import choose_victims
 from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
-from .master.policy import HoldTracker, plan_remove, plan_remove_prefix, plan_upsert
+from .master.policy import (
+    HoldTracker,
+    PutAges,
+    plan_remove,
+    plan_remove_prefix,
+    plan_upsert,
+)
 from .master.state import StoreStateMachine
 from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key, key_error
 
@@ -224,9 +230,13 @@ _SCAN_SLICE = 16384  # keys a remove by prefix scans between yields to the event
 _ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
 
 
+_NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
+
+
 def _now() -> float:
-    """The leader's clock for commands: wall time, so that a successor leader on another
-    host compares PROCESSING ages against the same scale."""
+    """The leader's wall clock for commands (pins' TTLs, drain deadlines, the segment-name
+    quarantine): nothing that frees memory a reader or writer may still use depends on it
+    (docs/store-master.md, "Clocks")."""
     return time.time()
 
 
@@ -259,6 +269,7 @@ class MasterService:
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self.put_ages = PutAges()
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         # session -> authenticated peer id (leader soft state; the oldest bindings are
@@ -383,6 +394,7 @@ class MasterService:
         self.stats.reset(self.sm.keys())
         # Holds noted by an earlier leadership are judged by the blanket period instead.
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self._plans.clear()
         self._owners.clear()
         self._node_owners.clear()
@@ -419,11 +431,19 @@ class MasterService:
                     self.heartbeats.forget(dead)
                 if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
                     last_reclaim = mono
-                    draining = any(s.state != "mounted" for s in self.sm.segments())
-                    if draining or self.sm.processing_keys():
+                    # Stale puts are judged on this leader's monotonic clock (PutAges) and
+                    # freed by version; Reclaim only finishes drains (its put cutoff is
+                    # never reached): a wall clock that jumps or runs ahead on a new leader
+                    # must not free memory a live writer is still writing.
+                    stale = self.put_ages.stale(
+                        self.sm.processing_puts(), mono, cfg.put_timeout_s, cfg.max_batch_keys
+                    )
+                    if stale:
                         await self._propose_plain(
-                            C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s)
+                            C.PutRevoke([k for k, _ in stale], [v for _, v in stale])
                         )
+                    if any(s.state != "mounted" for s in self.sm.segments()):
+                        await self._propose_plain(C.Reclaim(now=_now(), put_timeout=_NEVER))
                 await self._release_held(mono)
                 await self._evict(mono)
                 self.leases.purge(mono)

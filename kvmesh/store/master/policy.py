@@ -13,6 +13,10 @@ simulator and the transcript tests:
   hold.
 * :func:`plan_upsert`: an existing key that is leased answers ``ObjectHasLease`` (upsert would
   rewrite or free memory a reader is copying).
+* :class:`PutAges`: which PROCESSING puts are stale (their writer vanished), judged on the
+  leader's own monotonic clock, never on the wall-clock ``now`` the puts carry: a wall clock
+  that jumps forward, or a new leader whose wall clock runs ahead, would otherwise free (and
+  hand out again) memory a live writer is still writing (docs/store-master.md, "Clocks").
 * :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker was not
   told about (holds of an earlier leader, or slices of copies that lost a node, which
   ``apply`` holds by itself) are due one lease TTL after the tracker first sees them, and
@@ -42,6 +46,7 @@ __all__ = [
     "plan_remove_prefix",
     "plan_upsert",
     "HoldTracker",
+    "PutAges",
 ]
 
 
@@ -139,3 +144,35 @@ class HoldTracker:
     def forget(self, tags: Iterable[int]) -> None:
         for t in tags:
             self._at.pop(t, None)
+
+
+class PutAges:
+    """When this leader first saw each PROCESSING put ``(key, version)``, on its monotonic
+    clock. A put is stale ``timeout`` after that: never earlier than its writer's own
+    deadline (the writer counts from before it sent PutStart, which applied before any
+    leader saw the put), whatever the wall clocks say. A new leader starts empty, so every
+    put in flight gets a full timeout from when the new leader first looks."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], float] = {}
+
+    def stale(
+        self, puts: Iterable[tuple[str, int]], now: float, timeout: float, limit: int = 1 << 30
+    ) -> list[tuple[str, int]]:
+        """The puts among ``puts`` (the current PROCESSING ones) first seen at least
+        ``timeout`` before ``now`` (at most ``limit``, oldest first); puts no longer listed
+        are forgotten."""
+        seen: dict[tuple[str, int], float] = {}
+        old = self._seen
+        out = []
+        for kv in puts:
+            t = old.get(kv, now)
+            seen[kv] = t
+            if now - t >= timeout:
+                out.append((t, kv))
+        self._seen = seen
+        out.sort()
+        return [kv for _, kv in out[:limit]]
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -353,6 +353,11 @@ class StoreStateMachine:
     def processing_keys(self) -> list[str]:
         return list(self.processing)
 
+    def processing_puts(self) -> list[tuple[str, int]]:
+        """``(key, version)`` of every PROCESSING put, oldest first."""
+        objs = self.objects
+        return [(k, objs[k].version) for k in self.processing]
+
     def held_tags(self) -> list[int]:
         """Log indices of hold removes whose bytes are not yet released."""
         return list(self.held)
