@@ -166,3 +166,23 @@ def test_mooncake_remove_by_regex_accepts_literal_prefixes_only(master):
         assert store.remove_by_regex("^other\\.rx.*$") == 1
     finally:
         store._c = None  # not closed by the store's destructor: the fixture owns it
+
+
+def test_cli_remove_prefix(master):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cl, client = master
+    vals = {f"cli/{i}": b"c" * 10 for i in range(7)} | {"clj/0": b"d" * 10}
+    assert client.put(list(vals), list(vals.values())).codes == [0] * len(vals)
+    env = dict(os.environ, KVMESH_TOKEN=TOKEN)
+    cmd = [sys.executable, "-m", "kvmesh.cli", "remove-prefix", "cli/", "--master", cl.address]
+    out = subprocess.run(cmd + ["--json"], env=env, capture_output=True, timeout=60, check=True)
+    assert json.loads(out.stdout) == {"removed": 7, "skipped": 0}
+    assert client.exists(list(vals)) == [False] * 7 + [True]
+    bad = subprocess.run(
+        [*cmd[:4], "", *cmd[5:]], env=env, capture_output=True, timeout=60, text=True
+    )
+    assert bad.returncode == 1 and "prefix" in bad.stderr
