@@ -1051,7 +1051,7 @@ class MasterService:
             self.leases.unblock(cmd.keys)
         if type(res) is not C.RemovePrefixResult:
             raise E.InvalidParams("a retried remove_prefix was another request the first time")
-        self.stats.forget(cmd.keys)
+        self.stats.forget(k for k in cmd.keys if self.sm.state_of(k) == State.GONE)
         return P.RemovePrefixResp(req.rid, int(res.removed), int(res.skipped), bool(res.more))
 
     # ------------------------------------------------------------------------- status
