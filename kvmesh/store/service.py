@@ -226,7 +226,7 @@ _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
-_SCAN_SLICE = 16384  # keys a remove by prefix scans between yields to the event loop
+_SCAN_SLICE = 4096  # keys a remove by prefix scans between yields to the event loop
 _ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
 
 
@@ -1020,7 +1020,7 @@ class MasterService:
         if why is not None:
             raise E.InvalidKey(f"prefix: {why}")
         limit = self.cfg.prefix_round_keys
-        table = list(self.sm.keys())
+        table = self.sm.key_list()
         found: list[str] = []
         skipped = 0
         more = False

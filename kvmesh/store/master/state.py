@@ -350,6 +350,10 @@ class StoreStateMachine:
         """All keys (PROCESSING included), in table order (a copy: safe across applies)."""
         return iter(list(self.objects))
 
+    def key_list(self) -> list[str]:
+        """All keys in table order, as a new list (one C-level copy)."""
+        return list(self.objects)
+
     def processing_keys(self) -> list[str]:
         return list(self.processing)
 
