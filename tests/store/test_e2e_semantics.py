@@ -187,3 +187,20 @@ def test_cli_remove_prefix(master):
         [*cmd[:4], "", *cmd[5:]], env=env, capture_output=True, timeout=60, text=True
     )
     assert bad.returncode == 1 and "prefix" in bad.stderr
+
+
+def test_remove_prefix_refuses_bad_prefixes_from_a_raw_peer(master):
+    """What a conforming client never sends: the master refuses it whole, removes nothing,
+    and keeps serving."""
+    cl, client = master
+    client.put("keep/1", b"k" * 100)
+    p = Peer(cl, "raw-prefix")
+    try:
+        for bad in ("", "a\0b", "x" * 5000):
+            r = p.call(P.RemovePrefixReq(1, p.session(), bad, True))
+            assert type(r) is P.ErrorResp and r.code == E.InvalidKey.code, (bad[:10], r)
+        r = p.call(P.RemovePrefixReq(2, p.session(), "keep/", False))
+        assert type(r) is P.RemovePrefixResp and (r.removed, r.more) == (1, False), r
+    finally:
+        p.close()
+    assert client.exists("keep/1") is False
