@@ -272,6 +272,9 @@ class MasterService:
         self.put_ages = PutAges()
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        # One remove-by-prefix scan at a time: each holds a copy of the whole key list, so
+        # concurrent requests (up to max_connections x max_inflight) would multiply it.
+        self._scan_lock = asyncio.Lock()
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
@@ -1020,26 +1023,27 @@ class MasterService:
         if why is not None:
             raise E.InvalidKey(f"prefix: {why}")
         limit = self.cfg.prefix_round_keys
-        table = self.sm.key_list()
         found: list[str] = []
         skipped = 0
         more = False
-        for lo in range(0, len(table), _SCAN_SLICE):
-            if lo:
-                await asyncio.sleep(0)
-            mono = time.monotonic()
-            leased = None if req.force else (lambda k, m=mono: self.leases.leased(k, m))
-            f, n, more = self.sm.prefix_candidates(
-                req.prefix, table[lo : lo + _SCAN_SLICE], limit - len(found), leased
-            )
-            found += f
-            skipped += n
-            if more:
-                break
-            if sum(map(len, found)) > _ROUND_KEY_BYTES:  # long keys: keep the entry small
-                more = True
-                break
-        del table
+        async with self._scan_lock:
+            table = self.sm.key_list()
+            for lo in range(0, len(table), _SCAN_SLICE):
+                if lo:
+                    await asyncio.sleep(0)
+                mono = time.monotonic()
+                leased = None if req.force else (lambda k, m=mono: self.leases.leased(k, m))
+                f, n, more = self.sm.prefix_candidates(
+                    req.prefix, table[lo : lo + _SCAN_SLICE], limit - len(found), leased
+                )
+                found += f
+                skipped += n
+                if more:
+                    break
+                if sum(map(len, found)) > _ROUND_KEY_BYTES:  # long keys: keep the entry small
+                    more = True
+                    break
+            del table
         cmd, release_at = plan_remove_prefix(
             req.prefix, found, skipped, more, self.leases, time.monotonic(), req.force
         )
