@@ -1,0 +1,223 @@
+"""SGLang's whole Mooncake PD loop on kvmesh: two processes, a prefill and a decode instance.
+
+Each instance is a process (tests/plugins/pd_loop_peer.py) that runs SGLang 0.5.23's own
+classes on CPU, with the kvmesh plugin loaded by SGLang's plugin loader: the runtime context
+published from ``ServerArgs``, ``maybe_init_shared_mooncake_transfer_engine`` (which builds
+``KvmeshTransferEngine``), ``MooncakeKVBootstrapServer`` (aiohttp), ``MooncakeKVManager`` with
+its ZMQ bootstrap/status threads, transfer workers and decode heartbeat, and a
+``MooncakeKVSender`` / ``MooncakeKVReceiver`` per request. The test process only plays the two
+schedulers: it creates senders and receivers, calls ``send_metadata``, ``init``/``send`` and
+``poll`` as ``disaggregation/prefill.py`` and ``decode.py`` do, and compares bytes.
+
+What is faked, and why (everything else is SGLang's code, unpatched):
+
+* the model: ``ServerArgs`` points at a directory holding only a ``config.json`` of a tiny
+  Llama (publishing resolves the model config; no weights or tokenizer are loaded);
+* the KV pool: ``KVArgs`` describes CPU tensors shaped like an MHA pool
+  (:class:`bench._pd.KVPool`), filled as ``_init_kv_manager`` fills it for a pool without
+  state components; SGLang's real pool needs a model runner;
+* one runtime-context value, ``pp_group`` (the PP process group handle), is set to None with
+  SGLang's own ``get_parallel().override_permanently``: ``publish`` cannot supply it, it comes
+  from torch.distributed init, and ``CommonKVManager`` only uses it when ``pp_size > 1``. No
+  collective runs on this path, so no process group is created;
+* ``SGLANG_HOST_IP=127.0.0.1`` (SGLang's own setting) keeps every socket on loopback;
+* the plugin's entry point is made visible to ``importlib.metadata`` with a dist-info built
+  from pyproject.toml (a worktree is not installed; tests/plugins/pd_harness.py).
+
+The processes exit when the test process closes them (or, for the killed decode, by SIGKILL);
+no SGLang thread outlives its process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from .sglang_env import ROOT, sglang_missing
+
+_why = sglang_missing()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+if _why is None:
+    from bench._common import Child
+    from bench._pd import KVPool, geometry_argv
+
+    from .pd_loop_peer import MODEL_CONFIG
+
+# 2 layers x (K, V) x 256 pages of 64 tokens x 8 heads x 128 dims, bf16: 32 MiB per buffer,
+# 128 KiB per page of one buffer; one whole-pool request moves 128 MiB.
+GEOM = {"layers": 2, "pages": 256, "page_size": 64, "heads": 8, "head_dim": 128}
+AUX_ITEM_LENS = (64, 256)  # KVPool's aux buffers
+KV_SUCCESS, KV_FAILED, KV_WAITING = 4, 0, 2  # sglang KVPoll values
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(role: str, dirs: dict[str, str], *extra: str, host_id: str | None = None) -> Child:
+    env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    if host_id:
+        env["KVMESH_HOST_ID"] = host_id  # another "host": the network transport (tcp)
+    argv = [sys.executable, "-m", "tests.plugins.pd_loop_peer", "--role", role]
+    argv += [*geometry_argv(**GEOM), "--model-dir", dirs["model"], "--eps-dir", dirs["eps"]]
+    return Child([*argv, *extra], env=env, timeout=120, cwd=str(ROOT))
+
+
+def stop(child: Child) -> None:
+    try:
+        child.close()
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait(10)
+    assert child.proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    model = tmp_path_factory.mktemp("model")
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return {"model": str(model), "eps": str(tmp_path_factory.mktemp("eps"))}
+
+
+@pytest.fixture(scope="module")
+def prefill(dirs):
+    child = spawn("prefill", dirs, "--bootstrap-port", str(_free_port()), "--seed", "5")
+    yield child
+    stop(child)
+
+
+@pytest.fixture(scope="module")
+def decode(dirs, prefill):
+    child = spawn("decode", dirs)
+    yield child
+    stop(child)
+
+
+def run_requests(prefill, decode, rooms, src, dst, src_aux, dst_aux, chunks=1) -> None:
+    """The two schedulers' calls for a batch of requests, in SGLang's order."""
+    assert set(prefill.call("open", rooms=rooms)["polls"].values()) <= {1, KV_WAITING}
+    decode.call(
+        "receive", rooms=rooms, pages=dst, aux_rows=dst_aux, addr=prefill.info["bootstrap_addr"]
+    )
+    # The prefill scheduler sends a request only once its sender is WaitingForInput, i.e. the
+    # decode's registration and destination metadata arrived over ZMQ.
+    end = time.monotonic() + 20
+    while set(prefill.call("poll", rooms=rooms)["polls"].values()) != {KV_WAITING}:
+        assert time.monotonic() < end, "prefill senders never left Bootstrapping"
+        time.sleep(0.02)
+    for room, pages, row in zip(rooms, src, src_aux):
+        prefill.call("send", room=room, pages=pages, aux_row=row, chunks=chunks)
+
+
+def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
+    for child in (prefill, decode):
+        assert child.info["engine_class"] == "kvmesh_sglang.pd.KvmeshTransferEngine"
+        assert child.info["session_id"].startswith("kvmesh://127.0.0.1:")
+    before = prefill.call("stats")["engine"]
+    rng = np.random.default_rng(3)
+    nreq = 6
+    # Disjoint destination pages per request; sources overlap freely and run in and out of
+    # contiguous runs, so SGLang groups them into blocks of different lengths.
+    run = np.arange(40, 52)  # request 0 lands in one contiguous run: one block per buffer
+    others = rng.permutation(np.setdiff1d(np.arange(GEOM["pages"]), run))
+    dst_all = np.concatenate([run, others[: (nreq - 1) * 12]]).reshape(nreq, 12)
+    src_all = [rng.choice(GEOM["pages"], 12, replace=False) for _ in range(nreq)]
+    src_all[1] = np.arange(100, 112)
+    rooms = [1000 + i for i in range(nreq)]
+    src_aux, dst_aux = list(range(nreq)), [60 - i for i in range(nreq)]
+    run_requests(
+        prefill,
+        decode,
+        rooms,
+        [s.tolist() for s in src_all],
+        [d.tolist() for d in dst_all],
+        src_aux,
+        dst_aux,
+        chunks=2,  # chunked prefill: two send() calls per request (two index slices)
+    )
+    done_p = prefill.call("wait", rooms=rooms, within=30)
+    done_d = decode.call("wait", rooms=rooms, within=30)
+    assert not done_p["pending"] and not done_d["pending"]
+    assert {r: v["status"] for r, v in done_p["concluded"].items()} == {
+        str(r): KV_SUCCESS for r in rooms
+    }
+    assert {r: v["status"] for r, v in done_d["concluded"].items()} == {
+        str(r): KV_SUCCESS for r in rooms
+    }
+    for i in range(nreq):
+        want = prefill.call("digest", pages=src_all[i].tolist(), aux_row=src_aux[i])["digest"]
+        got = decode.call("digest", pages=dst_all[i].tolist(), aux_row=dst_aux[i])["digest"]
+        assert got == want, f"request {i}"
+    # Pages and aux rows no request named are still zero on the decode side.
+    rest = sorted(set(range(GEOM["pages"])) - set(dst_all.ravel().tolist()))
+    zero = KVPool(**GEOM)
+    zero.zero()
+    assert decode.call("digest", pages=rest, aux_row=0)["digest"] == zero.page_digest(rest, 0)
+    # Every byte SGLang moved went through kvmesh: pages x (K+V of every layer) + aux rows.
+    after = prefill.call("stats")
+    page_bytes = prefill.info["page_bytes"] * 2 * GEOM["layers"]
+    expect = nreq * 12 * page_bytes + nreq * sum(AUX_ITEM_LENS)
+    assert after["engine"]["bytes"] - before["bytes"] == expect
+    moved = {
+        k: v - before["by_transport"].get(k, 0) for k, v in after["engine"]["by_transport"].items()
+    }
+    moved = {k: v for k, v in moved.items() if v}
+    assert sum(moved.values()) == expect and "tcp" not in moved, moved  # one host: no TCP
+    assert after["failed_sessions"] == [] and after["engine"]["failures"] == 0
+
+
+def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
+    """SIGKILL of a decode instance with requests in flight over the network path.
+
+    Every sender of that decode reaches KVPoll.Failed within a bounded time through SGLang's
+    own failure handling (transfer failure -> session blacklisted -> queued requests of the
+    session fail without a transfer), and the prefill keeps serving another decode.
+    """
+    victim = spawn("decode", dirs, host_id="decode-host-killed")
+    try:
+        before = prefill.call("stats")
+        rooms = [2000 + i for i in range(6)]
+        whole = list(range(GEOM["pages"]))  # 128 MiB per request, one session: one queue
+        run_requests(prefill, victim, rooms, [whole] * 6, [whole] * 6, [1] * 6, [2] * 6)
+        first = prefill.call("wait", rooms=rooms[:1], within=30)
+        assert first["concluded"][str(rooms[0])]["status"] == KV_SUCCESS, first
+        t_kill = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        res = prefill.call("wait", rooms=rooms, within=30)
+        assert not res["pending"], f"senders still open 30 s after the kill: {res['pending']}"
+        con = res["concluded"]
+        late = max(v["t"] for v in con.values()) - t_kill
+        assert late < 15, f"the last sender concluded {late:.1f} s after the kill"
+        failed = [r for r in rooms if con[str(r)]["status"] == KV_FAILED]
+        assert failed and failed == rooms[len(rooms) - len(failed) :], con  # mid-transfer
+        reasons = [con[str(r)]["reason"] for r in failed]
+        # The first failure is a kvmesh write that failed; the rest are SGLang's blacklist.
+        assert reasons[0].startswith("Failed to send kv chunk of"), reasons
+        sid = victim.info["session_id"]
+        assert all(r.startswith("Failed to send kv chunk of") or sid in r for r in reasons[1:])
+        stats = prefill.call("stats")
+        assert sid in stats["failed_sessions"] and stats["session_failures"][sid] >= 1
+        new_codes = {int(c): n - before["by_code"].get(c, 0) for c, n in stats["by_code"].items()}
+        assert {c for c, n in new_codes.items() if n} <= {-5, -7, -1}, new_codes  # dead peer
+    finally:
+        if victim.proc.poll() is None:
+            victim.proc.kill()
+        stop(victim)
+    # The prefill instance still serves a live decode.
+    run_requests(prefill, decode, [3000], [[7, 8, 9]], [[200, 201, 202]], [3], [3])
+    assert prefill.call("wait", rooms=[3000], within=30)["concluded"]["3000"]["status"] == 4
+    assert decode.call("wait", rooms=[3000], within=30)["concluded"]["3000"]["status"] == 4
+    want = prefill.call("digest", pages=[7, 8, 9], aux_row=3)["digest"]
+    assert decode.call("digest", pages=[200, 201, 202], aux_row=3)["digest"] == want
