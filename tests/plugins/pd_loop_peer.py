@@ -236,6 +236,11 @@ def main() -> None:
             with mgr.session_lock:
                 out["failed_sessions"] = sorted(mgr.failed_sessions)
                 out["session_failures"] = dict(mgr.session_failures)
+                # SGLang's failed-session probe loop (on by default): the back-off interval
+                # doubles after every probe that fails (KvmeshTransferEngine.send_probe < 0).
+                out["probe_intervals"] = {
+                    sid: p.interval for sid, p in mgr.failed_session_probes.items()
+                }
         return out
 
     def exit_() -> None:

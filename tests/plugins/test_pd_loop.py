@@ -56,6 +56,7 @@ if _why is None:
 GEOM = {"layers": 2, "pages": 256, "page_size": 64, "heads": 8, "head_dim": 128}
 AUX_ITEM_LENS = (64, 256)  # KVPool's aux buffers
 KV_SUCCESS, KV_FAILED, KV_WAITING = 4, 0, 2  # sglang KVPoll values
+PROBE_INTERVAL = 0.2
 
 
 def _free_port() -> int:
@@ -66,6 +67,8 @@ def _free_port() -> int:
 
 def spawn(role: str, dirs: dict[str, str], *extra: str, host_id: str | None = None) -> Child:
     env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    # SGLang's failed-session probe runs every 30 s by default; the kill test watches it.
+    env["SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"] = str(PROBE_INTERVAL)
     if host_id:
         env["KVMESH_HOST_ID"] = host_id  # another "host": the network transport (tcp)
     argv = [sys.executable, "-m", "tests.plugins.pd_loop_peer", "--role", role]
@@ -211,6 +214,14 @@ def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
         assert sid in stats["failed_sessions"] and stats["session_failures"][sid] >= 1
         new_codes = {int(c): n - before["by_code"].get(c, 0) for c, n in stats["by_code"].items()}
         assert {c for c, n in new_codes.items() if n} <= {-5, -7, -1}, new_codes  # dead peer
+        # SGLang's probe loop asks kvmesh's send_probe about the blacklisted session: it keeps
+        # failing (the back-off interval grows), so the session stays blacklisted.
+        end = time.monotonic() + 10
+        while stats["probe_intervals"].get(sid, 0) < 2 * PROBE_INTERVAL:
+            assert time.monotonic() < end, stats["probe_intervals"]
+            time.sleep(0.1)
+            stats = prefill.call("stats")
+        assert sid in stats["failed_sessions"]
     finally:
         if victim.proc.poll() is None:
             victim.proc.kill()
