@@ -57,6 +57,7 @@ GEOM = {"layers": 2, "pages": 256, "page_size": 64, "heads": 8, "head_dim": 128}
 AUX_ITEM_LENS = (64, 256)  # KVPool's aux buffers
 KV_SUCCESS, KV_FAILED, KV_WAITING = 4, 0, 2  # sglang KVPoll values
 PROBE_INTERVAL = 0.2
+WRITE_TIMEOUT = 5.0
 
 
 def _free_port() -> int:
@@ -67,6 +68,8 @@ def _free_port() -> int:
 
 def spawn(role: str, dirs: dict[str, str], *extra: str, host_id: str | None = None) -> Child:
     env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    # The deadline of one kvmesh write (a hung decode turns into -6 after it).
+    env["KVMESH_SGLANG_PD_TIMEOUT"] = str(WRITE_TIMEOUT)
     # SGLang's failed-session probe runs every 30 s by default; the kill test watches it.
     env["SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"] = str(PROBE_INTERVAL)
     if host_id:
@@ -109,6 +112,13 @@ def decode(dirs, prefill):
 
 def run_requests(prefill, decode, rooms, src, dst, src_aux, dst_aux, chunks=1) -> None:
     """The two schedulers' calls for a batch of requests, in SGLang's order."""
+    bootstrap_requests(prefill, decode, rooms, dst, dst_aux)
+    for room, pages, row in zip(rooms, src, src_aux):
+        prefill.call("send", room=room, pages=pages, aux_row=row, chunks=chunks)
+
+
+def bootstrap_requests(prefill, decode, rooms, dst, dst_aux) -> None:
+    """Senders and receivers up to WaitingForInput (the decode's metadata reached the prefill)."""
     assert set(prefill.call("open", rooms=rooms)["polls"].values()) <= {1, KV_WAITING}
     decode.call(
         "receive", rooms=rooms, pages=dst, aux_rows=dst_aux, addr=prefill.info["bootstrap_addr"]
@@ -119,8 +129,6 @@ def run_requests(prefill, decode, rooms, src, dst, src_aux, dst_aux, chunks=1) -
     while set(prefill.call("poll", rooms=rooms)["polls"].values()) != {KV_WAITING}:
         assert time.monotonic() < end, "prefill senders never left Bootstrapping"
         time.sleep(0.02)
-    for room, pages, row in zip(rooms, src, src_aux):
-        prefill.call("send", room=room, pages=pages, aux_row=row, chunks=chunks)
 
 
 def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
@@ -181,17 +189,47 @@ def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
 
 
 def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
-    """SIGKILL of a decode instance with requests in flight over the network path.
+    """A decode instance on the network path, first hung (SIGSTOP), then killed (SIGKILL).
 
-    Every sender of that decode reaches KVPoll.Failed within a bounded time through SGLang's
-    own failure handling (transfer failure -> session blacklisted -> queued requests of the
-    session fail without a transfer), and the prefill keeps serving another decode.
+    Hung: the write times out, the request fails, the session is blacklisted and SGLang's
+    probe lifts the blacklist once the decode runs again. Killed with requests in flight: every
+    sender of that decode reaches KVPoll.Failed within a bounded time through SGLang's own
+    failure handling (transfer failure -> session blacklisted -> queued requests of the session
+    fail without a transfer), the probe keeps it blacklisted, and the prefill keeps serving
+    another decode.
     """
     victim = spawn("decode", dirs, host_id="decode-host-killed")
+    whole = list(range(GEOM["pages"]))  # 128 MiB per request, one session: one queue
+    sid = victim.info["session_id"]
     try:
+        # 1. A hung decode (SIGSTOP) mid-request: the kvmesh write times out (-6), SGLang fails
+        # the request and blacklists the session; once the decode runs again, SGLang's probe
+        # (KvmeshTransferEngine.send_probe == 0) lifts the blacklist and requests flow again.
+        bootstrap_requests(prefill, victim, [1990], [whole], [2])
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            prefill.call("send", room=1990, pages=whole, aux_row=1)
+            res = prefill.call("wait", rooms=[1990], within=WRITE_TIMEOUT + 20)
+            assert res["concluded"]["1990"]["status"] == KV_FAILED, res
+            assert res["concluded"]["1990"]["t"] - t0 < WRITE_TIMEOUT + 10
+            stats = prefill.call("stats")
+            assert sid in stats["failed_sessions"] and stats["by_code"].get("-6", 0) >= 1
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        end = time.monotonic() + 20
+        while sid in prefill.call("stats")["failed_sessions"]:
+            assert time.monotonic() < end, "SGLang's probe never lifted the blacklist"
+            time.sleep(0.1)
+        run_requests(prefill, victim, [1991], [[10, 11, 12, 13]], [[100, 101, 102, 103]], [4], [4])
+        assert prefill.call("wait", rooms=[1991], within=30)["concluded"]["1991"]["status"] == 4
+        assert victim.call("wait", rooms=[1991], within=30)["concluded"]["1991"]["status"] == 4
+        want = prefill.call("digest", pages=[10, 11, 12, 13], aux_row=4)["digest"]
+        assert victim.call("digest", pages=[100, 101, 102, 103], aux_row=4)["digest"] == want
+
+        # 2. SIGKILL with requests in flight.
         before = prefill.call("stats")
         rooms = [2000 + i for i in range(6)]
-        whole = list(range(GEOM["pages"]))  # 128 MiB per request, one session: one queue
         run_requests(prefill, victim, rooms, [whole] * 6, [whole] * 6, [1] * 6, [2] * 6)
         first = prefill.call("wait", rooms=rooms[:1], within=30)
         assert first["concluded"][str(rooms[0])]["status"] == KV_SUCCESS, first
@@ -208,7 +246,6 @@ def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
         reasons = [con[str(r)]["reason"] for r in failed]
         # The first failure is a kvmesh write that failed; the rest are SGLang's blacklist.
         assert reasons[0].startswith("Failed to send kv chunk of"), reasons
-        sid = victim.info["session_id"]
         assert all(r.startswith("Failed to send kv chunk of") or sid in r for r in reasons[1:])
         stats = prefill.call("stats")
         assert sid in stats["failed_sessions"] and stats["session_failures"][sid] >= 1
