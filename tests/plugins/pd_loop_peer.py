@@ -9,8 +9,11 @@ builds, in SGLang's order (``disaggregation/prefill.py`` and ``decode.py``):
   runtime context (TP/PP/DP ranks of a single-rank instance) is SGLang's own, not a fake;
 * ``maybe_init_shared_mooncake_transfer_engine`` (SGLang's constructor of the shared engine:
   with the plugin it builds ``KvmeshTransferEngine``);
-* ``KVArgs`` over a :class:`bench._pd.KVPool` (CPU tensors shaped like an MHA KV pool, plus aux
-  rows), filled as ``_init_kv_manager`` fills it for an MHA pool without state;
+* SGLang's ``MHATokenToKVPool`` on CPU (several layers, K and V) and ``MetadataBuffers`` (the
+  aux rows), and ``KVArgs`` filled from them with SGLang's own helpers
+  (``get_kv_transfer_buf_infos``, ``build_kv_layer_ids``, ``setup_state_kv_args``,
+  ``MetadataBuffers.get_buf_infos``) as ``_init_kv_manager`` does; the ranks are 0 and
+  ``kv_cache_dtype_str`` (the model runner's) is the pool's dtype;
 * prefill: SGLang's ``MooncakeKVBootstrapServer`` (aiohttp) and ``MooncakeKVManager(PREFILL)``
   (registers to the bootstrap server, starts its ZMQ bootstrap thread and transfer workers),
   one ``MooncakeKVSender`` per request;
@@ -19,8 +22,9 @@ builds, in SGLang's order (``disaggregation/prefill.py`` and ``decode.py``):
 
 Commands: ``open`` (senders), ``receive`` (receivers: parallel info, ``init``,
 ``send_metadata``), ``send`` (``init`` + ``send`` of page indices), ``wait`` (poll until every
-room concludes; failures through ``failure_exception``), ``digest``, ``zero``, ``stats``, ``exit``
-(bootstrap server closed; the process then exits, which ends SGLang's daemon threads).
+room concludes; failures through ``failure_exception``), ``digest`` (of pages and a metadata
+row), ``stats``, ``exit`` (bootstrap server closed; the process then exits, which ends SGLang's
+daemon threads).
 """
 
 from __future__ import annotations
@@ -31,19 +35,68 @@ import time
 from pathlib import Path
 from typing import Any
 
+# A tiny Llama whose attention matches the tests' KV geometry (8 KV heads x 128, 2 layers).
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
     "num_hidden_layers": 2,
     "vocab_size": 256,
     "max_position_embeddings": 512,
     "torch_dtype": "bfloat16",
     "rms_norm_eps": 1e-5,
 }
+
+
+class Memory:
+    """The raw bytes of an instance's KV buffers and metadata rows (what KVArgs describes)."""
+
+    def __init__(self, kv_args: Any) -> None:
+        import ctypes
+
+        import numpy as np
+
+        def raw(ptr: int, n: int) -> np.ndarray:
+            return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+
+        self.kv = [
+            raw(p, n).reshape(-1, item)
+            for p, n, item in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens)
+        ]
+        self.aux = [
+            raw(p, n).reshape(-1, item)
+            for p, n, item in zip(
+                kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens
+            )
+        ]
+
+    def fill(self, seed: int) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        for buf in self.kv + self.aux:
+            buf[:] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+
+    def digest(self, pages: list[int], aux_row: int | None) -> dict[str, Any]:
+        """SHA-256 over the pages of every K then V buffer (and one row of every metadata
+        buffer), and how many of those bytes are not zero."""
+        import hashlib
+
+        import numpy as np
+
+        h, nonzero = hashlib.sha256(), 0
+        parts = [buf[np.asarray(pages, np.int64)] for buf in self.kv]
+        if aux_row is not None:
+            parts += [buf[aux_row] for buf in self.aux]
+        for part in parts:
+            part = np.ascontiguousarray(part)
+            h.update(part.data)
+            nonzero += int(np.count_nonzero(part))
+        return {"digest": h.hexdigest(), "nonzero": nonzero}
 
 
 def wait_healthy(url: str, within: float = 20.0) -> None:
@@ -69,7 +122,7 @@ def main() -> None:
     install_torchvision_stub()
     add_plugins_path()
 
-    from bench._pd import geometry_args, pool_from_args
+    from bench._pd import geometry_args
 
     ap = argparse.ArgumentParser()
     geometry_args(ap)
@@ -81,6 +134,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import numpy as np
+    import torch
 
     from bench._common import serve_json_lines
     from kvmesh_sglang.pd import KvmeshTransferEngine
@@ -93,11 +147,23 @@ def main() -> None:
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
         KVClassType,
+        MetadataBuffers,
         TransferBackend,
+        build_kv_layer_ids,
         get_kv_class,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        setup_state_kv_args,
     )
     from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.runtime_context import (
+        SpawnRanks,
+        get_device,
+        get_disagg,
+        get_parallel,
+        publish,
+    )
     from sglang.srt.server_args import ServerArgs
 
     prefill = a.role == "prefill"
@@ -121,35 +187,52 @@ def main() -> None:
     if not isinstance(engine, KvmeshTransferEngine):
         raise SystemExit(f"SGLang built {type(engine).__name__}, not the kvmesh engine")
 
-    pool = pool_from_args(a)
-    if prefill:
-        pool.fill(a.seed)
-    else:
-        pool.zero()
-
+    # The instance's KV pool and metadata rows: SGLang's own classes on CPU, and KVArgs filled
+    # with SGLang's own helpers, as PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager
+    # fill it for an MHA pool.
+    kv_pool = MHATokenToKVPool(
+        size=a.pages * a.page_size,
+        page_size=a.page_size,
+        dtype=getattr(torch, a.dtype),
+        head_num=a.heads,
+        head_dim=a.head_dim,
+        layer_num=a.layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    metadata = MetadataBuffers(
+        size=a.aux_rows,
+        hidden_size=MODEL_CONFIG["hidden_size"],
+        hidden_states_dtype=getattr(torch, a.dtype),
+        max_sampling_mask_tokens=0,
+    )
     backend = TransferBackend.MOONCAKE
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
-    kv_args.engine_rank = kv_args.pp_rank = kv_args.system_dp_rank = 0
+    kv_args.engine_rank = kv_args.pp_rank = kv_args.system_dp_rank = 0  # the one rank
     kv_args.rust_http_port = None
     kv_args.kv_cache_dtype_str = a.dtype
-    kv_args.kv_layout = None
-    kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, a.layers
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens = pool.kv_data_ptrs, pool.kv_data_lens
-    kv_args.kv_item_lens = pool.kv_item_lens
+    kv_args.kv_layout = get_pd_kv_layout(kv_pool)
+    kv_args.prefill_start_layer = kv_pool.start_layer
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(
+        kv_pool
+    )
+    kv_args.prefill_end_layer = kv_pool.end_layer
     kv_args.num_draft_entries = 0
-    kv_args.kv_layer_ids = []  # build_kv_layer_ids for a plain MHA pool: positional pairing
-    kv_args.kv_head_num = kv_args.total_kv_head_num = a.heads
-    kv_args.page_size = a.page_size
-    kv_args.aux_data_ptrs, kv_args.aux_data_lens = pool.aux_data_ptrs, pool.aux_data_lens
-    kv_args.aux_item_lens = pool.aux_item_lens
-    kv_args.ib_device, kv_args.gpu_id = None, 0
-    # setup_state_kv_args for a pool without state (no mamba/SWA/DSA components).
-    kv_args.state_types, kv_args.state_data_ptrs, kv_args.state_data_lens = [], [], []
-    kv_args.state_item_lens, kv_args.state_dim_per_tensor = [], []
-    kv_args.state_slice_outer_counts, kv_args.state_layer_ids = [], []
-    kv_args.is_hybrid_mla_backend = False
-    kv_args.state_conv_shard_groups, kv_args.swa_kv_cache_layout = [], None
-    kv_args.mla_compression_ratios = None
+    kv_args.kv_layer_ids = build_kv_layer_ids(
+        token_to_kv_pool=kv_pool,
+        draft_token_to_kv_pool=None,
+        num_draft_entries=0,
+        num_hidden_layers=a.layers,
+    )
+    kv_args.kv_head_num = kv_args.total_kv_head_num = kv_pool.head_num
+    kv_args.page_size = kv_pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = metadata.get_buf_infos()
+    kv_args.ib_device = get_disagg().disaggregation_ib_device
+    kv_args.gpu_id = get_device().gpu_id
+    setup_state_kv_args(kv_args, kv_pool, None, a.layers)
+    memory = Memory(kv_args)
+    if prefill:
+        memory.fill(a.seed)
 
     bootstrap = None
     if prefill:  # the bootstrap server lives in the prefill instance's main process
@@ -225,7 +308,7 @@ def main() -> None:
         }
 
     def digest(pages: list[int], aux_row: int | None = None) -> dict[str, Any]:
-        return {"digest": pool.page_digest(pages, aux_row)}
+        return memory.digest(pages, aux_row)
 
     def stats() -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -257,7 +340,6 @@ def main() -> None:
             "send": send,
             "wait": wait,
             "digest": digest,
-            "zero": lambda: (pool.zero(), {"ok": True})[1],
             "stats": stats,
             "exit": exit_,
         },
@@ -268,7 +350,8 @@ def main() -> None:
             "engine_class": f"{type(engine).__module__}.{type(engine).__qualname__}",
             "bootstrap_addr": bootstrap_addr if prefill else None,
             "rank_port": mgr.rank_port,
-            "page_bytes": pool.item_len,
+            "kv_item_lens": kv_args.kv_item_lens,
+            "aux_item_lens": kv_args.aux_item_lens,
         },
     )
 

@@ -13,9 +13,11 @@ What is faked, and why (everything else is SGLang's code, unpatched):
 
 * the model: ``ServerArgs`` points at a directory holding only a ``config.json`` of a tiny
   Llama (publishing resolves the model config; no weights or tokenizer are loaded);
-* the KV pool: ``KVArgs`` describes CPU tensors shaped like an MHA pool
-  (:class:`bench._pd.KVPool`), filled as ``_init_kv_manager`` fills it for a pool without
-  state components; SGLang's real pool needs a model runner;
+* the schedulers: there is no model to run, so the test makes the calls that
+  ``disaggregation/prefill.py`` and ``decode.py`` make (senders and receivers created, polled,
+  ``send_metadata``, ``init``/``send``), in their order. The KV pool and the metadata rows are
+  SGLang's own (``MHATokenToKVPool`` on CPU, ``MetadataBuffers``), and ``KVArgs`` is filled
+  with SGLang's own helpers as ``_init_kv_manager`` fills it (pd_loop_peer.py);
 * one runtime-context value, ``pp_group`` (the PP process group handle), is set to None with
   SGLang's own ``get_parallel().override_permanently``: ``publish`` cannot supply it, it comes
   from torch.distributed init, and ``CommonKVManager`` only uses it when ``pp_size > 1``. No
@@ -47,14 +49,15 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 if _why is None:
     from bench._common import Child
-    from bench._pd import KVPool, geometry_argv
+    from bench._pd import geometry_argv
 
     from .pd_loop_peer import MODEL_CONFIG
 
 # 2 layers x (K, V) x 256 pages of 64 tokens x 8 heads x 128 dims, bf16: 32 MiB per buffer,
-# 128 KiB per page of one buffer; one whole-pool request moves 128 MiB.
+# 128 KiB per page of one buffer; one whole-pool request moves 128 MiB. SGLang's pool keeps
+# page 0 as its padding page, so requests use pages 1..256.
 GEOM = {"layers": 2, "pages": 256, "page_size": 64, "heads": 8, "head_dim": 128}
-AUX_ITEM_LENS = (64, 256)  # KVPool's aux buffers
+PAGES = np.arange(1, GEOM["pages"] + 1)
 KV_SUCCESS, KV_FAILED, KV_WAITING = 4, 0, 2  # sglang KVPoll values
 PROBE_INTERVAL = 0.2
 WRITE_TIMEOUT = 5.0
@@ -141,9 +144,9 @@ def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
     # Disjoint destination pages per request; sources overlap freely and run in and out of
     # contiguous runs, so SGLang groups them into blocks of different lengths.
     run = np.arange(40, 52)  # request 0 lands in one contiguous run: one block per buffer
-    others = rng.permutation(np.setdiff1d(np.arange(GEOM["pages"]), run))
+    others = rng.permutation(np.setdiff1d(PAGES, run))
     dst_all = np.concatenate([run, others[: (nreq - 1) * 12]]).reshape(nreq, 12)
-    src_all = [rng.choice(GEOM["pages"], 12, replace=False) for _ in range(nreq)]
+    src_all = [rng.choice(PAGES, 12, replace=False) for _ in range(nreq)]
     src_all[1] = np.arange(100, 112)
     rooms = [1000 + i for i in range(nreq)]
     src_aux, dst_aux = list(range(nreq)), [60 - i for i in range(nreq)]
@@ -170,15 +173,13 @@ def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
         want = prefill.call("digest", pages=src_all[i].tolist(), aux_row=src_aux[i])["digest"]
         got = decode.call("digest", pages=dst_all[i].tolist(), aux_row=dst_aux[i])["digest"]
         assert got == want, f"request {i}"
-    # Pages and aux rows no request named are still zero on the decode side.
-    rest = sorted(set(range(GEOM["pages"])) - set(dst_all.ravel().tolist()))
-    zero = KVPool(**GEOM)
-    zero.zero()
-    assert decode.call("digest", pages=rest, aux_row=0)["digest"] == zero.page_digest(rest, 0)
+    # Pages and metadata rows no request named are still zero on the decode side.
+    rest = sorted(set(range(GEOM["pages"] + 1)) - set(dst_all.ravel().tolist()))
+    assert decode.call("digest", pages=rest, aux_row=0)["nonzero"] == 0
     # Every byte SGLang moved went through kvmesh: pages x (K+V of every layer) + aux rows.
     after = prefill.call("stats")
-    page_bytes = prefill.info["page_bytes"] * 2 * GEOM["layers"]
-    expect = nreq * 12 * page_bytes + nreq * sum(AUX_ITEM_LENS)
+    page_bytes = sum(prefill.info["kv_item_lens"])
+    expect = nreq * 12 * page_bytes + nreq * sum(prefill.info["aux_item_lens"])
     assert after["engine"]["bytes"] - before["bytes"] == expect
     moved = {
         k: v - before["by_transport"].get(k, 0) for k, v in after["engine"]["by_transport"].items()
@@ -199,7 +200,7 @@ def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
     another decode.
     """
     victim = spawn("decode", dirs, host_id="decode-host-killed")
-    whole = list(range(GEOM["pages"]))  # 128 MiB per request, one session: one queue
+    whole = PAGES.tolist()  # 128 MiB per request, one session: one queue
     sid = victim.info["session_id"]
     try:
         # 1. A hung decode (SIGSTOP) mid-request: the kvmesh write times out (-6), SGLang fails
