@@ -222,6 +222,11 @@ def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
         while sid in prefill.call("stats")["failed_sessions"]:
             assert time.monotonic() < end, "SGLang's probe never lifted the blacklist"
             time.sleep(0.1)
+        # The decode instance learnt the failure from the prefill's ZMQ status message.
+        got = victim.call("wait", rooms=[1990], within=10)["concluded"]["1990"]
+        assert got["status"] == KV_FAILED, got
+        # Mooncake's status message carries no reason: the decode side's standard one.
+        assert got["reason"].startswith("Failed to get kvcache from prefill instance"), got
         run_requests(prefill, victim, [1991], [[10, 11, 12, 13]], [[100, 101, 102, 103]], [4], [4])
         assert prefill.call("wait", rooms=[1991], within=30)["concluded"]["1991"]["status"] == 4
         assert victim.call("wait", rooms=[1991], within=30)["concluded"]["1991"]["status"] == 4
