@@ -292,3 +292,41 @@ def test_short_dev_shm_leaves_the_buffer_private(monkeypatch):
     assert _in_shared_memory(pool.small) and not _in_shared_memory(pool.big)
     assert shm_pools.stats["fallbacks"] == before["fallbacks"] + 1
     assert shm_pools.stats["buffers"] == before["buffers"] + 1
+
+
+def test_sglang_pd_loop_with_shm_pools_moves_every_byte_over_shm(tmp_path, monkeypatch):
+    """SGLang's whole Mooncake loop (tests/plugins/test_pd_loop.py's two instances, SGLang's own
+    ``MHATokenToKVPool`` and ``MetadataBuffers``) with the switch on in both instances."""
+    from . import test_pd_loop as loop
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(loop.MODEL_CONFIG))
+    dirs = {"model": str(model), "eps": str(tmp_path / "eps")}
+    monkeypatch.setenv(shm_pools.ENV_SHM_POOLS, "1")  # inherited by both instances
+    prefill = loop.spawn("prefill", dirs, "--bootstrap-port", str(loop._free_port()), "--seed", "9")
+    try:
+        decode = loop.spawn("decode", dirs)
+        try:
+            before = prefill.call("stats")["engine"]
+            rng = np.random.default_rng(8)
+            dst = rng.permutation(loop.PAGES)[:24].reshape(2, 12)
+            src = [rng.choice(loop.PAGES, 12, replace=False) for _ in range(2)]
+            rooms = [500, 501]
+            loop.run_requests(
+                prefill, decode, rooms, [s.tolist() for s in src], dst.tolist(), [1, 2], [7, 8]
+            )
+            for child in (prefill, decode):
+                done = child.call("wait", rooms=rooms, within=30)
+                assert {v["status"] for v in done["concluded"].values()} == {loop.KV_SUCCESS}
+            for i in range(2):
+                want = prefill.call("digest", pages=src[i].tolist(), aux_row=1 + i)["digest"]
+                got = decode.call("digest", pages=dst[i].tolist(), aux_row=7 + i)["digest"]
+                assert got == want, f"request {i}"
+            after = prefill.call("stats")["engine"]["by_transport"]
+            moved = {k: v - before["by_transport"].get(k, 0) for k, v in after.items()}
+            assert {k for k, v in moved.items() if v} == {"shm"}, moved  # KV pages and aux rows
+        finally:
+            loop.stop(decode)
+    finally:
+        loop.stop(prefill)
