@@ -55,6 +55,8 @@ def test_simple_batch_path_matches_the_loop(monkeypatch):
     fast, slow = _both(sm, keys, monkeypatch, max_bytes=500)
     _same(fast, slow)
     assert 0 < fast.codes.count(0) < 64 and fast.codes[-1] == E.InvalidParams.code
+    # The budget bounds the table form too (its rows outweigh these short names' objects).
+    assert fast.rows.nbytes <= 500
     # Mixed batches (a missing key, a duplicate) take the loop and still agree.
     mixed = [*keys[:20], "absent", keys[3]]
     _same(*_both(sm, mixed, monkeypatch))

@@ -197,8 +197,10 @@ assert _SLICE_DTYPE.itemsize == SLICE.size
 
 
 def _seg_cost(s: _Seg) -> int:
-    """Reply-budget charge of one slice in segment ``s`` (its ReplicaDesc, encoded)."""
-    return _DESC_BYTES + len(s.name) + len(s.node_id) + len(s.endpoint)
+    """Reply-budget charge of one slice in segment ``s``: the larger of its encodings, a
+    ReplicaDesc (names included) or a table row (``ROW`` int64), so both reply forms stay
+    within the budget."""
+    return max(_DESC_BYTES + len(s.name) + len(s.node_id) + len(s.endpoint), 8 * ROW)
 
 
 _enc = msgspec.msgpack.Encoder()
