@@ -1300,9 +1300,8 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
         flat.byteswap()
     codes, sizes = resp.codes, resp.sizes
     rows = np.frombuffer(flat, np.int64).reshape(-1, ROW)
-    found = [i for i, x in enumerate(codes) if x == 0]
     if not flat:
-        if found:
+        if 0 in codes:
             raise bad
         return codes, sizes, rows
     if len(flat) == ROW and n == 1:  # a single get: the checks below, on five ints
@@ -1312,27 +1311,27 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
         if ln <= 0 or ln != sizes[0]:
             raise bad
         return codes, sizes, rows
-    # Range checks column by column with C-level min/max (cheap for one key and for 256).
-    k, c, y, ro, ln = (flat[f::ROW] for f in range(ROW))
+    lo, hi = rows.min(0).tolist(), rows.max(0).tolist()
     if (
-        min(k) < 0
-        or max(k) >= n
-        or min(c) < 0
-        or min(y) < 0
-        or max(y) >= len(resp.segments)
-        or min(ro) < 0
-        or min(ln) <= 0
+        lo[0] < 0
+        or hi[0] >= n
+        or lo[1] < 0
+        or lo[2] < 0
+        or hi[2] >= len(resp.segments)
+        or lo[3] < 0
+        or lo[4] <= 0
     ):
         raise bad
-    if len(k) == len(found) and max(c) == 0:
+    codes = np.asarray(codes, np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    found_mask = codes == 0
+    k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
+    if hi[1] == 0 and len(k) == int(np.count_nonzero(found_mask)):
         # One copy of one slice per found key (the common case): the rows must be exactly
         # the found keys, in order, each slice the whole object.
-        if k.tolist() != found or ln.tolist() != [sizes[i] for i in found]:
+        if not (np.array_equal(k, np.flatnonzero(found_mask)) and (ln == sizes[k]).all()):
             raise bad
         return codes, sizes, rows
-    sizes = np.asarray(sizes, np.int64)
-    found_mask = np.asarray(codes, np.int64) == 0
-    k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
     kc = k * (int(c.max()) + 1) + c
     if (
         (np.diff(kc) < 0).any()
