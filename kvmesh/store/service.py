@@ -852,11 +852,12 @@ class MasterService:
         keys = req.keys
         t = self.sm.lookup_table(keys, req.host or None, self.cfg.max_reply_bytes)
         codes = t.codes
-        ok = [i for i, c in enumerate(codes) if c == 0]
+        every = codes.count(0) == len(codes)  # all found (the usual batch): no index lists
+        ok: Any = range(len(keys)) if every else [i for i, c in enumerate(codes) if c == 0]
         if self._removing_all:
             until = [0.0] * len(ok)
         else:
-            until = self.leases.grant([keys[i] for i in ok], mono, ttl)
+            until = self.leases.grant(keys if every else [keys[i] for i in ok], mono, ttl)
         if 0.0 in until:
             # A removal of these keys is in flight: no lease on memory about to be freed,
             # and no descriptor of it in the reply.
@@ -868,11 +869,13 @@ class MasterService:
             keep = t.rows[np.asarray(codes, np.int64)[t.rows[:, 0]] == 0]
             t = t._replace(codes=codes, rows=keep)
         else:
-            granted = [keys[i] for i in ok] if len(ok) < len(keys) else keys
+            granted = keys if every else [keys[i] for i in ok]
         self.stats.touch(granted)
         self.hits += len(granted)
         self.misses += len(keys) - len(granted)
-        sizes = [z if c == 0 else 0 for c, z in zip(codes, t.sizes)]
+        sizes = t.sizes  # 0 for every key not found (lookup_table), blocked ones aside
+        if len(granted) < len(ok):
+            sizes = [z if c == 0 else 0 for c, z in zip(codes, sizes)]
         if req.table:
             rows = t.rows.astype("<i8", copy=False).tobytes()
             return P.ReplicaTableResp(req.rid, codes, sizes, t.segments, rows, int(ttl * 1000))

@@ -4,6 +4,8 @@ the client refuses a malformed table whole instead of reporting bytes it never c
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from kvmesh.store import protocol as P
 from kvmesh.store.client import _table
 from kvmesh.store.master import state as state_mod
 from kvmesh.store.master.commands import Mount, PutEnd, PutStart, encode_command
+from kvmesh.store.master.leases import LeaseTable
 from kvmesh.store.master.state import MasterConfig, StoreStateMachine
 from kvmesh.store.types import ROW, ReplicateConfig, replica_lists
 
@@ -98,3 +101,29 @@ def test_client_refuses_a_table_of_partial_rows():
     bad = P.ReplicaTableResp(1, [0], [10], [("s", "n", "e")], b"\0" * 12, 5000)
     with pytest.raises(E.InternalError):
         _table(bad, 1)
+
+
+def test_get_replicas_answers_blocked_keys_not_found_in_both_forms():
+    """A key whose removal is in flight gets no lease, answers ObjectNotFound, and its
+    descriptors are not in the reply (table rows or objects); the others are served."""
+    from kvmesh.net.security import SecurityConfig
+    from kvmesh.store.service import MasterService, ServiceConfig
+
+    svc = MasterService(
+        ServiceConfig(listen="127.0.0.1:0", durability="memory"), SecurityConfig(token="t")
+    )
+    svc.sm, keys = _filled(40)  # the state machine only: no raft node, no socket
+    svc.leases = LeaseTable()  # no new-leader blanket period
+    svc.leases.block(["k3", "k30"])
+    for table in (True, False):
+        resp = svc._get_replicas(P.GetReplicasReq(1, [*keys, "absent"], "", table))
+        bad = {3, 30, 40}
+        assert [i for i, c in enumerate(resp.codes) if c] == sorted(bad)
+        assert all(resp.sizes[i] == 0 for i in bad) and resp.sizes[0] == 100
+        if table:
+            codes, sizes, rows = _table(resp, 41)
+            assert sorted(set(rows[:, 0].tolist())) == [i for i in range(40) if i not in bad]
+        else:
+            assert all(resp.replicas[i] is None for i in bad) and resp.replicas[0]
+    later = time.monotonic() + 1  # within the 5 s ttl of the grants above
+    assert not svc.leases.leased("k3", later) and svc.leases.leased("k4", later)

@@ -382,7 +382,9 @@ class StoreStateMachine:
         if len(lay) != 12 * len(keys) or max(sizes) > self.config.slice_limit:
             return None
         slices = np.frombuffer(lay, _SLICE_DTYPE)
-        uniq, xs = np.unique(slices["sid"], return_inverse=True)
+        sid = slices["sid"]
+        uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
+        xs = np.searchsorted(uniq, sid) if len(uniq) > 1 else np.zeros(len(sid), np.int64)
         named = [self.segs[sid] for sid in uniq.tolist()]
         if max_bytes is not None:
             costs = np.asarray([_seg_cost(s) for s in named], np.int64)
@@ -391,7 +393,7 @@ class StoreStateMachine:
         n = len(keys)
         rows = np.zeros((n, ROW), np.int64)
         rows[:, 0] = np.arange(n)
-        rows[:, 2] = xs.reshape(-1)
+        rows[:, 2] = xs
         rows[:, 3] = slices["off"]
         rows[:, 4] = sizes
         return LookupTable(
