@@ -410,7 +410,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.registered_pools: dict[Any, Any] = {}
         self.mem_pool_host: Any = None
         self._reg_lock = threading.Lock()
-        self._registered: set[tuple[int, int]] = set()
+        self._registered: dict[tuple[int, int], Any] = {}  # span -> engine region
         self._counters = _Counters()
         self._log_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
@@ -482,8 +482,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             with self._reg_lock:
                 if span in self._registered:
                     continue
-                self.client.register_buffer(span[0], span[1])
-                self._registered.add(span)
+                self._registered[span] = self.client.register_buffer(span[0], span[1])
 
     @staticmethod
     def _buffers(pool: Any) -> list[Any]:
@@ -853,6 +852,16 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if self._closed:
             return
         self._closed = True
+        # The engine is process-wide and outlives this backend: a registration left behind
+        # would point at the host pool's memory after SGLang frees it (and overlap whatever
+        # is allocated there next).
+        with self._reg_lock:
+            regions, self._registered = list(self._registered.values()), {}
+        for region in regions:
+            try:
+                self.client.unregister_buffer(region)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvmesh HiCache: unregistering a host pool buffer failed: %s", e)
         if self._own_client:
             try:
                 self.client.close()
