@@ -383,6 +383,75 @@ def test_v2_sidecar_pools(cluster):
     b.close()
 
 
+def test_block_group_pages_definition():
+    from kvmesh_sglang.hicache import block_group_pages as bg
+
+    t, f = True, False
+    # groups of 2 keys, each covering a block of 4 pages: leading complete groups count
+    assert bg([t, t, t, t], 4, 2, 100) == 8
+    assert bg([t, t, f, t], 4, 2, 100) == 4
+    assert bg([f, t, t, t], 4, 2, 100) == 0  # a hole ends the run: later groups do not count
+    assert bg([t, t, t], 4, 2, 100) == 4  # a trailing partial group never counts
+    assert bg([t, t, t, t], 4, 2, 6) == 6  # capped at the call's span
+    assert bg([t, t], 0, 2, 100) == 0 and bg([t, t], 4, 0, 100) == 0 and bg([], 4, 2, 9) == 0
+
+
+def test_v2_block_groups_policy(cluster):
+    """0.5.23's BLOCK_GROUPS on real SGLang types: the pool's own keys are checked in whole
+    groups, the covered pages are its verdict, and the KV hit is never gated by it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    if not hasattr(PoolHitPolicy, "BLOCK_GROUPS"):
+        pytest.skip("this SGLang has no BLOCK_GROUPS hit policy (0.5.14)")
+    b, kv = backend(cluster, "mha", "page_first", namespace="blockgroups")
+    blk = build_pool("mla", "page_first", layers=1, mla_dim=16)
+    name = PoolName.DEEPSEEK_V4_C4
+    b.register_mem_host_pool_v2(blk, name)
+    keys = page_keys(8, "bg-kv")
+    gkeys = page_keys(5, "bg-groups")  # the pool's own keys: 2 whole groups and one key
+    ps = kv.page_size
+    ik = kv.alloc(8 * ps)
+    fill_pages(kv, ik, list(range(8)))
+    assert b.batch_set_v1(keys[:3], ik[: 3 * ps]) == [True] * 3
+    ib = blk.alloc(5 * blk.page_size)
+    fill_pages(blk, ib, [20, 21, 22, 23, 24])
+
+    def put(i):
+        sel = ib[i * blk.page_size : (i + 1) * blk.page_size]
+        assert b.batch_set_v2([PoolTransfer(name=name, host_indices=sel, keys=[gkeys[i]])]) == {
+            str(name): [True]
+        }
+
+    def ask(span=keys):
+        q = PoolTransfer(
+            name=name, keys=gkeys, hit_policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=4,
+            group_pages=2,
+        )  # fmt: skip
+        return b.batch_exists_v2(span, [q])
+
+    for i in (0, 1, 3, 4):
+        put(i)
+    res = ask()
+    # group 0 complete (pages 0-3), group 1 lacks key 2: 4 pages; KV holds 3 and is not
+    # cut or extended by the pool
+    assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
+    assert res.extra_pool_hit_pages[str(name)] == 4
+    put(2)
+    res = ask()
+    assert res.extra_pool_hit_pages[str(name)] == 8 and res.kv_hit_pages == 3
+    assert ask(keys[:6]).extra_pool_hit_pages[str(name)] == 6  # capped at the span
+    # wrong geometry is no hit for that pool, still no exception into SGLang's thread
+    q = PoolTransfer(name=name, keys=gkeys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    res = b.batch_exists_v2(keys, [q])
+    assert str(name) not in res.extra_pool_hit_pages and res.kv_hit_pages == 3
+    # the groups read back into fresh slots, byte for byte
+    out = blk.alloc(5 * blk.page_size)
+    got = b.batch_get_v2([PoolTransfer(name=name, host_indices=out, keys=gkeys)])
+    assert got == {str(name): [True] * 5}
+    assert page_digests(blk, out, 5) == page_digests(blk, ib, 5)
+    b.close()
+
+
 def test_another_process_reads_and_writes_pages(cluster, peer_process):
     peer = peer_process()
     for kind, layout in (("mha", "page_first"), ("mla", "layer_first")):
