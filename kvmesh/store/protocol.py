@@ -33,6 +33,7 @@ __all__ = [
     "CodesResp",
     "CountResp",
     "ErrorResp",
+    "ExistsPartsReq",
     "ExistsReq",
     "GetReplicasReq",
     "GetSizeReq",
@@ -58,6 +59,8 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode",
+    "parts_names",
+    "request_key_count",
     "request_keys",
 ]
 
@@ -131,6 +134,18 @@ class ExistsReq(msgspec.Struct, tag="exists", array_like=True, frozen=True):
     keys: list[str]
 
 
+class ExistsPartsReq(msgspec.Struct, tag="exists_parts", array_like=True, frozen=True):
+    """:class:`ExistsReq` for the names ``prefix + key + suffix``, every key with every suffix
+    (key-major: the codes of one key's suffixes are adjacent). Names that share their start
+    and end (a HiCache page's K and V objects, of one model and rank) cost the bytes of
+    their middles only, on the wire and in the client and master key checks."""
+
+    rid: int
+    prefix: str
+    keys: list[str]
+    suffixes: list[str]
+
+
 class GetSizeReq(msgspec.Struct, tag="get_size", array_like=True, frozen=True):
     """Object sizes; reply :class:`SizesResp` (code ObjectNotFound for a missing key)."""
 
@@ -200,6 +215,7 @@ Request = (
     | PutRevokeReq
     | GetReplicasReq
     | ExistsReq
+    | ExistsPartsReq
     | GetSizeReq
     | RemoveReq
     | RemoveAllReq
@@ -317,4 +333,21 @@ def decode_response(body: bytes | memoryview) -> Response:
 
 def request_keys(req: Any) -> list[str]:
     """The keys a request names (empty for requests without keys)."""
+    if type(req) is ExistsPartsReq:
+        return parts_names(req.prefix, req.keys, req.suffixes)
     return getattr(req, "keys", None) or []
+
+
+def request_key_count(req: Any) -> int:
+    """``len(request_keys(req))`` without building an :class:`ExistsPartsReq`'s names."""
+    if type(req) is ExistsPartsReq:
+        return len(req.keys) * len(req.suffixes)
+    return len(getattr(req, "keys", None) or [])
+
+
+def parts_names(prefix: str, keys: list[str], suffixes: list[str]) -> list[str]:
+    """The object names of an :class:`ExistsPartsReq`, in the order of its codes."""
+    if len(suffixes) == 1:
+        s = suffixes[0]
+        return [f"{prefix}{k}{s}" for k in keys]
+    return [f"{prefix}{k}{s}" for k in keys for s in suffixes]

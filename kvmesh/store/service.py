@@ -70,7 +70,7 @@ from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
 from .master.policy import HoldTracker, plan_remove, plan_upsert
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key, bad_parts
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -209,7 +209,7 @@ def _make_result_type(inner_rt: Any) -> Any:
     )
 
 
-_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
+_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 # Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
 # buffered on one connection never hold the event loop for long.
 _INLINE_KEYS = 512
@@ -558,7 +558,7 @@ class MasterService:
         batch, no lease now, or a reply being sent or left unread: backpressure of
         :class:`_Replies` applies)."""
         node = self.node
-        if node is None or len(req.keys) > _INLINE_KEYS or not out.ready():
+        if node is None or P.request_key_count(req) > _INLINE_KEYS or not out.ready():
             return False
         try:
             if node.lease_read_index() is None:
@@ -629,7 +629,7 @@ class MasterService:
         if self.metrics is not None:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
-            self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
+            self.metrics.observe(type(req).__name__, outcome, P.request_key_count(req), started)
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -643,12 +643,21 @@ class MasterService:
     def _check(self, req: Any) -> None:
         # Conforming clients validate before sending; a request with a bad field comes from
         # a broken or hostile peer and is refused whole, before any work.
-        keys = P.request_keys(req)
-        if len(keys) > self.cfg.max_batch_keys:
+        if type(req) is P.ExistsPartsReq:
+            # Checked by parts (types.bad_parts), never expanded before the count is known.
+            n = P.request_key_count(req)
+            keys: list[Any] = []
+            why = bad_parts(req.prefix, req.keys, req.suffixes)
+        else:
+            keys = P.request_keys(req)
+            n = len(keys)
+            why = None
+        if n > self.cfg.max_batch_keys:
             raise E.InvalidParams(
-                f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
+                f"{n} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
-        why = bad_key(keys)
+        if keys:
+            why = bad_key(keys)
         if why is not None:
             raise E.InvalidKey(why)
         for name in ("sizes", "versions"):
@@ -699,6 +708,8 @@ class MasterService:
             return self._get_replicas(req)
         if t is P.ExistsReq:
             return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
+        if t is P.ExistsPartsReq:
+            return P.CodesResp(req.rid, self.sm.exists_codes(req.prefix, req.keys, req.suffixes))
         sizes = self.sm.get_size(req.keys)
         return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
 

@@ -665,9 +665,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return 0
         t0 = time.perf_counter()
         comps = ("k", "v") if self._mha else ("kv",)
-        flags = self._exist_flags(self._obj().names(keys, comps))
+        obj = self._obj()
+        # The names are {pre}{key}{mid}{comp}: the store gets the parts (one prefix, the page
+        # keys, one suffix per component), not 2 x 256 full names.
+        sufs = [obj.mid + c for c in comps]
+        res = list(_whole(self.client.exists(keys, prefix=obj.pre, suffixes=sufs)))
+        if set(map(type, res)) != {bool}:  # an error for some object counts as missing
+            res = [r is True for r in res]
         # Components of a page are adjacent: the first missing object ends the prefix.
-        n = flags.index(False) // len(comps) if False in flags else len(keys)
+        n = res.index(False) // len(comps) if False in res else len(keys)
         self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
         return n
 

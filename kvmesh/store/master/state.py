@@ -301,6 +301,23 @@ class StoreStateMachine:
             return [o is not None and o.state == _C for o in map(get, ks)]
         return [type(k) is str and (o := get(k)) is not None and o.state == _C for k in ks]
 
+    def exists_codes(self, prefix: str, keys: list[str], suffixes: list[str]) -> list[int]:
+        """Per name ``prefix + key + suffix`` (key-major, every suffix): 1 for a COMPLETE
+        object, else 0. The names are built and looked up in one pass (no list of names,
+        no per-key type test: the service checked the parts, all ``str``)."""
+        get = self.objects.get
+        c = _C
+        if len(suffixes) == 1:
+            s = suffixes[0]
+            return [
+                1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0 for k in keys
+            ]
+        return [
+            1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0
+            for k in keys
+            for s in suffixes
+        ]
+
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
         objs = self.objects
