@@ -851,8 +851,9 @@ class StoreClient:
 
         With ``prefix`` or ``suffixes``: the objects named ``prefix + key + suffix`` for every
         key and then every suffix (key-major; ``suffixes`` defaults to ``[""]``), one result
-        per name. The master gets the parts, not the names (:class:`protocol.ExistsPartsReq`),
-        so names that share a long start pay for their middles only."""
+        per name, always a batch. The master gets the parts, not the names
+        (:class:`protocol.ExistsPartsReq`), so names that share a long start pay for their
+        middles only."""
         if prefix or suffixes is not None:
             return self._exists_parts(keys, prefix, list(suffixes or [""]))
         ks, batch = self._listify(keys)
@@ -883,7 +884,7 @@ class StoreClient:
         return self._finish(BatchResults(out), batch)
 
     def _exists_parts(self, keys: Any, prefix: str, sufs: list[str]) -> BatchResults:
-        ks = list(keys)
+        ks = self._listify(keys)[0]  # one key (a str) is a batch of one key here
         if len(sufs) > MAX_KEYS_PER_RPC or bad_parts(prefix, ks, sufs) is not None:
             # Some name is invalid (or too many suffixes): name by name, for per-name errors.
             return self.exists(P.parts_names(prefix, ks, sufs))

@@ -172,6 +172,7 @@ def test_exists_by_parts_answers_as_exists_by_name():
         assert list(c.exists(keys, prefix="ns/m/", suffixes=sufs)) == by_name
         assert by_name.index(False) == 200 and sum(by_name) == len(there)
         assert list(c.exists(keys, prefix="ns/m/", suffixes=["/r0/k"])) == by_name[::2]
+        assert list(c.exists("h000", prefix="ns/m/", suffixes=sufs)) == [True, True]
         # an invalid part: answered name by name, per-name errors beside the answers
         res = c.exists(["h000", "bad\0"], prefix="ns/m/", suffixes=sufs)
         assert res[0] is True and res[1] is True
