@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -216,6 +217,7 @@ _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
+_M64 = (1 << 64) - 1
 
 
 def _now() -> float:
@@ -260,8 +262,10 @@ class MasterService:
         self._owners: OrderedDict[int, str] = OrderedDict()
         # storage node id -> the peer that mounted it (same rules as _owners)
         self._node_owners: OrderedDict[str, str] = OrderedDict()
-        # (key, version) of a put this leader started -> the session that started it
-        self._writers: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # key of a put this leader started -> (version << 64) | the session that started it
+        # (a plain dict of str -> int: the cyclic GC does not track it, while tuple keys in
+        # an OrderedDict of a million entries made every full collection walk them all)
+        self._writers: dict[str, int] = {}
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -887,11 +891,16 @@ class MasterService:
                 codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
                 j += 1
         w = self._writers
+        me = req.session.client_id
         for k, c, v in zip(keys, codes, versions):
             if c == 0:
-                w[(k, v)] = req.session.client_id
-        while len(w) > _MAX_WRITERS:
-            w.popitem(last=False)  # oldest puts (long reclaimed, most likely)
+                w.pop(k, None)  # a new put of the key is the youngest binding
+                w[k] = (v << 64) | me
+        if len(w) > _MAX_WRITERS:
+            # the oldest quarter at once (amortised O(1); popping a plain dict's front one
+            # by one rescans the deleted slots): puts long reclaimed, most likely
+            for k in list(itertools.islice(w, len(w) - _MAX_WRITERS + _MAX_WRITERS // 4)):
+                del w[k]
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
         )
@@ -910,7 +919,10 @@ class MasterService:
                 return [0] * len(keys), 0.0
             w = self._writers
             bad = int(E.InvalidWrite.code)
-            return [bad if w.get((k, v), me) != me else 0 for k, v in zip(keys, vers)], 0.0
+            return [
+                bad if (x := w.get(k)) is not None and x >> 64 == v and x & _M64 != me else 0
+                for k, v in zip(keys, vers)
+            ], 0.0
 
         planned, _ = self._planned(req.session, make)
         todo = [i for i, c in enumerate(planned) if not c]
@@ -922,9 +934,12 @@ class MasterService:
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
         if len(vers) == len(keys):
-            for k, v, c in zip(keys, vers, out):
+            w = self._writers
+            for k, c in zip(keys, out):
+                # its version is (or was, for a repeated PutEnd) the key's current put: any
+                # binding of the key is that put's or an older, dead one's
                 if c == 0:
-                    self._writers.pop((k, v), None)
+                    w.pop(k, None)
         if end:
             self.stats.touch(k for k, c in zip(keys, out) if c == 0)
         return P.CodesResp(req.rid, out)

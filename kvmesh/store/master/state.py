@@ -146,7 +146,9 @@ class _Seg:
         self.state = state
         self.deadline = deadline
         self.generation = generation
-        self.keys: set[str] = set()  # keys with at least one slice here
+        # keys with at least one slice here; a dict, not a set: a dict of strings is not
+        # tracked by the cyclic GC, a set is, and a full collection would walk every key
+        self.keys: dict[str, None] = {}
         self.slices = 0  # slices of live objects placed here
 
     def info(self) -> SegmentInfo:
@@ -502,7 +504,7 @@ class StoreStateMachine:
     def _rebuild_indexes(self) -> None:
         segs = self.segs
         for s in segs.values():
-            s.keys = set()
+            s.keys = {}
             s.slices = 0
         self.processing = {}
         complete = 0
@@ -516,12 +518,12 @@ class StoreStateMachine:
             lay = o.layout
             if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
                 s = segs[int.from_bytes(lay[:4], "little")]
-                s.keys.add(k)
+                s.keys[k] = None
                 s.slices += 1
                 continue
             for sid, _off in SLICE.iter_unpack(lay):
                 s = segs[sid]
-                s.keys.add(k)
+                s.keys[k] = None
                 s.slices += 1
         processing.sort()
         self.processing = dict.fromkeys(k for _, k in processing)
@@ -566,7 +568,7 @@ class StoreStateMachine:
         for copy in copies:
             for sid, _ in copy:
                 s = segs[sid]
-                s.keys.add(key)
+                s.keys[key] = None
                 s.slices += 1
 
     def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
@@ -577,7 +579,7 @@ class StoreStateMachine:
         for copy in copies:
             for (sid, off), ln in zip(copy, lens):
                 s = segs[sid]
-                s.keys.discard(key)
+                s.keys.pop(key, None)
                 s.slices -= 1
                 if held is not None:
                     held.append((sid, off, ln))
@@ -702,7 +704,7 @@ class StoreStateMachine:
             still = {sid for c in keep for sid, _ in c}
             for sid in touched:
                 if sid not in still:
-                    segs[sid].keys.discard(key)
+                    segs[sid].keys.pop(key, None)
         for t in list(self.held):
             rest = [e for e in self.held[t] if e[0] != seg.id]
             if rest:
@@ -967,7 +969,7 @@ class StoreStateMachine:
                 size = sizes[pos]
                 objs[key] = Obj(size, _P, index, c.now, SLICE.pack(s.id, off), pin, until)
                 processing[key] = None
-                s.keys.add(key)
+                s.keys[key] = None
                 reps[pos] = [ObjectReplica([ReplicaDesc(s.name, s.node_id, s.endpoint, off, size)])]
                 vers[pos] = index
         return PutStartResult(codes, reps, vers)
