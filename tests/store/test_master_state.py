@@ -23,6 +23,7 @@ from kvmesh.store.master.commands import (
     PutRevoke,
     PutStart,
     PutStartResult,
+    PutStartRun,
     Reclaim,
     Release,
     Remove,
@@ -316,8 +317,15 @@ def test_session_wrapper_caches_typed_results() -> None:
     body = encode_command(PutStart(["k"], [100], ReplicateConfig(), 0.0))
     first = sm.apply(3, encode_envelope(SessionCommand(cid, 2, body)))
     again = sm.apply(4, encode_envelope(SessionCommand(cid, 2, body)))
-    assert isinstance(again, PutStartResult) and again == first
-    assert sm.inner.object_count() == 1
+    assert isinstance(again, PutStartRun) and again == first  # the batch path's answer
+    assert again.expand() == PutStartResult([0], first.replicas, [3])
+    # the per-key path's answer (a preferred segment) comes back typed too
+    cfg = ReplicateConfig(preferred_segment="s")
+    body = encode_command(PutStart(["k2"], [100], cfg, 0.0))
+    first = sm.apply(5, encode_envelope(SessionCommand(cid, 3, body)))
+    again = sm.apply(6, encode_envelope(SessionCommand(cid, 3, body)))
+    assert isinstance(again, PutStartResult) and again == first and first.versions == [5]
+    assert sm.inner.object_count() == 2
 
 
 def test_mount_validates_its_fields() -> None:

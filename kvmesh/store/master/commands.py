@@ -15,7 +15,8 @@ Commands (effect per key unless noted) and their results:
   ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
 * ``ExpireNodes``: drop every segment of each node and every copy in them. ``ExpireResult``.
 * ``PutStart``: allocate PROCESSING copies (``ObjectExists`` if COMPLETE, ``ReplicaNotReady``
-  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``.
+  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``, or
+  the same answer in the compact ``PutStartRun`` (one copy of one slice per key).
 * ``PutEnd``: PROCESSING -> COMPLETE, only for the put named by ``versions``. ``Codes``.
 * ``PutRevoke``: free a PROCESSING put (named by ``versions``). ``Codes``.
 * ``Upsert``: like PutStart, but a COMPLETE key is replaced (its allocation reused when size
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..types import ObjectReplica, ReplicateConfig
+from ..types import ObjectReplica, ReplicaDesc, ReplicateConfig
 
 __all__ = [
     "COMMAND_TYPES",
@@ -60,6 +61,7 @@ __all__ = [
     "PutRevoke",
     "PutStart",
     "PutStartResult",
+    "PutStartRun",
     "Reclaim",
     "ReclaimResult",
     "Release",
@@ -242,6 +244,41 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
     versions: list[int]
 
 
+class PutStartRun(msgspec.Struct, tag="put_start_run", **_S):
+    """The result of a ``PutStart`` that placed one copy of one slice per key (the batch
+    path, ``StoreStateMachine._put_start_batch``): the same answer as
+    :class:`PutStartResult`, compact. Every replica builds and caches (in its session
+    table) the result of every entry; per key it is three ints here instead of a replica
+    descriptor with three strings. ``replicas``, ``versions`` and :meth:`expand` give the
+    values of the equivalent ``PutStartResult``.
+
+    ``segs[j]``: ``(segment, node_id, endpoint)``; per key ``where[i]`` indexes ``segs``
+    (-1: no copy, ``codes[i]`` says why), ``offsets[i]`` and ``lengths[i]`` the slice."""
+
+    codes: list[int]
+    version: int  # the entry's index: every key placed here has this version
+    segs: list[tuple[str, str, str]]
+    where: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+    @property
+    def versions(self) -> list[int]:
+        v = self.version
+        return [v if w >= 0 else 0 for w in self.where]
+
+    @property
+    def replicas(self) -> list[list[ObjectReplica] | None]:
+        segs = self.segs
+        return [
+            None if w < 0 else [ObjectReplica([ReplicaDesc(*segs[w], off, ln)])]
+            for w, off, ln in zip(self.where, self.offsets, self.lengths)
+        ]
+
+    def expand(self) -> PutStartResult:
+        return PutStartResult(list(self.codes), self.replicas, self.versions)
+
+
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
     """``codes`` per node (``NodeNotFound`` if it had no segment; for ``Unmount`` one code
     for the segment); ``lost``: COMPLETE keys
@@ -270,7 +307,15 @@ class EvictResult(msgspec.Struct, tag="evict", **_S):
     freed: int  # bytes returned to the allocator
 
 
-Result = Codes | PutStartResult | ExpireResult | RemoveAllResult | ReclaimResult | EvictResult
+Result = (
+    Codes
+    | PutStartResult
+    | PutStartRun
+    | ExpireResult
+    | RemoveAllResult
+    | ReclaimResult
+    | EvictResult
+)
 
 _enc = msgspec.msgpack.Encoder()
 _cmd_dec = msgspec.msgpack.Decoder(Command)

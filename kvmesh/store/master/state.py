@@ -50,6 +50,7 @@ from ..types import (
     SegmentInfo,
     Usage,
     key_error,
+    keys_valid,
 )
 from .allocator import SegmentAllocator
 from .commands import (
@@ -65,6 +66,7 @@ from .commands import (
     PutRevoke,
     PutStart,
     PutStartResult,
+    PutStartRun,
     Reclaim,
     ReclaimResult,
     Release,
@@ -779,7 +781,11 @@ class StoreStateMachine:
         if not (1 <= cfg.replica_num <= MAX_REPLICAS) or cfg.strategy not in _STRATEGIES:
             return int(Code.INVALID_PARAMS)
         lim = self.config.slice_limit
-        work = sum(-(-z // lim) for z in c.sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
+        sizes = c.sizes
+        if sizes and set(map(type, sizes)) == {int} and min(sizes) > 0 and max(sizes) <= lim:
+            work = len(sizes)  # one slice each (C-level passes instead of a loop)
+        else:
+            work = sum(-(-z // lim) for z in sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
         if work * cfg.replica_num > MAX_SLICES_PER_BATCH:
             return int(Code.INVALID_PARAMS)  # bounded work per entry: split the batch
         return 0
@@ -794,13 +800,13 @@ class StoreStateMachine:
         pin, until = _pin_of(c.config, c.now, c.pin_ttl)
         return 0, Obj(size, _P, index, c.now, pack_layout(copies), pin, until), copies
 
-    def _put_start(self, index: int, c: PutStart) -> PutStartResult:
+    def _put_start(self, index: int, c: PutStart) -> PutStartResult | PutStartRun:
         return self._put(index, c, upsert=False)
 
     def _upsert(self, index: int, c: Upsert) -> PutStartResult:
         return self._put(index, c, upsert=True)
 
-    def _put(self, index: int, c: PutStart | Upsert, upsert: bool) -> PutStartResult:
+    def _put(self, index: int, c: PutStart | Upsert, upsert: bool) -> PutStartResult | PutStartRun:
         bad = self._check_put(c)
         n = len(c.keys)
         if bad:
@@ -872,7 +878,7 @@ class StoreStateMachine:
                 vers.append(index)
         return PutStartResult(codes, reps, vers)
 
-    def _put_start_batch(self, index: int, c: PutStart | Upsert) -> PutStartResult | None:
+    def _put_start_batch(self, index: int, c: PutStart | Upsert) -> PutStartRun | None:
         """The common PutStart (one copy, one slice per key, no preferred segment, not
         ``random``) for a whole batch at once, with exactly the outcome of the per-key path
         in :meth:`_put` (None: not this case, nothing changed). Keys are classified first;
@@ -880,7 +886,9 @@ class StoreStateMachine:
         of each key is chosen as :meth:`_pick` would, with per-segment free bytes and the
         count of pieces each segment can still take (:meth:`SegmentAllocator.capacity`)
         standing in for the allocator, and then each segment allocates its share with one
-        :meth:`SegmentAllocator.alloc_run` (the same offsets as one ``alloc`` per key)."""
+        :meth:`SegmentAllocator.alloc_run` (the same offsets as one ``alloc`` per key).
+        The answer is the compact :class:`PutStartRun` (what the per-key path would answer,
+        see :meth:`PutStartRun.expand`)."""
         cfg = c.config
         lim = self.config.slice_limit
         if cfg.replica_num != 1 or cfg.strategy == "random" or cfg.preferred_segment is not None:
@@ -890,36 +898,67 @@ class StoreStateMachine:
         objs = self.objects
         codes = [0] * n
         todo: list[int] = []
-        seen: set[str] = set()
-        for pos, (key, size) in enumerate(zip(keys, sizes)):
-            if (
-                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
-                and key_error(key) is not None
-            ):
-                codes[pos] = int(Code.INVALID_KEY)
-            elif not 1 <= size <= MAX_OBJECT_SIZE:
-                codes[pos] = int(Code.INVALID_PARAMS)
-            elif size > lim or key in seen:
-                return None  # slices, or a key twice: the per-key path (nothing changed yet)
+        if (
+            n
+            and keys_valid(keys)
+            and set(map(type, sizes)) == {int}
+            and min(sizes) >= 1
+            and max(sizes) <= min(lim, MAX_OBJECT_SIZE)
+            and len(set(keys)) == n
+        ):
+            # The batch a conforming client sends: every key valid and distinct, every size
+            # one slice (checked with C-level passes); only the table decides per key.
+            olds = list(map(objs.get, keys))
+            if olds.count(None) == n:
+                todo = list(range(n))
             else:
-                old = objs.get(key)
-                if old is None:
-                    todo.append(pos)
-                    seen.add(key)
-                elif old.state != _C:
-                    codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
+                for pos, old in enumerate(olds):
+                    if old is None:
+                        todo.append(pos)
+                    elif old.state != _C:
+                        codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
+                    else:
+                        codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
+        else:
+            seen: set[str] = set()
+            for pos, (key, size) in enumerate(zip(keys, sizes)):
+                if (
+                    not (
+                        type(key) is str
+                        and 0 < len(key) <= 256
+                        and key.isascii()
+                        and "\0" not in key
+                    )
+                    and key_error(key) is not None
+                ):
+                    codes[pos] = int(Code.INVALID_KEY)
+                elif not 1 <= size <= MAX_OBJECT_SIZE:
+                    codes[pos] = int(Code.INVALID_PARAMS)
+                elif size > lim or key in seen:
+                    return None  # slices, or a key twice: the per-key path (nothing changed)
                 else:
-                    codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
+                    old = objs.get(key)
+                    if old is None:
+                        todo.append(pos)
+                        seen.add(key)
+                    elif old.state != _C:
+                        codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
+                    else:
+                        codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
         if todo and next_state(State.GONE, Event.PUT_START) is not State.PROCESSING:
             return None
-        reps: list[list[ObjectReplica] | None] = [None] * n
-        vers = [0] * n
+        where = [-1] * n
+        offsets = [0] * n
+        used: dict[int, int] = {}  # segment id -> its index in the result's segs
+        used_segs: list[_Seg] = []
         a = self.config.align
         mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         host = cfg.writer_host if cfg.strategy == "local" else None
         pin, until = _pin_of(cfg, c.now, c.pin_ttl)
         processing = self.processing
         no_space = int(Code.NO_AVAILABLE_HANDLE)
+        pack = SLICE.pack
+        now = c.now
         lo = 0
         while lo < len(todo):
             rounded = (sizes[todo[lo]] + a - 1) & -a
@@ -952,27 +991,61 @@ class StoreStateMachine:
                 left[j] -= take
                 free[j] -= take * rounded
                 i += take
-            placed: dict[int, tuple[_Seg, int]] = {}
+            whole = None  # the one segment that took the whole run, if one did
             for j, mine in enumerate(share):
-                if mine:
-                    s = mounted[j]
-                    placed.update(
-                        zip(mine, zip([s] * len(mine), s.alloc.alloc_run(rounded, len(mine))))
-                    )
-                    s.slices += len(mine)
-            for pos in run:  # table order as in the per-key path (snapshots, digests)
-                got = placed.get(pos)
-                if got is None:
+                if not mine:
                     continue
-                s, off = got
+                s = mounted[j]
+                w = used.get(s.id)
+                if w is None:
+                    w = used[s.id] = len(used_segs)
+                    used_segs.append(s)
+                offs = s.alloc.alloc_run(rounded, len(mine))
+                s.slices += len(mine)
+                if len(mine) == len(run):
+                    whole = (s, w, offs)
+                    break
+                for pos, off in zip(mine, offs):
+                    where[pos] = w
+                    offsets[pos] = off
+            # table order as in the per-key path (snapshots, digests)
+            if whole is not None:
+                s, w, offs = whole
+                sid = s.id
+                rkeys = [keys[pos] for pos in run]
+                objs.update(
+                    zip(
+                        rkeys,
+                        [
+                            Obj(sizes[pos], _P, index, now, pack(sid, off), pin, until)
+                            for pos, off in zip(run, offs)
+                        ],
+                    )
+                )
+                new = dict.fromkeys(rkeys)
+                processing.update(new)
+                s.keys.update(new)
+                for pos, off in zip(run, offs):
+                    where[pos] = w
+                    offsets[pos] = off
+                continue
+            for pos in run:
+                w = where[pos]
+                if w < 0:
+                    continue
+                s = used_segs[w]
                 key = keys[pos]
-                size = sizes[pos]
-                objs[key] = Obj(size, _P, index, c.now, SLICE.pack(s.id, off), pin, until)
+                objs[key] = Obj(sizes[pos], _P, index, now, pack(s.id, offsets[pos]), pin, until)
                 processing[key] = None
                 s.keys[key] = None
-                reps[pos] = [ObjectReplica([ReplicaDesc(s.name, s.node_id, s.endpoint, off, size)])]
-                vers[pos] = index
-        return PutStartResult(codes, reps, vers)
+        return PutStartRun(
+            codes,
+            index,
+            [(s.name, s.node_id, s.endpoint) for s in used_segs],
+            where,
+            offsets,
+            [sizes[pos] if w >= 0 else 0 for pos, w in enumerate(where)],
+        )
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
         # versions are required: without them a late PutEnd could publish another
