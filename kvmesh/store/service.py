@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Literal
 
 import msgspec
@@ -218,6 +218,11 @@ _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 _M64 = (1 << 64) - 1
+
+
+def _consume(it: Any) -> None:
+    """Run an iterator of side effects to its end at C speed (``map`` of a dict method)."""
+    deque(it, maxlen=0)
 
 
 def _now() -> float:
@@ -661,7 +666,9 @@ class MasterService:
                 raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
         sizes = getattr(req, "sizes", None)
         if sizes is not None and (
-            len(sizes) != len(keys) or any(not 0 < s <= MAX_OBJECT_SIZE for s in sizes)
+            # list[int] as decoded (msgspec): C-level min/max instead of a test per key
+            len(sizes) != len(keys)
+            or (sizes and not 0 < min(sizes) <= max(sizes) <= MAX_OBJECT_SIZE)
         ):
             raise E.InvalidParams(f"sizes must be 1..{MAX_OBJECT_SIZE}, one per key")
         config = getattr(req, "config", None)
@@ -786,6 +793,8 @@ class MasterService:
     @staticmethod
     def _merge(planned: list[int], applied: list[int]) -> list[int]:
         """Per key: the planned refusal, or the applied entry's code (in order)."""
+        if len(planned) == len(applied) and not any(planned):
+            return list(applied)  # nothing refused before the log
         it = iter(applied)
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
@@ -851,16 +860,22 @@ class MasterService:
             planned, _ = self._planned(req.session, make)
         else:
             planned = [0] * n
-        todo = [i for i in range(n) if not planned[i]]
-        tk = [keys[i] for i in todo]
-        ts = [req.sizes[i] for i in todo]
+        if any(planned):
+            todo = [i for i in range(n) if not planned[i]]
+            tk = [keys[i] for i in todo]
+            ts = [req.sizes[i] for i in todo]
+        else:
+            tk, ts = keys, req.sizes
         # Make room first when the pool is short: a put reports NoSpace only when nothing is
         # evictable (the put itself stays one entry under the client's session). Only for
         # copies that could fit once room is made: a key larger than the whole pool, or more
         # copies than there are storage nodes, would evict everything and still not fit.
         copies = req.config.replica_num
         usage = self.sm.usage()
-        need = sum(z * copies for z in ts if z * copies <= usage.capacity)
+        if ts and max(ts) * copies <= usage.capacity:
+            need = sum(ts) * copies
+        else:
+            need = sum(z * copies for z in ts if z * copies <= usage.capacity)
         free = usage.capacity - usage.used
         if need > free and copies <= len(self.sm.nodes()):
             await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
@@ -879,7 +894,7 @@ class MasterService:
         if len(planned) != n:
             raise E.InvalidParams("a retried put named different keys than the first attempt")
         if not any(planned) and len(r.codes) == n:  # nothing decided before the log
-            codes, replicas, versions = list(r.codes), list(r.replicas), list(r.versions)
+            codes, replicas, versions = list(r.codes), r.replicas, r.versions
         else:
             codes = list(planned)
             replicas = [None] * n
@@ -892,10 +907,18 @@ class MasterService:
                 j += 1
         w = self._writers
         me = req.session.client_id
-        for k, c, v in zip(keys, codes, versions):
-            if c == 0:
-                w.pop(k, None)  # a new put of the key is the youngest binding
-                w[k] = (v << 64) | me
+        if type(r) is C.PutStartRun and not any(codes):
+            # one version for the whole batch: C-level passes instead of a loop per key
+            # (a binding left by an earlier, dead put of a key goes first: the new one is
+            # the youngest)
+            for k in w.keys() & keys:
+                del w[k]
+            w.update(dict.fromkeys(keys, (r.version << 64) | me))
+        else:
+            for k, c, v in zip(keys, codes, versions):
+                if c == 0:
+                    w.pop(k, None)  # a new put of the key is the youngest binding
+                    w[k] = (v << 64) | me
         if len(w) > _MAX_WRITERS:
             # the oldest quarter at once (amortised O(1); popping a plain dict's front one
             # by one rescans the deleted slots): puts long reclaimed, most likely
@@ -915,33 +938,42 @@ class MasterService:
         me = req.session.client_id
 
         def make() -> tuple[list[int], float]:
-            if len(vers) != len(keys):  # apply answers InvalidParams per key
-                return [0] * len(keys), 0.0
+            n = len(keys)
+            if len(vers) != n:  # apply answers InvalidParams per key
+                return [0] * n, 0.0
             w = self._writers
+            found = list(map(w.get, keys))
+            if n and min(vers) == max(vers):
+                # one put's keys (the usual batch): bound to me, or to no one this leader
+                # knows, decided with C-level counts
+                mine = (vers[0] << 64) | me
+                if found.count(mine) + found.count(None) == n:
+                    return [0] * n, 0.0
             bad = int(E.InvalidWrite.code)
             return [
-                bad if (x := w.get(k)) is not None and x >> 64 == v and x & _M64 != me else 0
-                for k, v in zip(keys, vers)
+                bad if x is not None and x >> 64 == v and x & _M64 != me else 0
+                for x, v in zip(found, vers)
             ], 0.0
 
         planned, _ = self._planned(req.session, make)
-        todo = [i for i, c in enumerate(planned) if not c]
-        tk = [keys[i] for i in todo]
-        tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        if any(planned):
+            todo = [i for i, c in enumerate(planned) if not c]
+            tk = [keys[i] for i in todo]
+            tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        else:
+            tk, tv = keys, vers
         cmd = C.PutEnd(keys=tk, versions=tv) if end else C.PutRevoke(keys=tk, versions=tv)
         res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
-        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
+        out = self._merge(res.codes or [0] * len(keys), res.result.codes)
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
+        done = keys if not any(out) else [k for k, c in zip(keys, out) if c == 0]
         if len(vers) == len(keys):
-            w = self._writers
-            for k, c in zip(keys, out):
-                # its version is (or was, for a repeated PutEnd) the key's current put: any
-                # binding of the key is that put's or an older, dead one's
-                if c == 0:
-                    w.pop(k, None)
+            # each done key's version is (or was, for a repeated PutEnd) its current put:
+            # any binding of the key is that put's or an older, dead one's
+            _consume(map(self._writers.pop, done, itertools.repeat(None)))
         if end:
-            self.stats.touch(k for k, c in zip(keys, out) if c == 0)
+            self.stats.touch(done)
         return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:

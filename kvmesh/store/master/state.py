@@ -959,14 +959,21 @@ class StoreStateMachine:
         no_space = int(Code.NO_AVAILABLE_HANDLE)
         pack = SLICE.pack
         now = c.now
-        lo = 0
-        while lo < len(todo):
-            rounded = (sizes[todo[lo]] + a - 1) & -a
-            hi = lo + 1
-            while hi < len(todo) and (sizes[todo[hi]] + a - 1) & -a == rounded:
-                hi += 1
-            run = todo[lo:hi]
-            lo = hi
+        everyone = len(todo) == n  # todo is then 0..n-1
+        if everyone and n and (min(sizes) + a - 1) & -a == (max(sizes) + a - 1) & -a:
+            runs = [todo]  # one aligned size: one run (no per-key scan)
+        else:
+            runs = []
+            lo = 0
+            while lo < len(todo):
+                rounded = (sizes[todo[lo]] + a - 1) & -a
+                hi = lo + 1
+                while hi < len(todo) and (sizes[todo[hi]] + a - 1) & -a == rounded:
+                    hi += 1
+                runs.append(todo[lo:hi])
+                lo = hi
+        for run in runs:
+            rounded = (sizes[run[0]] + a - 1) & -a
             left = [s.alloc.capacity(rounded, len(run)) for s in mounted]
             free = [s.alloc.free_bytes for s in mounted]
             share: list[list[int]] = [[] for _ in mounted]  # run positions per segment
@@ -1025,6 +1032,9 @@ class StoreStateMachine:
                 new = dict.fromkeys(rkeys)
                 processing.update(new)
                 s.keys.update(new)
+                if len(run) == n:  # the whole batch
+                    where, offsets = [w] * n, offs
+                    continue
                 for pos, off in zip(run, offs):
                     where[pos] = w
                     offsets[pos] = off
@@ -1044,7 +1054,7 @@ class StoreStateMachine:
             [(s.name, s.node_id, s.endpoint) for s in used_segs],
             where,
             offsets,
-            [sizes[pos] if w >= 0 else 0 for pos, w in enumerate(where)],
+            list(sizes) if -1 not in where else [z if w >= 0 else 0 for z, w in zip(sizes, where)],
         )
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
