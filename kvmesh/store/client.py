@@ -461,6 +461,7 @@ class StoreClient:
                 out[i] = err
             return []
         versions = resp.versions
+        copies = resp.copies()
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
@@ -469,7 +470,7 @@ class StoreClient:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
                 continue
             started.append(j)
-            for rep in resp.replicas[j] or []:
+            for rep in copies[j] or []:
                 reqs.extend(_copy_reqs(j, bufs[i], rep))
         # The allocation is ours only until the master's put timeout: writes must be over
         # well before it (a reclaimed range may be handed to another put). Counted from

@@ -893,8 +893,13 @@ class MasterService:
         planned, r = res.codes or [0] * n, res.result
         if len(planned) != n:
             raise E.InvalidParams("a retried put named different keys than the first attempt")
+        run = None
         if not any(planned) and len(r.codes) == n:  # nothing decided before the log
-            codes, replicas, versions = list(r.codes), r.replicas, r.versions
+            codes, versions = list(r.codes), r.versions
+            if type(r) is C.PutStartRun:
+                replicas, run = [], r.run  # sent as it is cached: compact
+            else:
+                replicas = r.replicas
         else:
             codes = list(planned)
             replicas = [None] * n
@@ -925,7 +930,7 @@ class MasterService:
             for k in list(itertools.islice(w, len(w) - _MAX_WRITERS + _MAX_WRITERS // 4)):
                 del w[k]
         return P.PutStartResp(
-            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
+            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
 
     async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:

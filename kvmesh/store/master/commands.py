@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..types import ObjectReplica, ReplicaDesc, ReplicateConfig
+from ..types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "COMMAND_TYPES",
@@ -246,34 +246,23 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
 
 class PutStartRun(msgspec.Struct, tag="put_start_run", **_S):
     """The result of a ``PutStart`` that placed one copy of one slice per key (the batch
-    path, ``StoreStateMachine._put_start_batch``): the same answer as
-    :class:`PutStartResult`, compact. Every replica builds and caches (in its session
-    table) the result of every entry; per key it is three ints here instead of a replica
-    descriptor with three strings. ``replicas``, ``versions`` and :meth:`expand` give the
-    values of the equivalent ``PutStartResult``.
-
-    ``segs[j]``: ``(segment, node_id, endpoint)``; per key ``where[i]`` indexes ``segs``
-    (-1: no copy, ``codes[i]`` says why), ``offsets[i]`` and ``lengths[i]`` the slice."""
+    path, ``StoreStateMachine._put_start_batch``): the answer of :class:`PutStartResult`,
+    compact (:class:`~kvmesh.store.types.ReplicaRun`). Every replica builds and caches (in
+    its session table) the result of every entry. ``replicas``, ``versions`` and
+    :meth:`expand` give the values of the equivalent ``PutStartResult``."""
 
     codes: list[int]
     version: int  # the entry's index: every key placed here has this version
-    segs: list[tuple[str, str, str]]
-    where: list[int]
-    offsets: list[int]
-    lengths: list[int]
+    run: ReplicaRun
 
     @property
     def versions(self) -> list[int]:
         v = self.version
-        return [v if w >= 0 else 0 for w in self.where]
+        return [v if w >= 0 else 0 for w in self.run.where]
 
     @property
     def replicas(self) -> list[list[ObjectReplica] | None]:
-        segs = self.segs
-        return [
-            None if w < 0 else [ObjectReplica([ReplicaDesc(*segs[w], off, ln)])]
-            for w, off, ln in zip(self.where, self.offsets, self.lengths)
-        ]
+        return self.run.expand()
 
     def expand(self) -> PutStartResult:
         return PutStartResult(list(self.codes), self.replicas, self.versions)

@@ -46,6 +46,7 @@ from ..types import (
     ObjectLookup,
     ObjectReplica,
     ReplicaDesc,
+    ReplicaRun,
     ReplicateConfig,
     SegmentInfo,
     Usage,
@@ -1051,10 +1052,14 @@ class StoreStateMachine:
         return PutStartRun(
             codes,
             index,
-            [(s.name, s.node_id, s.endpoint) for s in used_segs],
-            where,
-            offsets,
-            list(sizes) if -1 not in where else [z if w >= 0 else 0 for z, w in zip(sizes, where)],
+            ReplicaRun(
+                [(s.name, s.node_id, s.endpoint) for s in used_segs],
+                where,
+                offsets,
+                list(sizes)
+                if -1 not in where
+                else [z if w >= 0 else 0 for z, w in zip(sizes, where)],
+            ),
         )
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
