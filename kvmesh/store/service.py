@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import secrets
@@ -217,12 +216,6 @@ _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
-_M64 = (1 << 64) - 1
-
-
-def _consume(it: Any) -> None:
-    """Run an iterator of side effects to its end at C speed (``map`` of a dict method)."""
-    deque(it, maxlen=0)
 
 
 def _now() -> float:
@@ -267,10 +260,12 @@ class MasterService:
         self._owners: OrderedDict[int, str] = OrderedDict()
         # storage node id -> the peer that mounted it (same rules as _owners)
         self._node_owners: OrderedDict[str, str] = OrderedDict()
-        # key of a put this leader started -> (version << 64) | the session that started it
-        # (a plain dict of str -> int: the cyclic GC does not track it, while tuple keys in
-        # an OrderedDict of a million entries made every full collection walk them all)
-        self._writers: dict[str, int] = {}
+        # version (log index) of a put this leader answered -> the session that started it.
+        # One entry per PutStart entry, not per key: every key an entry places has its
+        # index as version, so the version names the writer. Kept for two put timeouts
+        # (_writer_times, oldest first; the put is reclaimed by then), at most _MAX_WRITERS.
+        self._writers: dict[int, int] = {}
+        self._writer_times: deque[tuple[float, int]] = deque()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -390,6 +385,7 @@ class MasterService:
         self._owners.clear()
         self._node_owners.clear()
         self._writers.clear()
+        self._writer_times.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -910,28 +906,20 @@ class MasterService:
                     continue
                 codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
                 j += 1
-        w = self._writers
-        me = req.session.client_id
-        if type(r) is C.PutStartRun and not any(codes):
-            # one version for the whole batch: C-level passes instead of a loop per key
-            # (a binding left by an earlier, dead put of a key goes first: the new one is
-            # the youngest)
-            for k in w.keys() & keys:
-                del w[k]
-            w.update(dict.fromkeys(keys, (r.version << 64) | me))
-        else:
-            for k, c, v in zip(keys, codes, versions):
-                if c == 0:
-                    w.pop(k, None)  # a new put of the key is the youngest binding
-                    w[k] = (v << 64) | me
-        if len(w) > _MAX_WRITERS:
-            # the oldest quarter at once (amortised O(1); popping a plain dict's front one
-            # by one rescans the deleted slots): puts long reclaimed, most likely
-            for k in list(itertools.islice(w, len(w) - _MAX_WRITERS + _MAX_WRITERS // 4)):
-                del w[k]
+        if 0 in codes:  # every key placed has the entry's index as version
+            self._bind_writer(versions[codes.index(0)], req.session.client_id)
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
+
+    def _bind_writer(self, version: int, client_id: int) -> None:
+        w, times = self._writers, self._writer_times
+        mono = time.monotonic()
+        w[version] = client_id
+        times.append((mono, version))
+        old = mono - 2 * self.cfg.put_timeout_s - self.cfg.ticker_s
+        while times and (times[0][0] < old or len(times) > _MAX_WRITERS):
+            w.pop(times.popleft()[1], None)
 
     async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:
         """PutEnd / PutRevoke. A put's version is its log index (easy to guess), so the
@@ -947,18 +935,12 @@ class MasterService:
             if len(vers) != n:  # apply answers InvalidParams per key
                 return [0] * n, 0.0
             w = self._writers
-            found = list(map(w.get, keys))
-            if n and min(vers) == max(vers):
-                # one put's keys (the usual batch): bound to me, or to no one this leader
-                # knows, decided with C-level counts
-                mine = (vers[0] << 64) | me
-                if found.count(mine) + found.count(None) == n:
-                    return [0] * n, 0.0
+            # per distinct version (a batch names one or a few), not per key
+            foreign = {v for v in set(vers) if w.get(v, me) != me}
+            if not foreign:
+                return [0] * n, 0.0
             bad = int(E.InvalidWrite.code)
-            return [
-                bad if x is not None and x >> 64 == v and x & _M64 != me else 0
-                for x, v in zip(found, vers)
-            ], 0.0
+            return [bad if v in foreign else 0 for v in vers], 0.0
 
         planned, _ = self._planned(req.session, make)
         if any(planned):
@@ -972,13 +954,8 @@ class MasterService:
         out = self._merge(res.codes or [0] * len(keys), res.result.codes)
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
-        done = keys if not any(out) else [k for k, c in zip(keys, out) if c == 0]
-        if len(vers) == len(keys):
-            # each done key's version is (or was, for a repeated PutEnd) its current put:
-            # any binding of the key is that put's or an older, dead one's
-            _consume(map(self._writers.pop, done, itertools.repeat(None)))
         if end:
-            self.stats.touch(done)
+            self.stats.touch(keys if not any(out) else [k for k, c in zip(keys, out) if c == 0])
         return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
