@@ -149,9 +149,12 @@ class _Seg:
         self.state = state
         self.deadline = deadline
         self.generation = generation
-        # keys with at least one slice here; a dict, not a set: a dict of strings is not
-        # tracked by the cyclic GC, a set is, and a full collection would walk every key
-        self.keys: dict[str, None] = {}
+        # keys placed here, one entry per slice placed (appended, never searched): keys
+        # whose slices left since stay until the list is compacted (StoreStateMachine.
+        # _live_keys filters them). A list of strings costs the cyclic GC nothing and an
+        # append per key, where a set or dict is one more hash table insert per key and
+        # delete per removal, as large as the table.
+        self.keys: list[str] = []
         self.slices = 0  # slices of live objects placed here
 
     def info(self) -> SegmentInfo:
@@ -507,7 +510,7 @@ class StoreStateMachine:
     def _rebuild_indexes(self) -> None:
         segs = self.segs
         for s in segs.values():
-            s.keys = {}
+            s.keys = []
             s.slices = 0
         self.processing = {}
         complete = 0
@@ -521,12 +524,12 @@ class StoreStateMachine:
             lay = o.layout
             if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
                 s = segs[int.from_bytes(lay[:4], "little")]
-                s.keys[k] = None
+                s.keys.append(k)
                 s.slices += 1
                 continue
             for sid, _off in SLICE.iter_unpack(lay):
                 s = segs[sid]
-                s.keys[k] = None
+                s.keys.append(k)
                 s.slices += 1
         processing.sort()
         self.processing = dict.fromkeys(k for _, k in processing)
@@ -571,8 +574,32 @@ class StoreStateMachine:
         for copy in copies:
             for sid, _ in copy:
                 s = segs[sid]
-                s.keys[key] = None
+                s.keys.append(key)
                 s.slices += 1
+                self._maybe_compact(s)
+
+    def _maybe_compact(self, s: _Seg) -> None:
+        # Entries of keys gone from the segment pile up under churn: drop them once the
+        # list is twice its live size (amortised O(1) per key placed).
+        if len(s.keys) > 2 * s.slices + 1024:
+            s.keys = self._live_keys(s)
+
+    def _live_keys(self, s: _Seg) -> list[str]:
+        """The keys with a slice in segment ``s``, each once, in placement order."""
+        objs = self.objects
+        sid = s.id
+        out = []
+        for k in dict.fromkeys(s.keys):
+            o = objs.get(k)
+            if o is None:
+                continue
+            lay = o.layout
+            if len(lay) == 12:
+                if int.from_bytes(lay[:4], "little") == sid:
+                    out.append(k)
+            elif any(x == sid for x, _ in SLICE.iter_unpack(lay)):
+                out.append(k)
+        return out
 
     def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
         """Free (or hold under ``hold_tag``) every slice of ``o`` and unregister ``key``."""
@@ -582,8 +609,7 @@ class StoreStateMachine:
         for copy in copies:
             for (sid, off), ln in zip(copy, lens):
                 s = segs[sid]
-                s.keys.pop(key, None)
-                s.slices -= 1
+                s.slices -= 1  # (the key stays in s.keys until a compaction)
                 if held is not None:
                     held.append((sid, off, ln))
                 else:
@@ -680,7 +706,7 @@ class StoreStateMachine:
         lost = []
         segs = self.segs
         held = self.held.setdefault(tag, [])
-        for key in sorted(seg.keys):
+        for key in sorted(self._live_keys(seg)):
             o = self.objects[key]
             copies, lens = self._copies(o)
             keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
@@ -694,20 +720,13 @@ class StoreStateMachine:
                         self.processing.pop(key, None)
             else:
                 self.objects[key] = replace(o, layout=pack_layout(keep))
-            touched = set()
             for c in copies:
                 if c in keep:
                     continue
                 for (sid, off), ln in zip(c, lens):
-                    s = segs[sid]
-                    s.slices -= 1
-                    touched.add(sid)
+                    segs[sid].slices -= 1
                     if sid != seg.id:
                         held.append((sid, off, ln))
-            still = {sid for c in keep for sid, _ in c}
-            for sid in touched:
-                if sid not in still:
-                    segs[sid].keys.pop(key, None)
         for t in list(self.held):
             rest = [e for e in self.held[t] if e[0] != seg.id]
             if rest:
@@ -1030,9 +1049,9 @@ class StoreStateMachine:
                         ],
                     )
                 )
-                new = dict.fromkeys(rkeys)
-                processing.update(new)
-                s.keys.update(new)
+                processing.update(dict.fromkeys(rkeys))
+                s.keys.extend(rkeys)
+                self._maybe_compact(s)
                 if len(run) == n:  # the whole batch
                     where, offsets = [w] * n, offs
                     continue
@@ -1048,7 +1067,8 @@ class StoreStateMachine:
                 key = keys[pos]
                 objs[key] = Obj(sizes[pos], _P, index, now, pack(s.id, offsets[pos]), pin, until)
                 processing[key] = None
-                s.keys[key] = None
+                s.keys.append(key)
+                self._maybe_compact(s)
         return PutStartRun(
             codes,
             index,
