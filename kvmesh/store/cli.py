@@ -4,6 +4,7 @@
 ``kvmesh node``    a storage node: contributes a shared-memory segment until stopped
 ``kvmesh up``      a local cluster in the foreground: 3 master replicas + 1 storage node
 ``kvmesh status``  members, leader, term, segments, usage, objects, leases, hit rate
+``kvmesh remove-prefix``  remove every object whose key starts with a prefix
 
 Tokens come from ``KVMESH_TOKEN`` / ``KVMESH_TOKEN_FILE`` (never from the command line). On
 loopback addresses no token is required.
@@ -163,6 +164,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_remove_prefix(args: argparse.Namespace) -> int:
+    from . import errors as E
+    from .client import StoreClient
+
+    try:
+        c = StoreClient(args.master, segment_size=0, timeout=args.timeout)
+    except E.StoreError as e:
+        print(f"kvmesh remove-prefix: {e}", file=sys.stderr)
+        return 1
+    try:
+        n = c.remove_prefix(args.prefix, force=args.force)
+    except E.StoreError as e:
+        print(f"kvmesh remove-prefix: {e}", file=sys.stderr)
+        return 1
+    finally:
+        c.close()
+    if args.json:
+        print(json.dumps({"removed": int(n), "skipped": n.skipped}))
+    else:
+        left = f" ({n.skipped} left: leased or being written; --force removes leased ones)"
+        print(f"removed {int(n)} objects under {args.prefix!r}" + (left if n.skipped else ""))
+    return 0
+
+
 # --------------------------------------------------------------------------- register
 
 
@@ -204,6 +229,18 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser(
+        "remove-prefix", help="remove every object whose key starts with PREFIX (not a pattern)"
+    )
+    p.add_argument("prefix")
+    p.add_argument(
+        "--master", required=True, help="store addresses of the master replicas, comma-separated"
+    )
+    p.add_argument("--force", action="store_true", help="remove objects readers hold leases on")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_remove_prefix)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -42,7 +42,7 @@ from .node import StorageNode
 from .rpc import MasterClient
 from .types import ObjectReplica, ReplicateConfig, key_error, keys_valid
 
-__all__ = ["BatchResults", "StoreClient"]
+__all__ = ["BatchResults", "Removed", "StoreClient"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,21 @@ def _valid_indices(keys: Sequence[Any], out: list[Any]) -> list[int]:
 
 _STAGING_MIN = 1 << 20
 _STAGING_KEEP = 64 << 20
+
+
+class Removed(int):
+    """How many objects :meth:`StoreClient.remove_prefix` removed; ``skipped``: how many
+    matching ones it left (leased, or a put of the key in flight)."""
+
+    skipped: int
+
+    def __new__(cls, removed: int, skipped: int = 0) -> Removed:
+        self = super().__new__(cls, removed)
+        self.skipped = skipped
+        return self
+
+    def __repr__(self) -> str:
+        return f"Removed({int(self)}, skipped={self.skipped})"
 
 
 class BatchResults(list):
@@ -902,6 +917,26 @@ class StoreClient:
         if type(resp) is not P.CountResp:
             raise _whole_error(resp)
         return resp.count
+
+    def remove_prefix(self, prefix: str, *, force: bool = False) -> Removed:
+        """Remove every object whose key starts with ``prefix`` (a non-empty valid key
+        prefix: literal, no patterns); returns how many, an ``int`` whose ``skipped`` says
+        how many matching objects were left because a reader holds a lease on them (or a
+        put of the key was in flight). With ``force`` leased ones go too (readers holding a
+        lease may get LeaseExpired), as in :meth:`remove`. The master removes at most its
+        batch limit per round (one log entry each); this call sends rounds until done."""
+        why = key_error(prefix)
+        if why is not None:
+            raise E.InvalidKey(f"prefix: {why}")
+        removed = idle = 0
+        while True:
+            resp = self.rpc.mutate(lambda rid, s: P.RemovePrefixReq(rid, s, prefix, force))
+            if type(resp) is not P.RemovePrefixResp:
+                raise _whole_error(resp)
+            removed += resp.removed
+            idle = 0 if resp.removed else idle + 1
+            if not resp.more or idle >= 3:  # a round that found only vanishing keys
+                return Removed(removed, resp.skipped)
 
     def status(self) -> dict[str, Any]:
         """The leader's view (members, term, segments, usage, objects, leases)."""

@@ -22,7 +22,7 @@ from . import errors as E
 from .client import StoreClient
 from .types import ReplicateConfig as _Config
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig"]
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "literal_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,38 @@ def _per_key(code: int, args: Any) -> list[int]:
 
 def _empties(code: int, args: Any) -> list[bytes]:
     return [b""] * len(args[0]) if args else []
+
+
+_REGEX_META = frozenset(".^$*+?{}[]\\|()")
+
+
+def literal_prefix(pattern: str) -> str | None:
+    """The literal prefix a regex ``^<literal>[.*][$]`` selects, else None (any other
+    pattern: an unanchored one, classes, alternations, quantifiers on the literal)."""
+    if type(pattern) is not str or not pattern.startswith("^"):
+        return None
+    body = pattern[1:]
+    for tail in (".*$", ".*", "$"):
+        if body.endswith(tail) and not body.endswith("\\" + tail):
+            if tail == "$":
+                return None  # "^abc$" is one key, not a prefix: use remove()
+            body = body[: -len(tail)]
+            break
+    out = []
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            if i + 1 >= len(body) or body[i + 1].isalnum() or body[i + 1] == "_":
+                return None  # \d, \w, a trailing backslash...: not a literal
+            out.append(body[i + 1])
+            i += 2
+            continue
+        if ch in _REGEX_META:
+            return None
+        out.append(ch)
+        i += 1
+    return "".join(out) or None
 
 
 _SETUP_FIELDS = (
@@ -313,6 +345,25 @@ class MooncakeDistributedStore:
     @_guarded(_one)
     def remove(self, key: str, force: bool = False) -> int:
         return _code(self.client.remove([key], force=force)[0])
+
+    @_guarded(_one)
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Mooncake's remove by regex, for literal prefixes only: ``^abc``, ``^abc.*`` or
+        ``^abc.*$`` (metacharacters in ``abc`` escaped with a backslash) remove the objects
+        whose key starts with ``abc`` and return how many. Any other pattern answers
+        ``InvalidParams`` (-600): the master never evaluates a client's regex (one crafted
+        pattern could hold it for minutes, ReDoS). :meth:`remove_by_prefix` is the direct
+        form."""
+        prefix = literal_prefix(regex_pattern)
+        if prefix is None:
+            return int(E.Code.INVALID_PARAMS)
+        return int(self.client.remove_prefix(prefix, force=force))
+
+    @_guarded(_one)
+    def remove_by_prefix(self, prefix: str, force: bool = False) -> int:
+        """kvmesh's own form (not in Mooncake): remove the objects whose key starts with
+        ``prefix``; how many, or a negative code."""
+        return int(self.client.remove_prefix(prefix, force=force))
 
     @_guarded(_one)
     def remove_all(self, force: bool = False) -> int:

@@ -46,6 +46,8 @@ __all__ = [
     "RegisterReq",
     "RegisterResp",
     "RemoveAllReq",
+    "RemovePrefixReq",
+    "RemovePrefixResp",
     "RemoveReq",
     "ReplicasResp",
     "Request",
@@ -155,6 +157,18 @@ class RemoveAllReq(msgspec.Struct, tag="remove_all", array_like=True, frozen=Tru
     force: bool = False
 
 
+class RemovePrefixReq(msgspec.Struct, tag="remove_prefix", array_like=True, frozen=True):
+    """One round of removing the COMPLETE objects whose key starts with ``prefix`` (leased
+    ones skipped, or with ``force`` removed with their bytes held until the leases end).
+    A round removes at most the master's ``prefix_round_keys`` keys; while the reply says
+    ``more`` the client sends another. :class:`RemovePrefixResp`."""
+
+    rid: int
+    session: Session
+    prefix: str
+    force: bool = False
+
+
 class MountReq(msgspec.Struct, tag="mount", array_like=True, frozen=True):
     """A storage node gives ``size`` bytes of segment ``segment`` (published on the transfer
     engine at ``endpoint``) to the pool. :class:`CodesResp` with one code."""
@@ -207,9 +221,19 @@ Request = (
     | UnmountReq
     | HeartbeatReq
     | StatusReq
+    | RemovePrefixReq
 )
 
-MUTATING = (PutStartReq, PutEndReq, PutRevokeReq, RemoveReq, RemoveAllReq, MountReq, UnmountReq)
+MUTATING = (
+    PutStartReq,
+    PutEndReq,
+    PutRevokeReq,
+    RemoveReq,
+    RemoveAllReq,
+    MountReq,
+    UnmountReq,
+    RemovePrefixReq,
+)
 """Requests that become a log entry (and so carry a :class:`Session`)."""
 
 # -------------------------------------------------------------------------------- replies
@@ -268,6 +292,16 @@ class CountResp(msgspec.Struct, tag="count", array_like=True, frozen=True):
     count: int
 
 
+class RemovePrefixResp(msgspec.Struct, tag="removed_prefix", array_like=True, frozen=True):
+    """``removed`` by this round; ``skipped``: matching keys left (leased, or a put in
+    flight); ``more``: the round stopped at its limit, send another."""
+
+    rid: int
+    removed: int
+    skipped: int
+    more: bool
+
+
 class StatusResp(msgspec.Struct, tag="status", array_like=True, frozen=True):
     rid: int
     info: dict[str, Any]
@@ -302,6 +336,7 @@ Response = (
     | StatusResp
     | Redirect
     | ErrorResp
+    | RemovePrefixResp
 )
 
 _enc = msgspec.msgpack.Encoder()

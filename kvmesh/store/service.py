@@ -68,9 +68,15 @@ from .master import commands as C
 from .master.eviction import choose_victims
 from .master.leases import AccessStats, HeartbeatTable, LeaseTable
 from .master.objects import State
-from .master.policy import HoldTracker, plan_remove, plan_upsert
+from .master.policy import (
+    HoldTracker,
+    PutAges,
+    plan_remove,
+    plan_remove_prefix,
+    plan_upsert,
+)
 from .master.state import StoreStateMachine
-from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key
+from .types import MAX_BATCH_KEYS, MAX_OBJECT_SIZE, MAX_REPLICAS, bad_key, key_error
 
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
@@ -123,6 +129,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_reply_bytes: int = 8 << 20
     # mounted segments in the pool (placement scans them on every put); more are refused
     max_segments: int = 1024
+    # keys one remove-by-prefix round removes at most (one log entry; the client loops)
+    prefix_round_keys: int = 8192
     handshake_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0
     request_timeout_s: float = 10.0
@@ -133,6 +141,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
         if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
             raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
+        if not 0 < self.prefix_round_keys <= MAX_BATCH_KEYS:
+            raise ValueError(f"prefix_round_keys must be in 1..{MAX_BATCH_KEYS}")
         if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
             raise ValueError(
                 f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096"
@@ -216,11 +226,17 @@ _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
+_SCAN_SLICE = 4096  # keys a remove by prefix scans between yields to the event loop
+_ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
+
+
+_NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
 
 
 def _now() -> float:
-    """The leader's clock for commands: wall time, so that a successor leader on another
-    host compares PROCESSING ages against the same scale."""
+    """The leader's wall clock for commands (pins' TTLs, drain deadlines, the segment-name
+    quarantine): nothing that frees memory a reader or writer may still use depends on it
+    (docs/store-master.md, "Clocks")."""
     return time.time()
 
 
@@ -253,8 +269,12 @@ class MasterService:
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self.put_ages = PutAges()
         self._machine.on_hold = self._on_hold
         self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
+        # One remove-by-prefix scan at a time: each holds a copy of the whole key list, so
+        # concurrent requests (up to max_connections x max_inflight) would multiply it.
+        self._scan_lock = asyncio.Lock()
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
@@ -381,6 +401,7 @@ class MasterService:
         self.stats.reset(self.sm.keys())
         # Holds noted by an earlier leadership are judged by the blanket period instead.
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
+        self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self._plans.clear()
         self._owners.clear()
         self._node_owners.clear()
@@ -418,11 +439,19 @@ class MasterService:
                     self.heartbeats.forget(dead)
                 if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
                     last_reclaim = mono
-                    draining = any(s.state != "mounted" for s in self.sm.segments())
-                    if draining or self.sm.processing_keys():
+                    # Stale puts are judged on this leader's monotonic clock (PutAges) and
+                    # freed by version; Reclaim only finishes drains (its put cutoff is
+                    # never reached): a wall clock that jumps or runs ahead on a new leader
+                    # must not free memory a live writer is still writing.
+                    stale = self.put_ages.stale(
+                        self.sm.processing_puts(), mono, cfg.put_timeout_s, cfg.max_batch_keys
+                    )
+                    if stale:
                         await self._propose_plain(
-                            C.Reclaim(now=_now(), put_timeout=cfg.put_timeout_s)
+                            C.PutRevoke([k for k, _ in stale], [v for _, v in stale])
                         )
+                    if any(s.state != "mounted" for s in self.sm.segments()):
+                        await self._propose_plain(C.Reclaim(now=_now(), put_timeout=_NEVER))
                 await self._release_held(mono)
                 await self._evict(mono)
                 self.leases.purge(mono)
@@ -734,13 +763,17 @@ class MasterService:
             return await self._remove(node, req)
         if t is P.RemoveAllReq:
             return await self._remove_all(node, req)
+        if t is P.RemovePrefixReq:
+            return await self._remove_prefix(node, req)
         if t is P.PutEndReq or t is P.PutRevokeReq:
             return await self._finish_put(node, req, t is P.PutEndReq)
         if t is P.MountReq:
             if req.size <= 0:
                 raise E.InvalidParams("segment size must be positive")
+            # A cheap early refusal; the cap itself is judged in apply (in log order), as
+            # mounts in flight together all pass this check.
             if self.sm.usage().segments >= self.cfg.max_segments:
-                raise E.InvalidParams(
+                raise E.NoSpace(
                     f"the pool holds {self.cfg.max_segments} segments, its limit (max_segments)"
                 )
             cmd = C.Mount(
@@ -750,6 +783,7 @@ class MasterService:
                 host_id=req.host_id,
                 size=req.size,
                 now=_now(),
+                max_segments=self.cfg.max_segments,
             )
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
@@ -1007,6 +1041,52 @@ class MasterService:
             self._removing_all -= 1
         return P.CountResp(req.rid, int(res.removed))
 
+    async def _remove_prefix(self, node: RaftNode, req: P.RemovePrefixReq) -> P.RemovePrefixResp:
+        """One round of a remove by prefix: a scan of the table in slices of
+        ``_SCAN_SLICE`` keys (yielding between them: a huge table never holds the loop
+        long) for at most ``prefix_round_keys`` removable keys, then one entry with the rules
+        of :meth:`_remove` (``plan_remove_prefix``). Bounded per request, the client loops
+        while ``more``. A retry of the same session seq gets the first round's result from
+        the log (the replog session cache), whatever this scan finds."""
+        why = key_error(req.prefix)
+        if why is not None:
+            raise E.InvalidKey(f"prefix: {why}")
+        limit = self.cfg.prefix_round_keys
+        found: list[str] = []
+        skipped = 0
+        more = False
+        async with self._scan_lock:
+            table = self.sm.key_list()
+            for lo in range(0, len(table), _SCAN_SLICE):
+                if lo:
+                    await asyncio.sleep(0)
+                mono = time.monotonic()
+                leased = None if req.force else (lambda k, m=mono: self.leases.leased(k, m))
+                f, n, more = self.sm.prefix_candidates(
+                    req.prefix, table[lo : lo + _SCAN_SLICE], limit - len(found), leased
+                )
+                found += f
+                skipped += n
+                if more:
+                    break
+                if sum(map(len, found)) > _ROUND_KEY_BYTES:  # long keys: keep the entry small
+                    more = True
+                    break
+            del table
+        cmd, release_at = plan_remove_prefix(
+            req.prefix, found, skipped, more, self.leases, time.monotonic(), req.force
+        )
+        self.leases.block(cmd.keys)
+        try:
+            env = _Echoed(C.encode_command(cmd), [], release_at, self.server_id)
+            res = (await self._propose_echo(node, req.session, env)).result
+        finally:
+            self.leases.unblock(cmd.keys)
+        if type(res) is not C.RemovePrefixResult:
+            raise E.InvalidParams("a retried remove_prefix was another request the first time")
+        self.stats.forget(k for k in cmd.keys if self.sm.state_of(k) == State.GONE)
+        return P.RemovePrefixResp(req.rid, int(res.removed), int(res.skipped), bool(res.more))
+
     # ------------------------------------------------------------------------- status
 
     def status(self) -> dict[str, Any]:
@@ -1194,6 +1274,12 @@ def build_arg_parser() -> Any:
     )
     p.add_argument("--max-segments", type=int, default=1024, help="mounted segments at most")
     p.add_argument(
+        "--prefix-round-keys",
+        type=int,
+        default=8192,
+        help="keys one remove-by-prefix round (one log entry) removes at most",
+    )
+    p.add_argument(
         "--max-sessions",
         type=int,
         default=SessionLimits().max_sessions,
@@ -1239,6 +1325,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
         max_segments=a.max_segments,
+        prefix_round_keys=a.prefix_round_keys,
         session_limits=SessionLimits(
             max_sessions=a.max_sessions, max_result_bytes=a.max_session_result_bytes
         ),

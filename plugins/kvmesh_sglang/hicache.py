@@ -825,9 +825,14 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     @_guard(lambda self, *a, **k: None)
     def clear(self) -> None:
-        """Remove every object of the store (SGLang's HTTP clear endpoint)."""
-        n = self.client.remove_all(force=True)
-        log.info("kvmesh HiCache: cleared %d objects", n)
+        """Remove this deployment's pages (SGLang's HTTP clear endpoint): every object
+        under ``{namespace}/{model}/`` -- all layouts, dtypes, page sizes and ranks of this
+        model in this namespace -- and nothing of another namespace or model sharing the
+        store. Pages being read are removed too (their readers get a miss)."""
+        model = getattr(self.storage_config, "model_name", None) or "-"
+        prefix = f"{_quote(self.config.namespace)}/{_quote(model)}/"
+        n = self.client.remove_prefix(prefix, force=True)
+        log.info("kvmesh HiCache: cleared %d objects under %r", n, prefix)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (page counts and GB/s since the last call), plus the

@@ -60,9 +60,9 @@ E_FAILED = -1  # any other transfer error
 E_BAD_ARGUMENT = -2  # malformed lists, zero/negative lengths, bad session id
 E_NOT_REGISTERED = -3  # a source address outside memory registered here
 E_PEER_REGION = -4  # a destination address outside what the peer registered
-E_PEER_DEAD = -5  # the decode peer died or closed
+E_PEER_DEAD = -5  # the decode peer died, closed, or refuses connections
 E_TIMEOUT = -6  # past the deadline (hung peer), or connecting/authenticating timed out
-E_UNREACHABLE = -7  # no transport reaches the peer, or the connection was refused
+E_UNREACHABLE = -7  # no transport reaches the peer (other connection errors)
 
 _CODES: tuple[tuple[type[BaseException], int], ...] = (
     (PeerDeadError, E_PEER_DEAD),

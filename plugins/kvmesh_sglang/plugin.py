@@ -9,6 +9,10 @@ mooncake`` (or ``mooncake_tcp``).
 ``KVMESH_SGLANG_PD``: ``1`` (the default once kvmesh is installed) swaps the engine, ``0`` leaves
 SGLang's Mooncake engine in place. ``SGLANG_PLUGINS`` (SGLang's own allow list) can exclude the
 plugin, named ``kvmesh_pd``, as well.
+
+``KVMESH_SGLANG_SHM_POOLS``: ``1`` also allocates CPU KV pools and the PD aux buffers in kvmesh
+shared memory (:mod:`kvmesh_sglang.shm_pools`), so a same-host peer copies them with memcpy;
+off by default, and never applied to CUDA pools.
 """
 
 from __future__ import annotations
@@ -54,3 +58,12 @@ def load() -> None:
         )
         return
     log.info("kvmesh PD plugin: MooncakeTransferEngine -> kvmesh_sglang.pd.KvmeshTransferEngine")
+    from . import shm_pools
+
+    if shm_pools.shm_pools_enabled():
+        try:
+            shm_pools.install(HookRegistry, HookType.AROUND)
+        except Exception:
+            log.exception("kvmesh shm pools could not be registered; pools stay private memory")
+            return
+        log.info("kvmesh PD plugin: CPU KV pools and PD aux buffers in shared memory")

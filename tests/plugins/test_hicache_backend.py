@@ -486,6 +486,38 @@ def test_sglang_mooncake_store_runs_unchanged_on_kvmesh(cluster, monkeypatch, ki
     assert "mooncake" not in sys.modules
 
 
+# ----------------------------------------------------------------------------- clear
+
+
+def test_clear_removes_only_its_own_namespace_and_model(cluster):
+    """``clear()`` (SGLang's HTTP clear endpoint) used to remove every object in the store:
+    one deployment's clear wiped every other deployment sharing it. Now it removes its own
+    ``{namespace}/{model}/`` prefix only."""
+    keys = page_keys(4, "clr")
+    a, pa = backend(cluster, "mha", "page_first", namespace="clr-a")
+    b, pb = backend(cluster, "mha", "page_first", namespace="clr-b")
+    m, pm = backend(cluster, "mha", "page_first", namespace="clr-a", cfg_kw={"model": "other"})
+    written = {}
+    for be, pool, seed in ((a, pa, 10), (b, pb, 20), (m, pm, 30)):
+        idx = pool.alloc(4 * pool.page_size)
+        fill_pages(pool, idx, [seed + i for i in range(4)])
+        assert be.batch_set_v1(keys, idx) == [True] * 4
+        written[id(be)] = page_digests(pool, idx, 4)
+    before = a.client.status()["usage"]["objects"]
+    a.clear()
+    assert a.batch_exists(keys) == 0
+    assert a.batch_get_v1(keys, pa.alloc(4 * pa.page_size)) == [False] * 4
+    for be, pool in ((b, pb), (m, pm)):  # another namespace; same namespace, another model
+        out = pool.alloc(4 * pool.page_size)
+        assert be.batch_exists(keys) == 4
+        assert be.batch_get_v1(keys, out) == [True] * 4
+        assert page_digests(pool, out, 4) == written[id(be)]
+    after = a.client.status()["usage"]["objects"]
+    assert before - after == 8  # a's 4 pages, K and V each
+    for be in (a, b, m):
+        be.close()
+
+
 # ----------------------------------------------------------------------------- store down
 
 

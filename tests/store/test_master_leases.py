@@ -14,7 +14,13 @@ from kvmesh.store.master.commands import (
 )
 from kvmesh.store.master.eviction import choose_victims
 from kvmesh.store.master.leases import AccessStats, HeartbeatTable, LeaseTable
-from kvmesh.store.master.policy import HoldTracker, plan_remove, plan_upsert
+from kvmesh.store.master.policy import (
+    HoldTracker,
+    PutAges,
+    plan_remove,
+    plan_remove_prefix,
+    plan_upsert,
+)
 from kvmesh.store.master.state import MasterConfig, StoreStateMachine
 from kvmesh.store.types import ReplicateConfig
 
@@ -124,3 +130,31 @@ def test_hold_tracker() -> None:
     assert h.due([7, 9], leases, 11.0).tags == [7, 9]
     h.forget([7, 9])
     assert h.due([], leases, 20.0) is None
+
+
+def test_put_ages_run_on_the_leaders_clock_only() -> None:
+    """A put is stale ``timeout`` after this leader first saw it (never by the wall time it
+    carries); a new leader (a fresh PutAges) gives every put in flight a full timeout;
+    finished puts are forgotten; a re-put of the key (new version) starts anew."""
+    ages = PutAges()
+    assert ages.stale([("a", 5), ("b", 6)], now=100.0, timeout=10.0) == []
+    assert ages.stale([("a", 5), ("b", 6)], now=105.0, timeout=10.0) == []
+    assert ages.stale([("a", 5), ("c", 9)], now=110.0, timeout=10.0) == [("a", 5)]
+    assert len(ages) == 2  # b finished: forgotten
+    assert ages.stale([("a", 7), ("c", 9)], now=119.0, timeout=10.0) == []  # a re-put
+    assert ages.stale([("a", 7), ("c", 9)], now=120.0, timeout=10.0, limit=1) == [("c", 9)]
+    successor = PutAges()  # a new leader: no history, a full timeout from its first look
+    assert successor.stale([("a", 7), ("c", 9)], now=500.0, timeout=10.0) == []
+    assert successor.stale([("a", 7), ("c", 9)], now=510.0, timeout=10.0) == [("a", 7), ("c", 9)]
+
+
+def test_plan_remove_prefix_follows_the_remove_rules() -> None:
+    leases = LeaseTable()
+    leases.grant(["p/b"], now=0.0, ttl=5.0)
+    cmd, at = plan_remove_prefix("p/", ["p/a", "p/b"], 2, True, leases, now=1.0)
+    assert (cmd.keys, cmd.skipped, cmd.more, cmd.hold, at) == (["p/a"], 3, True, False, 0.0)
+    cmd, at = plan_remove_prefix("p/", ["p/a", "p/b"], 0, False, leases, now=1.0, force=True)
+    assert (cmd.keys, cmd.skipped, cmd.hold, at) == (["p/a", "p/b"], 0, True, 5.0)
+    fresh = LeaseTable(start=0.0, grace=5.0)  # a new leader: everything leased for a while
+    cmd, _ = plan_remove_prefix("p/", ["p/a"], 0, False, fresh, now=1.0)
+    assert cmd.keys == [] and cmd.skipped == 1

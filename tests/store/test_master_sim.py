@@ -21,6 +21,7 @@ EXERCISED = (
     "isolations",
     "drains",
     "snapshots_installed",
+    "prefix_removes",
 )
 DURATION = 15.0
 
@@ -79,6 +80,41 @@ def test_planted_lost_acknowledged_put_is_caught() -> None:
     assert seed in CLEAN_SEEDS
 
 
+def test_planted_remove_prefix_ignoring_leases_is_caught() -> None:
+    seed, r = _first_caught("prefix_lease_ignored")
+    assert r is not None, "a remove by prefix under a read lease went unnoticed"
+    assert r.violation.startswith("lease:") or "foreign bytes" in r.violation, r.violation
+    assert seed in CLEAN_SEEDS
+
+
+SKEW = 6.0  # seconds: each replica's wall clock is off by up to this, and steps at faults
+SKEW_SEEDS = range(10)
+
+
+def test_wall_clock_skew_and_jumps_never_free_a_writers_memory() -> None:
+    """Commands carry the proposing leader's wall clock. Stale PROCESSING puts used to be
+    reclaimed by a wall-clock cutoff in apply (``Reclaim``): a leader whose clock ran ahead
+    of the one that stamped the put (a step, or a new leader with a skewed clock) freed a
+    put a live writer was still writing, and the memory went to another key (planted as
+    ``wall_reclaim``: caught below). The leader now judges put ages on its monotonic clock
+    and revokes stale puts by version; every invariant holds with skewed, jumping clocks."""
+    for seed in SKEW_SEEDS:
+        r = run_seed(seed, duration=DURATION, clock_skew=SKEW)
+        assert r.ok, (
+            f"seed {seed}: {r.violation}\nreplay: python -m kvmesh.store.master.sim "
+            f"--first {seed} --seeds 1 --duration {DURATION} --clock-skew {SKEW}"
+        )
+        assert r.lin_outcome == "ok"
+    caught = None
+    for seed in SKEW_SEEDS:
+        r = run_seed(seed, duration=DURATION, clock_skew=SKEW, plant="wall_reclaim")
+        if not r.ok:
+            caught = r
+            break
+    assert caught is not None, "a wall-clock reclaim under clock skew went unnoticed"
+    assert caught.violation.startswith("write:"), caught.violation
+
+
 def _op(client: int, inp: StoreOp, out, call: float, ret: float) -> Operation:
     return Operation(client, inp, call, out, ret)
 
@@ -108,6 +144,16 @@ def test_store_model_rejects_a_lost_put_and_an_overwrite() -> None:
         _op(3, StoreOp("exists", "k"), True, 4.0, 5.0),
     ]
     assert check(m, pending).outcome == "ok"
+    pruned = lost[:1] + [
+        _op(0, StoreOp("prune", "k"), None, 1.5, 1.6),
+        _op(2, StoreOp("get", "k"), None, 2.0, 3.0),
+    ]
+    assert check(m, pruned).outcome == "ok"
+    not_pruned = lost[:1] + [
+        _op(0, StoreOp("prune", "k"), None, 1.5, 1.6),
+        _op(2, StoreOp("get", "k"), "v1", 2.0, 3.0),
+    ]
+    assert check(m, not_pruned).outcome == "illegal"
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ tests/store/test_master_transcripts.py`` and review the diff.
 
 Commands (times default to the transcript clock, moved with ``tick``):
   config slice=N align=N quarantine=S   fresh machine (first block)
-  mount node= seg= host= size= [ep=]
+  mount node= seg= host= size= [ep=] [max=]   max: the leader's segment cap (apply judges it)
   unmount node= seg= [grace=]
   expire nodes=a,b
   put-start keys=a,b sizes=1,2 [replicas=] [strategy=] [host=] [prefer=] [soft] [hard] [ttl=]
@@ -26,6 +26,7 @@ Commands (times default to the transcript clock, moved with ``tick``):
   put-revoke keys= [versions=]
   remove keys= [force]              through the leader policy (leases -> ObjectHasLease / hold)
   remove-all [force]                skips leased keys
+  remove-prefix prefix= [force] [limit=]  one round: the leader's scan, then its entry
   release                           Release of the holds that are due
   reclaim timeout=
   evict keys= [soft]                raw Evict entry (apply's re-check)
@@ -67,7 +68,12 @@ from kvmesh.store.master.commands import (
 )
 from kvmesh.store.master.eviction import choose_victims
 from kvmesh.store.master.leases import AccessStats, LeaseTable
-from kvmesh.store.master.policy import HoldTracker, plan_remove, plan_upsert
+from kvmesh.store.master.policy import (
+    HoldTracker,
+    plan_remove,
+    plan_remove_prefix,
+    plan_upsert,
+)
 from kvmesh.store.master.state import MasterConfig, StoreStateMachine
 from kvmesh.store.types import ReplicateConfig
 
@@ -219,6 +225,7 @@ class Driver:
                     a.get("host", "h"),
                     int(a["size"]),
                     now,
+                    int(a.get("max", 0)),
                 )
             )
             out = [f"result: {_codes(res.codes)}"]
@@ -286,6 +293,22 @@ class Driver:
             )
             res = self.apply(RemoveAll(skip, force="force" in a))
             out = [f"result: removed={res.removed}"]
+        elif cmd == "remove-prefix":
+            force = "force" in a
+            leased = None if force else (lambda k: self.leases.leased(k, now))
+            found, skipped, more = self.sm.prefix_candidates(
+                a["prefix"], self.sm.keys(), int(a.get("limit", 8192)), leased
+            )
+            rp, release_at = plan_remove_prefix(
+                a["prefix"], found, skipped, more, self.leases, now, force
+            )
+            self.leases.block(rp.keys)
+            res = self.apply(rp)
+            self.leases.unblock(rp.keys)
+            if rp.hold:
+                self.holds.note(self.index, release_at)
+            out = [f"entry: keys={rp.keys} hold={rp.hold}"]
+            out.append(f"result: removed={res.removed} skipped={res.skipped} more={res.more}")
         elif cmd == "release":
             rel = self.holds.due(self.sm.held_tags(), self.leases, now)
             if rel is None:

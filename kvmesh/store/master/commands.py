@@ -9,7 +9,8 @@ strategy is seeded from the entry's log index.
 
 Commands (effect per key unless noted) and their results:
 
-* ``Mount``: add a segment of ``size`` bytes owned by ``node_id``. ``Codes`` (one code).
+* ``Mount``: add a segment of ``size`` bytes owned by ``node_id`` (``NoSpace`` past
+  ``max_segments``). ``Codes`` (one code).
 * ``Unmount``: ``grace=0`` drops the segment and every copy in it now; ``grace>0`` stops
   allocating in it and keeps its copies readable until ``now+grace``, then a later
   ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
@@ -29,6 +30,9 @@ Commands (effect per key unless noted) and their results:
 * ``Evict``: free the victims the leader chose, re-checking each. ``EvictResult``.
 * ``Pin`` / ``Unpin``: set / clear soft (TTL) or hard pins. ``Codes``.
 * ``Release``: free the bytes held under these tags (log indices). ``Codes`` (per tag).
+* ``RemovePrefix``: remove the listed COMPLETE keys that start with ``prefix`` (the leader
+  found them with a bounded scan and applied the lease rules of ``Remove``).
+  ``RemovePrefixResult``.
 
 Leases are leader soft state (``leases.py``): the service refuses ``Remove``/``Upsert``/
 ``Evict`` of leased keys before proposing them (``ObjectHasLease``), or proposes a forced
@@ -68,6 +72,8 @@ __all__ = [
     "Remove",
     "RemoveAll",
     "RemoveAllResult",
+    "RemovePrefix",
+    "RemovePrefixResult",
     "Result",
     "Unmount",
     "Unpin",
@@ -84,7 +90,9 @@ _S = {"array_like": True, "frozen": True}
 class Mount(msgspec.Struct, tag="mount", **_S):
     """Storage node ``node_id`` (on host ``host_id``, transfer engine at ``endpoint``)
     contributes segment ``segment`` of ``size`` bytes. Refused (``SegmentExists``) while a
-    segment of that name is mounted or draining."""
+    segment of that name is mounted or draining, and (``NoSpace``) when ``max_segments``
+    (the leader's configured cap; 0: none) segments are already mounted or draining: the
+    cap is judged here, in log order, so concurrent mounts can never overshoot it."""
 
     node_id: str
     segment: str
@@ -92,6 +100,7 @@ class Mount(msgspec.Struct, tag="mount", **_S):
     host_id: str
     size: int
     now: float
+    max_segments: int = 0
 
 
 class Unmount(msgspec.Struct, tag="unmount", **_S):
@@ -206,6 +215,23 @@ class Release(msgspec.Struct, tag="release", **_S):
     tags: list[int]
 
 
+class RemovePrefix(msgspec.Struct, tag="remove_prefix", **_S):
+    """One round of a remove by prefix. The leader scanned its table for COMPLETE keys
+    starting with ``prefix`` (at most ``limit`` of the service per round, so apply's work
+    is bounded by the entry's length, not by the table's size) and applied the lease rules
+    of ``Remove``: ``keys`` are the ones to remove (held under this entry's index when
+    ``hold``), ``skipped`` counts leased keys it left (without ``force``), ``more`` says the
+    scan stopped at its limit (the client sends another round). ``apply`` re-checks each
+    key (present, COMPLETE, starts with ``prefix``); one that is not is left alone."""
+
+    prefix: str
+    keys: list[str]
+    skipped: int = 0
+    more: bool = False
+    force: bool = False
+    hold: bool = False
+
+
 Command = (
     Mount
     | Unmount
@@ -221,6 +247,7 @@ Command = (
     | Pin
     | Unpin
     | Release
+    | RemovePrefix
 )
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
 
@@ -296,6 +323,15 @@ class EvictResult(msgspec.Struct, tag="evict", **_S):
     freed: int  # bytes returned to the allocator
 
 
+class RemovePrefixResult(msgspec.Struct, tag="remove_prefix", **_S):
+    """``removed``: keys removed by this round; ``skipped``: leased keys the leader left
+    plus listed keys apply found PROCESSING (a put in flight); ``more``: as the command."""
+
+    removed: int
+    skipped: int
+    more: bool
+
+
 Result = (
     Codes
     | PutStartResult
@@ -304,6 +340,7 @@ Result = (
     | RemoveAllResult
     | ReclaimResult
     | EvictResult
+    | RemovePrefixResult
 )
 
 _enc = msgspec.msgpack.Encoder()

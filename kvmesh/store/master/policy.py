@@ -7,8 +7,16 @@ simulator and the transcript tests:
 * :func:`plan_remove`: leased keys answer ``ObjectHasLease`` without a log entry, unless
   ``force``: then they are removed with ``hold=True`` (invisible at once, bytes kept until
   the leases end) and :class:`HoldTracker` remembers when the hold may be released.
+* :func:`plan_remove_prefix`: one round of a remove by prefix over the keys the leader's
+  bounded scan found (:meth:`~.state.StoreStateMachine.prefix_candidates`), with the rules of
+  :func:`plan_remove`: leased keys are skipped and counted, or with ``force`` removed under a
+  hold.
 * :func:`plan_upsert`: an existing key that is leased answers ``ObjectHasLease`` (upsert would
   rewrite or free memory a reader is copying).
+* :class:`PutAges`: which PROCESSING puts are stale (their writer vanished), judged on the
+  leader's own monotonic clock, never on the wall-clock ``now`` the puts carry: a wall clock
+  that jumps forward, or a new leader whose wall clock runs ahead, would otherwise free (and
+  hand out again) memory a live writer is still writing (docs/store-master.md, "Clocks").
 * :class:`HoldTracker`: which held tags are due for ``Release``. Tags the tracker was not
   told about (holds of an earlier leader, or slices of copies that lost a node, which
   ``apply`` holds by itself) are due one lease TTL after the tracker first sees them, and
@@ -28,10 +36,18 @@ from collections.abc import Iterable
 import msgspec
 
 from ..errors import Code
-from .commands import Release, Remove, Upsert
+from .commands import Release, Remove, RemovePrefix, Upsert
 from .leases import DEFAULT_LEASE_TTL, LeaseTable
 
-__all__ = ["RemovePlan", "UpsertPlan", "plan_remove", "plan_upsert", "HoldTracker"]
+__all__ = [
+    "RemovePlan",
+    "UpsertPlan",
+    "plan_remove",
+    "plan_remove_prefix",
+    "plan_upsert",
+    "HoldTracker",
+    "PutAges",
+]
 
 
 class RemovePlan(msgspec.Struct, frozen=True):
@@ -65,6 +81,27 @@ def plan_remove(leases: LeaseTable, keys: list[str], now: float, force: bool = F
         return RemovePlan(codes, None)
     hold = release_at > 0.0
     return RemovePlan(codes, Remove(send, force=force, hold=hold), release_at if hold else 0.0)
+
+
+def plan_remove_prefix(
+    prefix: str,
+    found: list[str],
+    skipped: int,
+    more: bool,
+    leases: LeaseTable,
+    now: float,
+    force: bool = False,
+) -> tuple[RemovePrefix, float]:
+    """The entry for one round of a remove by prefix and its hold's release time (0.0 if
+    none). ``found``: the scan's keys (the scan already passed over keys leased when it
+    saw them, counted in ``skipped``, unless ``force``). They are checked against the
+    leases again here, synchronously with the caller's ``block``: a lease granted while a
+    long scan yielded must not be missed."""
+    plan = plan_remove(leases, found, now, force)
+    keys = plan.command.keys if plan.command is not None else []
+    skipped += len(found) - len(keys)
+    cmd = RemovePrefix(prefix, keys, skipped, more, force, plan.release_at > 0.0)
+    return cmd, plan.release_at
 
 
 def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float) -> UpsertPlan:
@@ -107,3 +144,35 @@ class HoldTracker:
     def forget(self, tags: Iterable[int]) -> None:
         for t in tags:
             self._at.pop(t, None)
+
+
+class PutAges:
+    """When this leader first saw each PROCESSING put ``(key, version)``, on its monotonic
+    clock. A put is stale ``timeout`` after that: never earlier than its writer's own
+    deadline (the writer counts from before it sent PutStart, which applied before any
+    leader saw the put), whatever the wall clocks say. A new leader starts empty, so every
+    put in flight gets a full timeout from when the new leader first looks."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], float] = {}
+
+    def stale(
+        self, puts: Iterable[tuple[str, int]], now: float, timeout: float, limit: int = 1 << 30
+    ) -> list[tuple[str, int]]:
+        """The puts among ``puts`` (the current PROCESSING ones) first seen at least
+        ``timeout`` before ``now`` (at most ``limit``, oldest first); puts no longer listed
+        are forgotten."""
+        seen: dict[tuple[str, int], float] = {}
+        old = self._seen
+        out = []
+        for kv in puts:
+            t = old.get(kv, now)
+            seen[kv] = t
+            if now - t >= timeout:
+                out.append((t, kv))
+        self._seen = seen
+        out.sort()
+        return [kv for _, kv in out[:limit]]
+
+    def __len__(self) -> int:
+        return len(self._seen)

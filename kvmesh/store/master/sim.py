@@ -11,8 +11,12 @@ Three master replicas (``kvmesh.replog`` cores on the hand-driven
 * storage nodes whose segment bytes are modelled as one tag per slice (a checksum of key,
   version and slice number); a node that dies loses its bytes and comes back later;
 * clients doing two-phase puts (write tags, then PutEnd; some soft- or hard-pinned), upserts,
-  reads (read index, lookup, lease, a copy that takes time, then a byte check), exists and
-  removes (sometimes forced);
+  reads (read index, lookup, lease, a copy that takes time, then a byte check), exists,
+  removes (sometimes forced) and removes by prefix (one round: the leader's scan, then one
+  ``RemovePrefix`` entry);
+* clocks: every replica has its own wall clock (``clock_skew``: offsets up to that many
+  seconds either way, which also jump at fault time); commands carry the proposing
+  leader's wall clock, leases and put ages run on the (monotonic) virtual clock;
 * faults: leader isolation, replica restarts (state machine rebuilt from the storage's
   snapshot + log), snapshots with log compaction, storage nodes that die (and come back with a
   new segment once the old one expired) or leave gracefully (drain, then exit).
@@ -31,8 +35,11 @@ put/get/exists/remove/evict history goes through :func:`kvmesh.replog.sim.linear
 with :class:`StoreModel`.
 
 Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
-leader releases it again), ``"lease_ignored"`` (eviction ignores read leases) and
-``"lost_put"`` (PutEnd acknowledges puts it does not publish) must be caught.
+leader releases it again), ``"lease_ignored"`` (eviction ignores read leases),
+``"lost_put"`` (PutEnd acknowledges puts it does not publish) and ``"wall_reclaim"`` (stale
+puts reclaimed by the wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a
+leader whose clock runs ahead frees memory a writer is still writing) and
+``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases) must be caught.
 ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
@@ -70,7 +77,7 @@ from .eviction import choose_victims
 from .invariants import check as check_state
 from .invariants import extents
 from .leases import AccessStats, HeartbeatTable, LeaseTable
-from .policy import HoldTracker, plan_remove, plan_upsert
+from .policy import HoldTracker, PutAges, plan_remove, plan_remove_prefix, plan_upsert
 from .state import MasterConfig, StoreStateMachine
 
 __all__ = [
@@ -109,7 +116,9 @@ class StoreModel:
     in flight: no effect, any state); ``hide`` (an upsert's start: the old value becomes
     invisible until the upsert's ``put`` completes) ``ok`` / ``busy`` / ``leased``; get:
     the token or None; exists: bool; remove ``ok`` (present) / ``notfound`` (absent) /
-    ``leased`` / ``busy``; drop (eviction or loss of the last copy) ``ok`` only if present.
+    ``leased`` / ``busy``; drop (eviction or loss of the last copy) ``ok`` only if present;
+    prune (a key a remove-by-prefix entry named: removed if COMPLETE, else already absent
+    or being put) always legal, leaves the key absent.
     """
 
     def init(self) -> Any:
@@ -144,6 +153,8 @@ class StoreModel:
             return out in ("leased", "busy"), state
         if op == "drop":
             return unknown or state is not None, None
+        if op == "prune":
+            return True, None
         raise ValueError(op)
 
     def partition(self, ops: Sequence[Operation]) -> list[list[Operation]]:
@@ -186,6 +197,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     node_ttl: float = 1.5
     faults: bool = True
     snapshot_every: int = 15
+    clock_skew: float = 0.0  # max wall-clock offset of a replica, seconds (either way)
     plant: str | None = None
 
 
@@ -207,6 +219,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     drains: int = 0
     snapshots_installed: int = 0
     node_kills: int = 0
+    prefix_removes: int = 0
     lin_outcome: str = ""
 
 
@@ -286,6 +299,15 @@ class StoreSim:
         self.incarn = dict.fromkeys(self.nodes, 0)  # storage node restarts
         self.seg_incarn: dict[str, int] = {}  # segment -> node incarnation that mounted it
         self.holds_pending = 0.0
+        self.put_ages = PutAges()
+        self.wall_off = {
+            i: self.rng.uniform(-cfg.clock_skew, cfg.clock_skew) if cfg.clock_skew else 0.0
+            for i in self.ids
+        }
+
+    def wall(self) -> float:
+        """The current leader's wall clock (what it writes into commands as ``now``)."""
+        return self.now + self.wall_off.get(self.lead, 0.0)
 
     # -------------------------------------------------------------------- plumbing
 
@@ -404,6 +426,7 @@ class StoreSim:
         self.hb = HeartbeatTable()
         self.hb.reset(sm.nodes(), self.now)
         self.holds = HoldTracker(self.cfg.lease_ttl)
+        self.put_ages = PutAges()
         self.evict_inflight = False
 
     def _service_tick(self) -> None:
@@ -424,7 +447,8 @@ class StoreSim:
                         self.seg_incarn[f"seg-{n}"] = inc
 
                 if not self.propose(
-                    Mount(n, f"seg-{n}", f"{n}:1", f"h{n}", self.cfg.segment_size, self.now), done
+                    Mount(n, f"seg-{n}", f"{n}:1", f"h{n}", self.cfg.segment_size, self.wall()),
+                    done,
                 ):
                     self.mounted[n] = False
         expired = [n for n in self.hb.expired(self.now, self.cfg.node_ttl) if n in sm.nodes()]
@@ -440,7 +464,7 @@ class StoreSim:
                     h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
                     self.history.ok(h, "ok")
 
-            self.propose(ExpireNodes(expired, self.now), exp_done)
+            self.propose(ExpireNodes(expired, self.wall()), exp_done)
 
         t0 = self.now
 
@@ -457,7 +481,13 @@ class StoreSim:
                     self._kill_node(n)
                     self.res.drains += 1
 
-        self.propose(Reclaim(self.now, self.cfg.put_timeout), reclaimed)
+        if self.cfg.plant == "wall_reclaim":  # the old rule: wall-clock cutoff in apply
+            self.propose(Reclaim(self.wall(), self.cfg.put_timeout), reclaimed)
+        else:
+            stale = self.put_ages.stale(sm.processing_puts(), self.now, self.cfg.put_timeout)
+            if stale:
+                self.propose(PutRevoke([k for k, _ in stale], [v for _, v in stale]), lambda r: 0)
+            self.propose(Reclaim(self.wall(), float("inf")), reclaimed)
         rel = self.holds.due(sm.held_tags(), self.leases, self.now)
         if rel is not None:
             tags = rel.tags
@@ -502,7 +532,7 @@ class StoreSim:
                     self.history.ok(h, "ok")
             self.stats.forget(k for k, c in zip(keys, r.codes) if c == 0)
 
-        if self.propose(Evict(plan.keys, plan.versions, self.now, plan.allow_soft), done):
+        if self.propose(Evict(plan.keys, plan.versions, self.wall(), plan.allow_soft), done):
             self.evict_inflight = True
         else:
             leases.unblock(keys)
@@ -539,6 +569,9 @@ class StoreSim:
             self._get(cid, key)
         elif r < 0.8:
             self._exists(cid, key)
+        elif r < 0.85:
+            prefix = "k" if self.rng.random() < 0.3 else key
+            self._remove_prefix(cid, prefix, force=self.rng.random() < 0.3)
         else:
             self._remove(cid, key, force=self.rng.random() < 0.3)
 
@@ -564,7 +597,7 @@ class StoreSim:
             return self._next(cid)
         if upsert:
             sm = self.sms[self.lead]
-            up = Upsert([key], [size], rcfg, self.now, 2.0)
+            up = Upsert([key], [size], rcfg, self.wall(), 2.0)
             plan = plan_upsert(self.leases, [sm.state_of(key) != 0], up, self.now)
             if plan.command is None:
                 self.history.ok(h, "leased")
@@ -573,7 +606,7 @@ class StoreSim:
             blocked = self.leases
             blocked.block([key])  # no new lease while a rewrite of the key is in flight
         else:
-            cmd = PutStart([key], [size], rcfg, self.now, 2.0)
+            cmd = PutStart([key], [size], rcfg, self.wall(), 2.0)
             blocked = None
 
         def started_cb(r: Any) -> None:
@@ -606,8 +639,12 @@ class StoreSim:
                     h2 = self.history.invoke(cid, StoreOp("put", key, token))
                 else:
                     h2 = h
+                # most writes are quick; some are slow (a big object, a busy link) and end
+                # close to the writer's own deadline (0.8 of the put timeout)
+                slow = self.rng.random() < 0.2
+                took = self.rng.uniform(0.3, 0.75) if slow else self.rng.uniform(0.01, 0.3)
                 self.at(
-                    self.now + self.rng.uniform(0.01, 0.3),
+                    self.now + took * (self.cfg.put_timeout if slow else 1.0),
                     lambda: self._write_done(cid, h2, key, version, slices, started, incs, token),
                 )
                 return
@@ -801,6 +838,43 @@ class StoreSim:
         if cmd.hold:
             self.holds.note(idx, release_at)
 
+    def _remove_prefix(self, cid: int, prefix: str, force: bool) -> None:
+        """One round of a remove by prefix, as the service does it: scan the leader's table
+        (leased keys skipped unless ``force``), plan with the lease rules, block, propose.
+        Every key the entry names joins the history as a ``prune``."""
+        if not self.lead:
+            return self._next(cid)
+        sm = self.sms[self.lead]
+        judge = LeaseTable() if self.cfg.plant == "prefix_lease_ignored" else self.leases
+        leased = None if force else (lambda k: judge.leased(k, self.now))
+        found, skipped, more = sm.prefix_candidates(prefix, sm.keys(), 4, leased)
+        cmd, release_at = plan_remove_prefix(prefix, found, skipped, more, judge, self.now, force)
+        t0 = self.now
+        hs = [self.history.invoke(cid, StoreOp("prune", k), t=t0) for k in cmd.keys]
+        leases = self.leases
+        leases.block(cmd.keys)
+
+        def done(r: Any) -> None:
+            leases.unblock(cmd.keys)
+            for h in hs:
+                if r is None:
+                    self.history.info(h)
+                else:
+                    self.history.ok(h, None)
+            if r is not None:
+                self.res.prefix_removes += 1
+                self.stats.forget(cmd.keys)
+            self._next(cid)
+
+        idx = self.propose(cmd, done)
+        if not idx:
+            leases.unblock(cmd.keys)
+            for h in hs:
+                self.history.fail(h)
+            return self._next(cid)
+        if cmd.hold:
+            self.holds.note(idx, release_at)
+
     # -------------------------------------------------------------------- checks
 
     def _check_owned(self, key: str, version: int, where: list[tuple[str, int]], what: str) -> None:
@@ -956,6 +1030,10 @@ class StoreSim:
             self.history.ok(h, self.tokens.get((key, lk.version)))
 
     def _fault(self) -> float | None:
+        if self.cfg.clock_skew and self.rng.random() < 0.5:
+            # a wall clock steps (NTP correction, VM resume): a replica's offset changes
+            i = self.rng.choice(self.ids)
+            self.wall_off[i] = self.rng.uniform(-self.cfg.clock_skew, self.cfg.clock_skew)
         r = self.rng.random()
         if r < 0.3 and self.lead:
             self.net.isolate(self.lead)
@@ -975,7 +1053,7 @@ class StoreSim:
             if len(serving) > 1:
                 n = self.rng.choice(serving)
                 self.propose(
-                    Unmount(n, f"seg-{n}", self.now, self.cfg.lease_ttl * 2), lambda r: None
+                    Unmount(n, f"seg-{n}", self.wall(), self.cfg.lease_ttl * 2), lambda r: None
                 )
             return None
         return None
@@ -1042,15 +1120,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--plant", default=None)
+    p.add_argument("--clock-skew", type=float, default=0.0)
     a = p.parse_args(argv)
     bad = 0
     for s in range(a.first, a.first + a.seeds):
-        r = run_seed(s, duration=a.duration, plant=a.plant)
+        r = run_seed(s, duration=a.duration, plant=a.plant, clock_skew=a.clock_skew)
         print(
             f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} "
             f"reads={r.reads_checked} evictions={r.evictions} expiries={r.expiries} "
             f"drains={r.drains} holds={r.holds_released} "
-            f"leaders={r.leader_changes} lin={r.lin_outcome}"
+            f"leaders={r.leader_changes} prefix={r.prefix_removes} lin={r.lin_outcome}"
         )
         if not r.ok:
             bad += 1

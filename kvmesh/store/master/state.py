@@ -28,7 +28,7 @@ objects fit well under 1 GiB and restore in a few seconds.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import crc32c
@@ -74,6 +74,8 @@ from .commands import (
     Remove,
     RemoveAll,
     RemoveAllResult,
+    RemovePrefix,
+    RemovePrefixResult,
     Result,
     Unmount,
     Unpin,
@@ -219,6 +221,7 @@ _HANDLERS: dict[type, str] = {
     Pin: "_pin",
     Unpin: "_unpin",
     Release: "_release",
+    RemovePrefix: "_remove_prefix",
 }
 """Command type -> handler method name (looked up per call, so a test can patch a handler
 on the class, as the simulator's negative controls do)."""
@@ -355,8 +358,17 @@ class StoreStateMachine:
         """All keys (PROCESSING included), in table order (a copy: safe across applies)."""
         return iter(list(self.objects))
 
+    def key_list(self) -> list[str]:
+        """All keys in table order, as a new list (one C-level copy)."""
+        return list(self.objects)
+
     def processing_keys(self) -> list[str]:
         return list(self.processing)
+
+    def processing_puts(self) -> list[tuple[str, int]]:
+        """``(key, version)`` of every PROCESSING put, oldest first."""
+        objs = self.objects
+        return [(k, objs[k].version) for k in self.processing]
 
     def held_tags(self) -> list[int]:
         """Log indices of hold removes whose bytes are not yet released."""
@@ -759,6 +771,8 @@ class StoreStateMachine:
             del self.retired[name]
         if c.segment in self.by_name or c.segment in self.retired:
             return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
+        if c.max_segments > 0 and len(self.segs) >= c.max_segments:
+            return Codes([int(Code.NO_AVAILABLE_HANDLE)])  # the pool's segment cap
         sid = self.next_seg
         self.next_seg += 1
         alloc = SegmentAllocator(c.size, self.config.align)
@@ -1155,6 +1169,52 @@ class StoreStateMachine:
         if tag and not self.held.get(tag):
             self.held.pop(tag, None)
         return RemoveAllResult(n)
+
+    def prefix_candidates(
+        self,
+        prefix: str,
+        keys: Iterable[str],
+        limit: int,
+        leased: Callable[[str], bool] | None = None,
+    ) -> tuple[list[str], int, bool]:
+        """One slice of a leader's scan for a remove by prefix: the COMPLETE keys among
+        ``keys`` that start with ``prefix``, at most ``limit``; how many it passed over
+        because ``leased(key)``; whether it stopped at the limit. The leader feeds ``keys``
+        in slices of :meth:`keys`, so a scan of a huge table never holds its loop long."""
+        objs = self.objects
+        out: list[str] = []
+        skipped = 0
+        for k in keys:
+            if k.startswith(prefix):
+                o = objs.get(k)
+                if o is None or o.state != _C:
+                    continue
+                if leased is not None and leased(k):
+                    skipped += 1
+                    continue
+                if len(out) >= limit:
+                    return out, skipped, True
+                out.append(k)
+        return out, skipped, False
+
+    def _remove_prefix(self, index: int, c: RemovePrefix) -> RemovePrefixResult:
+        if not self._batch_ok(c.keys):
+            return RemovePrefixResult(0, c.skipped, c.more)
+        tag = index if c.hold else 0
+        removed = busy = 0
+        objs = self.objects
+        p = c.prefix
+        for key in c.keys:
+            o = objs.get(key) if type(key) is str else None
+            if o is None or not key.startswith(p):
+                continue  # gone since the leader's scan (or never matched): nothing to do
+            if self._drop(key, Event.REMOVE, tag):
+                removed += 1
+            else:
+                busy += 1  # PROCESSING again (re-put since the scan): its writer owns it
+        if tag and not self.held.get(tag):
+            self.held.pop(tag, None)
+        return RemovePrefixResult(removed, c.skipped + busy, c.more)
 
     def _reclaim(self, index: int, c: Reclaim) -> ReclaimResult:
         cutoff = c.now - c.put_timeout
