@@ -935,10 +935,11 @@ class MasterService:
             replicas = [None] * n
             versions = [0] * n
             j = 0
+            rr, rv = r.replicas, r.versions  # (properties of a PutStartRun: built once)
             for i in range(n):
                 if planned[i]:
                     continue
-                codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
+                codes[i], replicas[i], versions[i] = r.codes[j], rr[j], rv[j]
                 j += 1
         if 0 in codes:  # every key placed has the entry's index as version
             self._bind_writer(versions[codes.index(0)], req.session.client_id)
