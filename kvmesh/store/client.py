@@ -470,7 +470,7 @@ class StoreClient:
         psizes = [sizes[i] for i in part]
         t0 = time.monotonic()
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
-        if type(resp) is not P.PutStartResp:
+        if type(resp) is not P.PutStartResp or not resp.fits(len(part)):
             err = _whole_error(resp)
             for i in part:
                 out[i] = err

@@ -263,6 +263,12 @@ class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=Tr
         """Per key the copies to write (None for a key whose code is not 0)."""
         return self.replicas if self.run is None else self.run.expand()
 
+    def fits(self, n: int) -> bool:
+        """Whether this answers ``n`` keys (one code, version and copy list each)."""
+        if not len(self.codes) == len(self.versions) == n:
+            return False
+        return len(self.replicas) == n if self.run is None else self.run.fits(n)
+
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):
     rid: int

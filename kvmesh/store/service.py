@@ -948,6 +948,8 @@ class MasterService:
         )
 
     def _bind_writer(self, version: int, client_id: int) -> None:
+        """Remember that ``client_id`` started the put of entry ``version`` (and forget the
+        bindings older than two put timeouts: those puts are reclaimed by now)."""
         w, times = self._writers, self._writer_times
         mono = time.monotonic()
         w[version] = client_id

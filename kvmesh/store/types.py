@@ -94,6 +94,14 @@ class ReplicaRun(msgspec.Struct, array_like=True, frozen=True, gc=False):
     offsets: list[int]
     lengths: list[int]
 
+    def fits(self, n: int) -> bool:
+        """Whether this describes ``n`` keys with every index in range (a reply from a
+        broken peer must not fail later with an IndexError)."""
+        w = self.where
+        return len(w) == len(self.offsets) == len(self.lengths) == n and (
+            not w or (min(w) >= -1 and max(w) < len(self.segs))
+        )
+
     def expand(self) -> list[list[ObjectReplica] | None]:
         """Per key ``[ObjectReplica([ReplicaDesc(...)])]``, or None without a copy."""
         segs = self.segs
