@@ -470,12 +470,13 @@ class StoreClient:
         psizes = [sizes[i] for i in part]
         t0 = time.monotonic()
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
-        if type(resp) is not P.PutStartResp:
+        if type(resp) is not P.PutStartResp or not resp.fits(len(part)):
             err = _whole_error(resp)
             for i in part:
                 out[i] = err
             return []
         versions = resp.versions
+        copies = resp.copies()
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
@@ -484,7 +485,7 @@ class StoreClient:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
                 continue
             started.append(j)
-            for rep in resp.replicas[j] or []:
+            for rep in copies[j] or []:
                 reqs.extend(_copy_reqs(j, bufs[i], rep))
         # The allocation is ours only until the master's put timeout: writes must be over
         # well before it (a reclaimed range may be handed to another put). Counted from

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from .types import ObjectReplica, ReplicateConfig
+from .types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "MUTATING",
@@ -268,9 +268,22 @@ class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=Tr
 
     rid: int
     codes: list[int]
-    replicas: list[list[ObjectReplica] | None]
+    replicas: list[list[ObjectReplica] | None]  # empty when ``run`` holds them
     versions: list[int]
     hold_ms: int = 0
+    # the copies of a put where every key got one copy of one slice, compactly (the usual
+    # batch put); ``replicas`` is then empty: read both through :meth:`copies`
+    run: ReplicaRun | None = None
+
+    def copies(self) -> list[list[ObjectReplica] | None]:
+        """Per key the copies to write (None for a key whose code is not 0)."""
+        return self.replicas if self.run is None else self.run.expand()
+
+    def fits(self, n: int) -> bool:
+        """Whether this answers ``n`` keys (one code, version and copy list each)."""
+        if not len(self.codes) == len(self.versions) == n:
+            return False
+        return len(self.replicas) == n if self.run is None else self.run.fits(n)
 
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):

@@ -34,6 +34,7 @@ __all__ = [
     "ObjectLookup",
     "ObjectReplica",
     "ReplicaDesc",
+    "ReplicaRun",
     "ReplicateConfig",
     "SegmentInfo",
     "Strategy",
@@ -80,6 +81,36 @@ class ObjectReplica(msgspec.Struct, array_like=True, frozen=True):
     """One full copy of an object: its slices in byte order (lengths sum to the size)."""
 
     slices: list[ReplicaDesc]
+
+
+class ReplicaRun(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The copies of a batch of puts that each got one copy of one slice (what a batch put
+    of small objects gets), compactly: ``segs[j]`` is ``(segment, node_id, endpoint)``;
+    per key ``where[i]`` indexes ``segs`` (-1: no copy), ``offsets[i]`` and ``lengths[i]``
+    place its one slice. Per key three ints instead of a :class:`ReplicaDesc` with three
+    strings: the master builds, caches (on every replica) and sends it, and the client
+    decodes it, at a fraction of the cost. :meth:`expand` gives the full form."""
+
+    segs: list[tuple[str, str, str]]
+    where: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+    def fits(self, n: int) -> bool:
+        """Whether this describes ``n`` keys with every index in range (a reply from a
+        broken peer must not fail later with an IndexError)."""
+        w = self.where
+        return len(w) == len(self.offsets) == len(self.lengths) == n and (
+            not w or (min(w) >= -1 and max(w) < len(self.segs))
+        )
+
+    def expand(self) -> list[list[ObjectReplica] | None]:
+        """Per key ``[ObjectReplica([ReplicaDesc(...)])]``, or None without a copy."""
+        segs = self.segs
+        return [
+            None if w < 0 else [ObjectReplica([ReplicaDesc(*segs[w], off, ln)])]
+            for w, off, ln in zip(self.where, self.offsets, self.lengths)
+        ]
 
 
 class ReplicateConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
