@@ -18,7 +18,12 @@ has another host id, so the engine takes its network path. Per case, in the same
 
 Every timed read is verified (pages compared with the written ones) outside the timing.
 
-    python bench/hicache.py [--quick] [--json PATH]
+    python bench/hicache.py [--quick] [--json PATH] [--layers N] [--batches MHA,MLA] [--reps N]
+                            [--exists-samples N] [--tcp-mib N]
+
+The storage helper's segment holds every page the run can have in it at once: a removed
+page that was read stays allocated until its read lease ends (the master's ``lease_ttl_s``,
+5 s), so the pages of every earlier case may still be there when the next case writes.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def _peer(master: str, segment: int, host_id: str | None) -> Child:
     return peer_child(__file__, master, str(segment), host_id=host_id)
 
 
-def _pools(kind: str, layout: str, pages: int) -> Any:
+def _pools(kind: str, layout: str, pages: int, layers: int) -> Any:
     import torch
 
     from tests.plugins.hicache_util import build_pool
@@ -74,7 +79,7 @@ def _pools(kind: str, layout: str, pages: int) -> Any:
     return build_pool(
         kind,
         layout,
-        layers=MODEL["layers"],
+        layers=layers,
         heads=MODEL["heads"],
         head_dim=MODEL["head_dim"],
         page_size=MODEL["page_size"],
@@ -85,14 +90,21 @@ def _pools(kind: str, layout: str, pages: int) -> Any:
 
 
 def one_case(
-    limits: dict, address: str, case: str, kind: str, layout: str, batch: int, reps: int
+    limits: dict,
+    address: str,
+    case: str,
+    kind: str,
+    layout: str,
+    batch: int,
+    reps: int,
+    layers: int,
 ) -> list[dict[str, Any]]:
     import torch
 
     from kvmesh_sglang import hicache as H
     from tests.plugins.hicache_util import fill_pages, page_digests, page_keys, storage_config
 
-    pool = _pools(kind, layout, 2 * batch + 2)
+    pool = _pools(kind, layout, 2 * batch + 2, layers)
     ps = pool.page_size
     b = H.KvmeshHiCacheStorage(
         storage_config(
@@ -229,13 +241,41 @@ def _interleaved(f: Any, g: Any, reps: int) -> tuple[float, float]:
     return float(np.median(tf)), float(np.median(tg))
 
 
-def exists_case(limits: dict, address: str, kind: str, quick: bool) -> dict[str, Any]:
+EXISTS_POOL = {"layers": 2, "heads": 1, "head_dim": 8, "page_size": 64, "mla_dim": 72, "pages": 256}
+
+
+def _page_nbytes(kind: str, layers: int, shape: dict[str, int]) -> int:
+    """Bytes of one bf16 page (MHA: K and V; MLA: one ``mla_dim`` vector per token)."""
+    per_token = 2 * shape["heads"] * shape["head_dim"] if kind == "mha" else shape["mla_dim"]
+    return layers * shape["page_size"] * per_token * 2
+
+
+def segment_bytes(plan: list[tuple[str, int]], layouts: tuple[str, ...], layers: int) -> int:
+    """The helper's segment: every case's pages (a read page stays allocated for a lease
+    period after its removal, see the module docstring), one batch more being written, the
+    ``batch_exists`` pages, and room for the allocator's rounding."""
+    batches = [_page_nbytes(k, layers, MODEL) * n for k, n in plan]
+    e = EXISTS_POOL
+    exists = sum(_page_nbytes(k, e["layers"], e) * e["pages"] for k in ("mha", "mla"))
+    return int(1.25 * (sum(batches) * len(layouts) + max(batches) + exists)) + MiB
+
+
+def exists_case(limits: dict, address: str, kind: str, samples: int) -> dict[str, Any]:
     """batch_exists of 256 pages (small pages: existence does not depend on their size)."""
     from kvmesh_sglang import hicache as H
     from tests.plugins.hicache_util import build_pool, fill_pages, page_keys, storage_config
 
+    e = EXISTS_POOL
+    n = e["pages"]
     pool = build_pool(
-        kind, "page_first", layers=2, heads=1, head_dim=8, page_size=64, device_tokens=256 * 64
+        kind,
+        "page_first",
+        layers=e["layers"],
+        heads=e["heads"],
+        head_dim=e["head_dim"],
+        page_size=e["page_size"],
+        device_tokens=n * e["page_size"],
+        mla_dim=e["mla_dim"],
     )
     b = H.KvmeshHiCacheStorage(
         storage_config(
@@ -246,68 +286,82 @@ def exists_case(limits: dict, address: str, kind: str, quick: bool) -> dict[str,
     )
     b.register_mem_pool_host(pool)
     try:
-        idx = pool.alloc(256 * 64)
-        fill_pages(pool, idx, list(range(256)))
-        keys = page_keys(256, f"exists{kind}")
-        assert b.batch_set_v1(keys, idx) == [True] * 256
-        assert b.batch_exists(keys) == 256
+        idx = pool.alloc(n * e["page_size"])
+        fill_pages(pool, idx, list(range(n)))
+        keys = page_keys(n, f"exists{kind}")
+        assert b.batch_set_v1(keys, idx) == [True] * n
+        assert b.batch_exists(keys) == n
         for _ in range(5):
             b.batch_exists(keys)
-        samples = []
-        for _ in range(50 if quick else 300):
+        times = []
+        for _ in range(samples):
             t0 = time.perf_counter()
-            b.batch_exists(keys)
-            samples.append(time.perf_counter() - t0)
-        p50, p99 = percentiles(samples)
+            got = b.batch_exists(keys)
+            times.append(time.perf_counter() - t0)
+            assert got == n, f"batch_exists counted {got} of {n} pages"
+        p50, p99 = percentiles(times)
         return record(
             limits,
             "same-host",
             None,
             "batch_exists",
             None,
-            256,
-            ops_per_s=256 / float(np.median(samples)),
+            n,
+            ops_per_s=n / float(np.median(times)),
             p50_us=p50,
             p99_us=p99,
             kind=kind,
-            objects=256 * (2 if kind == "mha" else 1),
+            objects=n * (2 if kind == "mha" else 1),
         )
     finally:
         b.close()
 
 
-def run(limits: dict, quick: bool) -> list[dict[str, Any]]:
+def run(limits: dict, a: Any) -> list[dict[str, Any]]:
     from kvmesh.store.cluster import StoreCluster
 
-    reps = 5 if quick else 11
-    plan = [("mha", 8 if quick else 32), ("mla", 16 if quick else 64)]
+    quick = a.quick
+    reps = a.reps or (5 if quick else 11)
+    samples = a.exists_samples or (50 if quick else 300)
+    mha, mla = a.batches or ((8, 16) if quick else (32, 64))
+    plan = [("mha", mha), ("mla", mla)]
     layouts = ("page_first", "layer_first")
     rows: list[dict[str, Any]] = []
-    biggest = max(
-        (
-            MODEL["layers"]
-            * MODEL["page_size"]
-            * (2 * MODEL["heads"] * MODEL["head_dim"] if k == "mha" else MODEL["mla_dim"])
-            * 2
-        )
-        * n
-        for k, n in plan
-    )
+    segment = segment_bytes(plan, layouts, a.layers)
     for case, host in (("same-host", None), ("network", "bench-other-host")):
         with tempfile.TemporaryDirectory() as d, StoreCluster(d, 1, durability="memory") as cl:
             cl.start_all()
-            peer = _peer(cl.address, 2 * biggest + 64 * MiB, host)
+            peer = _peer(cl.address, segment, host)
             try:
                 for kind, batch in plan:
                     for layout in layouts:
                         if case == "network" and quick and layout == "layer_first":
                             continue  # same code path as page_first; quick keeps to 60 s
-                        rows += one_case(limits, cl.address, case, kind, layout, batch, reps)
+                        rows += one_case(
+                            limits, cl.address, case, kind, layout, batch, reps, a.layers
+                        )
                 if case == "same-host":
-                    rows += [exists_case(limits, cl.address, k, quick) for k in ("mha", "mla")]
+                    rows += [exists_case(limits, cl.address, k, samples) for k in ("mha", "mla")]
             finally:
                 peer.close()
     return rows
+
+
+def _batches(text: str) -> tuple[int, int]:
+    mha, mla = (int(x) for x in text.split(","))
+    if mha < 1 or mla < 1:
+        raise ValueError("batches must be >= 1")
+    return mha, mla
+
+
+def _options(ap: Any) -> None:
+    ap.add_argument(
+        "--layers", type=int, default=MODEL["layers"], help="model layers (page size scales)"
+    )
+    ap.add_argument("--batches", type=_batches, help="pages per batch, MHA,MLA (e.g. 8,16)")
+    ap.add_argument("--reps", type=int, help="timed repetitions per op")
+    ap.add_argument("--exists-samples", type=int, help="timed batch_exists calls per kind")
+    ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,15 +369,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--peer":
         peer_main(argv[1], int(argv[2]))
         return 0
-    a = bench_args(__doc__.split("\n\n")[0], argv)
+    a = bench_args(__doc__.split("\n\n")[0], argv, _options)
     t_start = time.monotonic()
     from tests.plugins.sglang_env import install_torchvision_stub
 
     install_torchvision_stub()
     import kvmesh_sglang.hicache  # noqa: F401 - SGLang's import cost outside the timings
 
-    limits: dict[str, float | None] = {"memcpy_gbps": memcpy_gbps(), "tcp_gbps": tcp_gbps()}
-    rows = run(limits, a.quick)
+    limits: dict[str, float | None] = {
+        "memcpy_gbps": memcpy_gbps(),
+        "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
+    }
+    rows = run(limits, a)
     print(
         f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
         f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"

@@ -52,3 +52,18 @@ then
     .venv/bin/python -m pip install -q --no-deps "sglang==${SGLANG_VERSION}"
     .venv/bin/python -m pip install -q -c "$constraints" "${SGLANG_DEPS[@]}"
 fi
+
+# SGLang 0.5.14, the older version the plugins support, as an overlay over this environment
+# (tests/plugins/test_sglang_0514.py puts it first on PYTHONPATH): sglang and the pins in
+# which 0.5.14 differs (sglang-interfaces.md §6: transformers 5.8.1, which needs older
+# tokenizers and huggingface_hub, and httpx), all --no-deps, everything else shared.
+# The stamp file lists what was installed; a different list reinstalls.
+OLD_SGLANG_DIR=.venv/sglang-0.5.14
+OLD_SGLANG_PINS=("sglang==0.5.14" "transformers==5.8.1" "tokenizers==0.22.2"
+    "huggingface_hub==1.33.0" "httpx==0.28.1" "httpcore==1.0.9")
+if [ "$(cat "$OLD_SGLANG_DIR/.kvmesh-pins" 2>/dev/null)" != "${OLD_SGLANG_PINS[*]}" ]; then
+    echo "setup: installing the sglang==0.5.14 overlay in $OLD_SGLANG_DIR" >&2
+    rm -rf "$OLD_SGLANG_DIR"
+    .venv/bin/python -m pip install -q --no-deps --target "$OLD_SGLANG_DIR" "${OLD_SGLANG_PINS[@]}"
+    echo "${OLD_SGLANG_PINS[*]}" >"$OLD_SGLANG_DIR/.kvmesh-pins"
+fi

@@ -42,7 +42,7 @@ from . import errors as E
 from . import protocol as P
 from .node import StorageNode
 from .rpc import MasterClient
-from .types import ROW, ObjectReplica, ReplicateConfig, key_error, keys_valid
+from .types import ROW, ObjectReplica, ReplicateConfig, bad_parts, key_error, keys_valid
 
 __all__ = ["BatchResults", "Removed", "StoreClient"]
 
@@ -524,12 +524,13 @@ class StoreClient:
         psizes = [sizes[i] for i in part]
         t0 = time.monotonic()
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
-        if type(resp) is not P.PutStartResp:
+        if type(resp) is not P.PutStartResp or not resp.fits(len(part)):
             err = _whole_error(resp)
             for i in part:
                 out[i] = err
             return []
         versions = resp.versions
+        copies = resp.copies()
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
@@ -538,7 +539,7 @@ class StoreClient:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
                 continue
             started.append(j)
-            for rep in resp.replicas[j] or []:
+            for rep in copies[j] or []:
                 reqs.extend(_copy_reqs(j, bufs[i], rep))
         # The allocation is ours only until the master's put timeout: writes must be over
         # well before it (a reclaimed range may be handed to another put). Counted from
@@ -1075,8 +1076,16 @@ class StoreClient:
 
     # ------------------------------------------------------------------ metadata
 
-    def exists(self, keys: Any) -> Any:
-        """True if a COMPLETE object has the key (no lease is taken)."""
+    def exists(self, keys: Any, *, prefix: str = "", suffixes: Sequence[str] | None = None) -> Any:
+        """True if a COMPLETE object has the key (no lease is taken).
+
+        With ``prefix`` or ``suffixes``: the objects named ``prefix + key + suffix`` for every
+        key and then every suffix (key-major; ``suffixes`` defaults to ``[""]``), one result
+        per name, always a batch. The master gets the parts, not the names
+        (:class:`protocol.ExistsPartsReq`), so names that share a long start pay for their
+        middles only."""
+        if prefix or suffixes is not None:
+            return self._exists_parts(keys, prefix, list(suffixes or [""]))
         ks, batch = self._listify(keys)
         out: list[Any] = [None] * len(ks)
         # The hot path (HiCache's batch_exists): all keys valid, checked once for the batch,
@@ -1103,6 +1112,24 @@ class StoreClient:
                 for i in part:
                     out[i] = err
         return self._finish(BatchResults(out), batch)
+
+    def _exists_parts(self, keys: Any, prefix: str, sufs: list[str]) -> BatchResults:
+        ks = self._listify(keys)[0]  # one key (a str) is a batch of one key here
+        if len(sufs) > MAX_KEYS_PER_RPC or bad_parts(prefix, ks, sufs) is not None:
+            # Some name is invalid (or too many suffixes): name by name, for per-name errors.
+            return self.exists(P.parts_names(prefix, ks, sufs))
+        m = len(sufs)
+        out: list[Any] = [None] * (len(ks) * m)
+        step = MAX_KEYS_PER_RPC // m
+        for start in range(0, len(ks), step):
+            pk = ks[start : start + step]
+            resp = self.rpc.call(lambda rid, pk=pk: P.ExistsPartsReq(rid, prefix, pk, sufs))
+            lo, hi = start * m, (start + len(pk)) * m
+            if type(resp) is P.CodesResp and len(resp.codes) == hi - lo:
+                out[lo:hi] = map(bool, resp.codes)
+            else:
+                out[lo:hi] = [_whole_error(resp)] * (hi - lo)
+        return BatchResults(out)
 
     def get_size(self, keys: Any) -> Any:
         ks, batch = self._listify(keys)

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from .types import ObjectReplica, ReplicateConfig
+from .types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "MUTATING",
@@ -33,6 +33,7 @@ __all__ = [
     "CodesResp",
     "CountResp",
     "ErrorResp",
+    "ExistsPartsReq",
     "ExistsReq",
     "GetReplicasReq",
     "GetSizeReq",
@@ -61,6 +62,8 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode",
+    "parts_names",
+    "request_key_count",
     "request_keys",
 ]
 
@@ -134,6 +137,18 @@ class ExistsReq(msgspec.Struct, tag="exists", array_like=True, frozen=True):
 
     rid: int
     keys: list[str]
+
+
+class ExistsPartsReq(msgspec.Struct, tag="exists_parts", array_like=True, frozen=True):
+    """:class:`ExistsReq` for the names ``prefix + key + suffix``, every key with every suffix
+    (key-major: the codes of one key's suffixes are adjacent). Names that share their start
+    and end (a HiCache page's K and V objects, of one model and rank) cost the bytes of
+    their middles only, on the wire and in the client and master key checks."""
+
+    rid: int
+    prefix: str
+    keys: list[str]
+    suffixes: list[str]
 
 
 class GetSizeReq(msgspec.Struct, tag="get_size", array_like=True, frozen=True):
@@ -217,6 +232,7 @@ Request = (
     | PutRevokeReq
     | GetReplicasReq
     | ExistsReq
+    | ExistsPartsReq
     | GetSizeReq
     | RemoveReq
     | RemoveAllReq
@@ -255,9 +271,22 @@ class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=Tr
 
     rid: int
     codes: list[int]
-    replicas: list[list[ObjectReplica] | None]
+    replicas: list[list[ObjectReplica] | None]  # empty when ``run`` holds them
     versions: list[int]
     hold_ms: int = 0
+    # the copies of a put where every key got one copy of one slice, compactly (the usual
+    # batch put); ``replicas`` is then empty: read both through :meth:`copies`
+    run: ReplicaRun | None = None
+
+    def copies(self) -> list[list[ObjectReplica] | None]:
+        """Per key the copies to write (None for a key whose code is not 0)."""
+        return self.replicas if self.run is None else self.run.expand()
+
+    def fits(self, n: int) -> bool:
+        """Whether this answers ``n`` keys (one code, version and copy list each)."""
+        if not len(self.codes) == len(self.versions) == n:
+            return False
+        return len(self.replicas) == n if self.run is None else self.run.fits(n)
 
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):
@@ -372,4 +401,21 @@ def decode_response(body: bytes | memoryview) -> Response:
 
 def request_keys(req: Any) -> list[str]:
     """The keys a request names (empty for requests without keys)."""
+    if type(req) is ExistsPartsReq:
+        return parts_names(req.prefix, req.keys, req.suffixes)
     return getattr(req, "keys", None) or []
+
+
+def request_key_count(req: Any) -> int:
+    """``len(request_keys(req))`` without building an :class:`ExistsPartsReq`'s names."""
+    if type(req) is ExistsPartsReq:
+        return len(req.keys) * len(req.suffixes)
+    return len(getattr(req, "keys", None) or [])
+
+
+def parts_names(prefix: str, keys: list[str], suffixes: list[str]) -> list[str]:
+    """The object names of an :class:`ExistsPartsReq`, in the order of its codes."""
+    if len(suffixes) == 1:
+        s = suffixes[0]
+        return [f"{prefix}{k}{s}" for k in keys]
+    return [f"{prefix}{k}{s}" for k in keys for s in suffixes]

@@ -36,7 +36,7 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Literal
 
 import msgspec
@@ -82,6 +82,7 @@ from .types import (
     MAX_OBJECT_SIZE,
     MAX_REPLICAS,
     bad_key,
+    bad_parts,
     key_error,
     replica_lists,
 )
@@ -227,7 +228,7 @@ def _make_result_type(inner_rt: Any) -> Any:
     )
 
 
-_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.GetSizeReq)
+_LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 # Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
 # buffered on one connection never hold the event loop for long.
 _INLINE_KEYS = 512
@@ -288,8 +289,12 @@ class MasterService:
         self._owners: OrderedDict[int, str] = OrderedDict()
         # storage node id -> the peer that mounted it (same rules as _owners)
         self._node_owners: OrderedDict[str, str] = OrderedDict()
-        # (key, version) of a put this leader started -> the session that started it
-        self._writers: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # version (log index) of a put this leader answered -> the session that started it.
+        # One entry per PutStart entry, not per key: every key an entry places has its
+        # index as version, so the version names the writer. Kept for two put timeouts
+        # (_writer_times, oldest first; the put is reclaimed by then), at most _MAX_WRITERS.
+        self._writers: dict[int, int] = {}
+        self._writer_times: deque[tuple[float, int]] = deque()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
@@ -410,6 +415,7 @@ class MasterService:
         self._owners.clear()
         self._node_owners.clear()
         self._writers.clear()
+        self._writer_times.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
@@ -595,7 +601,7 @@ class MasterService:
         batch, no lease now, or a reply being sent or left unread: backpressure of
         :class:`_Replies` applies)."""
         node = self.node
-        if node is None or len(req.keys) > _INLINE_KEYS or not out.ready():
+        if node is None or P.request_key_count(req) > _INLINE_KEYS or not out.ready():
             return False
         try:
             if node.lease_read_index() is None:
@@ -666,7 +672,7 @@ class MasterService:
         if self.metrics is not None:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
-            self.metrics.observe(type(req).__name__, outcome, len(P.request_keys(req)), started)
+            self.metrics.observe(type(req).__name__, outcome, P.request_key_count(req), started)
 
     def _leader(self) -> RaftNode:
         node = self.node
@@ -680,12 +686,21 @@ class MasterService:
     def _check(self, req: Any) -> None:
         # Conforming clients validate before sending; a request with a bad field comes from
         # a broken or hostile peer and is refused whole, before any work.
-        keys = P.request_keys(req)
-        if len(keys) > self.cfg.max_batch_keys:
+        if type(req) is P.ExistsPartsReq:
+            # Checked by parts (types.bad_parts), never expanded before the count is known.
+            n = P.request_key_count(req)
+            keys: list[Any] = []
+            why = bad_parts(req.prefix, req.keys, req.suffixes)
+        else:
+            keys = P.request_keys(req)
+            n = len(keys)
+            why = None
+        if n > self.cfg.max_batch_keys:
             raise E.InvalidParams(
-                f"{len(keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
+                f"{n} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
-        why = bad_key(keys)
+        if keys:
+            why = bad_key(keys)
         if why is not None:
             raise E.InvalidKey(why)
         for name in ("sizes", "versions"):
@@ -694,7 +709,9 @@ class MasterService:
                 raise E.InvalidParams(f"{len(vals)} {name} for {len(keys)} keys")
         sizes = getattr(req, "sizes", None)
         if sizes is not None and (
-            len(sizes) != len(keys) or any(not 0 < s <= MAX_OBJECT_SIZE for s in sizes)
+            # list[int] as decoded (msgspec): C-level min/max instead of a test per key
+            len(sizes) != len(keys)
+            or (sizes and not 0 < min(sizes) <= max(sizes) <= MAX_OBJECT_SIZE)
         ):
             raise E.InvalidParams(f"sizes must be 1..{MAX_OBJECT_SIZE}, one per key")
         config = getattr(req, "config", None)
@@ -736,6 +753,8 @@ class MasterService:
             return self._get_replicas(req)
         if t is P.ExistsReq:
             return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
+        if t is P.ExistsPartsReq:
+            return P.CodesResp(req.rid, self.sm.exists_codes(req.prefix, req.keys, req.suffixes))
         sizes = self.sm.get_size(req.keys)
         return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])
 
@@ -824,6 +843,8 @@ class MasterService:
     @staticmethod
     def _merge(planned: list[int], applied: list[int]) -> list[int]:
         """Per key: the planned refusal, or the applied entry's code (in order)."""
+        if len(planned) == len(applied) and not any(planned):
+            return list(applied)  # nothing refused before the log
         it = iter(applied)
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
@@ -897,16 +918,22 @@ class MasterService:
             planned, _ = self._planned(req.session, make)
         else:
             planned = [0] * n
-        todo = [i for i in range(n) if not planned[i]]
-        tk = [keys[i] for i in todo]
-        ts = [req.sizes[i] for i in todo]
+        if any(planned):
+            todo = [i for i in range(n) if not planned[i]]
+            tk = [keys[i] for i in todo]
+            ts = [req.sizes[i] for i in todo]
+        else:
+            tk, ts = keys, req.sizes
         # Make room first when the pool is short: a put reports NoSpace only when nothing is
         # evictable (the put itself stays one entry under the client's session). Only for
         # copies that could fit once room is made: a key larger than the whole pool, or more
         # copies than there are storage nodes, would evict everything and still not fit.
         copies = req.config.replica_num
         usage = self.sm.usage()
-        need = sum(z * copies for z in ts if z * copies <= usage.capacity)
+        if ts and max(ts) * copies <= usage.capacity:
+            need = sum(ts) * copies
+        else:
+            need = sum(z * copies for z in ts if z * copies <= usage.capacity)
         free = usage.capacity - usage.used
         if need > free and copies <= len(self.sm.nodes()):
             await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
@@ -924,27 +951,40 @@ class MasterService:
         planned, r = res.codes or [0] * n, res.result
         if len(planned) != n:
             raise E.InvalidParams("a retried put named different keys than the first attempt")
+        run = None
         if not any(planned) and len(r.codes) == n:  # nothing decided before the log
-            codes, replicas, versions = list(r.codes), list(r.replicas), list(r.versions)
+            codes, versions = list(r.codes), r.versions
+            if type(r) is C.PutStartRun:
+                replicas, run = [], r.run  # sent as it is cached: compact
+            else:
+                replicas = r.replicas
         else:
             codes = list(planned)
             replicas = [None] * n
             versions = [0] * n
             j = 0
+            rr, rv = r.replicas, r.versions  # (properties of a PutStartRun: built once)
             for i in range(n):
                 if planned[i]:
                     continue
-                codes[i], replicas[i], versions[i] = r.codes[j], r.replicas[j], r.versions[j]
+                codes[i], replicas[i], versions[i] = r.codes[j], rr[j], rv[j]
                 j += 1
-        w = self._writers
-        for k, c, v in zip(keys, codes, versions):
-            if c == 0:
-                w[(k, v)] = req.session.client_id
-        while len(w) > _MAX_WRITERS:
-            w.popitem(last=False)  # oldest puts (long reclaimed, most likely)
+        if 0 in codes:  # every key placed has the entry's index as version
+            self._bind_writer(versions[codes.index(0)], req.session.client_id)
         return P.PutStartResp(
-            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000)
+            req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
+
+    def _bind_writer(self, version: int, client_id: int) -> None:
+        """Remember that ``client_id`` started the put of entry ``version`` (and forget the
+        bindings older than two put timeouts: those puts are reclaimed by now)."""
+        w, times = self._writers, self._writer_times
+        mono = time.monotonic()
+        w[version] = client_id
+        times.append((mono, version))
+        old = mono - 2 * self.cfg.put_timeout_s - self.cfg.ticker_s
+        while times and (times[0][0] < old or len(times) > _MAX_WRITERS):
+            w.pop(times.popleft()[1], None)
 
     async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:
         """PutEnd / PutRevoke. A put's version is its log index (easy to guess), so the
@@ -956,27 +996,31 @@ class MasterService:
         me = req.session.client_id
 
         def make() -> tuple[list[int], float]:
-            if len(vers) != len(keys):  # apply answers InvalidParams per key
-                return [0] * len(keys), 0.0
+            n = len(keys)
+            if len(vers) != n:  # apply answers InvalidParams per key
+                return [0] * n, 0.0
             w = self._writers
+            # per distinct version (a batch names one or a few), not per key
+            foreign = {v for v in set(vers) if w.get(v, me) != me}
+            if not foreign:
+                return [0] * n, 0.0
             bad = int(E.InvalidWrite.code)
-            return [bad if w.get((k, v), me) != me else 0 for k, v in zip(keys, vers)], 0.0
+            return [bad if v in foreign else 0 for v in vers], 0.0
 
         planned, _ = self._planned(req.session, make)
-        todo = [i for i, c in enumerate(planned) if not c]
-        tk = [keys[i] for i in todo]
-        tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        if any(planned):
+            todo = [i for i, c in enumerate(planned) if not c]
+            tk = [keys[i] for i in todo]
+            tv = [vers[i] for i in todo] if len(vers) == len(keys) else list(vers)
+        else:
+            tk, tv = keys, vers
         cmd = C.PutEnd(keys=tk, versions=tv) if end else C.PutRevoke(keys=tk, versions=tv)
         res = await self._propose_echo(node, req.session, _Echoed(C.encode_command(cmd), planned))
-        out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
+        out = self._merge(res.codes or [0] * len(keys), res.result.codes)
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
-        if len(vers) == len(keys):
-            for k, v, c in zip(keys, vers, out):
-                if c == 0:
-                    self._writers.pop((k, v), None)
         if end:
-            self.stats.touch(k for k, c in zip(keys, out) if c == 0)
+            self.stats.touch(keys if not any(out) else [k for k, c in zip(keys, out) if c == 0])
         return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:

@@ -34,10 +34,13 @@ __all__ = [
     "ObjectLookup",
     "ObjectReplica",
     "ReplicaDesc",
+    "ReplicaRun",
     "ReplicateConfig",
     "SegmentInfo",
     "Strategy",
     "Usage",
+    "bad_key",
+    "bad_parts",
     "key_error",
     "keys_valid",
 ]
@@ -78,6 +81,36 @@ class ObjectReplica(msgspec.Struct, array_like=True, frozen=True):
     """One full copy of an object: its slices in byte order (lengths sum to the size)."""
 
     slices: list[ReplicaDesc]
+
+
+class ReplicaRun(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The copies of a batch of puts that each got one copy of one slice (what a batch put
+    of small objects gets), compactly: ``segs[j]`` is ``(segment, node_id, endpoint)``;
+    per key ``where[i]`` indexes ``segs`` (-1: no copy), ``offsets[i]`` and ``lengths[i]``
+    place its one slice. Per key three ints instead of a :class:`ReplicaDesc` with three
+    strings: the master builds, caches (on every replica) and sends it, and the client
+    decodes it, at a fraction of the cost. :meth:`expand` gives the full form."""
+
+    segs: list[tuple[str, str, str]]
+    where: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+    def fits(self, n: int) -> bool:
+        """Whether this describes ``n`` keys with every index in range (a reply from a
+        broken peer must not fail later with an IndexError)."""
+        w = self.where
+        return len(w) == len(self.offsets) == len(self.lengths) == n and (
+            not w or (min(w) >= -1 and max(w) < len(self.segs))
+        )
+
+    def expand(self) -> list[list[ObjectReplica] | None]:
+        """Per key ``[ObjectReplica([ReplicaDesc(...)])]``, or None without a copy."""
+        segs = self.segs
+        return [
+            None if w < 0 else [ObjectReplica([ReplicaDesc(*segs[w], off, ln)])]
+            for w, off, ln in zip(self.where, self.offsets, self.lengths)
+        ]
 
 
 class ReplicateConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -202,6 +235,38 @@ def bad_key(keys: list[Any]) -> str | None:
     return None
 
 
+def bad_parts(prefix: Any, keys: list[Any], suffixes: list[Any]) -> str | None:
+    """:func:`bad_key` for the names ``prefix + key + suffix`` (every key, every suffix),
+    decided without building them: each key is a valid key on its own (so no name is
+    empty), prefix and suffixes are ``str`` without NUL that encode as UTF-8 (so a name has
+    NUL or an unencodable code point only if a part has), and the longest prefix + key +
+    suffix fits :data:`MAX_KEY_BYTES`. At least one suffix (``""`` names the bare key)."""
+    if not suffixes:
+        return "no suffixes"
+    lens = []
+    for part in (prefix, *suffixes):
+        if type(part) is not str:
+            return "prefix and suffixes must be strings"
+        if "\0" in part:
+            return "key contains NUL"
+        try:
+            lens.append(len(part.encode("utf-8")))
+        except UnicodeEncodeError:
+            return "key is not valid UTF-8 (lone surrogate)"
+    if not keys:
+        return None
+    longest = _longest_valid(keys)
+    if longest is None or longest > MAX_KEY_BYTES - lens[0] - max(lens[1:]):
+        why = bad_key(keys)  # key by key: the first bad one, or the exact longest below
+        if why is not None:
+            return why
+        longest = max(len(k.encode("utf-8")) for k in keys)
+    n = lens[0] + longest + max(lens[1:])
+    if n > MAX_KEY_BYTES:
+        return f"key is {n} bytes, limit {MAX_KEY_BYTES}"
+    return None
+
+
 def key_error(key: object) -> str | None:
     """Why ``key`` is not a valid object key, or None if it is."""
     if not isinstance(key, str):
@@ -223,23 +288,31 @@ def keys_valid(keys: list[Any]) -> bool:
     """True when every key passes :func:`key_error`, decided for the whole batch at once with
     C-level checks (no Python call per key). False means "check key by key" (some key may be
     invalid, or the batch is not plain ``str`` keys), never that a given key is invalid."""
+    longest = _longest_valid(keys)
+    return longest is not None and longest <= MAX_KEY_BYTES
+
+
+def _longest_valid(keys: list[Any]) -> int | None:
+    """UTF-8 bytes of the longest key when every key is a non-empty ``str`` without NUL that
+    encodes (C-level checks for the whole batch; for a non-ASCII batch a bound of 4 bytes per
+    code point); None: check key by key (see :func:`keys_valid`)."""
     if set(map(type, keys)) != {str}:  # str subclasses (and empty batches) take the slow path
-        return False
+        return None
     if "" in keys:
-        return False
+        return None
     joined = "".join(keys)
     if "\0" in joined:
-        return False
+        return None
     longest = max(map(len, keys))
     if joined.isascii():  # one byte per character
-        return longest <= MAX_KEY_BYTES
+        return longest
     if longest * 4 > MAX_KEY_BYTES:  # UTF-8 takes at most 4 bytes per code point
-        return False
+        return None
     try:
         joined.encode("utf-8")  # a lone surrogate anywhere fails here, as in key_error
     except UnicodeEncodeError:
-        return False
-    return True
+        return None
+    return longest * 4
 
 
 _UNITS = {"": 1, "b": 1}

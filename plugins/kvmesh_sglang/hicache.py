@@ -352,6 +352,28 @@ def _whole(res: Sequence[Any]) -> Sequence[Any]:
     return res
 
 
+def block_group_pages(found: Sequence[bool], block_pages: int, group_pages: int, span: int) -> int:
+    """SGLang 0.5.23's ``PoolHitPolicy.BLOCK_GROUPS`` verdict for one pool (its docstring in
+    ``sglang/srt/mem_cache/hicache_storage.py``: "whole key groups at block boundaries from
+    the span start ... The pool reports the pages its leading complete groups cover as its
+    own verdict; it never gates the KV hit"; ``PoolTransfer.block_pages``: FULL pages per
+    block, ``group_pages``: keys per group).
+
+    ``found``: per key of the pool's transfer, whether its objects all exist. Group ``g`` is
+    keys ``[g * group_pages, (g + 1) * group_pages)`` and covers the span's pages
+    ``[g * block_pages, (g + 1) * block_pages)``; the leading groups whose every key exists
+    count, a trailing partial group never does. The result is capped at the ``span`` pages
+    of the call. Geometry that is not positive covers nothing."""
+    if block_pages <= 0 or group_pages <= 0:
+        return 0
+    groups = 0
+    for g in range(len(found) // group_pages):
+        if not all(found[g * group_pages : (g + 1) * group_pages]):
+            break
+        groups += 1
+    return min(groups * block_pages, span)
+
+
 def _pool_result(kv: int, hits: dict[str, int], restorable: list[int]) -> Any:
     try:  # 0.5.23: the set of usable prefix lengths
         return PoolTransferResult(kv, hits, restorable)
@@ -410,7 +432,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self.registered_pools: dict[Any, Any] = {}
         self.mem_pool_host: Any = None
         self._reg_lock = threading.Lock()
-        self._registered: set[tuple[int, int]] = set()
+        self._registered: dict[tuple[int, int], Any] = {}  # span -> engine region
         self._counters = _Counters()
         self._log_lock = threading.Lock()
         self._last_log: dict[str, float] = {}
@@ -482,8 +504,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             with self._reg_lock:
                 if span in self._registered:
                     continue
-                self.client.register_buffer(span[0], span[1])
-                self._registered.add(span)
+                self._registered[span] = self.client.register_buffer(span[0], span[1])
 
     @staticmethod
     def _buffers(pool: Any) -> list[Any]:
@@ -644,9 +665,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return 0
         t0 = time.perf_counter()
         comps = ("k", "v") if self._mha else ("kv",)
-        flags = self._exist_flags(self._obj().names(keys, comps))
+        obj = self._obj()
+        # The names are {pre}{key}{mid}{comp}: the store gets the parts (one prefix, the page
+        # keys, one suffix per component), not 2 x 256 full names.
+        sufs = [obj.mid + c for c in comps]
+        res = list(_whole(self.client.exists(keys, prefix=obj.pre, suffixes=sufs)))
+        if set(map(type, res)) != {bool}:  # an error for some object counts as missing
+            res = [r is True for r in res]
         # Components of a page are adjacent: the first missing object ends the prefix.
-        n = flags.index(False) // len(comps) if False in flags else len(keys)
+        n = res.index(False) // len(comps) if False in res else len(keys)
         self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
         return n
 
@@ -775,7 +802,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
         """KV prefix intersected with every sidecar pool's verdict (ALL_PAGES: a prefix;
-        TRAILING_PAGES: each end point whose window is complete), in one metadata RPC."""
+        TRAILING_PAGES: each end point whose window is complete), in one metadata RPC.
+        BLOCK_GROUPS pools (0.5.23) are checked in the same RPC on their own keys and report
+        the pages their leading complete groups cover, without gating the KV hit
+        (:func:`block_group_pages`)."""
         anchor = getattr(self.mem_pool_host, "kv_buffer", None) is not None
         obj = self._obj()
         comps = ("k", "v") if self._mha else ("kv",)
@@ -790,9 +820,14 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             shared = (not self._mha) and name != "mamba" and not mha
             o = self._obj(name, shared)
             pc = ("k", "v") if mha else ("kv",)
+            policy = getattr(t.hit_policy, "value", t.hit_policy)
+            if policy not in ("all_pages", "trailing_pages", "block_groups"):
+                raise ValueError(f"kvmesh HiCache does not support hit policy {policy!r}")
             start = len(names)
-            names.extend(o.names(keys, pc))
-            side.append((t, name, len(pc), start))
+            # A block-group pool's objects are named by its own keys (as batch_set_v2 wrote
+            # them); the other pools' by the KV page keys.
+            names.extend(o.names(list(t.keys or []) if policy == "block_groups" else keys, pc))
+            side.append((t, name, policy, len(pc), start))
         flags = self._exist_flags(names) if names else []
         per = len(comps)
         kv = len(keys)  # a logical anchor has no KV objects: the sidecars decide
@@ -802,20 +837,24 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             )
         hits: dict[str, int] = {"kv": kv} if kv else {}
         restorable = list(range(1, kv + 1))
-        for t, name, per, start in side:
+        for t, name, policy, per, start in side:
+            if policy == "block_groups":
+                n = len(t.keys or [])
+                found = [all(flags[start + i * per : start + (i + 1) * per]) for i in range(n)]
+                b = block_group_pages(found, t.block_pages, t.group_pages, len(keys))
+                if b:
+                    hits[name] = b
+                continue
             if not restorable:
-                break
+                continue
             page = [all(flags[start + i * per : start + (i + 1) * per]) for i in range(kv)]
-            policy = getattr(t.hit_policy, "value", t.hit_policy)
             if policy == "all_pages":
                 b = next((i for i in range(kv) if not page[i]), kv)
                 ok = set(range(1, b + 1))
-            elif policy == "trailing_pages":
+            else:  # trailing_pages
                 w = max(1, len(t.keys) if t.keys else 1)
                 ok = {p for p in range(1, kv + 1) if all(page[max(0, p - w) : p])}
                 b = max(ok, default=0)
-            else:
-                raise ValueError(f"kvmesh HiCache does not support hit policy {policy!r}")
             if b:
                 hits[name] = b
             restorable = [p for p in restorable if p in ok]
@@ -858,6 +897,16 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if self._closed:
             return
         self._closed = True
+        # The engine is process-wide and outlives this backend: a registration left behind
+        # would point at the host pool's memory after SGLang frees it (and overlap whatever
+        # is allocated there next).
+        with self._reg_lock:
+            regions, self._registered = list(self._registered.values()), {}
+        for region in regions:
+            try:
+                self.client.unregister_buffer(region)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvmesh HiCache: unregistering a host pool buffer failed: %s", e)
         if self._own_client:
             try:
                 self.client.close()

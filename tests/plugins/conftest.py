@@ -19,6 +19,22 @@ def _silence_stderr() -> None:
     os.close(devnull)
 
 
+def pytest_report_header(config) -> str | None:
+    """With ``KVMESH_EXPECT_SGLANG`` set (tests/plugins/test_sglang_0514.py runs these tests
+    on another SGLang that way): the SGLang version imported and where from, and a usage
+    error when it is not the expected one."""
+    want = os.environ.get("KVMESH_EXPECT_SGLANG")
+    if not want:
+        return None
+    import pytest
+    import sglang
+
+    got = getattr(sglang, "__version__", "?")
+    if got != want:
+        raise pytest.UsageError(f"expected SGLang {want}, imported {got} from {sglang.__file__}")
+    return f"sglang {got} from {os.path.dirname(sglang.__file__)}"
+
+
 def pytest_unconfigure(config) -> None:
     # SGLang imports triton, whose nanobind module lists "leaked" objects on stderr when the
     # interpreter shuts down, after pytest's summary (the last lines CI reads). atexit runs

@@ -1,7 +1,8 @@
 """Real SGLang host KV pools on CPU and helpers of the HiCache backend tests.
 
-Pools are built the way SGLang 0.5.23 builds them (sglang-interfaces.md §4.1: buffer infos
-from CPU tensors, ``pin_memory=False``); page contents are derived from a seed, so two
+Pools are built the way the installed SGLang builds them (sglang-interfaces.md §4.1): 0.5.23
+from buffer infos of CPU tensors, 0.5.14 from a real device pool on CPU (its host pools take
+the device pool); ``pin_memory=False`` in both. Page contents are derived from a seed, so two
 processes can fill and check the same pages independently.
 """
 
@@ -37,12 +38,19 @@ def build_pool(
     dtype: Any = torch.bfloat16,
     mla_dim: int = 72,
 ) -> Any:
-    from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout,
-        KVBuffers,
-        MHABufferInfo,
-        MLABufferInfo,
-    )
+    try:
+        from sglang.srt.mem_cache.device_pool_info import (
+            KVBufferLayout,
+            KVBuffers,
+            MHABufferInfo,
+            MLABufferInfo,
+        )
+    except ImportError:  # SGLang 0.5.14: host pools are built from a device pool
+        pool = _build_pool_0514(
+            kind, layout, layers, heads, head_dim, page_size, device_tokens, dtype, mla_dim
+        )
+        pool._kvmesh_kind = kind
+        return pool
 
     cpu = torch.device("cpu")
     if kind == "mha":
@@ -82,6 +90,29 @@ def build_pool(
         )  # fmt: skip
     pool._kvmesh_kind = kind
     return pool
+
+
+def _build_pool_0514(
+    kind: str,
+    layout: str,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    page_size: int,
+    device_tokens: int,
+    dtype: Any,
+    mla_dim: int,
+) -> Any:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    if kind == "mha":
+        dev = MHATokenToKVPool(
+            device_tokens, page_size, dtype, heads, head_dim, layers, "cpu", False
+        )
+        return MHATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
+    dev = MLATokenToKVPool(device_tokens, page_size, dtype, mla_dim - 8, 8, layers, "cpu", False)
+    return MLATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
 
 
 def storage_config(

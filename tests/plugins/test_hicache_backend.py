@@ -285,11 +285,14 @@ def test_factory_dynamic_path_end_to_end(cluster):
     engine = b.client.engine
     regions = len(engine.regions())
     b.register_mem_pool_host(pool)  # as the controller does after creating it
-    # the pool's K and V buffers, registered once with the process-wide engine
+    # the pool's buffers (0.5.23: K and V; 0.5.14: one kv_buffer holding both), registered
+    # once with the process-wide engine
     from kvmesh.transfer import get_engine
 
-    assert engine is get_engine() and len(engine.regions()) == regions + 2
-    for buf in pool.get_hybrid_pool_buffer():
+    get = getattr(pool, "get_hybrid_pool_buffer", None)
+    bufs = list(get()) if get is not None else [pool.kv_buffer]
+    assert engine is get_engine() and len(engine.regions()) == regions + len(bufs)
+    for buf in bufs:
         region, off = engine.find_region(buf.data_ptr(), buf.numel() * buf.element_size())
         assert off == 0 and region.size == buf.numel() * buf.element_size()
     keys = page_keys(2, "factory")
@@ -300,8 +303,9 @@ def test_factory_dynamic_path_end_to_end(cluster):
     assert b.batch_exists(keys) == 2 and b.batch_get_v1(keys, out) == [True, True]
     assert page_digests(pool, out, 2) == page_digests(pool, idx, 2)
     b.register_mem_pool_host(pool)  # again: nothing new registered, no per-call registration
-    assert len(engine.regions()) == regions + 2
+    assert len(engine.regions()) == regions + len(bufs)
     b.close()
+    assert len(engine.regions()) == regions  # close() hands the pool's memory back
     bad = storage_config(extra=dict(extra(cluster), master="127.0.0.1:9", timeout_s=0.3))
     with pytest.raises(RuntimeError, match="kvmesh HiCache"):
         StorageBackendFactory.create_backend("dynamic", bad, pool)
@@ -355,12 +359,15 @@ def test_v2_sidecar_pools(cluster):
     ]
     res = b.batch_exists_v2(keys, q)
     assert res.kv_hit_pages == 2 and res.extra_pool_hit_pages["draft"] == 4
-    assert res.restorable_prefix_pages == [1, 2]
+    # 0.5.14's result has no restorable_prefix_pages (sglang-interfaces.md §7)
+    assert getattr(res, "restorable_prefix_pages", [1, 2]) == [1, 2]
     # trailing window of one page: every prefix ending on a stored indexer page
     trail = [
         PoolTransfer(name=PoolName.INDEXER, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES)
     ]
-    assert b.batch_exists_v2(keys, trail).restorable_prefix_pages == [1, 2]
+    res = b.batch_exists_v2(keys, trail)
+    assert res.kv_hit_pages == 2
+    assert getattr(res, "restorable_prefix_pages", [1, 2]) == [1, 2]
     od, oi = draft.alloc(4 * ps), idxr.alloc(4 * ps)
     gets = [
         PoolTransfer(name=PoolName.DRAFT, host_indices=od, keys=keys),
@@ -373,6 +380,75 @@ def test_v2_sidecar_pools(cluster):
     assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=od, keys=keys)]) == {
         "mamba": [False] * 4
     }
+    b.close()
+
+
+def test_block_group_pages_definition():
+    from kvmesh_sglang.hicache import block_group_pages as bg
+
+    t, f = True, False
+    # groups of 2 keys, each covering a block of 4 pages: leading complete groups count
+    assert bg([t, t, t, t], 4, 2, 100) == 8
+    assert bg([t, t, f, t], 4, 2, 100) == 4
+    assert bg([f, t, t, t], 4, 2, 100) == 0  # a hole ends the run: later groups do not count
+    assert bg([t, t, t], 4, 2, 100) == 4  # a trailing partial group never counts
+    assert bg([t, t, t, t], 4, 2, 6) == 6  # capped at the call's span
+    assert bg([t, t], 0, 2, 100) == 0 and bg([t, t], 4, 0, 100) == 0 and bg([], 4, 2, 9) == 0
+
+
+def test_v2_block_groups_policy(cluster):
+    """0.5.23's BLOCK_GROUPS on real SGLang types: the pool's own keys are checked in whole
+    groups, the covered pages are its verdict, and the KV hit is never gated by it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    if not hasattr(PoolHitPolicy, "BLOCK_GROUPS"):
+        pytest.skip("this SGLang has no BLOCK_GROUPS hit policy (0.5.14)")
+    b, kv = backend(cluster, "mha", "page_first", namespace="blockgroups")
+    blk = build_pool("mla", "page_first", layers=1, mla_dim=16)
+    name = PoolName.DEEPSEEK_V4_C4
+    b.register_mem_host_pool_v2(blk, name)
+    keys = page_keys(8, "bg-kv")
+    gkeys = page_keys(5, "bg-groups")  # the pool's own keys: 2 whole groups and one key
+    ps = kv.page_size
+    ik = kv.alloc(8 * ps)
+    fill_pages(kv, ik, list(range(8)))
+    assert b.batch_set_v1(keys[:3], ik[: 3 * ps]) == [True] * 3
+    ib = blk.alloc(5 * blk.page_size)
+    fill_pages(blk, ib, [20, 21, 22, 23, 24])
+
+    def put(i):
+        sel = ib[i * blk.page_size : (i + 1) * blk.page_size]
+        assert b.batch_set_v2([PoolTransfer(name=name, host_indices=sel, keys=[gkeys[i]])]) == {
+            str(name): [True]
+        }
+
+    def ask(span=keys):
+        q = PoolTransfer(
+            name=name, keys=gkeys, hit_policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=4,
+            group_pages=2,
+        )  # fmt: skip
+        return b.batch_exists_v2(span, [q])
+
+    for i in (0, 1, 3, 4):
+        put(i)
+    res = ask()
+    # group 0 complete (pages 0-3), group 1 lacks key 2: 4 pages; KV holds 3 and is not
+    # cut or extended by the pool
+    assert res.kv_hit_pages == 3 and res.restorable_prefix_pages == [1, 2, 3]
+    assert res.extra_pool_hit_pages[str(name)] == 4
+    put(2)
+    res = ask()
+    assert res.extra_pool_hit_pages[str(name)] == 8 and res.kv_hit_pages == 3
+    assert ask(keys[:6]).extra_pool_hit_pages[str(name)] == 6  # capped at the span
+    # wrong geometry is no hit for that pool, still no exception into SGLang's thread
+    q = PoolTransfer(name=name, keys=gkeys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    res = b.batch_exists_v2(keys, [q])
+    assert str(name) not in res.extra_pool_hit_pages and res.kv_hit_pages == 3
+    # the groups read back into fresh slots, byte for byte
+    out = blk.alloc(5 * blk.page_size)
+    got = b.batch_get_v2([PoolTransfer(name=name, host_indices=out, keys=gkeys)])
+    assert got == {str(name): [True] * 5}
+    assert page_digests(blk, out, 5) == page_digests(blk, ib, 5)
     b.close()
 
 

@@ -152,6 +152,17 @@ def test_forged_and_oversized_requests_get_errors_not_crashes(master):
     s.sendall(framing.encode_frame(P.encode(big)))
     r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
     assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code
+    # The same by parts: 1,000 keys x 100 suffixes is past the limit, refused before any name
+    # is built; names too long only once joined, NUL in a suffix, no suffix at all.
+    for rid, req, err in (
+        (20, P.ExistsPartsReq(20, "p", ["k"] * 1000, ["s"] * 100), E.InvalidParams),
+        (21, P.ExistsPartsReq(21, "p" * 600, ["k"], ["s" * 600]), E.InvalidKey),
+        (22, P.ExistsPartsReq(22, "p", ["k"], ["\0"]), E.InvalidKey),
+        (23, P.ExistsPartsReq(23, "p", ["k"], []), E.InvalidKey),
+    ):
+        s.sendall(framing.encode_frame(P.encode(req)))
+        r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))
+        assert type(r) is P.ErrorResp and r.rid == rid and r.code == err.code, (rid, r)
     # Mismatched list lengths, negative sizes, invalid keys.
     for rid, req in enumerate(
         [

@@ -92,3 +92,93 @@ def test_exists_refuses_a_reply_of_the_wrong_length(monkeypatch):
         monkeypatch.setattr(c.rpc, "call", short)
         res = c.exists(["a", "b", "c"])
         assert all(isinstance(r, E.StoreError) for r in res)
+
+
+# --------------------------------------------------------------------------- by parts
+
+
+PARTS = ["", "a/", "/tp0of1/k", "\0", "é", "\ud800", "x" * 500, "x" * (MAX_KEY_BYTES - 1)]
+
+
+def _expanded_ok(prefix: str, keys: list[Any], suffixes: list[str]) -> bool:
+    return all(key_error(k) is None for k in keys) and all(
+        key_error(prefix + k + s) is None for k in keys for s in suffixes
+    )
+
+
+def parts_cases() -> list[tuple[str, list[Any], list[str]]]:
+    rng = random.Random(11)
+    cases = [(p, b, [s]) for p in PARTS for s in PARTS for b in batches(3, seed=3)[:40]]
+    for _ in range(3000):
+        sufs = [rng.choice(PARTS) for _ in range(rng.randint(1, 3))]
+        cases.append((rng.choice(PARTS), rng.choice(batches(1, seed=rng.randint(0, 99))), sufs))
+    return [c for c in cases if c[1]]  # no keys, no names (bad parts are refused even then)
+
+
+def parts_mismatches(check: Callable[..., str | None], cases: list) -> list:
+    """Cases where ``check`` answers otherwise than the per-name check of every name."""
+    out = []
+    for prefix, keys, sufs in cases:
+        if not all(isinstance(k, str) for k in keys):
+            ok = False
+        else:
+            ok = _expanded_ok(prefix, keys, sufs)
+        if (check(prefix, keys, sufs) is None) != ok:
+            out.append((prefix, keys, sufs))
+    return out
+
+
+def test_parts_check_accepts_exactly_the_valid_names():
+    """``bad_parts`` (the master's check of an ExistsPartsReq, names never built) answers as
+    the per-name check of every ``prefix + key + suffix`` does, keys themselves valid."""
+    from kvmesh.store.types import bad_parts
+
+    cases = parts_cases()
+    assert parts_mismatches(bad_parts, cases) == []
+    valid = sum(_expanded_ok(*c) for c in cases if all(isinstance(k, str) for k in c[1]))
+    assert valid > 200 and len(cases) - valid > 200  # both answers well represented
+    assert bad_parts("p", ["a"], []) is not None  # no suffix: no names
+
+
+def test_a_parts_check_without_its_length_sum_is_caught():
+    from kvmesh.store import types as T
+
+    def planted(prefix: str, keys: list[Any], suffixes: list[str]) -> str | None:
+        # every part checked on its own, the joined length never
+        if not suffixes:
+            return "no suffixes"
+        return T.bad_key(keys) or next(
+            (
+                f"part {x!r}"
+                for x in (prefix, *suffixes)
+                if "\0" in x or x != x.encode("utf-8", "replace").decode()
+            ),
+            None,
+        )
+
+    assert parts_mismatches(planted, parts_cases())
+
+
+def test_exists_by_parts_answers_as_exists_by_name():
+    from kvmesh.store.client import StoreClient
+
+    with StoreClient(segment_size=1 << 20) as c:
+        keys = [f"h{i:03d}" for i in range(300)]
+        sufs = ["/r0/k", "/r0/v"]
+        names = [f"ns/m/{k}{s}" for k in keys for s in sufs]
+        there = names[: 2 * 100] + names[2 * 150 + 1 : 2 * 200]  # page 150 has only its V
+        assert c.put(there, [b"v"] * len(there)).ok
+        by_name = list(c.exists(names))
+        assert list(c.exists(keys, prefix="ns/m/", suffixes=sufs)) == by_name
+        assert by_name.index(False) == 200 and sum(by_name) == len(there)
+        assert list(c.exists(keys, prefix="ns/m/", suffixes=["/r0/k"])) == by_name[::2]
+        assert list(c.exists("h000", prefix="ns/m/", suffixes=sufs)) == [True, True]
+        # an invalid part: answered name by name, per-name errors beside the answers
+        res = c.exists(["h000", "bad\0"], prefix="ns/m/", suffixes=sufs)
+        assert res[0] is True and res[1] is True
+        assert isinstance(res[2], E.InvalidKey) and isinstance(res[3], E.InvalidKey)
+        # more names than one request takes: split, same answers
+        many = [f"m{i}" for i in range(3000)]
+        assert c.put([f"p{k}/a" for k in many[::3]], [b"v"] * 1000).ok
+        got = list(c.exists(many, prefix="p", suffixes=["/a", "/b"]))
+        assert got == [(i % 3 == 0) and j == 0 for i in range(3000) for j in range(2)]

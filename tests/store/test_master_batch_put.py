@@ -37,6 +37,12 @@ def _history(seed: int) -> list[C.Command]:
                 writer_host=rng.choice([None, "h0", "h1", "h9"]),
                 soft_pin=rng.random() < 0.2,
             )
+            if rng.random() < 0.15:  # a bad key or size: per-key codes, the rest still put
+                i = rng.randrange(len(keys))
+                if rng.random() < 0.5:
+                    keys[i] = rng.choice(["", "bad\0key", "x" * 300])
+                else:
+                    sizes[i] = rng.choice([0, -5, (1 << 62)])
             cmds.append(C.PutStart(keys, sizes, cfg, float(step)))
             live.extend(keys)
         elif r < 0.75 and live:
@@ -60,7 +66,8 @@ def _run(cmds: list[C.Command], batch: bool, monkeypatch: pytest.MonkeyPatch) ->
             if type(cmd) is C.PutEnd:
                 cmd = C.PutEnd(cmd.keys, [sm.version_of(k) for k in cmd.keys])
             res = sm.apply(i, C.encode_command(cmd))
-            out.append(res)
+            # the batch path answers the compact form of the per-key path's answer
+            out.append(res.expand() if type(res) is C.PutStartRun else res)
             out.append([sm.placement(k) for k in sorted(sm.objects)])
         out.append(sm.digest())
     finally:
@@ -115,3 +122,25 @@ def test_alloc_run_equals_repeated_alloc(seed: int) -> None:
     c = SegmentAllocator(1 << 20, 64, free=b.free_extents())
     assert a.alloc(ln) == b.alloc(ln)
     assert len(c.alloc_run(ln, cap - count)) == cap - count and c.alloc(ln) == -1
+
+
+def test_compact_put_answer_is_checked_before_use() -> None:
+    """The client expands a ``ReplicaRun`` only if it describes exactly its keys with every
+    segment index in range: a broken reply must fail the batch cleanly, not with an
+    IndexError halfway through the writes."""
+    from kvmesh.store import protocol as P
+    from kvmesh.store.types import ReplicaRun
+
+    run = ReplicaRun([("s", "n", "e")], [0, -1, 0], [0, 0, 128], [100, 0, 100])
+    ok = P.PutStartResp(1, [0, -704, 0], [], [5, 0, 5], 1000, run)
+    assert ok.fits(3) and not ok.fits(2)
+    assert [c and c[0].slices[0].offset for c in ok.copies()] == [0, None, 128]
+    for bad in (
+        ReplicaRun([("s", "n", "e")], [0, 1, 0], [0, 0, 128], [100, 0, 100]),  # no segs[1]
+        ReplicaRun([("s", "n", "e")], [0, -2, 0], [0, 0, 128], [100, 0, 100]),
+        ReplicaRun([("s", "n", "e")], [0, 0], [0, 128], [100, 100]),  # two keys, not three
+        ReplicaRun([("s", "n", "e")], [0, 0, 0], [0, 128], [100, 100, 100]),
+    ):
+        assert not P.PutStartResp(1, [0, 0, 0], [], [5, 5, 5], 1000, bad).fits(3), bad
+    full = P.PutStartResp(1, [0], [None], [5], 1000)
+    assert full.fits(1) and not P.PutStartResp(1, [0], [], [5], 1000).fits(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,6 +24,7 @@ from kvmesh.store.master.commands import (
     PutRevoke,
     PutStart,
     PutStartResult,
+    PutStartRun,
     Reclaim,
     Release,
     Remove,
@@ -316,8 +318,15 @@ def test_session_wrapper_caches_typed_results() -> None:
     body = encode_command(PutStart(["k"], [100], ReplicateConfig(), 0.0))
     first = sm.apply(3, encode_envelope(SessionCommand(cid, 2, body)))
     again = sm.apply(4, encode_envelope(SessionCommand(cid, 2, body)))
-    assert isinstance(again, PutStartResult) and again == first
-    assert sm.inner.object_count() == 1
+    assert isinstance(again, PutStartRun) and again == first  # the batch path's answer
+    assert again.expand() == PutStartResult([0], first.replicas, [3])
+    # the per-key path's answer (a preferred segment) comes back typed too
+    cfg = ReplicateConfig(preferred_segment="s")
+    body = encode_command(PutStart(["k2"], [100], cfg, 0.0))
+    first = sm.apply(5, encode_envelope(SessionCommand(cid, 3, body)))
+    again = sm.apply(6, encode_envelope(SessionCommand(cid, 3, body)))
+    assert isinstance(again, PutStartResult) and again == first and first.versions == [5]
+    assert sm.inner.object_count() == 2
 
 
 def test_mount_validates_its_fields() -> None:
@@ -379,3 +388,44 @@ def test_results_round_trip_on_the_wire() -> None:
     assert decode_result(encode_result(r)) == r
     with pytest.raises(msgspec.DecodeError):
         decode_result(b"\xc1")
+
+
+def test_segment_key_lists_stay_bounded_under_churn() -> None:
+    """A segment lists the keys placed in it by appending (removals leave them there); the
+    list is compacted once twice its live size, and dropping the segment still finds
+    exactly its live keys (a stale entry would drop a key re-placed elsewhere, a missing
+    one would leave a copy pointing into a dropped segment)."""
+    sm = StoreStateMachine(MasterConfig(remount_quarantine=3.0))
+    idx = 0
+
+    def ap(cmd: Any) -> Any:
+        nonlocal idx
+        idx += 1
+        return sm.apply(idx, encode_command(cmd))
+
+    assert ap(Mount("n1", "s1", "e1", "h1", 1 << 30, 0.0)).codes == [0]
+    assert ap(Mount("n2", "s2", "e2", "h2", 1 << 30, 0.0)).codes == [0]
+    on = {
+        "s1": ReplicateConfig(preferred_segment="s1"),
+        "s2": ReplicateConfig(preferred_segment="s2"),
+    }
+    keys = [f"k{i}" for i in range(300)]
+    for rnd in range(12):  # the same keys put and removed again and again, in both segments
+        for seg in ("s1", "s2"):
+            r = ap(PutStart(keys, [100] * len(keys), on[seg], 0.0))
+            assert r.codes == [0] * len(keys)
+            assert ap(PutEnd(keys, r.versions)).codes == [0] * len(keys)
+            if rnd < 11 or seg == "s1":
+                assert ap(Remove(keys)).codes == [0] * len(keys)
+        batch = ap(PutStart([f"b{rnd}-{i}" for i in range(50)], [100] * 50, ReplicateConfig(), 0.0))
+        assert batch.codes == [0] * 50  # the batch path too
+        assert not invariants.check(sm)
+    segs = {s.name: s for s in sm.segs.values()}
+    for s in segs.values():
+        assert len(s.keys) <= 2 * s.slices + 1024, (s.name, len(s.keys), s.slices)
+    # keys k* now live in s2 only; s1 listed them 12 times
+    res = ap(Unmount("n1", "s1", 0.0))
+    assert res.codes == [0]
+    assert not set(res.lost) & set(keys), "keys placed in s2 were dropped with s1"
+    assert all(sm.exists(keys))
+    assert not invariants.check(sm)

@@ -16,7 +16,8 @@ Commands (effect per key unless noted) and their results:
   ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
 * ``ExpireNodes``: drop every segment of each node and every copy in them. ``ExpireResult``.
 * ``PutStart``: allocate PROCESSING copies (``ObjectExists`` if COMPLETE, ``ReplicaNotReady``
-  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``.
+  if another put of the key is in flight, ``NoSpace`` if no room). ``PutStartResult``, or
+  the same answer in the compact ``PutStartRun`` (one copy of one slice per key).
 * ``PutEnd``: PROCESSING -> COMPLETE, only for the put named by ``versions``. ``Codes``.
 * ``PutRevoke``: free a PROCESSING put (named by ``versions``). ``Codes``.
 * ``Upsert``: like PutStart, but a COMPLETE key is replaced (its allocation reused when size
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..types import ObjectReplica, ReplicateConfig
+from ..types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "COMMAND_TYPES",
@@ -64,6 +65,7 @@ __all__ = [
     "PutRevoke",
     "PutStart",
     "PutStartResult",
+    "PutStartRun",
     "Reclaim",
     "ReclaimResult",
     "Release",
@@ -269,6 +271,30 @@ class PutStartResult(msgspec.Struct, tag="put_start", **_S):
     versions: list[int]
 
 
+class PutStartRun(msgspec.Struct, tag="put_start_run", **_S):
+    """The result of a ``PutStart`` that placed one copy of one slice per key (the batch
+    path, ``StoreStateMachine._put_start_batch``): the answer of :class:`PutStartResult`,
+    compact (:class:`~kvmesh.store.types.ReplicaRun`). Every replica builds and caches (in
+    its session table) the result of every entry. ``replicas``, ``versions`` and
+    :meth:`expand` give the values of the equivalent ``PutStartResult``."""
+
+    codes: list[int]
+    version: int  # the entry's index: every key placed here has this version
+    run: ReplicaRun
+
+    @property
+    def versions(self) -> list[int]:
+        v = self.version
+        return [v if w >= 0 else 0 for w in self.run.where]
+
+    @property
+    def replicas(self) -> list[list[ObjectReplica] | None]:
+        return self.run.expand()
+
+    def expand(self) -> PutStartResult:
+        return PutStartResult(list(self.codes), self.replicas, self.versions)
+
+
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
     """``codes`` per node (``NodeNotFound`` if it had no segment; for ``Unmount`` one code
     for the segment); ``lost``: COMPLETE keys
@@ -309,6 +335,7 @@ class RemovePrefixResult(msgspec.Struct, tag="remove_prefix", **_S):
 Result = (
     Codes
     | PutStartResult
+    | PutStartRun
     | ExpireResult
     | RemoveAllResult
     | ReclaimResult

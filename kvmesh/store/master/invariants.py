@@ -95,8 +95,10 @@ def check(sm: StoreStateMachine) -> list[str]:
     # -- segments ---------------------------------------------------------------------
     for sid, s in segs.items():
         al = s.alloc
-        if s.keys != keys_in[sid]:
-            errs.append(f"segment {s.name}: key index off by {sorted(s.keys ^ keys_in[sid])[:5]}")
+        live = sm._live_keys(s)
+        if len(live) != len(set(live)) or set(live) != keys_in[sid]:
+            off = sorted(set(live) ^ keys_in[sid])[:5]
+            errs.append(f"segment {s.name}: key index off by {off}")
         if s.slices != slices_in[sid]:
             errs.append(f"segment {s.name}: slice count {s.slices}, table has {slices_in[sid]}")
         used = ext.get(sid, [])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import repeat
 
 __all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_NODE_TTL", "AccessStats", "HeartbeatTable", "LeaseTable"]
 
@@ -141,6 +142,11 @@ class AccessStats:
 
     def touch(self, keys: Iterable[str]) -> None:
         o = self._order
+        if type(keys) is list and len(set(keys)) == len(keys):
+            # a batch of distinct keys: the same moves as the loop below, at C speed
+            deque(map(o.pop, keys, repeat(None)), maxlen=0)
+            o.update(dict.fromkeys(keys))
+            return
         for k in keys:
             o.pop(k, None)
             o[k] = None

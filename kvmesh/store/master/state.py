@@ -50,10 +50,12 @@ from ..types import (
     ObjectLookup,
     ObjectReplica,
     ReplicaDesc,
+    ReplicaRun,
     ReplicateConfig,
     SegmentInfo,
     Usage,
     key_error,
+    keys_valid,
     replica_lists,
 )
 from .allocator import SegmentAllocator
@@ -70,6 +72,7 @@ from .commands import (
     PutRevoke,
     PutStart,
     PutStartResult,
+    PutStartRun,
     Reclaim,
     ReclaimResult,
     Release,
@@ -153,7 +156,12 @@ class _Seg:
         self.state = state
         self.deadline = deadline
         self.generation = generation
-        self.keys: set[str] = set()  # keys with at least one slice here
+        # keys placed here, one entry per slice placed (appended, never searched): keys
+        # whose slices left since stay until the list is compacted (StoreStateMachine.
+        # _live_keys filters them). A list of strings costs the cyclic GC nothing and an
+        # append per key, where a set or dict is one more hash table insert per key and
+        # delete per removal, as large as the table.
+        self.keys: list[str] = []
         self.slices = 0  # slices of live objects placed here
 
     def info(self) -> SegmentInfo:
@@ -447,6 +455,23 @@ class StoreStateMachine:
             return [o is not None and o.state == _C for o in map(get, ks)]
         return [type(k) is str and (o := get(k)) is not None and o.state == _C for k in ks]
 
+    def exists_codes(self, prefix: str, keys: list[str], suffixes: list[str]) -> list[int]:
+        """Per name ``prefix + key + suffix`` (key-major, every suffix): 1 for a COMPLETE
+        object, else 0. The names are built and looked up in one pass (no list of names,
+        no per-key type test: the service checked the parts, all ``str``)."""
+        get = self.objects.get
+        c = _C
+        if len(suffixes) == 1:
+            s = suffixes[0]
+            return [
+                1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0 for k in keys
+            ]
+        return [
+            1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0
+            for k in keys
+            for s in suffixes
+        ]
+
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
         objs = self.objects
@@ -657,7 +682,7 @@ class StoreStateMachine:
     def _rebuild_indexes(self) -> None:
         segs = self.segs
         for s in segs.values():
-            s.keys = set()
+            s.keys = []
             s.slices = 0
         self.processing = {}
         complete = 0
@@ -671,12 +696,12 @@ class StoreStateMachine:
             lay = o.layout
             if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
                 s = segs[int.from_bytes(lay[:4], "little")]
-                s.keys.add(k)
+                s.keys.append(k)
                 s.slices += 1
                 continue
             for sid, _off in SLICE.iter_unpack(lay):
                 s = segs[sid]
-                s.keys.add(k)
+                s.keys.append(k)
                 s.slices += 1
         processing.sort()
         self.processing = dict.fromkeys(k for _, k in processing)
@@ -721,8 +746,32 @@ class StoreStateMachine:
         for copy in copies:
             for sid, _ in copy:
                 s = segs[sid]
-                s.keys.add(key)
+                s.keys.append(key)
                 s.slices += 1
+                self._maybe_compact(s)
+
+    def _maybe_compact(self, s: _Seg) -> None:
+        # Entries of keys gone from the segment pile up under churn: drop them once the
+        # list is twice its live size (amortised O(1) per key placed).
+        if len(s.keys) > 2 * s.slices + 1024:
+            s.keys = self._live_keys(s)
+
+    def _live_keys(self, s: _Seg) -> list[str]:
+        """The keys with a slice in segment ``s``, each once, in placement order."""
+        objs = self.objects
+        sid = s.id
+        out = []
+        for k in dict.fromkeys(s.keys):
+            o = objs.get(k)
+            if o is None:
+                continue
+            lay = o.layout
+            if len(lay) == 12:
+                if int.from_bytes(lay[:4], "little") == sid:
+                    out.append(k)
+            elif any(x == sid for x, _ in SLICE.iter_unpack(lay)):
+                out.append(k)
+        return out
 
     def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
         """Free (or hold under ``hold_tag``) every slice of ``o`` and unregister ``key``."""
@@ -732,8 +781,7 @@ class StoreStateMachine:
         for copy in copies:
             for (sid, off), ln in zip(copy, lens):
                 s = segs[sid]
-                s.keys.discard(key)
-                s.slices -= 1
+                s.slices -= 1  # (the key stays in s.keys until a compaction)
                 if held is not None:
                     held.append((sid, off, ln))
                 else:
@@ -830,7 +878,7 @@ class StoreStateMachine:
         lost = []
         segs = self.segs
         held = self.held.setdefault(tag, [])
-        for key in sorted(seg.keys):
+        for key in sorted(self._live_keys(seg)):
             o = self.objects[key]
             copies, lens = self._copies(o)
             keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
@@ -844,20 +892,13 @@ class StoreStateMachine:
                         self.processing.pop(key, None)
             else:
                 self.objects[key] = replace(o, layout=pack_layout(keep))
-            touched = set()
             for c in copies:
                 if c in keep:
                     continue
                 for (sid, off), ln in zip(c, lens):
-                    s = segs[sid]
-                    s.slices -= 1
-                    touched.add(sid)
+                    segs[sid].slices -= 1
                     if sid != seg.id:
                         held.append((sid, off, ln))
-            still = {sid for c in keep for sid, _ in c}
-            for sid in touched:
-                if sid not in still:
-                    segs[sid].keys.discard(key)
         for t in list(self.held):
             rest = [e for e in self.held[t] if e[0] != seg.id]
             if rest:
@@ -934,7 +975,11 @@ class StoreStateMachine:
         if not (1 <= cfg.replica_num <= MAX_REPLICAS) or cfg.strategy not in _STRATEGIES:
             return int(Code.INVALID_PARAMS)
         lim = self.config.slice_limit
-        work = sum(-(-z // lim) for z in c.sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
+        sizes = c.sizes
+        if sizes and set(map(type, sizes)) == {int} and min(sizes) > 0 and max(sizes) <= lim:
+            work = len(sizes)  # one slice each (C-level passes instead of a loop)
+        else:
+            work = sum(-(-z // lim) for z in sizes if type(z) is int and 0 < z <= MAX_OBJECT_SIZE)
         if work * cfg.replica_num > MAX_SLICES_PER_BATCH:
             return int(Code.INVALID_PARAMS)  # bounded work per entry: split the batch
         return 0
@@ -949,13 +994,13 @@ class StoreStateMachine:
         pin, until = _pin_of(c.config, c.now, c.pin_ttl)
         return 0, Obj(size, _P, index, c.now, pack_layout(copies), pin, until), copies
 
-    def _put_start(self, index: int, c: PutStart) -> PutStartResult:
+    def _put_start(self, index: int, c: PutStart) -> PutStartResult | PutStartRun:
         return self._put(index, c, upsert=False)
 
     def _upsert(self, index: int, c: Upsert) -> PutStartResult:
         return self._put(index, c, upsert=True)
 
-    def _put(self, index: int, c: PutStart | Upsert, upsert: bool) -> PutStartResult:
+    def _put(self, index: int, c: PutStart | Upsert, upsert: bool) -> PutStartResult | PutStartRun:
         bad = self._check_put(c)
         n = len(c.keys)
         if bad:
@@ -1027,7 +1072,7 @@ class StoreStateMachine:
                 vers.append(index)
         return PutStartResult(codes, reps, vers)
 
-    def _put_start_batch(self, index: int, c: PutStart | Upsert) -> PutStartResult | None:
+    def _put_start_batch(self, index: int, c: PutStart | Upsert) -> PutStartRun | None:
         """The common PutStart (one copy, one slice per key, no preferred segment, not
         ``random``) for a whole batch at once, with exactly the outcome of the per-key path
         in :meth:`_put` (None: not this case, nothing changed). Keys are classified first;
@@ -1035,7 +1080,9 @@ class StoreStateMachine:
         of each key is chosen as :meth:`_pick` would, with per-segment free bytes and the
         count of pieces each segment can still take (:meth:`SegmentAllocator.capacity`)
         standing in for the allocator, and then each segment allocates its share with one
-        :meth:`SegmentAllocator.alloc_run` (the same offsets as one ``alloc`` per key)."""
+        :meth:`SegmentAllocator.alloc_run` (the same offsets as one ``alloc`` per key).
+        The answer is the compact :class:`PutStartRun` (what the per-key path would answer,
+        see :meth:`PutStartRun.expand`)."""
         cfg = c.config
         lim = self.config.slice_limit
         if cfg.replica_num != 1 or cfg.strategy == "random" or cfg.preferred_segment is not None:
@@ -1045,44 +1092,82 @@ class StoreStateMachine:
         objs = self.objects
         codes = [0] * n
         todo: list[int] = []
-        seen: set[str] = set()
-        for pos, (key, size) in enumerate(zip(keys, sizes)):
-            if (
-                not (type(key) is str and 0 < len(key) <= 256 and key.isascii() and "\0" not in key)
-                and key_error(key) is not None
-            ):
-                codes[pos] = int(Code.INVALID_KEY)
-            elif not 1 <= size <= MAX_OBJECT_SIZE:
-                codes[pos] = int(Code.INVALID_PARAMS)
-            elif size > lim or key in seen:
-                return None  # slices, or a key twice: the per-key path (nothing changed yet)
+        if (
+            n
+            and keys_valid(keys)
+            and set(map(type, sizes)) == {int}
+            and min(sizes) >= 1
+            and max(sizes) <= min(lim, MAX_OBJECT_SIZE)
+            and len(set(keys)) == n
+        ):
+            # The batch a conforming client sends: every key valid and distinct, every size
+            # one slice (checked with C-level passes); only the table decides per key.
+            olds = list(map(objs.get, keys))
+            if olds.count(None) == n:
+                todo = list(range(n))
             else:
-                old = objs.get(key)
-                if old is None:
-                    todo.append(pos)
-                    seen.add(key)
-                elif old.state != _C:
-                    codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
+                for pos, old in enumerate(olds):
+                    if old is None:
+                        todo.append(pos)
+                    elif old.state != _C:
+                        codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
+                    else:
+                        codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
+        else:
+            seen: set[str] = set()
+            for pos, (key, size) in enumerate(zip(keys, sizes)):
+                if (
+                    not (
+                        type(key) is str
+                        and 0 < len(key) <= 256
+                        and key.isascii()
+                        and "\0" not in key
+                    )
+                    and key_error(key) is not None
+                ):
+                    codes[pos] = int(Code.INVALID_KEY)
+                elif not 1 <= size <= MAX_OBJECT_SIZE:
+                    codes[pos] = int(Code.INVALID_PARAMS)
+                elif size > lim or key in seen:
+                    return None  # slices, or a key twice: the per-key path (nothing changed)
                 else:
-                    codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
+                    old = objs.get(key)
+                    if old is None:
+                        todo.append(pos)
+                        seen.add(key)
+                    elif old.state != _C:
+                        codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
+                    else:
+                        codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
         if todo and next_state(State.GONE, Event.PUT_START) is not State.PROCESSING:
             return None
-        reps: list[list[ObjectReplica] | None] = [None] * n
-        vers = [0] * n
+        where = [-1] * n
+        offsets = [0] * n
+        used: dict[int, int] = {}  # segment id -> its index in the result's segs
+        used_segs: list[_Seg] = []
         a = self.config.align
         mounted = [s for s in self.segs.values() if s.state == MOUNTED]
         host = cfg.writer_host if cfg.strategy == "local" else None
         pin, until = _pin_of(cfg, c.now, c.pin_ttl)
         processing = self.processing
         no_space = int(Code.NO_AVAILABLE_HANDLE)
-        lo = 0
-        while lo < len(todo):
-            rounded = (sizes[todo[lo]] + a - 1) & -a
-            hi = lo + 1
-            while hi < len(todo) and (sizes[todo[hi]] + a - 1) & -a == rounded:
-                hi += 1
-            run = todo[lo:hi]
-            lo = hi
+        pack = SLICE.pack
+        now = c.now
+        everyone = len(todo) == n  # todo is then 0..n-1
+        if everyone and n and (min(sizes) + a - 1) & -a == (max(sizes) + a - 1) & -a:
+            runs = [todo]  # one aligned size: one run (no per-key scan)
+        else:
+            runs = []
+            lo = 0
+            while lo < len(todo):
+                rounded = (sizes[todo[lo]] + a - 1) & -a
+                hi = lo + 1
+                while hi < len(todo) and (sizes[todo[hi]] + a - 1) & -a == rounded:
+                    hi += 1
+                runs.append(todo[lo:hi])
+                lo = hi
+        for run in runs:
+            rounded = (sizes[run[0]] + a - 1) & -a
             left = [s.alloc.capacity(rounded, len(run)) for s in mounted]
             free = [s.alloc.free_bytes for s in mounted]
             share: list[list[int]] = [[] for _ in mounted]  # run positions per segment
@@ -1107,27 +1192,69 @@ class StoreStateMachine:
                 left[j] -= take
                 free[j] -= take * rounded
                 i += take
-            placed: dict[int, tuple[_Seg, int]] = {}
+            whole = None  # the one segment that took the whole run, if one did
             for j, mine in enumerate(share):
-                if mine:
-                    s = mounted[j]
-                    placed.update(
-                        zip(mine, zip([s] * len(mine), s.alloc.alloc_run(rounded, len(mine))))
-                    )
-                    s.slices += len(mine)
-            for pos in run:  # table order as in the per-key path (snapshots, digests)
-                got = placed.get(pos)
-                if got is None:
+                if not mine:
                     continue
-                s, off = got
+                s = mounted[j]
+                w = used.get(s.id)
+                if w is None:
+                    w = used[s.id] = len(used_segs)
+                    used_segs.append(s)
+                offs = s.alloc.alloc_run(rounded, len(mine))
+                s.slices += len(mine)
+                if len(mine) == len(run):
+                    whole = (s, w, offs)
+                    break
+                for pos, off in zip(mine, offs):
+                    where[pos] = w
+                    offsets[pos] = off
+            # table order as in the per-key path (snapshots, digests)
+            if whole is not None:
+                s, w, offs = whole
+                sid = s.id
+                rkeys = [keys[pos] for pos in run]
+                objs.update(
+                    zip(
+                        rkeys,
+                        [
+                            Obj(sizes[pos], _P, index, now, pack(sid, off), pin, until)
+                            for pos, off in zip(run, offs)
+                        ],
+                    )
+                )
+                processing.update(dict.fromkeys(rkeys))
+                s.keys.extend(rkeys)
+                self._maybe_compact(s)
+                if len(run) == n:  # the whole batch
+                    where, offsets = [w] * n, offs
+                    continue
+                for pos, off in zip(run, offs):
+                    where[pos] = w
+                    offsets[pos] = off
+                continue
+            for pos in run:
+                w = where[pos]
+                if w < 0:
+                    continue
+                s = used_segs[w]
                 key = keys[pos]
-                size = sizes[pos]
-                objs[key] = Obj(size, _P, index, c.now, SLICE.pack(s.id, off), pin, until)
+                objs[key] = Obj(sizes[pos], _P, index, now, pack(s.id, offsets[pos]), pin, until)
                 processing[key] = None
-                s.keys.add(key)
-                reps[pos] = [ObjectReplica([ReplicaDesc(s.name, s.node_id, s.endpoint, off, size)])]
-                vers[pos] = index
-        return PutStartResult(codes, reps, vers)
+                s.keys.append(key)
+                self._maybe_compact(s)
+        return PutStartRun(
+            codes,
+            index,
+            ReplicaRun(
+                [(s.name, s.node_id, s.endpoint) for s in used_segs],
+                where,
+                offsets,
+                list(sizes)
+                if -1 not in where
+                else [z if w >= 0 else 0 for z, w in zip(sizes, where)],
+            ),
+        )
 
     def _put_end(self, index: int, c: PutEnd) -> Codes:
         # versions are required: without them a late PutEnd could publish another

@@ -1,0 +1,84 @@
+"""bench/hicache.py on a tiny matrix: every case still runs on real SGLang host pools, every
+read is verified inside the bench (page digests), and the JSON keeps the bench-format.md
+shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench_format import RECORD_FIELDS
+
+from .sglang_env import sglang_missing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(sglang_missing() is not None, reason=str(sglang_missing()))
+
+
+def test_hicache_bench_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    layers, mha, mla = 4, 4, 8
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "hicache.py"),
+        "--quick",
+        "--json",
+        str(out),
+        "--layers",
+        str(layers),
+        "--batches",
+        f"{mha},{mla}",
+        "--reps",
+        "1",
+        "--exists-samples",
+        "10",
+        "--tcp-mib",
+        "16",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["bench"] == "hicache" and data["limits"]["memcpy_gbps"] > 0
+    recs = data["records"]
+    for r in recs:
+        assert all(f in r for f in RECORD_FIELDS), r
+    ops = ("batch_set_v1", "set-existing", "batch_get_v1", "store-get")
+    want = {
+        ("same-host", kind, layout, op)
+        for kind in ("mha", "mla")
+        for layout in ("page_first", "layer_first")
+        for op in ops
+    } | {("network", kind, "page_first", op) for kind in ("mha", "mla") for op in ops}
+    io = [r for r in recs if r["op"] != "batch_exists"]
+    assert {(r["case"], r["kind"], r["layout"], r["op"]) for r in io} == want
+    # Page bytes of the model shape at --layers (bf16): MHA K+V, MLA one 576-wide vector.
+    page = {"mha": layers * 64 * 2 * 8 * 128 * 2, "mla": layers * 64 * 576 * 2}
+    for r in io:
+        assert r["page_bytes"] == page[r["kind"]], r
+        assert r["batch"] == (mha if r["kind"] == "mha" else mla), r
+        assert r["ops_per_s"] > 0
+        if r["op"] != "set-existing":
+            assert r["gbps"] > 0 and r["ratio_memcpy"] > 0
+        # The same-host helper is reached over shared memory, the "other host" over TCP.
+        assert r["transport"] == ("shm" if r["case"] == "same-host" else "tcp"), r
+    for r in io:
+        if r["op"] == "batch_get_v1":
+            assert r["ratio_store"] > 0
+    ex = {r["kind"]: r for r in recs if r["op"] == "batch_exists"}
+    assert set(ex) == {"mha", "mla"}
+    assert ex["mha"]["objects"] == 512 and ex["mla"]["objects"] == 256
+    for r in ex.values():
+        assert r["batch"] == 256 and 0 < r["p50_us"] <= r["p99_us"]
