@@ -35,12 +35,13 @@ HEADER = struct.Struct("<I")
 CHUNK = 64 << 10  # buffers grow by at most this much (or by what already arrived) per step
 
 SPIN_ENV = "KVMESH_SPIN_US"
-DEFAULT_SPIN_US = 0.0
-"""Default busy-poll budget of a request/reply client (``KVMESH_SPIN_US`` overrides it).
-Off by default: on the 2-core shared VM we measure on, a store master reply arrives no
-sooner while we spin (the master needs the CPU we would hold) and each call burns 25-45 us
-more CPU; on a host with idle cores 50-100 us catches a reply that lands within the budget
-without a scheduler wake-up (docs/store.md, "Performance and tuning", has the numbers)."""
+DEFAULT_SPIN_US = 100.0
+"""Default busy-poll budget of a request/reply client (``KVMESH_SPIN_US`` overrides it; 0
+turns it off). Measured on our 2-core VM (docs/store.md, "Performance and tuning"): when the
+machine is quiet, a blocking wait pays the VM's wake-up of an idle CPU on both sides and a
+one-key master round trip took 130-170 us; spinning 100 us brought it to 45-80 us (50 us
+was too short for GetReplicas). When the machine is busy it neither helped nor hurt the
+latency (the yield between polls lets the master run), at up to the budget in CPU."""
 MAX_SPIN_US = 10_000.0  # a budget beyond this is a configuration error, not a tuning choice
 
 _yield = getattr(os, "sched_yield", lambda: None)

@@ -180,7 +180,7 @@ class StoreClient:
     embedded). ``replica_num``: copies per object (on distinct nodes). ``token``/``security``:
     the cluster's shared secret (default: ``KVMESH_TOKEN`` etc. from the environment).
     ``spin_us``: how long a master call busy-polls for its reply before blocking (default
-    ``$KVMESH_SPIN_US`` or 0 = off; see :class:`~.rpc.MasterClient`).
+    ``$KVMESH_SPIN_US`` or 100 us; 0 = off; see :class:`~.rpc.MasterClient`).
     """
 
     def __init__(
