@@ -138,3 +138,34 @@ def drain(sock: socket.socket, nbytes: int, deadline: Deadline | None = None) ->
         n = min(nbytes, len(scratch))
         recv_exact(sock, scratch[:n], deadline)
         nbytes -= n
+
+
+def linger_close(
+    sock: socket.socket, nbytes: int, deadline: Deadline | None, seconds: float = 2.0
+) -> None:
+    """After a final reply: stop sending and discard what the peer still sends, up to
+    ``nbytes`` or its EOF, for at most ``seconds`` (or the deadline).
+
+    Closing a socket with unread bytes in its receive queue makes the kernel answer with a
+    reset, which can destroy the reply still in flight to a client that is busy sending the
+    payload of a refused request: the client then sees "connection reset" instead of the
+    refusal. A bounded drain first lets the reply arrive (the lingering close of HTTP
+    servers). The caller closes the socket afterwards."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return
+    cap = Deadline(seconds)
+    scratch = memoryview(bytearray(1 << 16))
+    while nbytes > 0 and not cap.expired():
+        if deadline is not None and deadline.expired():
+            return
+        try:
+            got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
+        except BlockingIOError:
+            continue  # a kernel timeout tick: check the clocks again
+        except OSError:
+            return
+        if not got:
+            return
+        nbytes -= got

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..memory import MemoryRegion
 from ..ranges import check_ranges
-from ..sockio import drain, recv_into_views, send_views
+from ..sockio import drain, linger_close, recv_into_views, send_views
 from ..types import EngineConfig, Op, SegmentDescriptor, TransportKind
 from .base import TransferJob, Transport
 
@@ -299,6 +299,7 @@ class TcpServer:
         except TransferError as exc:
             if req.total > self.max_bytes:
                 P.send_msg(sock, P.error_reply(exc))
+                linger_close(sock, req.total, conn.deadline)  # the reply must not be reset
                 raise CloseConnection(str(exc)) from None
             drain(sock, req.total, conn.deadline)  # keep the stream in sync, then refuse
             P.send_msg(sock, P.error_reply(exc))
