@@ -306,9 +306,16 @@ class Batch:
                 return self
         if _sync:
             # Many small groups (a PD request: one per layer buffer) would pay a thread
-            # hand-off each; CPU-copy transports run them here, big batches still fan out.
+            # hand-off each; CPU-copy transports run them here. Big batches fan out only when
+            # their jobs are big too: jobs of <= inline_bytes handed to the workers ran slower
+            # than in the caller (contended fence lock and GIL, docs/sglang.md "Shared-memory
+            # pools: measured"), and concurrent sync callers are parallel by themselves.
             inline = len(tasks) == 1 or (
-                self._nbytes <= cfg.split_bytes and all(t.transport.inline_ok for t in tasks)
+                all(t.transport.inline_ok for t in tasks)
+                and (
+                    self._nbytes <= cfg.split_bytes
+                    or all(t.job.nbytes <= cfg.inline_bytes for t in tasks)
+                )
             )
         else:
             limit = cfg.inline_bytes

@@ -429,6 +429,38 @@ def test_transfer_by_raw_addresses(make_engine):
         client.transfer_by_address(Op.WRITE, owner.address, [pa], [px], [0])
 
 
+def test_sync_batch_of_small_jobs_runs_in_the_caller(make_engine, monkeypatch):
+    # A PD request bigger than split_bytes but made of small per-layer jobs: handing each job
+    # to the workers ran slower than copying in the caller (docs/sglang.md, "Shared-memory
+    # pools: measured"); jobs above inline_bytes still fan out.
+    owner, client = make_engine(), make_engine(split_bytes=2 * MiB, inline_bytes=MiB)
+    handed: list[object] = []
+    submit = client._batch_ctx.submit
+    monkeypatch.setattr(client._batch_ctx, "submit", lambda t: (handed.append(t), submit(t)))
+    rng = np.random.default_rng(4)
+    cases = []
+    for size, pairs, fan_out in ((MiB // 2, 8, False), (2 * MiB, 4, True)):
+        dst = [np.zeros(size, np.uint8) for _ in range(pairs)]
+        src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(pairs)]
+        for i, x in enumerate(dst):
+            owner.register(x, name=f"d{size}-{i}")
+        for x in src:
+            client.register(x)
+        cases.append((size, pairs, fan_out, dst, src))
+    for size, pairs, fan_out, dst, src in cases:
+        handed.clear()
+        res = client.transfer_by_address(
+            Op.WRITE,
+            owner.address,
+            [x.ctypes.data for x in src],
+            [x.ctypes.data for x in dst],
+            [size] * pairs,
+        )
+        assert res.nbytes == size * pairs > client.config.split_bytes
+        assert all((d == s).all() for d, s in zip(dst, src))
+        assert bool(handed) is fan_out, (size, len(handed))
+
+
 def test_same_process_gpu_memory_goes_through_cuda(make_engine, monkeypatch):
     """Routing only: CUDA is simulated with a host copy (real GPUs: scripts/gpu_check.sh)."""
     from kvmesh.transfer import cuda, fastcopy
