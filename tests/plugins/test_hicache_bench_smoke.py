@@ -4,32 +4,19 @@ shape."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-from tests.bench_format import RECORD_FIELDS
+from tests.bench_format import run_bench
 
 from .sglang_env import sglang_missing
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(sglang_missing() is not None, reason=str(sglang_missing()))
 
 
 def test_hicache_bench_tiny(tmp_path):
-    out = tmp_path / "bench.json"
     layers, mha, mla = 4, 4, 8
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "hicache.py"),
+    args = [
         "--quick",
-        "--json",
-        str(out),
         "--layers",
         str(layers),
         "--batches",
@@ -41,20 +28,9 @@ def test_hicache_bench_tiny(tmp_path):
         "--tcp-mib",
         "16",
     ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["bench"] == "hicache" and data["limits"]["memcpy_gbps"] > 0
+    _, data = run_bench("hicache", args, tmp_path)
+    assert data["limits"]["memcpy_gbps"] > 0
     recs = data["records"]
-    for r in recs:
-        assert all(f in r for f in RECORD_FIELDS), r
     ops = ("batch_set_v1", "set-existing", "batch_get_v1", "store-get")
     want = {
         ("same-host", kind, layout, op)

@@ -4,46 +4,16 @@ the JSON keeps the bench-format.md shape."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-from tests.bench_format import RECORD_FIELDS
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.bench_format import run_bench
 
 
 def test_pd_bench_tiny(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "pd.py"),
-        "--quick",
-        "--json",
-        str(out),
-        "--reps",
-        "1",
-        "--concurrent-tokens",
-        "64",
-    ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["bench"] == "pd"
+    args = ["--quick", "--reps", "1", "--concurrent-tokens", "64"]
+    _, data = run_bench("pd", args, tmp_path)
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
     g = data["geometry"]
     recs = data["records"]
     for r in recs:
-        assert all(f in r for f in RECORD_FIELDS), r
         assert "meets" in r and r["target"]
     moves = [r for r in recs if r["case"] in ("same-host", "network")]
     assert {(r["case"], r["requests"]) for r in moves} == {

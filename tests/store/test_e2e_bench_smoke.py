@@ -3,26 +3,12 @@ bench, and the JSON keeps the bench-format.md shape."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-from tests.bench_format import RECORD_FIELDS
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-FIELDS = RECORD_FIELDS
+from tests.bench_format import run_bench
 
 
 def test_store_bench_tiny(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "store.py"),
+    args = [
         "--quick",
-        "--json",
-        str(out),
         "--shapes",
         "16384x8",
         "--reps",
@@ -34,20 +20,9 @@ def test_store_bench_tiny(tmp_path):
         "--tcp-mib",
         "16",
     ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["bench"] == "store" and data["limits"]["memcpy_gbps"] > 0
+    _, data = run_bench("store", args, tmp_path)
+    assert data["limits"]["memcpy_gbps"] > 0
     recs = data["records"]
-    for r in recs:
-        assert all(f in r for f in FIELDS)
     got = {(r["case"], r["op"]) for r in recs}
     assert {
         ("cross-process", "put"),

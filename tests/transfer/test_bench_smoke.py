@@ -3,30 +3,18 @@ bench-format.md shape (every transport, verified transfers, ratios, latency, idl
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from kvmesh.transfer import nixl
-from tests.bench_format import RECORD_FIELDS
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-FIELDS = RECORD_FIELDS
+from tests.bench_format import run_bench
 
 
 def test_bench_quick_tiny(tmp_path):
-    out = tmp_path / "bench.json"
     labels = ["local", "shm", "tcp"] + (["nixl", "nixl-tcp"] if nixl.available() else [])
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "transfer.py"),
+    args = [
         "--quick",
-        "--json",
-        str(out),
         "--pages",
         "16384,65536",
         "--batches",
@@ -44,19 +32,9 @@ def test_bench_quick_tiny(tmp_path):
         "--transports",
         ",".join(labels),
     ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, data = run_bench("transfer", args, tmp_path, timeout=120)
     assert "ratio memcpy" in proc.stdout and "targets:" in proc.stdout
 
-    data = json.loads(out.read_text())
-    assert data["bench"] == "transfer"
     assert data["machine"]["cpus"] == os.cpu_count() and data["machine"]["python"]
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
     samples = data["limit_samples"]
@@ -65,8 +43,6 @@ def test_bench_quick_tiny(tmp_path):
     )
     assert data["limits"]["memcpy_gbps"] == pytest.approx(max(samples["memcpy_gbps"]), abs=1e-3)
     recs = data["records"]
-    for r in recs:
-        assert all(f in r for f in FIELDS), r
     moves = [r for r in recs if r["case"] in ("same-process", "cross-process", "network")]
     # every transport, both directions, both page sizes, each verified
     assert {(r["path"], r["op"], r["page_bytes"]) for r in moves} == {
