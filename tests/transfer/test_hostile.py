@@ -288,6 +288,48 @@ def test_request_limits_are_enforced_by_the_owner_and_honoured_by_clients(client
         assert (back.array() == want).all()
 
 
+def test_lingering_close_after_an_oversize_write_is_bounded(client):
+    """An over-size WRITE is answered, then the owner drains what the client still sends (so
+    the reply is not destroyed by a reset) -- for at most ~2 s, whether the client floods it
+    with an endless payload or stalls; honest clients are served meanwhile."""
+    env = {"KVMESH_MAX_REQUEST_BYTES": str(1 * MiB)}
+    with Peer("--size", str(4 * MiB), env=env) as peer:
+        eng = client()
+        seg = eng.open_segment(peer.address, "pool")
+        off, ln = np.array([0], "<u8"), np.array([1 << 40], "<u8")
+        req = P.encode(P.WriteReq("pool", seg.desc.seg_id, off.tobytes(), ln.tobytes(), 1 << 40))
+
+        flood = _authed_socket(eng, peer)
+        flood.sendall(req)
+        stop = threading.Event()
+        sent = [0]
+
+        def pump() -> None:
+            chunk = b"\x07" * 65536
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    sent[0] += flood.send(chunk)
+
+        th = threading.Thread(target=pump, daemon=True)
+        t0 = time.monotonic()
+        th.start()
+        stalled = _authed_socket(eng, peer)
+        stalled.sendall(req)  # and nothing more
+        _honest_roundtrip(eng, peer)
+        th.join(8)
+        flood_s = time.monotonic() - t0
+        stop.set()
+        assert not th.is_alive(), "the owner kept draining an endless payload"
+        assert flood_s < 5.0 and sent[0] > 1 * MiB, (flood_s, sent[0])
+        # the refusal itself arrives before the close (the point of lingering) ...
+        stalled.settimeout(5)
+        body = stalled.recv(4096)
+        assert b"bytes per request" in body, body[:200]
+        # ... and the stalled connection is closed within the linger bound
+        assert _wait_closed([stalled], within=5.0) < 5.0
+        _honest_roundtrip(eng, peer, seed=4)
+
+
 # --- defect 7: no server-side deadline after authentication ---------------------------------------
 
 
