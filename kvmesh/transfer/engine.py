@@ -614,12 +614,18 @@ class TransferEngine:
         segs, si, ro = self.locate_many(address, rp.view(np.uint64), ln.view(np.uint64))
         lo, ro = lo.astype(np.int64), ro.astype(np.int64)
         key = ri.astype(np.int64) * len(segs) + si
+        requests = len(ln)
         if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
         order = np.argsort(key, kind="stable")  # one sort, not one mask per group
-        key = key[order]
+        key, lo, ro, ln = key[order], lo[order], ro[order], ln[order]
+        # Merge requests adjacent on both sides within a pair once for the whole call (what each
+        # job's coalesced() would do; the runs lie inside the ranges checked above).
+        run = (key[1:] == key[:-1]) & (lo[:-1] + ln[:-1] == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:])
+        if run.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~run)))
+            key, lo, ro, ln = key[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
         cuts = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]
-        lo, ro, ln = lo[order], ro[order], ln[order]
         ends = np.cumsum(ln).tolist()
         ulo, uro, uln = lo.view(np.uint64), ro.view(np.uint64), ln.view(np.uint64)
         n = len(segs)
@@ -637,15 +643,16 @@ class TransferEngine:
         ):
             # What a sync Batch would run in this thread anyway (one job per group, in order),
             # without its per-request status and task bookkeeping (issue 9: <= 1 ms per call).
-            return self._run_inline(op, groups, handles, len(ln), timeout)
+            return self._run_inline(op, groups, handles, requests, timeout, coalesced=True)
         b = Batch(self._batch_ctx)
         try:
             for local, remote, glo, gro, gln, _ in groups:
                 b.add_many(op, local, glo.view(np.int64), remote, gro.view(np.int64), gln)
             b.submit(timeout, _sync=True, _ranges_checked=True)  # resolved inside them above
-            return b.wait()
+            res = b.wait()
         finally:
             b.free()
+        return msgspec.structs.replace(res, requests=requests)  # as the caller counts them
 
     def _sync(
         self,
@@ -686,6 +693,8 @@ class TransferEngine:
         handles: list[RouteHandle],
         requests: int,
         timeout: float | None,
+        *,
+        coalesced: bool = False,
     ) -> BatchResult:
         """Run validated groups (uint64 offset and length arrays) as one job each, in order.
 
@@ -710,7 +719,17 @@ class TransferEngine:
             nbytes = 0
             for i, ((local, remote, lo, ro, ln, nb), h) in enumerate(zip(groups, handles)):
                 job = TransferJob(
-                    op, local, remote.desc, h.route, lo, ro, ln, nb, deadline, remote.peer.liveness
+                    op,
+                    local,
+                    remote.desc,
+                    h.route,
+                    lo,
+                    ro,
+                    ln,
+                    nb,
+                    deadline,
+                    remote.peer.liveness,
+                    coalesced=coalesced,
                 )
                 try:
                     job.check()

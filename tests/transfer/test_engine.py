@@ -569,3 +569,39 @@ def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_en
     assert _idle(*srcs, *handles)
     for r in srcs:
         client.unregister(r, timeout=1.0)
+
+
+def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monkeypatch):
+    # SGLang sends a request's pages block by block; blocks adjacent in both the local and the
+    # peer memory (of one region pair) go to the transport as one run, merged once per call.
+    owner, client = make_engine(), make_engine()
+    rng = np.random.default_rng(8)
+    src = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(2)]
+    dst = [np.zeros(64 << 10, np.uint8) for _ in range(2)]
+    for x in src:
+        client.register(x)
+    for i, x in enumerate(dst):
+        owner.register(x, name=f"m{i}")
+    k = 4096
+    local, remote = [], []
+    for s, d in zip(src, dst):
+        s0, d0 = s.ctypes.data, d.ctypes.data
+        # blocks 0,1,2 adjacent on both sides; 3 adjacent locally only; 5 then 4 (reversed)
+        local += [s0, s0 + k, s0 + 2 * k, s0 + 3 * k, s0 + 5 * k, s0 + 4 * k]
+        remote += [d0, d0 + k, d0 + 2 * k, d0 + 8 * k, d0 + 10 * k, d0 + 9 * k]
+    local_t = client.transport(TransportKind.LOCAL)
+    real, jobs = local_t.execute, []
+
+    def spy(job):
+        jobs.append((job.lengths.tolist(), job.coalesced()[2].tolist()))
+        real(job)
+
+    monkeypatch.setattr(local_t, "execute", spy)
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, [k] * len(local))
+    assert res.requests == 12 and res.nbytes == 12 * k
+    assert sorted(jobs) == [([3 * k, k, k, k], [3 * k, k, k, k])] * 2
+    for s, d in zip(src, dst):
+        assert (d[: 3 * k] == s[: 3 * k]).all() and (d[8 * k : 9 * k] == s[3 * k : 4 * k]).all()
+        assert (d[10 * k : 11 * k] == s[5 * k : 6 * k]).all()
+        assert (d[9 * k : 10 * k] == s[4 * k : 5 * k]).all()
+        assert not d[3 * k : 8 * k].any() and not d[11 * k :].any()
