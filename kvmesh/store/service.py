@@ -686,19 +686,21 @@ class MasterService:
     def _check(self, req: Any) -> None:
         # Conforming clients validate before sending; a request with a bad field comes from
         # a broken or hostile peer and is refused whole, before any work.
-        if type(req) is P.ExistsPartsReq:
+        parts = type(req) is P.ExistsPartsReq
+        if parts:
             # Checked by parts (types.bad_parts), never expanded before the count is known.
-            n = P.request_key_count(req)
+            # The suffixes count on their own too: with no keys the product is 0, yet
+            # bad_parts would still check every suffix (Python work per part of the frame).
+            n = max(P.request_key_count(req), len(req.suffixes))
             keys: list[Any] = []
-            why = bad_parts(req.prefix, req.keys, req.suffixes)
         else:
             keys = P.request_keys(req)
             n = len(keys)
-            why = None
         if n > self.cfg.max_batch_keys:
             raise E.InvalidParams(
                 f"{n} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
+        why = bad_parts(req.prefix, req.keys, req.suffixes) if parts else None
         if keys:
             why = bad_key(keys)
         if why is not None:
