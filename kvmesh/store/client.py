@@ -42,7 +42,15 @@ from . import errors as E
 from . import protocol as P
 from .node import StorageNode
 from .rpc import MasterClient
-from .types import ROW, ObjectReplica, ReplicateConfig, bad_parts, key_error, keys_valid
+from .types import (
+    MAX_OBJECT_SIZE,
+    ROW,
+    ObjectReplica,
+    ReplicateConfig,
+    bad_parts,
+    key_error,
+    keys_valid,
+)
 
 __all__ = ["BatchResults", "Removed", "StoreClient"]
 
@@ -1330,7 +1338,7 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     if not flat:
         if 0 in codes:
             raise bad
-        return codes, sizes, rows
+        return _int64(codes, bad), _int64(sizes, bad), rows
     if len(flat) == ROW and n == 1:  # a single get: the checks below, on five ints
         k, c, y, ro, ln = flat
         if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
@@ -1347,10 +1355,13 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
         or hi[2] >= len(resp.segments)
         or lo[3] < 0
         or lo[4] <= 0
+        # Slices of at most an object's size: their sum per copy (checked against the size
+        # below) cannot wrap int64 (2**40 bytes x fewer than 2**23 rows in any reply).
+        or hi[4] > MAX_OBJECT_SIZE
     ):
         raise bad
-    codes = np.asarray(codes, np.int64)
-    sizes = np.asarray(sizes, np.int64)
+    codes = _int64(codes, bad)
+    sizes = _int64(sizes, bad)
     found_mask = codes == 0
     k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
     if hi[1] == 0 and len(k) == int(np.count_nonzero(found_mask)):
@@ -1373,6 +1384,15 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     if (gc != nth).any() or (np.add.reduceat(ln, heads) != sizes[gk]).any():
         raise bad  # copies numbered 0, 1, ... per key, each exactly the object's size
     return codes, sizes, rows
+
+
+def _int64(values: list[int], bad: E.StoreError) -> np.ndarray:
+    """A reply's list of ints as int64, or ``bad``: msgpack ints reach 2**64 - 1, and an
+    OverflowError must not escape a read as if it were the caller's bug."""
+    try:
+        return np.asarray(values, np.int64)
+    except OverflowError:
+        raise bad from None
 
 
 def _heads(v: np.ndarray) -> np.ndarray:

@@ -90,6 +90,11 @@ def test_client_accepts_a_well_formed_table():
         ([0], [10], [(3, 0, 0, 0, 10)]),  # key index out of range
         ([0], [0], [(0, 0, 0, 0, 0)]),  # empty slice
         ([0, 0], [10], []),  # sizes shorter than codes
+        # int64 sums that wrap to the size (4 x 2**62 + 10): slices longer than any object
+        ([0], [10], [(0, 0, 0, 0, 1 << 62)] * 3 + [(0, 0, 0, 0, (1 << 62) + 10)]),
+        ([0, 0], [1 << 63, 10], [(0, 0, 0, 0, 10), (1, 0, 0, 0, 10)]),  # size beyond int64
+        ([-704, -704], [(1 << 64) - 1, 0], []),  # ints beyond int64 in a table of misses
+        ([(1 << 64) - 1], [0], []),
     ],
 )
 def test_client_refuses_a_malformed_table(codes, sizes, rows):
