@@ -98,3 +98,19 @@ def test_one_connection_queues_one_scan_at_a_time(master):
         p.close()
     assert all(type(r) is P.RemovePrefixResp for r in replies), replies[:3]
     assert honest < 5.0, honest
+
+
+def test_an_empty_or_invalid_prefix_is_refused_and_removes_nothing(master):
+    """An empty prefix would name every key: the master refuses it (remove_all is the
+    request for that), as it refuses a prefix no key could start with (NUL, too long)."""
+    cl, client = master
+    p = Peer(cl, "prefixes")
+    try:
+        for prefix in ("", "k/\0", "k" * 1025):
+            r = p.call(P.RemovePrefixReq(7, p.session(), prefix))
+            assert type(r) is P.ErrorResp and r.code == E.InvalidKey.code, (prefix[:8], r)
+    finally:
+        p.close()
+    with pytest.raises(E.InvalidKey):
+        client.remove_prefix("")
+    assert client.exists("k/000200") and client.exists(f"k/{KEYS - 1:06d}")
