@@ -539,12 +539,16 @@ class StoreClient:
             return []
         versions = resp.versions
         copies = resp.copies()
+        malformed = _malformed_copies(resp.codes, copies, resp.run, psizes)
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
             code = resp.codes[j]
             if code != 0:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
+                continue
+            if malformed and j in malformed:
+                out[i] = E.InternalError(f"the master's copies of {keys[i]!r} are malformed")
                 continue
             started.append(j)
             for rep in copies[j] or []:
@@ -1242,6 +1246,26 @@ class StoreClient:
             return into
         self.get_into(key, into.data_ptr(), 0, nbytes)
         return into
+
+
+def _malformed_copies(codes: list[int], copies: list[Any], run: Any, sizes: list[int]) -> set[int]:
+    """Keys of a put answer (part indices) answered 0 without a copy, or with a copy whose
+    slices are not positive or do not add up to the object's size: a broken or forged
+    answer. Written as told, a longer copy reads past the key's bytes in the caller's memory
+    and sends them to the named segment; a missing one reports a put that wrote nothing."""
+    if run is not None and run.lengths == sizes and min(run.where, default=0) >= 0:
+        return set()  # the usual batch: one slice per key, each exactly its size
+    bad = set()
+    for j, (code, reps, size) in enumerate(zip(codes, copies, sizes)):
+        if code != 0:
+            continue
+        if not reps or any(
+            sum(sl.length for sl in r.slices) != size
+            or min((sl.length for sl in r.slices), default=0) <= 0
+            for r in reps
+        ):
+            bad.add(j)
+    return bad
 
 
 def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:

@@ -23,7 +23,8 @@ from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
 from kvmesh.store.cluster import StoreCluster
-from kvmesh.store.types import ROW
+from kvmesh.store.types import ROW, ObjectReplica, ReplicaDesc, ReplicaRun
+from kvmesh.transfer import Op
 
 from .e2e_util import TOKEN, Peer
 from .store_peer import value_of
@@ -279,3 +280,80 @@ def test_a_trickled_reply_costs_bounded_cpu_and_time():
     finally:
         client.close()
         fake.close()
+
+
+SECRET = 0x5E  # the caller's bytes next to the key's: never to leave this process
+
+
+def _put_answer(copies: Any = None, run: Any = None) -> Callable[[Any], Any]:
+    """A fake master that registers sessions, answers PutStart with ``copies`` (or
+    ``run``) for the one key, and acknowledges PutEnd/PutRevoke."""
+
+    def answer(req: Any) -> Any:
+        if type(req) is P.RegisterReq:
+            return P.RegisterResp(req.rid, 77)
+        if type(req) is P.PutStartReq:
+            return P.PutStartResp(req.rid, [0], [] if run else [copies], [1], 60_000, run)
+        return P.CodesResp(req.rid, [0] * len(req.keys))
+
+    return answer
+
+
+def _segment_bytes(client: StoreClient, where: tuple[str, str, str], off: int, n: int) -> bytes:
+    """``n`` bytes of the live node's segment at ``off`` (read with the transfer engine)."""
+    name, _node, ep = where
+    eng = client.engine
+    dst = np.zeros(n, np.uint8)
+    region = eng.register(dst)
+    try:
+        eng.transfer(Op.READ, region, [0], eng.open_segment(ep, name), [off], [n], timeout=5)
+        return dst.tobytes()
+    finally:
+        eng.unregister(region)
+
+
+def test_forged_put_answers_never_send_bytes_past_the_key(live):
+    """A put answer whose copy is longer than the object (one slice or the compact run),
+    or that gives a key answered 0 no copy at all: the key fails, nothing past its bytes
+    leaves the caller's memory, and no put is reported done that wrote nothing. Each copy
+    names free space of the live node's real segment, then read back."""
+    seg = live.segments[0]
+    cases = []
+    for n, off in enumerate(range(SEGMENT // 2, SEGMENT // 2 + 5 * 4 * SIZE, 4 * SIZE)):
+        longer = [ObjectReplica([ReplicaDesc(*seg, off, 2 * SIZE)])]
+        split = [ObjectReplica([ReplicaDesc(*seg, off, SIZE), ReplicaDesc(*seg, off + SIZE, SIZE)])]
+        run = ReplicaRun([seg], [0], [off], [2 * SIZE])
+        cases.append(
+            [
+                ("one slice twice the size", _put_answer(longer), off, "flat"),
+                ("two slices adding to twice the size", _put_answer(split), off, "flat"),
+                ("a compact run twice the size", _put_answer(run=run), off, "flat"),
+                ("no copy for a key answered 0", _put_answer([]), off, "flat"),
+                ("one slice twice the size, multi-buffer put", _put_answer(longer), off, "multi"),
+            ][n]
+        )
+    failures = []
+    for what, answer, off, form in cases:
+        fake = FakeMaster(answer)
+        client = StoreClient(fake.addr, token=TOKEN, segment_size=0, timeout=3, transfer_timeout=3)
+        buf = np.full(3 * SIZE, SECRET, np.uint8)
+        buf[:SIZE] = np.frombuffer(value_of("w", SIZE), np.uint8)
+        try:
+            client.register_buffer(buf)
+            if form == "flat":
+                res = client.put_from(["w"], buf, [0], [SIZE])
+            else:
+                half = buf.ctypes.data
+                res = client.put_from_multi(["w"], [[half, half + SIZE // 2]], [[SIZE // 2] * 2])
+            if not isinstance(res[0], E.StoreError):
+                failures.append(f"{what}: reported stored ({res[0]!r})")
+            landed = _segment_bytes(client, seg, off, 2 * SIZE)
+            if bytes([SECRET]) * 64 in landed:
+                failures.append(f"{what}: the caller's bytes past the key reached the segment")
+        except Exception as e:  # noqa: BLE001 - collected: every forgery is checked
+            failures.append(f"{what}: raised {type(e).__name__}: {e}")
+        finally:
+            client.unregister_buffer(buf)
+            client.close()
+            fake.close()
+    assert not failures, "\n".join(failures)
