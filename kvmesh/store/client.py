@@ -1259,12 +1259,15 @@ def _malformed_copies(codes: list[int], copies: list[Any], run: Any, sizes: list
     for j, (code, reps, size) in enumerate(zip(codes, copies, sizes)):
         if code != 0:
             continue
-        if not reps or any(
-            sum(sl.length for sl in r.slices) != size
-            or min((sl.length for sl in r.slices), default=0) <= 0
-            for r in reps
-        ):
+        if not reps:
             bad.add(j)
+        for r in reps or ():
+            sl = r.slices
+            if len(sl) == 1:  # the usual copy (sizes are positive: checked before PutStart)
+                if sl[0].length != size:
+                    bad.add(j)
+            elif not sl or sum(x.length for x in sl) != size or min(x.length for x in sl) <= 0:
+                bad.add(j)
     return bad
 
 
