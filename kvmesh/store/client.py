@@ -578,7 +578,7 @@ class StoreClient:
             okeys = [pkeys[j] for j in ok]
             overs = [versions[j] for j in ok]
             r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
-            if type(r2) is P.CodesResp:
+            if type(r2) is P.CodesResp and len(r2.codes) == len(ok):
                 for j, code in zip(ok, r2.codes):
                     out[part[j]] = (
                         None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
@@ -1151,7 +1151,7 @@ class StoreClient:
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
             resp = self.rpc.call(lambda rid, pk=pk: P.GetSizeReq(rid, pk))
-            if type(resp) is P.SizesResp:
+            if type(resp) is P.SizesResp and len(resp.codes) == len(resp.sizes) == len(pk):
                 for i, c, s in zip(part, resp.codes, resp.sizes):
                     out[i] = s if c == 0 else E.error_for(c, f"get_size of {ks[i]!r}")
             else:
@@ -1169,7 +1169,7 @@ class StoreClient:
         for part in _rpc_parts(idx, ks):
             pk = [ks[i] for i in part]
             resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
-            if type(resp) is P.CodesResp:
+            if type(resp) is P.CodesResp and len(resp.codes) == len(pk):
                 for i, c in zip(part, resp.codes):
                     out[i] = None if c == 0 else E.error_for(c, f"remove of {ks[i]!r}")
             else:

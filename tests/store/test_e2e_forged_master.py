@@ -357,3 +357,40 @@ def test_forged_put_answers_never_send_bytes_past_the_key(live):
             client.close()
             fake.close()
     assert not failures, "\n".join(failures)
+
+
+def test_short_answers_fail_the_batch_instead_of_reporting_success(live):
+    """One code for a batch of two (GetSize, Remove, PutEnd): every key of the batch gets an
+    error; none is reported sized, removed or stored on the strength of a missing code."""
+    seg = live.segments[0]
+    off = SEGMENT // 2 + 64 * SIZE
+
+    def answer(req: Any) -> Any:
+        t = type(req)
+        if t is P.RegisterReq:
+            return P.RegisterResp(req.rid, 78)
+        if t is P.GetSizeReq:
+            return P.SizesResp(req.rid, [0], [5])
+        if t is P.PutStartReq:
+            run = ReplicaRun([seg], [0, 0], [off, off + SIZE], [SIZE, SIZE])
+            return P.PutStartResp(req.rid, [0, 0], [], [1, 2], 60_000, run)
+        return P.CodesResp(req.rid, [0])  # Remove, PutEnd, PutRevoke
+
+    fake = FakeMaster(answer)
+    client = StoreClient(fake.addr, token=TOKEN, segment_size=0, timeout=3, transfer_timeout=3)
+    buf = np.zeros(2 * SIZE, np.uint8)
+    try:
+        client.register_buffer(buf)
+        results = {
+            "get_size": client.get_size(["a", "b"]),
+            "remove": client.remove(["a", "b"]),
+            "put_from": client.put_from(["a", "b"], buf, [0, SIZE], [SIZE, SIZE]),
+        }
+        client.unregister_buffer(buf)
+    finally:
+        client.close()
+        fake.close()
+    wrong = {
+        k: list(v) for k, v in results.items() if not all(isinstance(r, E.StoreError) for r in v)
+    }
+    assert not wrong, wrong
