@@ -1378,6 +1378,7 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
         lo[0] < 0
         or hi[0] >= n
         or lo[1] < 0
+        or hi[1] >= len(rows)  # copies are numbered 0, 1, ... (and k * copies fits int64)
         or lo[2] < 0
         or hi[2] >= len(resp.segments)
         or lo[3] < 0
