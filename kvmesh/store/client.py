@@ -1185,18 +1185,30 @@ class StoreClient:
             raise _whole_error(resp)
         return resp.count
 
-    def remove_prefix(self, prefix: str, *, force: bool = False) -> Removed:
+    def remove_prefix(
+        self, prefix: str, *, force: bool = False, timeout: float | None = None
+    ) -> Removed:
         """Remove every object whose key starts with ``prefix`` (a non-empty valid key
         prefix: literal, no patterns); returns how many, an ``int`` whose ``skipped`` says
         how many matching objects were left because a reader holds a lease on them (or a
         put of the key was in flight). With ``force`` leased ones go too (readers holding a
         lease may get LeaseExpired), as in :meth:`remove`. The master removes at most its
-        batch limit per round (one log entry each); this call sends rounds until done."""
+        batch limit per round (one log entry each); this call sends rounds until done, or
+        until ``timeout`` seconds (default: 20 x the client's ``timeout``) have passed, then
+        raises :class:`StoreTimeout` (rounds already committed stay done): a master that
+        keeps answering ``more`` cannot hold the caller forever."""
         why = key_error(prefix)
         if why is not None:
             raise E.InvalidKey(f"prefix: {why}")
         removed = idle = 0
+        limit = 20 * self.rpc.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
+            if time.monotonic() > deadline:
+                raise E.StoreTimeout(
+                    f"remove_prefix({prefix!r}) not done after {limit:g} s "
+                    f"({removed} removed so far)"
+                )
             resp = self.rpc.mutate(lambda rid, s: P.RemovePrefixReq(rid, s, prefix, force))
             if type(resp) is not P.RemovePrefixResp:
                 raise _whole_error(resp)

@@ -394,3 +394,24 @@ def test_short_answers_fail_the_batch_instead_of_reporting_success(live):
         k: list(v) for k, v in results.items() if not all(isinstance(r, E.StoreError) for r in v)
     }
     assert not wrong, wrong
+
+
+def test_a_master_answering_more_forever_ends_at_the_call_deadline():
+    """A forged master answers every remove-by-prefix round with ``removed=1, more=True``:
+    ``remove_prefix`` gives up at its own deadline with StoreTimeout instead of looping."""
+
+    def answer(req: Any) -> Any:
+        if type(req) is P.RegisterReq:
+            return P.RegisterResp(req.rid, 78)
+        return P.RemovePrefixResp(req.rid, 1, 0, True)
+
+    fake = FakeMaster(answer)
+    client = StoreClient(fake.addr, token=TOKEN, segment_size=0, timeout=2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(E.StoreTimeout, match="removed so far"):
+            client.remove_prefix("p/", timeout=0.5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        client.close()
+        fake.close()
