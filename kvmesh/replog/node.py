@@ -63,7 +63,7 @@ from .errors import (
 )
 from .net.protocol import SESSION_TOKEN_BYTES
 from .net.transport import Transport, TransportConfig
-from .readypath import SYNC, YIELD, ReadyPath
+from .readypath import SYNC, SYNC_BEGIN, YIELD, ReadyPath
 from .session import (
     Command,
     Expire,
@@ -838,14 +838,22 @@ class RaftNode:
         self.metrics["entries_persisted"] += len(rd.entries_to_append)
         gen = path.run(rd)
         result: Any = None
+        syncing: asyncio.Future | None = None
         while True:
             try:
                 eff = gen.send(result)
             except StopIteration:
                 break
             result = None
-            if eff is SYNC:
-                await asyncio.to_thread(storage.sync)
+            if eff is SYNC_BEGIN:
+                # The fsync runs in a worker thread while the path applies on the loop.
+                syncing = asyncio.get_running_loop().run_in_executor(None, storage.sync)
+            elif eff is SYNC:
+                if syncing is None:
+                    await asyncio.to_thread(storage.sync)
+                else:
+                    await syncing
+                    syncing = None
                 self.metrics["fsyncs"] += 1
             elif eff is YIELD:
                 await asyncio.sleep(0)
