@@ -122,3 +122,73 @@ def test_a_live_replica_answers_before_a_slow_fsync_of_later_entries(tmp_path, m
     took = asyncio.run(asyncio.wait_for(main(), 60))
     # One fsync (0.3 s) plus scheduling; waiting for the second fsync makes it >= 0.6 s.
     assert 0.3 <= took < 0.55, took
+
+
+def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeypatch):
+    """While the leader's fsync of one entry runs (0.4 s here), an entry proposed meanwhile
+    reaches the followers' logs at once (``RaftCore.take_send_now``), not after it; the
+    leader still answers it only once its own copy is durable. Without the early sends
+    (planted: a plain wait for the fsync) the test fails: no append and no heartbeat leaves
+    the leader for 0.4 s, and the followers (elections after 0.2-0.4 s) elect another."""
+    from kvmesh.replog.kvsm import KvPut, encode_command
+
+    from .test_node import Cluster
+
+    slow = {"storage": None}
+    orig = DiskStorage.sync
+
+    def sync(self):  # type: ignore[no-untyped-def]
+        if self is slow["storage"]:
+            time.sleep(0.4)
+        return orig(self)
+
+    monkeypatch.setattr(DiskStorage, "sync", sync)
+
+    async def main() -> tuple[int, int, int]:
+        async with Cluster(tmp_path, n=3, durability="disk") as c:
+            leader = await c.leader()
+            await leader.propose(encode_command(KvPut("a", b"1")))
+            slow["storage"] = leader.storage
+            first = asyncio.ensure_future(leader.propose(encode_command(KvPut("b", b"2"))))
+            await asyncio.sleep(0.1)  # "b" is in the leader's fsync
+            idx = leader.core.log.last_index() + 1
+            second = asyncio.ensure_future(leader.propose(encode_command(KvPut("c", b"3"))))
+            await asyncio.sleep(0.15)  # the leader's fsync of "b" still runs
+            followers = [n for n in c.nodes.values() if n is not leader]
+            seen = sum(1 for n in followers if n.core.log.last_index() >= idx)
+            early = leader.metrics["early_sends"]
+            await first
+            await second
+            slow["storage"] = None
+            return seen, early, idx
+
+    seen, early, idx = asyncio.run(asyncio.wait_for(main(), 60))
+    assert early >= 1 and seen == 2, (seen, early, idx)
+
+
+def test_take_send_now_only_for_a_leader_with_a_ready_outstanding() -> None:
+    """The core hands out send-now messages between Readies only to a leader whose Ready
+    is outstanding: the appends of entries proposed after that Ready."""
+    from kvmesh.replog.sim.harness import Network
+    from kvmesh.replog.types import Append, RaftConfig
+
+    n = Network((1, 2, 3), RaftConfig(election_tick=10, heartbeat_tick=1))
+    n.elect(1)
+    n.tick_all(3)
+    leader, follower = n[1], n[2]
+    leader.propose(b"a")
+    assert leader.take_send_now() == []  # no Ready outstanding: ready() hands them out
+    rd = leader.ready()
+    assert sorted(len(m.entries) for m in rd.send_now if type(m) is Append) == [1, 1]
+    leader.propose(b"b")
+    early = leader.take_send_now()
+    apps = [m for m in early if type(m) is Append]
+    assert sorted(m.to for m in apps) == [2, 3]
+    assert all([e.data for e in m.entries] == [b"b"] for m in apps)
+    assert leader.take_send_now() == []  # taken once
+    leader.advance(rd)
+    rd2 = leader.ready()
+    assert [e.data for e in rd2.entries_to_append] == [b"b"]  # still persisted as usual
+    assert not [m for m in rd2.send_now if type(m) is Append and m.entries]
+    leader.advance(rd2)
+    assert follower.take_send_now() == []  # a follower: never

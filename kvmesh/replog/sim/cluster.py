@@ -386,6 +386,14 @@ class SimNode:
     def pump(self) -> None:
         sim = self.sim
         core = self.core
+        if self.sync_state == "waiting" and self.alive and not self.paused:
+            # The driver waits for its Ready's fsync: a leader sends what became sendable
+            # at once (node.RaftNode._sync_wait).
+            msgs = core.take_send_now()
+            if msgs:
+                # Its Appends carry the commit index: checked before anyone acts on it.
+                sim.inv.leader_commit(self.id, core, sim.durables)
+                self._send_all(msgs)
         while self.alive and not self.busy and not self.paused and core.has_ready():
             rd = core.ready()
             if rd.entries_to_append and core.role == Role.LEADER:
