@@ -1,7 +1,8 @@
 """The batched PutStart (``StoreStateMachine._put_start_batch``) must give exactly the result
 of the per-key path: same codes, offsets, segments and allocator state, on fragmented
 segments, several segments and hosts, mixed sizes, existing and in-flight keys (and PutEnds
-with repeated keys and stale versions), and when space runs out. Each random history runs twice, once with the batch path switched off."""
+with repeated keys and stale versions), and when space runs out. Each random history runs
+twice, once with the batch path switched off."""
 
 from __future__ import annotations
 
