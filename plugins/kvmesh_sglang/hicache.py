@@ -439,6 +439,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._closed = False
         self._down_until = 0.0
         self._shards: _Shards | None = None
+        self._parts: tuple[str, list[str]] | None = None  # batch_exists name parts
         self._mha = not bool(getattr(storage_config, "is_mla_model", False))
         given = kwargs.get("client") if isinstance(kwargs, dict) else None
         self._own_client = given is None
@@ -531,6 +532,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             self._page_size(pool),
         )
         self._mha = not bool(getattr(self.storage_config, "is_mla_model", False))
+        self._parts = None
         if getattr(pool, "kv_buffer", None) is None:
             return  # a logical anchor (DeepSeek-V4): the sidecar pools carry the bytes
         # Registered once: afterwards every page moves straight between this memory and
@@ -664,18 +666,24 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if not keys:
             return 0
         t0 = time.perf_counter()
-        comps = ("k", "v") if self._mha else ("kv",)
-        obj = self._obj()
         # The names are {pre}{key}{mid}{comp}: the store gets the parts (one prefix, the page
-        # keys, one suffix per component), not 2 x 256 full names.
-        sufs = [obj.mid + c for c in comps]
-        res = list(_whole(self.client.exists(keys, prefix=obj.pre, suffixes=sufs)))
-        if set(map(type, res)) != {bool}:  # an error for some object counts as missing
-            res = [r is True for r in res]
-        # Components of a page are adjacent: the first missing object ends the prefix.
-        n = res.index(False) // len(comps) if False in res else len(keys)
+        # keys, one suffix per component), not 2 x 256 full names, and the master answers
+        # the count itself (the first missing object ends the prefix; an object the store
+        # could not check counts as missing).
+        pre, sufs = self._exists_parts()
+        n = self.client.count_leading(keys, prefix=pre, suffixes=sufs)
         self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
         return n
+
+    def _exists_parts(self) -> tuple[str, list[str]]:
+        """``batch_exists``'s name parts: the prefix and one suffix per component (computed
+        once per registered pool)."""
+        parts = self._parts
+        if parts is None:
+            obj = self._obj()
+            comps = ("k", "v") if self._mha else ("kv",)
+            parts = self._parts = (obj.pre, [obj.mid + c for c in comps])
+        return parts
 
     # ------------------------------------------------------------------ generic (copying)
 
