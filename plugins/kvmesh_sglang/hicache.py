@@ -267,11 +267,10 @@ class _PageTable:
     and layouts of :data:`_AFFINE`, and only when SGLang's own answers for probe pages
     across the pool (one at a time and together in one call) equal the table's exactly."""
 
-    __slots__ = ("base", "stride", "sizes", "total")
+    __slots__ = ("base", "stride", "sizes")
 
     def __init__(self, base: Any, stride: Any, sizes: list[int]) -> None:
         self.base, self.stride, self.sizes = base, stride, sizes
-        self.total = sum(sizes)
 
     @staticmethod
     def measure(pool: Any, page_size: int) -> _PageTable | None:
@@ -1027,6 +1026,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         # The engine is process-wide and outlives this backend: a registration left behind
         # would point at the host pool's memory after SGLang frees it (and overlap whatever
         # is allocated there next).
+        self._tables.clear()
         with self._reg_lock:
             regions, self._registered = list(self._registered.values()), {}
         for region in regions:
