@@ -86,3 +86,17 @@ def test_batches_it_cannot_vouch_for_take_the_range_by_range_path(client):
     )
     assert res[0] == 128 and isinstance(res[1], E.NotRegistered)
     assert (b[:128] == np.arange(128, dtype=np.uint8)).all()
+
+
+def test_a_batch_lookup_without_the_range_end_check_is_caught(client, monkeypatch):
+    """Planted: the batch path looks up each range's first byte only, so a range running past
+    its region's end is vouched for (and would be read or written past the registration)."""
+    c, a, _ = client
+    real = c.engine.find_regions
+
+    def first_byte_only(ptrs, lengths):
+        return real(ptrs, np.ones(len(ptrs), np.uint64))
+
+    monkeypatch.setattr(c.engine, "find_regions", first_byte_only)
+    past_end = [[a.ctypes.data + a.nbytes - 10]]
+    assert c._flat_pieces(past_end, [[64]]) is not None  # what the refusal test above rejects
