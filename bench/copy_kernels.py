@@ -39,6 +39,7 @@ from kvmesh.transfer import fastcopy  # noqa: E402
 
 def _options(ap: Any) -> None:
     ap.add_argument("--pool-mib", type=int, help="size of each pool (default 1024; quick 512)")
+    ap.add_argument("--pages-kib", help="page sizes, e.g. 64,1024 (default 64,128,256,512)")
 
 
 def _shm_pool(size: int) -> np.ndarray:
@@ -86,6 +87,8 @@ def main() -> None:
     kernels = _kernels()
     rng = np.random.default_rng(1)
     sizes = (128 << 10, 512 << 10) if args.quick else (64 << 10, 128 << 10, 256 << 10, 512 << 10)
+    if args.pages_kib:
+        sizes = tuple(int(x) << 10 for x in args.pages_kib.split(","))
     samples: dict[tuple[str, int], list[float]] = {}
     for page in sizes:
         slots, k = pool // page, per_pass // page
