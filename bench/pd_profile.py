@@ -2,6 +2,7 @@
 """Where one PD request's time goes on the same-host path (docs/sglang.md, "Same-host ceiling").
 
     python bench/pd_profile.py [--requests N] [--contiguous]
+    python bench/pd_profile.py --concurrent TOKENS [--requests N]
 
 Sends the request of bench/pd.py (32 layers, 4,096 tokens, page 64: 512 MiB, 64 jobs) N times
 through ``KvmeshTransferEngine.batch_transfer_sync`` to a decode process on this host and
@@ -10,11 +11,20 @@ thread-CPU time of the NIXL wrapper's stages (``make_xfer``, ``post``, ``wait``,
 summed over the threads that ran them) and the CPU time of every thread of this process
 (from ``/proc/self/task``; the UCX progress or pump thread shows up there). Run it with
 ``KVMESH_NIXL=progress=pump`` (or other options) in alternation with the default to compare.
+
+``--concurrent TOKENS``: the 16-concurrent shape of bench/pd.py on shared-memory pools (the
+``shm`` transport): 16 requests of TOKENS tokens from 4 threads, each sent through
+``batch_transfer_sync`` and, alternating with it, copied *raw* (the same blocks, the same
+threads, one ``fastcopy.copy`` per block into the decode pool's mapping: no engine, no fence,
+no checks); prints GB/s and process CPU of both, then the thread CPU per request of both from
+one thread, so the engine's own cost (engine minus raw) shows apart from the copy and from the
+box's load. ``--requests`` rounds of each.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures as concurrent_futures
 import os
 import pathlib
 import sys
@@ -79,8 +89,12 @@ def main() -> None:
             action="store_true",
             help="pages 0..63 on both sides (one run per layer buffer)",
         )
+        ap.add_argument("--concurrent", type=int, metavar="TOKENS", help="see the docstring")
 
     args = C.bench_args(__doc__.split("\n\n")[0], extra=options)
+    if args.concurrent:
+        concurrent(args.concurrent, args.requests)
+        return
     for cls, name in (
         (nixl_agent.NixlAgent, "make_xfer"),
         (nixl_xfer.NixlXfer, "post"),
@@ -145,6 +159,93 @@ def main() -> None:
             used = (t - cpu0.get(tid, 0.0)) / n * 1e3
             if used >= 1.0:
                 print(f"  thread {tid}: {used:.1f} ms CPU")
+    finally:
+        child.close()
+
+
+def concurrent(tokens: int, rounds: int, nreq: int = 16, threads: int = 4) -> None:
+    from kvmesh.transfer import fastcopy
+
+    pages = max(1, tokens // PAGE)
+    eng = KvmeshTransferEngine("127.0.0.1")
+    pool = KVPool(LAYERS, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE, memory="shm")
+    pool.fill(seed=9)
+    if pool.register(eng) != 0:
+        raise RuntimeError("batch_register of the prefill pool failed")
+    decode_pages = nreq * pages
+    argv = geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE, memory="shm")
+    child = C.Child(
+        [sys.executable, "-m", "bench._pd", *argv], env={}, timeout=300, cwd=str(_HERE.parent)
+    )
+    try:
+        sid, dptrs = child.info["session_id"], child.info["kv_data_ptrs"]
+        address = sid.removeprefix("kvmesh://")
+        rng = np.random.default_rng(1)
+        slots = rng.permutation(decode_pages)
+        reqs = []
+        for i in range(nreq):
+            sp = rng.permutation(pool.pages)[:pages]
+            dp = slots[i * pages : (i + 1) * pages]
+            reqs.append((sp, dp, request_blocks(pool, dptrs, sp, dp)))
+        total = sum(sum(r[2][2]) for r in reqs)
+        if eng.batch_transfer_sync(sid, *reqs[0][2]) != 0:  # opens the routes (shm mappings)
+            raise RuntimeError("batch_transfer_sync failed")
+        plans = []  # (absolute destination in our mapping, source, length) per block
+        for _, _, (src, dst, ln) in reqs:
+            d, ln64 = np.array(dst, np.uint64), np.array(ln, np.uint64)
+            segs, si, ro = eng.engine.locate_many(address, d, ln64)
+            used = [segs[j] for j in sorted(set(si.tolist()))]
+            if any(set(s.transports().values()) != {"shm"} for s in used):
+                raise RuntimeError(f"not served by shm: {[s.transports() for s in used]}")
+            base = np.zeros(len(segs), np.uint64)
+            for j in set(si.tolist()):
+                base[j] = next(iter(segs[j]._routes.values())).route.base
+
+            plans.append(list(zip((base[si] + ro).tolist(), src, ln)))
+
+        def engine_one(i: int) -> None:
+            if eng.batch_transfer_sync(sid, *reqs[i][2]) != 0:
+                raise RuntimeError("batch_transfer_sync failed")
+
+        def raw_one(i: int) -> None:
+            copy = fastcopy.copy
+            for d, s, n in plans[i]:
+                copy(d, s, n)
+
+        print(
+            f"{nreq} requests x {pages * PAGE} tokens ({total / nreq / C.MiB:.0f} MiB, "
+            f"{len(reqs[0][2][0])} blocks, 64 region pairs each) from {threads} threads; "
+            f"copy kernel {fastcopy.BACKEND}"
+        )
+        with concurrent_futures.ThreadPoolExecutor(threads) as ex:
+            for fn in (engine_one, raw_one):
+                list(ex.map(fn, range(nreq)))  # warm-up
+            for _ in range(rounds):
+                for name, fn in (("engine", engine_one), ("raw", raw_one)):
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    list(ex.map(fn, range(nreq)))
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    print(
+                        f"  {name:6s} {threads} threads: {total / wall / 1e9:5.2f} GB/s, "
+                        f"process CPU {cpu / nreq * 1e3:5.2f} ms per request, "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
+        for sp, dp, _ in reqs:
+            if child.call("digest", pages=dp.tolist())["digest"] != pool.page_digest(sp):
+                raise RuntimeError("decode pages differ from the prefill pages")
+        for _ in range(rounds):
+            per = {}
+            for name, fn in (("engine", engine_one), ("raw", raw_one)):
+                c0 = time.thread_time()
+                for i in range(nreq):
+                    fn(i)
+                per[name] = (time.thread_time() - c0) / nreq * 1e3
+            print(
+                f"  one thread, CPU per request: engine {per['engine']:.2f} ms, raw "
+                f"{per['raw']:.2f} ms, engine's own {per['engine'] - per['raw']:+.2f} ms",
+                flush=True,
+            )
     finally:
         child.close()
 

@@ -130,6 +130,19 @@ class _Group:
         )
 
 
+def check_usable(ctx: BatchContext, local: MemoryRegion, remote: RemoteSegment) -> None:
+    """Raise unless ``local`` is registered here and ``remote`` is current and its owner alive."""
+    if local.closed or not ctx.is_registered(local):
+        raise NotRegistered(f"{local!r} is not registered with this engine")
+    reason = remote.peer.liveness.dead_reason
+    if reason is not None:
+        raise PeerDeadError(
+            f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}"
+        )
+    if remote.stale_reason is not None:
+        raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
+
+
 def validate_requests(
     ctx: BatchContext,
     op: Op,
@@ -146,15 +159,7 @@ def validate_requests(
     ``ranges_checked``: the caller resolved every request inside ``local`` and ``remote``
     already (``transfer_by_address``), so only registration and liveness are checked here.
     """
-    if local.closed or not ctx.is_registered(local):
-        raise NotRegistered(f"{local!r} is not registered with this engine")
-    reason = remote.peer.liveness.dead_reason
-    if reason is not None:
-        raise PeerDeadError(
-            f"owner of segment {remote.name!r} ({remote.peer.address}) is dead: {reason}"
-        )
-    if remote.stale_reason is not None:
-        raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
+    check_usable(ctx, local, remote)
     if ranges_checked:
         return int(ln.sum())
     desc = remote.desc

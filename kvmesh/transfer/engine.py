@@ -29,7 +29,7 @@ from . import fence
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
-from .batch import Batch, BatchContext, BatchResult, validate_requests
+from .batch import Batch, BatchContext, BatchResult, check_usable, validate_requests
 from .control import ControlServer, Identity, Monitor, PeerClient
 from .errors import (
     EngineClosed,
@@ -614,21 +614,45 @@ class TransferEngine:
         segs, si, ro = self.locate_many(address, rp.view(np.uint64), ln.view(np.uint64))
         lo, ro = lo.astype(np.int64), ro.astype(np.int64)
         key = ri.astype(np.int64) * len(segs) + si
+        requests = len(ln)
         if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
         order = np.argsort(key, kind="stable")  # one sort, not one mask per group
-        key = key[order]
+        key, lo, ro, ln = key[order], lo[order], ro[order], ln[order]
+        # Merge requests adjacent on both sides within a pair once for the whole call (what each
+        # job's coalesced() would do; the runs lie inside the ranges checked above).
+        run = (key[1:] == key[:-1]) & (lo[:-1] + ln[:-1] == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:])
+        if run.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~run)))
+            key, lo, ro, ln = key[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
         cuts = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]
-        lo, ro, ln = lo[order], ro[order], ln[order]
+        ends = np.cumsum(ln).tolist()
+        ulo, uro, uln = lo.view(np.uint64), ro.view(np.uint64), ln.view(np.uint64)
+        n = len(segs)
+        groups = []
+        for a, z, k in zip(cuts[:-1], cuts[1:], key[cuts[:-1]].tolist()):
+            local, remote = regs[k // n], segs[k % n]
+            check_usable(self._batch_ctx, local, remote)  # ranges were resolved in both above
+            nb = ends[z - 1] - (ends[a - 1] if a else 0)
+            groups.append((local, remote, ulo[a:z], uro[a:z], uln[a:z], nb))
+        handles = [self._route(g[0], g[1]) for g in groups]  # every route before any byte
+        cfg = self.config
+        total = ends[-1]
+        if all(h.transport.inline_ok for h in handles) and (
+            total <= cfg.split_bytes or all(g[5] <= cfg.inline_bytes for g in groups)
+        ):
+            # What a sync Batch would run in this thread anyway (one job per group, in order),
+            # without its per-request status and task bookkeeping (issue 9: <= 1 ms per call).
+            return self._run_inline(op, groups, handles, requests, timeout, coalesced=True)
         b = Batch(self._batch_ctx)
         try:
-            for a, z in zip(cuts[:-1], cuts[1:]):
-                k = int(key[a])
-                b.add_many(op, regs[k // len(segs)], lo[a:z], segs[k % len(segs)], ro[a:z], ln[a:z])
+            for local, remote, glo, gro, gln, _ in groups:
+                b.add_many(op, local, glo.view(np.int64), remote, gro.view(np.int64), gln)
             b.submit(timeout, _sync=True, _ranges_checked=True)  # resolved inside them above
-            return b.wait()
+            res = b.wait()
         finally:
             b.free()
+        return msgspec.structs.replace(res, requests=requests)  # as the caller counts them
 
     def _sync(
         self,
@@ -659,47 +683,83 @@ class TransferEngine:
                 return b.wait()
             finally:
                 b.free()
-        h = self._route(local, remote)
-        if not h.acquire():
-            raise remote.gone_error()
+        group = (local, remote, lo.view(np.uint64), ro.view(np.uint64), ln.view(np.uint64), nbytes)
+        return self._run_inline(op, [group], [self._route(local, remote)], len(ln), timeout)
+
+    def _run_inline(
+        self,
+        op: Op,
+        groups: list[tuple[MemoryRegion, RemoteSegment, np.ndarray, np.ndarray, np.ndarray, int]],
+        handles: list[RouteHandle],
+        requests: int,
+        timeout: float | None,
+        *,
+        coalesced: bool = False,
+    ) -> BatchResult:
+        """Run validated groups (uint64 offset and length arrays) as one job each, in order.
+
+        Every route and region is held before the first byte moves (a route closed meanwhile
+        fails the call with nothing copied) and each is let go as soon as its job ended, as a
+        Batch does; the first failure ends the call (it fails as a whole anyway).
+        """
+        held: list[tuple[MemoryRegion, RouteHandle]] = []
         try:
-            local.acquire()
-        except BaseException:
-            h.release()
-            raise
-        t0 = time.monotonic()
-        deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
-        job = TransferJob(
-            op,
-            local,
-            remote.desc,
-            h.route,
-            lo.view(np.uint64),
-            ro.view(np.uint64),
-            ln.view(np.uint64),
-            nbytes,
-            deadline,
-            remote.peer.liveness,
-        )
-        try:
-            job.check()
-            h.transport.execute(job)
-        except TransferError:
-            raise
-        except Exception as exc:
-            raise TransferError(
-                f"{h.transport.kind.value} transport failed on segment {remote.name!r}: {exc!r}"
-            ) from exc
+            for (local, remote, *_), h in zip(groups, handles):
+                if not h.acquire():
+                    raise remote.gone_error()
+                try:
+                    local.acquire()
+                except BaseException:
+                    h.release()
+                    raise
+                held.append((local, h))
+            t0 = time.monotonic()
+            deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
+            served: list[TransportKind] = []
+            nbytes = 0
+            for i, ((local, remote, lo, ro, ln, nb), h) in enumerate(zip(groups, handles)):
+                job = TransferJob(
+                    op,
+                    local,
+                    remote.desc,
+                    h.route,
+                    lo,
+                    ro,
+                    ln,
+                    nb,
+                    deadline,
+                    remote.peer.liveness,
+                    coalesced=coalesced,
+                )
+                try:
+                    job.check()
+                    h.transport.execute(job)
+                except TransferError:
+                    raise
+                except Exception as exc:
+                    raise TransferError(
+                        f"{h.transport.kind.value} transport failed on segment "
+                        f"{remote.name!r}: {exc!r}"
+                    ) from exc
+                finally:
+                    held[i] = None  # type: ignore[call-overload]
+                    local.release()
+                    h.release()
+                nbytes += nb
+                if h.transport.kind not in served:
+                    served.append(h.transport.kind)
         finally:
-            local.release()
-            h.release()
+            for item in held:
+                if item is not None:
+                    item[0].release()
+                    item[1].release()
         self._stats["batches"] += 1
         return BatchResult(
             state=BatchState.DONE,
-            requests=len(ln),
+            requests=requests,
             nbytes=nbytes,
             failed=0,
-            transports=[h.transport.kind],
+            transports=sorted(served, key=lambda k: k.value) if len(served) > 1 else served,
             elapsed_s=time.monotonic() - t0,
         )
 

@@ -1,17 +1,22 @@
 """The fastest host-memory copy reachable from Python without compiling anything.
 
-Why not just ``ctypes.memmove``: glibc copies blocks between ~2 KiB and 512 KiB with
-``rep movsb``, which on some CPUs (measured: AMD EPYC VM) is 3-4x slower when the source
-lies in 4 KiB pages, the normal case for a shared-memory segment (tmpfs has no huge pages
-unless the admin enables them): 256 KiB reads out of a mapping ran at 1.6-2.5 GB/s against
-6.5 GB/s for the same copy done with SIMD loads/stores. NumPy ships OpenBLAS, whose
-``dcopy`` kernel is exactly such a SIMD loop; it reached 6.5 GB/s for 256 KiB and 2.4 GB/s
-for 16 KiB reads out of a mapping (memmove: 2.5 and 1.3-1.9).
+Two kernels are reachable, both bit-exact and both releasing the GIL:
 
-``copy(dst, src, n)`` therefore uses ``dcopy`` for 8-byte aligned blocks of at least
-``_MIN_BLAS`` bytes and ``memmove`` otherwise. ``dcopy`` is found in NumPy's bundled
-OpenBLAS, checked bit-exact on start (NaN payloads included), and both release the GIL.
-Set ``KVMESH_COPY=memmove`` to force plain memmove.
+* ``memmove`` (glibc): between ~2 KiB and its non-temporal threshold it copies with
+  ``rep movsb``. On Intel CPUs with ERMS/FSRM that was never slower than the SIMD loop below
+  for scattered 64-512 KiB pages between ``/dev/shm`` mappings (4 KiB pages), up to 1.45x
+  faster, and 1.8x for a long run (docs/transfer.md, "Copies: which kernel").
+* OpenBLAS ``dcopy`` from NumPy's bundled OpenBLAS, a plain SIMD loop: on AMD EPYC (the VM
+  this was first built on) ``rep movsb`` ran 3-4x slower when the *source* lay in 4 KiB
+  pages, the normal case for a shared-memory segment; ``dcopy`` reached 6.5 GB/s for 256 KiB
+  reads out of a mapping where memmove made 1.6-2.5.
+
+Selection (``BACKEND`` says which and why): ``KVMESH_COPY=memmove`` or ``KVMESH_COPY=dcopy``
+forces one; otherwise ``dcopy`` on AMD and Hygon CPUs (``vendor_id`` in ``/proc/cpuinfo``),
+``memmove`` elsewhere. ``dcopy`` is used only after a bit-exact check at import (NaN payloads
+included), for 8-byte aligned blocks of at least ``_MIN_BLAS`` bytes. No kernel with
+non-temporal stores is reachable without compiling (none of the bundled libraries exports
+one: docs/transfer.md), so scattered pages copy through the cache either way.
 """
 
 from __future__ import annotations
@@ -27,9 +32,35 @@ memmove = ctypes.memmove
 _MIN_BLAS = 2048  # below this glibc does not use rep movsb anyway and call overhead dominates
 
 
-def _find_dcopy() -> tuple[Callable[..., None] | None, str]:
-    if os.environ.get("KVMESH_COPY", "").lower() == "memmove":
-        return None, "memmove (KVMESH_COPY)"
+_SIMD_VENDORS = ("AuthenticAMD", "HygonGenuine")  # slow rep movsb from 4 KiB-page sources
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of the first CPU in ``/proc/cpuinfo`` ('' when unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def choose_kernel(env: str, vendor: str) -> tuple[str, str]:
+    """``(kernel, reason)``: the kernel for ``KVMESH_COPY=env`` on a CPU of ``vendor``."""
+    env = env.strip().lower()
+    if env in ("memmove", "dcopy"):
+        return env, "KVMESH_COPY"
+    if env not in ("", "auto"):
+        raise ValueError(f"KVMESH_COPY={env!r}: expected memmove, dcopy or auto")
+    if vendor in _SIMD_VENDORS:
+        return "dcopy", f"{vendor}: rep movsb is slow from 4 KiB pages"
+    return "memmove", f"{vendor or 'unknown CPU'}: rep movsb"
+
+
+def find_dcopy() -> tuple[Callable[..., None] | None, str]:
+    """NumPy's bundled OpenBLAS ``dcopy`` once it copied bit-exact, and its library name."""
     libdir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
     candidates = [
         ("libscipy_openblas64_*.so*", "scipy_cblas_dcopy64_", ctypes.c_int64),
@@ -47,8 +78,8 @@ def _find_dcopy() -> tuple[Callable[..., None] | None, str]:
             fn.restype = None
             fn.argtypes = [int_t, ctypes.c_void_p, int_t, ctypes.c_void_p, int_t]
             if _exact(fn):
-                return fn, f"openblas dcopy ({os.path.basename(path)})"
-    return None, "memmove"
+                return fn, os.path.basename(path)
+    return None, "no bit-exact OpenBLAS dcopy found"
 
 
 def _exact(fn: Callable[..., None]) -> bool:
@@ -65,7 +96,17 @@ def _exact(fn: Callable[..., None]) -> bool:
     return bool((src == dst).all())
 
 
-_dcopy, BACKEND = _find_dcopy()
+def _select() -> tuple[Callable[..., None] | None, str]:
+    kernel, why = choose_kernel(os.environ.get("KVMESH_COPY", ""), cpu_vendor())
+    if kernel == "memmove":
+        return None, f"memmove ({why})"
+    fn, lib = find_dcopy()
+    if fn is None:
+        return None, f"memmove ({lib})"
+    return fn, f"openblas dcopy ({lib}; {why})"
+
+
+_dcopy, BACKEND = _select()
 
 
 def copy(dst: int, src: int, n: int) -> None:

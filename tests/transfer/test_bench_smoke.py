@@ -81,3 +81,19 @@ def test_bench_quick_tiny(tmp_path):
     assert set(idle) == {"peer engine", "this process"}, idle
     assert 0 <= idle["peer engine"] < 12 and 0 <= idle["this process"] < 12, idle
     assert data["targets"] and all("met" in t for t in data["targets"])
+
+
+def test_copy_kernels_bench_quick_tiny(tmp_path):
+    from kvmesh.transfer import fastcopy
+
+    proc, data = run_bench("copy_kernels", ["--quick", "--pool-mib", "8"], tmp_path, timeout=120)
+    assert "fastcopy selects" in proc.stdout and data["backend"] == fastcopy.BACKEND
+    kernels = {r["transport"] for r in data["records"]}
+    assert "memmove" in kernels and ("dcopy" in kernels) is (fastcopy.find_dcopy()[0] is not None)
+    assert {(r["case"], r["page_bytes"]) for r in data["records"]} == {
+        ("scattered pages", 128 << 10),
+        ("scattered pages", 512 << 10),
+        ("contiguous", 4 << 20),
+    }
+    assert all(r["gbps"] > 0 and r["ratio_memcpy"] > 0 for r in data["records"])
+    assert sum(r["selected"] for r in data["records"]) == 3  # one kernel per case

@@ -21,6 +21,7 @@ from kvmesh.transfer import (
     SegmentNotFound,
     TensorMismatch,
     TransferEngine,
+    TransferError,
     TransportKind,
     get_engine,
     init_engine,
@@ -487,3 +488,120 @@ def test_same_process_gpu_memory_goes_through_cuda(make_engine, monkeypatch):
 
     with pytest.raises(TransportUnavailable):  # no CUDA: GPU memory is out of reach
         other.read(h2, 0, other.open_segment(eng.address, "gpu"), 0, 16)
+
+
+def _by_address_pairs(owner, client, pairs: int, size: int, seed: int):
+    """``pairs`` source regions in ``client`` and destination segments in ``owner``."""
+    rng = np.random.default_rng(seed)
+    src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(pairs)]
+    dst = [np.zeros(size, np.uint8) for _ in range(pairs)]
+    srcs = [client.register(x) for x in src]
+    dsts = [owner.register(x, name=f"d{seed}-{i}") for i, x in enumerate(dst)]
+    # Two scattered blocks per pair, the second before the first on the destination side.
+    half = size // 4
+    local = [p for x in src for p in (x.ctypes.data, x.ctypes.data + 2 * half)]
+    remote = [p for x in dst for p in (x.ctypes.data + 3 * half, x.ctypes.data + half)]
+    return src, dst, srcs, dsts, local, remote, [half] * len(local)
+
+
+def _idle(*objs) -> bool:
+    return all(o._users == 0 for o in objs)
+
+
+def test_by_address_groups_run_in_the_caller_without_a_batch(make_engine, monkeypatch):
+    # issue 9: a PD call of many region pairs ran through Batch (status array, one Task and
+    # one lock round per group) and cost ~1 ms for 1,024 blocks in 64 pairs. Below the inline
+    # rule it now runs as the lean path does, one job per pair, with every guarantee kept.
+    import kvmesh.transfer.engine as engine_mod
+
+    owner, client = make_engine(), make_engine()
+    src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 8, 64 << 10, 5)
+
+    def no_batch(*a, **k):
+        raise AssertionError("a small multi-region sync call must not build a Batch")
+
+    monkeypatch.setattr(engine_mod, "Batch", no_batch)
+    before = client.info()["batches"]
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    q = (64 << 10) // 4
+    for s, d in zip(src, dst):
+        assert (d[3 * q :] == s[:q]).all() and (d[q : 2 * q] == s[2 * q : 3 * q]).all()
+        assert not d[:q].any() and not d[2 * q : 3 * q].any()
+    assert res.state is BatchState.DONE and res.failed == 0
+    assert res.requests == 16 and res.nbytes == sum(lens)
+    assert res.transports == [TransportKind.LOCAL]
+    assert client.info()["batches"] == before + 1
+    handles = [h for rs in client._remote.values() for h in rs._routes.values()]
+    assert len(handles) == 8 and _idle(*srcs, *handles)
+    client.unregister(srcs[3], timeout=1.0)  # nothing pins it: returns at once
+
+
+def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_engine, monkeypatch):
+    owner, client = make_engine(), make_engine()
+    src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 4, 64 << 10, 6)
+    client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)  # opens the routes
+    for d in dst:
+        d[:] = 0
+    handles = {rs.name: h for rs in client._remote.values() for h in rs._routes.values()}
+    # The last pair's route closes under the call: refused with nothing copied anywhere.
+    handles["d6-3"].close()
+    with pytest.raises(SegmentNotFound):
+        client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert not any(d.any() for d in dst)
+    assert _idle(*srcs, *handles.values())
+    # A transport failing on the second job: the call fails as a whole, the rest never runs,
+    # and every region and route it held is let go.
+    client._remote.clear()  # forget the closed route: new handles
+    local_t = client.transport(TransportKind.LOCAL)
+    real, calls = local_t.execute, []
+
+    def flaky(job):
+        calls.append(job.remote.name)
+        if len(calls) == 2:
+            raise RuntimeError("injected copy failure")
+        real(job)
+
+    monkeypatch.setattr(local_t, "execute", flaky)
+    with pytest.raises(TransferError, match="injected copy failure"):
+        client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert len(calls) == 2
+    handles = [h for rs in client._remote.values() for h in rs._routes.values()]
+    assert _idle(*srcs, *handles)
+    for r in srcs:
+        client.unregister(r, timeout=1.0)
+
+
+def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monkeypatch):
+    # SGLang sends a request's pages block by block; blocks adjacent in both the local and the
+    # peer memory (of one region pair) go to the transport as one run, merged once per call.
+    owner, client = make_engine(), make_engine()
+    rng = np.random.default_rng(8)
+    src = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(2)]
+    dst = [np.zeros(64 << 10, np.uint8) for _ in range(2)]
+    for x in src:
+        client.register(x)
+    for i, x in enumerate(dst):
+        owner.register(x, name=f"m{i}")
+    k = 4096
+    local, remote = [], []
+    for s, d in zip(src, dst):
+        s0, d0 = s.ctypes.data, d.ctypes.data
+        # blocks 0,1,2 adjacent on both sides; 3 adjacent locally only; 5 then 4 (reversed)
+        local += [s0, s0 + k, s0 + 2 * k, s0 + 3 * k, s0 + 5 * k, s0 + 4 * k]
+        remote += [d0, d0 + k, d0 + 2 * k, d0 + 8 * k, d0 + 10 * k, d0 + 9 * k]
+    local_t = client.transport(TransportKind.LOCAL)
+    real, jobs = local_t.execute, []
+
+    def spy(job):
+        jobs.append((job.lengths.tolist(), job.coalesced()[2].tolist()))
+        real(job)
+
+    monkeypatch.setattr(local_t, "execute", spy)
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, [k] * len(local))
+    assert res.requests == 12 and res.nbytes == 12 * k
+    assert sorted(jobs) == [([3 * k, k, k, k], [3 * k, k, k, k])] * 2
+    for s, d in zip(src, dst):
+        assert (d[: 3 * k] == s[: 3 * k]).all() and (d[8 * k : 9 * k] == s[3 * k : 4 * k]).all()
+        assert (d[10 * k : 11 * k] == s[5 * k : 6 * k]).all()
+        assert (d[9 * k : 10 * k] == s[4 * k : 5 * k]).all()
+        assert not d[3 * k : 8 * k].any() and not d[11 * k :].any()

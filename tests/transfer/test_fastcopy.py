@@ -59,13 +59,55 @@ def test_long_copies_call_check_and_can_abort():
     assert 0 < int(dst.sum()) < dst.size  # stopped part-way, not before or after
 
 
-def test_backend_can_be_forced_to_memmove():
+def _backend(env: str) -> str:
     out = subprocess.run(
         [sys.executable, "-c", "from kvmesh.transfer import fastcopy; print(fastcopy.BACKEND)"],
-        env={**os.environ, "KVMESH_COPY": "memmove"},
+        env={**os.environ, "KVMESH_COPY": env},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.stdout.strip().startswith("memmove")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_backend_can_be_forced_either_way():
+    assert _backend("memmove").startswith("memmove (KVMESH_COPY)")
+    forced = _backend("dcopy")
+    found, _ = fastcopy.find_dcopy()
+    assert forced.startswith("openblas dcopy" if found is not None else "memmove")
     assert fastcopy.BACKEND  # whichever backend this process found, it passed the exactness check
+
+
+def test_kernel_selection_rule():
+    # rep movsb (memmove) measured slow from 4 KiB-page sources on AMD only; on Intel it beat the
+    # SIMD loop (docs/transfer.md, "Copies: which kernel").
+    assert fastcopy.choose_kernel("", "GenuineIntel")[0] == "memmove"
+    assert fastcopy.choose_kernel("auto", "AuthenticAMD")[0] == "dcopy"
+    assert fastcopy.choose_kernel("", "HygonGenuine")[0] == "dcopy"
+    assert fastcopy.choose_kernel("", "")[0] == "memmove"
+    assert fastcopy.choose_kernel(" DCOPY ", "GenuineIntel") == ("dcopy", "KVMESH_COPY")
+    assert fastcopy.choose_kernel("memmove", "AuthenticAMD") == ("memmove", "KVMESH_COPY")
+    with pytest.raises(ValueError, match="KVMESH_COPY"):
+        fastcopy.choose_kernel("fast", "GenuineIntel")
+    # This process applied the rule to its own CPU.
+    kernel, _ = fastcopy.choose_kernel(os.environ.get("KVMESH_COPY", ""), fastcopy.cpu_vendor())
+    if kernel == "dcopy" and fastcopy.find_dcopy()[0] is not None:
+        assert fastcopy.BACKEND.startswith("openblas dcopy")
+    else:
+        assert fastcopy.BACKEND.startswith("memmove")
+
+
+def test_copy_ranges_exact_with_either_kernel(monkeypatch):
+    fn, _ = fastcopy.find_dcopy()
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 1 << 21, dtype=np.uint8)
+    page = 64 << 10
+    so = rng.permutation(32)[:20].astype(np.uint64) * np.uint64(page)
+    do = rng.permutation(32)[:20].astype(np.uint64) * np.uint64(page)
+    for kernel in (None, fn):
+        monkeypatch.setattr(fastcopy, "_dcopy", kernel)
+        dst = np.zeros(1 << 21, dtype=np.uint8)
+        fastcopy.copy_ranges(dst.ctypes.data, do, src.ctypes.data, so, np.full(20, page, np.uint64))
+        for s, d in zip(so.tolist(), do.tolist()):
+            assert (dst[d : d + page] == src[s : s + page]).all()

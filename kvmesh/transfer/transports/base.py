@@ -130,7 +130,10 @@ class TransferJob:
         nbytes: int,
         deadline: float,
         peer: PeerLiveness | None,
+        *,
+        coalesced: bool = False,
     ) -> None:
+        # coalesced: the caller merged adjacent requests already (no second pass per job).
         self.op = op
         self.local = local
         self.remote = remote
@@ -142,7 +145,9 @@ class TransferJob:
         self.deadline = deadline
         self.peer = peer
         self.cancelled = False
-        self._coalesced: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._coalesced: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (
+            (local_offsets, remote_offsets, lengths) if coalesced else None
+        )
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -1,6 +1,6 @@
 """Same-process transport: the remote segment is memory of this very process; copy it.
 
-Host to host uses the SIMD copy of :mod:`kvmesh.transfer.fastcopy`; as soon as either side is
+Host to host uses the copy kernel of :mod:`kvmesh.transfer.fastcopy`; as soon as either side is
 GPU memory the copy goes through CUDA (``cudaMemcpyAsync`` with unified addressing, via
 :mod:`kvmesh.transfer.cuda`), when CUDA is usable in this process.
 """
