@@ -10,7 +10,8 @@ messages and bound their work with this package; none keeps its own copy.
   (:func:`server_handshake`, :func:`client_handshake`) and asyncio (:func:`aserver_handshake`,
   :func:`aclient_handshake`) drivers under one absolute deadline.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
-  :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
+  :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio) with
+  :class:`ReadTimer` (one re-arming read deadline per connection).
 * :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
@@ -52,7 +53,7 @@ from .errors import (
     PeerClosed,
     clip,
 )
-from .framing import FrameDecoder, aread_frame, encode_frame, read_frame, send_frame
+from .framing import FrameDecoder, ReadTimer, aread_frame, encode_frame, read_frame, send_frame
 from .handshake import (
     DEFAULT_DEADLINE_S,
     PREAUTH_MAX_FRAME,
@@ -91,6 +92,7 @@ __all__ = [
     "InsecureBind",
     "NetError",
     "PeerClosed",
+    "ReadTimer",
     "SecurityConfig",
     "ServerHandshake",
     "Slot",

@@ -17,6 +17,7 @@ from kvmesh.net import (
     FrameDecoder,
     FrameTooLarge,
     PeerClosed,
+    ReadTimer,
     aread_frame,
     encode_frame,
     read_frame,
@@ -133,3 +134,124 @@ def test_aread_frame_body_deadline():
         assert await aread_frame(ok, 100, frame_timeout=0.2) == b"fine"
 
     asyncio.run(main())
+
+
+async def _timed_read(reader, timer, idle, frame_timeout):
+    """What a server's read loop does with a ReadTimer: (body or "expired", seconds)."""
+    t0 = time.monotonic()
+    timer.arm(idle)
+    try:
+        body = await aread_frame(reader, 1 << 20, frame_timeout=frame_timeout, timer=timer)
+    except asyncio.CancelledError:
+        if not timer.expired:
+            raise  # cancelled from outside
+        return "expired", time.monotonic() - t0
+    timer.disarm()
+    return body, time.monotonic() - t0
+
+
+def _in_task(coro_fn, period):
+    """Run ``coro_fn(timer)`` as a task owning a ReadTimer of ``period`` seconds."""
+
+    async def main():
+        async def body():
+            task = asyncio.current_task()
+            timer = ReadTimer(task, period)
+            try:
+                return await coro_fn(timer)
+            finally:
+                timer.close()
+
+        return await asyncio.create_task(body())
+
+    return asyncio.run(main())
+
+
+def test_read_timer_idle_deadline_cancels_only_the_read():
+    async def run(timer):
+        silent = asyncio.StreamReader()
+        return await _timed_read(silent, timer, 0.3, 5.0)
+
+    got, took = _in_task(run, 0.1)
+    assert got == "expired" and 0.25 <= took < 1.0
+
+
+async def _begun_after_idling(timer):
+    """A connection idle past one timer period under a long idle deadline, then a frame
+    that begins and stalls: it must end at frame_timeout (0.3 s) after it began."""
+    r = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.45, r.feed_data, struct.pack("<I", 1000) + b"x" * 10)
+    got, took = await _timed_read(r, timer, 30.0, 0.3)
+    return got, took - 0.45
+
+
+def test_read_timer_frame_deadline_is_the_earlier_one():
+    """A begun frame must end within frame_timeout even under a long idle deadline (also
+    after the timer already fired once during the idle wait), and an idle deadline shorter
+    than frame_timeout still holds once the prefix arrived."""
+    got, after = _in_task(_begun_after_idling, 0.3)
+    assert got == "expired" and 0.25 <= after < 1.0
+
+    async def idle_first(timer):
+        r = asyncio.StreamReader()
+        r.feed_data(struct.pack("<I", 1000) + b"x" * 10)
+        return await _timed_read(r, timer, 0.3, 30.0)
+
+    got, took = _in_task(idle_first, 0.3)
+    assert got == "expired" and 0.25 <= took < 1.2
+
+
+def test_read_timer_requests_in_time_are_served_and_never_cancelled_later():
+    async def run(timer):
+        r = asyncio.StreamReader()
+        bodies = []
+        for i in range(200):  # many reads, each well within its deadline
+            r.feed_data(encode_frame(b"req%d" % i))
+            got, _ = await _timed_read(r, timer, 0.2, 0.2)
+            bodies.append(got)
+        await asyncio.sleep(0.6)  # handling after a read (disarmed): never cancelled
+        late = asyncio.get_running_loop().call_later(0.05, r.feed_data, encode_frame(b"late"))
+        got, _ = await _timed_read(r, timer, 0.2, 0.2)
+        late.cancel()
+        return bodies, got, timer.expired
+
+    bodies, got, expired = _in_task(run, 0.1)
+    assert bodies == [b"req%d" % i for i in range(200)] and got == b"late" and not expired
+
+
+def test_read_timer_catches_a_timer_that_keeps_its_first_deadline(monkeypatch):
+    """Negative control: a timer that re-arms at the stored deadline only (not within its
+    period) lets a frame begun under a long idle deadline stall that long; the scenario of
+    the test above catches it."""
+
+    def fire_late(self):
+        self._handle = None
+        at = self._at
+        if at is None:
+            return
+        now = self._loop.time()
+        if now < at:
+            self._handle = self._loop.call_at(at, self._fire)  # the planted bug
+            return
+        self.expired = True
+        self._task.cancel()
+
+    monkeypatch.setattr(ReadTimer, "_fire", fire_late)
+
+    async def bounded(timer):
+        try:
+            return await asyncio.wait_for(_begun_after_idling(timer), 2.0)
+        except TimeoutError:
+            return "still waiting after 2 s", None
+
+    got, _ = _in_task(bounded, 0.3)
+    assert got == "still waiting after 2 s"
+
+
+def test_read_timer_refuses_a_bad_period():
+    async def run():
+        with pytest.raises(ValueError):
+            ReadTimer(asyncio.current_task(), 0.0)
+
+    asyncio.run(run())

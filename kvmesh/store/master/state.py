@@ -318,6 +318,22 @@ class StoreStateMachine:
             fast = self._lookup_simple(keys, max_bytes)
             if fast is not None:
                 return fast
+        elif len(keys) == 1 and (max_bytes is None or max_bytes > 0):
+            # A single get of one copy in one slice: the loop's answer without its set-up
+            # (the first key is always answered whatever its cost, as in the loop).
+            k = keys[0]
+            o = self.objects.get(k) if type(k) is str else None
+            lim = self.config.slice_limit
+            if o is not None and o.state == _C and len(o.layout) == 12 and o.size <= lim:
+                sid, off = SLICE.unpack(o.layout)
+                s = self.segs[sid]
+                return LookupTable(
+                    [0],
+                    [o.size],
+                    [o.version],
+                    [(s.name, s.node_id, s.endpoint)],
+                    np.array([(0, 0, 0, off, o.size)], np.int64),
+                )
         codes: list[int] = []
         sizes: list[int] = []
         versions: list[int] = []
