@@ -362,12 +362,20 @@ class StoreClient:
                 self._segments[key] = seg
         return seg
 
-    def _count(self, op: Op, res: Any) -> None:
-        key = f"{op.value}:{','.join(t.value for t in res.transports) or '-'}"
+    def _count(self, op: Op, res: Any) -> tuple[str, ...]:
+        """Count a finished engine batch in :attr:`stats`; returns its transports' names."""
+        kinds = tuple(res.transports)
+        names = _COUNT_KEYS.get((op, kinds))
+        if names is None:  # an enum's .value and the key's join cost more than the count
+            vals = tuple(t.value for t in kinds)
+            names = _COUNT_KEYS[(op, kinds)] = (f"{op.value}:{','.join(vals) or '-'}", *vals)
         with self._seg_lock:
-            st = self.stats.setdefault(key, [0, 0])
+            st = self.stats.get(names[0])
+            if st is None:
+                st = self.stats[names[0]] = [0, 0]
             st[0] += 1
             st[1] += int(res.nbytes)
+        return names[1:]
 
     def _forget_segment(self, endpoint: str, name: str) -> None:
         with self._seg_lock:
@@ -450,13 +458,16 @@ class StoreClient:
             x, y = int(reg[0]), int(seg[0])
             try:
                 res = self.engine.transfer(op, regions[x], lo, handles[y], ro, ln, timeout=deadline)
-                transports.update(t.value for t in res.transports)
-                self._count(op, res)
+                used = self._count(op, res)
             except (TransferError, OSError, ValueError) as e:
                 name, _node, ep = segs[y]
                 log.info("store: %s batch on %s failed: %s", op.value, name, e)
                 self._forget_segment(ep, name)
                 failed.append(owner)
+                return _owners(failed), []
+            if not failed and len(used) <= 1:  # one request or group, all moved
+                return _NO_OWNERS, list(used)
+            transports.update(used)
             return _owners(failed), sorted(transports)
         order = np.argsort(group, kind="stable")
         group, owner = group[order], owner[order]
@@ -483,8 +494,7 @@ class StoreClient:
                     transports.update(t)
                 return _owners(failed), sorted(transports)
             res = b.wait(raise_on_error=False)
-            transports.update(t.value for t in res.transports)
-            self._count(op, res)
+            transports.update(self._count(op, res))
             failed.append(owner[b.status() != 1])
         finally:
             b.free()
@@ -1380,9 +1390,15 @@ def _heads(v: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
 
 
+_NO_OWNERS = np.empty(0, np.int64)
+_NO_OWNERS.flags.writeable = False  # shared: callers only read it
+# (op, transport kinds of a batch) -> (stats key, transport names): a handful of entries
+_COUNT_KEYS: dict[tuple[Op, tuple[Any, ...]], tuple[str, ...]] = {}
+
+
 def _owners(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
-        return np.empty(0, np.int64)
+        return _NO_OWNERS
     return np.unique(np.concatenate(parts))
 
 
