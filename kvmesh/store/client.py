@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import sys
 import threading
 import time
@@ -1331,21 +1332,21 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     bad = E.InternalError("the master sent a malformed replica table")
     if len(resp.codes) != n or len(resp.sizes) != n or len(resp.rows) % (8 * ROW):
         raise bad
+    codes, sizes = resp.codes, resp.sizes
+    if n == 1 and len(resp.rows) == 8 * ROW:  # a single get: the checks below, on five ints
+        k, c, y, ro, ln = _ONE_ROW.unpack(resp.rows)
+        if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
+            raise bad
+        if ln <= 0 or ln != sizes[0]:
+            raise bad
+        return codes, sizes, np.array([(k, c, y, ro, ln)], np.int64)
     flat = array("q")  # int64 (checked at import)
     flat.frombytes(resp.rows)
     if sys.byteorder != "little":
         flat.byteswap()
-    codes, sizes = resp.codes, resp.sizes
     rows = np.frombuffer(flat, np.int64).reshape(-1, ROW)
     if not flat:
         if 0 in codes:
-            raise bad
-        return codes, sizes, rows
-    if len(flat) == ROW and n == 1:  # a single get: the checks below, on five ints
-        k, c, y, ro, ln = flat
-        if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
-            raise bad
-        if ln <= 0 or ln != sizes[0]:
             raise bad
         return codes, sizes, rows
     lo, hi = rows.min(0).tolist(), rows.max(0).tolist()
@@ -1390,6 +1391,7 @@ def _heads(v: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
 
 
+_ONE_ROW = struct.Struct(f"<{ROW}q")  # one little-endian table row
 _NO_OWNERS = np.empty(0, np.int64)
 _NO_OWNERS.flags.writeable = False  # shared: callers only read it
 # (op, transport kinds of a batch) -> (stats key, transport names): a handful of entries

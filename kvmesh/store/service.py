@@ -1231,6 +1231,8 @@ class _Replies:
             w.transport.abort()
 
     async def wait_writable(self) -> None:
+        if self.ready():  # the usual case: no lock, no coroutine, the same outcome
+            return
         async with self.lock:
             await self._drain()
 
