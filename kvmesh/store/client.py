@@ -412,6 +412,43 @@ class StoreClient:
         )  # fmt: skip
         return set(failed.tolist()), transports
 
+    def _open(self, seg: tuple[str, str, str]) -> Any:
+        """The engine's handle on segment ``(name, node id, endpoint)``; None (logged) when
+        it cannot be reached: its requests fail."""
+        name, _node, ep = seg
+        try:
+            return self._segment(ep, name)
+        except (TransferError, OSError, ValueError) as e:
+            log.info("store: segment %s at %s unreachable: %s", name, ep, e)
+            return None
+
+    def _transfer(
+        self,
+        op: Op,
+        region: MemoryRegion,
+        lo: Any,
+        handle: Any,
+        seg: tuple[str, str, str],
+        ro: Any,
+        ln: Any,
+        deadline: float,
+    ) -> tuple[str, ...] | None:
+        """One engine batch between ``region`` and the open segment ``seg``: int64 arrays of
+        offsets and lengths, or three ints for one request (a single get: no arrays). The
+        transports used, or None (logged, the segment forgotten) when it failed."""
+        try:
+            if type(ln) is int:
+                move = self.engine.read if op is Op.READ else self.engine.write
+                res = move(region, lo, handle, ro, ln, timeout=deadline)
+            else:
+                res = self.engine.transfer(op, region, lo, handle, ro, ln, timeout=deadline)
+            return self._count(op, res)
+        except (TransferError, OSError, ValueError) as e:
+            name, _node, ep = seg
+            log.info("store: %s batch on %s failed: %s", op.value, name, e)
+            self._forget_segment(ep, name)
+            return None
+
     def _move_arrays(
         self,
         op: Op,
@@ -433,12 +470,11 @@ class StoreClient:
         handles: dict[int, Any] = {}
         dead: list[int] = []
         for y in np.unique(seg).tolist() if len(seg) > 1 else seg.tolist():
-            name, _node, ep = segs[y]
-            try:
-                handles[y] = self._segment(ep, name)
-            except (TransferError, OSError, ValueError) as e:
-                log.info("store: segment %s at %s unreachable: %s", name, ep, e)
+            h = self._open(segs[y])
+            if h is None:
                 dead.append(y)
+            else:
+                handles[y] = h
         failed: list[np.ndarray] = []
         if dead:
             gone = np.isin(seg, dead)
@@ -457,13 +493,8 @@ class StoreClient:
         group = None if len(owner) == 1 else reg * len(segs) + seg
         if group is None or int(group.min()) == int(group.max()):
             x, y = int(reg[0]), int(seg[0])
-            try:
-                res = self.engine.transfer(op, regions[x], lo, handles[y], ro, ln, timeout=deadline)
-                used = self._count(op, res)
-            except (TransferError, OSError, ValueError) as e:
-                name, _node, ep = segs[y]
-                log.info("store: %s batch on %s failed: %s", op.value, name, e)
-                self._forget_segment(ep, name)
+            used = self._transfer(op, regions[x], lo, handles[y], segs[y], ro, ln, deadline)
+            if used is None:
                 failed.append(owner)
                 return _owners(failed), []
             if not failed and len(used) <= 1:  # one request or group, all moved
@@ -962,15 +993,17 @@ class StoreClient:
         else:
             region, at = bufs[i]
         _, _, y, ro, ln = looked.rows[0].tolist()
-        req = np.array([at, y, ro, ln], np.int64)  # one array, four views of one element
+        seg = looked.segs[y]
+        h = self._open(seg)
         # Never copy past the lease: after it the memory may belong to another object.
-        bad, t = self._move_arrays(
-            Op.READ, _ZERO, [region], _ZERO, req[0:1], looked.segs, req[1:2], req[2:3],
-            req[3:4], max(0.001, looked.lease_deadline - time.monotonic()),
-        )  # fmt: skip
+        used = None
+        if h is not None:
+            left = max(0.001, looked.lease_deadline - time.monotonic())
+            used = self._transfer(Op.READ, region, at, h, seg, ro, ln, left)
+        t = [] if used is None else list(used)
         if time.monotonic() > looked.lease_deadline:
             out[i] = _lease_expired(keys[i])
-        elif len(bad):
+        elif used is None:
             out[i] = _read_failed(keys[i])
         else:
             out[i] = size
@@ -1283,7 +1316,6 @@ def _split(pieces: list[tuple], slices: Any) -> list[tuple]:
 
 _NO_ROWS = np.empty((0, ROW), np.int64)
 assert array("q").itemsize == 8
-_ZERO = np.zeros(1, np.int64)
 
 
 def _refusal(key: Any, code: int, size: int, cap: int) -> E.StoreError:
