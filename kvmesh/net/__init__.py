@@ -10,8 +10,7 @@ messages and bound their work with this package; none keeps its own copy.
   (:func:`server_handshake`, :func:`client_handshake`) and asyncio (:func:`aserver_handshake`,
   :func:`aclient_handshake`) drivers under one absolute deadline.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
-  :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio) with
-  :class:`ReadTimer` (one re-arming read deadline per connection).
+  :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
 * :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
@@ -53,7 +52,7 @@ from .errors import (
     PeerClosed,
     clip,
 )
-from .framing import FrameDecoder, ReadTimer, aread_frame, encode_frame, read_frame, send_frame
+from .framing import FrameDecoder, aread_frame, encode_frame, read_frame, send_frame
 from .handshake import (
     DEFAULT_DEADLINE_S,
     PREAUTH_MAX_FRAME,
@@ -92,7 +91,6 @@ __all__ = [
     "InsecureBind",
     "NetError",
     "PeerClosed",
-    "ReadTimer",
     "SecurityConfig",
     "ServerHandshake",
     "Slot",

@@ -16,10 +16,7 @@ and below it buffers still grow only as bytes arrive (at most doubling what has 
   side of a round trip on a quiet VM). Between polls it yields the CPU (``sched_yield``),
   so a peer waiting for the same CPU runs at once instead of after the budget.
 * :func:`aread_frame` is the asyncio driver (bound it with ``asyncio.wait_for``; its
-  ``frame_timeout`` bounds the body of a frame once its length prefix arrived). A server
-  reading many small requests per connection bounds them with one :class:`ReadTimer` per
-  connection instead: an ``asyncio.timeout`` per frame costs ~7 us under uvloop (a timer
-  created and cancelled), the timer's deadlines cost a float each.
+  ``frame_timeout`` bounds the body of a frame once its length prefix arrived).
 """
 
 from __future__ import annotations
@@ -251,91 +248,19 @@ def send_frame(sock: socket.socket, frame: bytes, deadline: Deadline | None = No
         raise
 
 
-class ReadTimer:
-    """The read deadline of one connection, served by one timer that re-arms itself.
-
-    ``arm(seconds)`` before awaiting a read, ``disarm()`` after it; :func:`aread_frame` with
-    ``timer=`` brings the deadline forward to its ``frame_timeout`` once a length prefix
-    arrived (``shorten``: the earlier of the two deadlines holds).
-    When a deadline passes during a read, the timer cancels ``task`` (:attr:`expired` is
-    then True): the task's read raises ``CancelledError``. Setting a deadline only stores a
-    float; the timer fires at least every ``period`` seconds (the shortest deadline ever set
-    must be at least that), checks the current deadline and re-arms, so a deadline set
-    after the timer was armed is still kept to within the timer's own step. ``close()``
-    when the connection ends.
-    """
-
-    __slots__ = ("_at", "_handle", "_loop", "_task", "expired", "period")
-
-    def __init__(self, task: asyncio.Task, period: float) -> None:
-        if not period > 0.0:
-            raise ValueError(f"period must be positive, got {period!r}")
-        self._loop = task.get_loop()
-        self._task = task
-        self.period = period
-        self._at: float | None = None  # loop time of the deadline; None: no read under way
-        self._handle: asyncio.TimerHandle | None = None
-        self.expired = False
-
-    def arm(self, seconds: float) -> None:
-        """The read starting now must end within ``seconds`` (at least ``period``)."""
-        self._at = self._loop.time() + seconds
-        if self._handle is None:
-            self._handle = self._loop.call_at(
-                self._loop.time() + min(seconds, self.period), self._fire
-            )
-
-    def shorten(self, seconds: float) -> None:
-        """The read under way must also end within ``seconds`` (at least ``period``) from now."""
-        at = self._loop.time() + seconds
-        if self._at is None or at < self._at:
-            self._at = at
-
-    def disarm(self) -> None:
-        self._at = None
-
-    def _fire(self) -> None:
-        self._handle = None
-        at = self._at
-        if at is None:
-            return  # no read under way: the next arm() starts the timer again
-        now = self._loop.time()
-        if now < at:
-            self._handle = self._loop.call_at(min(at, now + self.period), self._fire)
-            return
-        self.expired = True
-        self._task.cancel()
-
-    def close(self) -> None:
-        self._at = None
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 async def aread_frame(
-    reader: asyncio.StreamReader,
-    max_frame: int,
-    *,
-    frame_timeout: float | None = None,
-    timer: ReadTimer | None = None,
+    reader: asyncio.StreamReader, max_frame: int, *, frame_timeout: float | None = None
 ) -> bytes:
     """Read one frame from an asyncio stream (wrap in ``asyncio.wait_for`` for a deadline
     on the whole wait). ``frame_timeout``: once the length prefix has arrived, the body must
     arrive within this many seconds (else :class:`DeadlineExceeded`), so a server may wait
     long for a peer's next request but not for the rest of one it began -- a peer that
-    stops in the middle of a large frame would otherwise hold what it sent that long.
-    ``timer``: the connection's :class:`ReadTimer`, armed by the caller for the wait; the
-    body's ``frame_timeout`` then shortens its deadline (expiry cancels the reading task)
-    instead of a timer per frame."""
+    stops in the middle of a large frame would otherwise hold what it sent that long."""
     try:
         head = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(head)
         if size > max_frame:
             raise _too_large(size, max_frame)
-        if timer is not None and frame_timeout is not None:
-            timer.shorten(frame_timeout)
-            return await _abody(reader, size)
         if frame_timeout is None:
             return await _abody(reader, size)
         try:
