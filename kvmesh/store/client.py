@@ -43,7 +43,15 @@ from . import errors as E
 from . import protocol as P
 from .node import StorageNode
 from .rpc import MasterClient
-from .types import ROW, ObjectReplica, ReplicateConfig, bad_parts, key_error, keys_valid
+from .types import (
+    MAX_OBJECT_SIZE,
+    ROW,
+    ObjectReplica,
+    ReplicateConfig,
+    bad_parts,
+    key_error,
+    keys_valid,
+)
 
 __all__ = ["BatchResults", "Removed", "StoreClient"]
 
@@ -573,12 +581,16 @@ class StoreClient:
             return []
         versions = resp.versions
         copies = resp.copies()
+        malformed = _malformed_copies(resp.codes, copies, resp.run, psizes)
         reqs = []
         started: list[int] = []
         for j, i in enumerate(part):
             code = resp.codes[j]
             if code != 0:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
+                continue
+            if malformed and j in malformed:
+                out[i] = E.InternalError(f"the master's copies of {keys[i]!r} are malformed")
                 continue
             started.append(j)
             for rep in copies[j] or []:
@@ -608,7 +620,7 @@ class StoreClient:
             okeys = [pkeys[j] for j in ok]
             overs = [versions[j] for j in ok]
             r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
-            if type(r2) is P.CodesResp:
+            if type(r2) is P.CodesResp and len(r2.codes) == len(ok):
                 for j, code in zip(ok, r2.codes):
                     out[part[j]] = (
                         None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
@@ -1183,7 +1195,7 @@ class StoreClient:
             part = idx[start : start + MAX_KEYS_PER_RPC]
             pk = [ks[i] for i in part]
             resp = self.rpc.call(lambda rid, pk=pk: P.GetSizeReq(rid, pk))
-            if type(resp) is P.SizesResp:
+            if type(resp) is P.SizesResp and len(resp.codes) == len(resp.sizes) == len(pk):
                 for i, c, s in zip(part, resp.codes, resp.sizes):
                     out[i] = s if c == 0 else E.error_for(c, f"get_size of {ks[i]!r}")
             else:
@@ -1201,7 +1213,7 @@ class StoreClient:
         for part in _rpc_parts(idx, ks):
             pk = [ks[i] for i in part]
             resp = self.rpc.mutate(lambda rid, s, pk=pk: P.RemoveReq(rid, s, pk, force))
-            if type(resp) is P.CodesResp:
+            if type(resp) is P.CodesResp and len(resp.codes) == len(pk):
                 for i, c in zip(part, resp.codes):
                     out[i] = None if c == 0 else E.error_for(c, f"remove of {ks[i]!r}")
             else:
@@ -1217,18 +1229,30 @@ class StoreClient:
             raise _whole_error(resp)
         return resp.count
 
-    def remove_prefix(self, prefix: str, *, force: bool = False) -> Removed:
+    def remove_prefix(
+        self, prefix: str, *, force: bool = False, timeout: float | None = None
+    ) -> Removed:
         """Remove every object whose key starts with ``prefix`` (a non-empty valid key
         prefix: literal, no patterns); returns how many, an ``int`` whose ``skipped`` says
         how many matching objects were left because a reader holds a lease on them (or a
         put of the key was in flight). With ``force`` leased ones go too (readers holding a
         lease may get LeaseExpired), as in :meth:`remove`. The master removes at most its
-        batch limit per round (one log entry each); this call sends rounds until done."""
+        batch limit per round (one log entry each); this call sends rounds until done, or
+        until ``timeout`` seconds (default: 20 x the client's ``timeout``) have passed, then
+        raises :class:`StoreTimeout` (rounds already committed stay done): a master that
+        keeps answering ``more`` cannot hold the caller forever."""
         why = key_error(prefix)
         if why is not None:
             raise E.InvalidKey(f"prefix: {why}")
         removed = idle = 0
+        limit = 20 * self.rpc.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
+            if time.monotonic() > deadline:
+                raise E.StoreTimeout(
+                    f"remove_prefix({prefix!r}) not done after {limit:g} s "
+                    f"({removed} removed so far)"
+                )
             resp = self.rpc.mutate(lambda rid, s: P.RemovePrefixReq(rid, s, prefix, force))
             if type(resp) is not P.RemovePrefixResp:
                 raise _whole_error(resp)
@@ -1278,6 +1302,29 @@ class StoreClient:
             return into
         self.get_into(key, into.data_ptr(), 0, nbytes)
         return into
+
+
+def _malformed_copies(codes: list[int], copies: list[Any], run: Any, sizes: list[int]) -> set[int]:
+    """Keys of a put answer (part indices) answered 0 without a copy, or with a copy whose
+    slices are not positive or do not add up to the object's size: a broken or forged
+    answer. Written as told, a longer copy reads past the key's bytes in the caller's memory
+    and sends them to the named segment; a missing one reports a put that wrote nothing."""
+    if run is not None and run.lengths == sizes and min(run.where, default=0) >= 0:
+        return set()  # the usual batch: one slice per key, each exactly its size
+    bad = set()
+    for j, (code, reps, size) in enumerate(zip(codes, copies, sizes)):
+        if code != 0:
+            continue
+        if not reps:
+            bad.add(j)
+        for r in reps or ():
+            sl = r.slices
+            if len(sl) == 1:  # the usual copy (sizes are positive: checked before PutStart)
+                if sl[0].length != size:
+                    bad.add(j)
+            elif not sl or sum(x.length for x in sl) != size or min(x.length for x in sl) <= 0:
+                bad.add(j)
+    return bad
 
 
 def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:
@@ -1380,20 +1427,24 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     if not flat:
         if 0 in codes:
             raise bad
-        return codes, sizes, rows
+        return _int64(codes, bad), _int64(sizes, bad), rows
     lo, hi = rows.min(0).tolist(), rows.max(0).tolist()
     if (
         lo[0] < 0
         or hi[0] >= n
         or lo[1] < 0
+        or hi[1] >= len(rows)  # copies are numbered 0, 1, ... (and k * copies fits int64)
         or lo[2] < 0
         or hi[2] >= len(resp.segments)
         or lo[3] < 0
         or lo[4] <= 0
+        # Slices of at most an object's size: their sum per copy (checked against the size
+        # below) cannot wrap int64 (2**40 bytes x fewer than 2**23 rows in any reply).
+        or hi[4] > MAX_OBJECT_SIZE
     ):
         raise bad
-    codes = np.asarray(codes, np.int64)
-    sizes = np.asarray(sizes, np.int64)
+    codes = _int64(codes, bad)
+    sizes = _int64(sizes, bad)
     found_mask = codes == 0
     k, c, ln = rows[:, 0], rows[:, 1], rows[:, 4]
     if hi[1] == 0 and len(k) == int(np.count_nonzero(found_mask)):
@@ -1416,6 +1467,15 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     if (gc != nth).any() or (np.add.reduceat(ln, heads) != sizes[gk]).any():
         raise bad  # copies numbered 0, 1, ... per key, each exactly the object's size
     return codes, sizes, rows
+
+
+def _int64(values: list[int], bad: E.StoreError) -> np.ndarray:
+    """A reply's list of ints as int64, or ``bad``: msgpack ints reach 2**64 - 1, and an
+    OverflowError must not escape a read as if it were the caller's bug."""
+    try:
+        return np.asarray(values, np.int64)
+    except OverflowError:
+        raise bad from None
 
 
 def _heads(v: np.ndarray) -> np.ndarray:

@@ -37,6 +37,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
@@ -237,6 +238,13 @@ _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 _SCAN_SLICE = 4096  # keys a remove by prefix scans between yields to the event loop
 _ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
+# Remove-by-prefix scans queued or running on a master (one per connection at a time); past
+# it a round is answered busy (retryable) at once: each scan costs the whole table.
+MAX_SCANS = 16
+
+
+class _Busy(E.StoreUnavailable):
+    """A bounded queue of this master is full: the request did nothing, retry it."""
 
 
 _NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
@@ -312,6 +320,7 @@ class MasterService:
         # One remove-by-prefix scan at a time: each holds a copy of the whole key list, so
         # concurrent requests (up to max_connections x max_inflight) would multiply it.
         self._scan_lock = asyncio.Lock()
+        self._scans = 0  # queued or running (MAX_SCANS)
         # session -> authenticated peer id (leader soft state; the oldest bindings are
         # forgotten past _MAX_OWNERS and re-bound on next use)
         self._owners: OrderedDict[int, str] = OrderedDict()
@@ -657,7 +666,16 @@ class MasterService:
         # A GetReplicas reply is the one large reply (up to max_reply_bytes): one at a time
         # per connection, from the lookup until it is handed to the socket, so a peer that
         # pipelines them makes us hold one, not max_inflight of them.
-        big = out.big if type(req) is P.GetReplicasReq else contextlib.nullcontext()
+        # Likewise a connection's remove-by-prefix rounds run one at a time: it holds one
+        # place in the master's scan queue (MAX_SCANS), however many it pipelines.
+        t = type(req)
+        big = (
+            out.big
+            if t is P.GetReplicasReq
+            else out.scan
+            if t is P.RemovePrefixReq
+            else contextlib.nullcontext()
+        )
         async with big:
             await self._handle_one(req, out, peer)
 
@@ -676,6 +694,8 @@ class MasterService:
             raise exc
         except NotLeaderError as e:
             return P.Redirect(req.rid, e.leader_id or 0, e.leader_addr or "")
+        except _Busy as e:
+            return P.ErrorResp(req.rid, e.code, str(e), retry=True)
         except (TimeoutError, ProposalTimeout, ReadTimeout) as e:
             return P.ErrorResp(
                 req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
@@ -723,19 +743,21 @@ class MasterService:
         # a broken or hostile peer and is refused whole, before any work.
         t = type(req)
         fields = _checked_fields(t)
-        if t is P.ExistsPartsReq:
+        parts = t is P.ExistsPartsReq
+        if parts:
             # Checked by parts (types.bad_parts), never expanded before the count is known.
-            n = P.request_key_count(req)
+            # The suffixes count on their own too: with no keys the product is 0, yet
+            # bad_parts would still check every suffix (Python work per part of the frame).
+            n = max(P.request_key_count(req), len(req.suffixes))
             keys: list[Any] = []
-            why = bad_parts(req.prefix, req.keys, req.suffixes)
         else:
             keys = req.keys if "keys" in fields else []
             n = len(keys)
-            why = None
         if n > self.cfg.max_batch_keys:
             raise E.InvalidParams(
                 f"{n} keys in one request; the limit is {self.cfg.max_batch_keys}"
             )
+        why = bad_parts(req.prefix, req.keys, req.suffixes) if parts else None
         if keys:
             why = bad_key(keys)
         if why is not None:
@@ -1127,7 +1149,7 @@ class MasterService:
         found: list[str] = []
         skipped = 0
         more = False
-        async with self._scan_lock:
+        async with self._scan_turn():
             table = self.sm.key_list()
             for lo in range(0, len(table), _SCAN_SLICE):
                 if lo:
@@ -1158,6 +1180,18 @@ class MasterService:
             raise E.InvalidParams("a retried remove_prefix was another request the first time")
         self.stats.forget(k for k in cmd.keys if self.sm.state_of(k) == State.GONE)
         return P.RemovePrefixResp(req.rid, int(res.removed), int(res.skipped), bool(res.more))
+
+    @contextlib.asynccontextmanager
+    async def _scan_turn(self) -> AsyncIterator[None]:
+        """The scan lock, for at most MAX_SCANS requests queued or scanning at once."""
+        if self._scans >= MAX_SCANS:
+            raise _Busy(f"busy: {self._scans} remove-by-prefix scans queued; retry")
+        self._scans += 1
+        try:
+            async with self._scan_lock:
+                yield
+        finally:
+            self._scans -= 1
 
     # ------------------------------------------------------------------------- status
 
@@ -1210,13 +1244,14 @@ class _Replies:
     then the connection is aborted), so a peer that stops reading holds at most that much
     of our memory plus the reply being written."""
 
-    __slots__ = ("big", "lock", "timeout", "writer")
+    __slots__ = ("big", "lock", "scan", "timeout", "writer")
 
     def __init__(self, writer: asyncio.StreamWriter, timeout: float) -> None:
         self.writer = writer
         self.timeout = timeout
         self.lock = asyncio.Lock()
         self.big = asyncio.Lock()
+        self.scan = asyncio.Lock()
 
     async def _drain(self) -> None:
         w = self.writer

@@ -330,3 +330,47 @@ def test_sglang_pd_loop_with_shm_pools_moves_every_byte_over_shm(tmp_path, monke
             loop.stop(decode)
     finally:
         loop.stop(prefill)
+
+
+def test_shm_decode_killed_mid_transfer_fails_the_sender_and_spares_it(prefill):
+    """The decode process of a same-host (shm) pool killed while the prefill writes its pool
+    in a loop: the sender never crashes or hangs (its mapping of the file outlives the
+    owner, so a write in flight lands in orphaned pages), fails with E_PEER_DEAD within a
+    bound, and never succeeds again after its first failure. Measured: writes stopped
+    succeeding 50 ms after the SIGKILL."""
+    import signal
+    import threading
+    import time
+
+    mgr, pool, _ = prefill
+    argv = [sys.executable, "-m", "bench._pd", *geometry_argv(**GEOM, memory="shm")]
+    child = Child(argv, timeout=60, cwd=str(ROOT))
+    sid, src, dst = child.info["session_id"], pool.kv_data_ptrs, child.info["kv_data_ptrs"]
+    lens = [pool.item_len * GEOM["pages"]] * len(src)
+    rcs: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            rcs.append((time.monotonic(), mgr.engine.batch_transfer_sync(sid, src, dst, lens)))
+
+    th = threading.Thread(target=loop)
+    try:
+        th.start()
+        time.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(10)
+        time.sleep(2.0)
+        stop.set()
+        th.join(30)
+        assert not th.is_alive(), "the sender hung on a dead peer's pool"
+    finally:
+        stop.set()
+        child.close()
+    before = [rc for t, rc in rcs if t < killed]
+    after = [(t - killed, rc) for t, rc in rcs if t > killed]
+    assert before and set(before) == {0}  # the loop moved bytes over shm before the kill
+    failed = [t for t, rc in after if rc != 0]
+    assert failed and failed[0] < 1.5, after[-3:]
+    assert {rc for t, rc in after if t >= failed[0]} == {kpd.E_PEER_DEAD}

@@ -238,3 +238,23 @@ def test_a_client_cannot_use_another_clients_session(master):
     )
     s.close()
     _still_serves(cl, client, "session")  # the victim's session still works
+
+
+def test_exists_by_parts_counts_suffixes_even_without_keys(master):
+    """Per-request work is capped on the parts, not only on their product: with no keys the
+    product is 0, yet every suffix would be checked one by one in Python (work per byte of
+    the frame, on the master's event loop). Refused by count like as many keys; a request
+    whose product is past the limit is refused before any part is checked."""
+    cl, client = master
+    s = _authed(cl)
+    many = [""] * 100_000
+    for rid, req in (
+        (30, P.ExistsPartsReq(30, "p", [], many)),  # product 0: was answered codes=[]
+        (31, P.ExistsPartsReq(31, "p", ["k"], [*many, "\0"])),  # a bad part past the limit
+    ):
+        s.sendall(framing.encode_frame(P.encode(req)))
+        r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(10.0)))
+        assert type(r) is P.ErrorResp and r.rid == rid, (rid, r)
+        assert r.code == E.InvalidParams.code and "limit" in r.message, (rid, r)
+    s.close()
+    _still_serves(cl, client, "parts-count")

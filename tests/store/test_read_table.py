@@ -110,6 +110,12 @@ def test_client_accepts_a_well_formed_table():
         ([0], [10], [(3, 0, 0, 0, 10)]),  # key index out of range
         ([0], [0], [(0, 0, 0, 0, 0)]),  # empty slice
         ([0, 0], [10], []),  # sizes shorter than codes
+        # int64 sums that wrap to the size (4 x 2**62 + 10): slices longer than any object
+        ([0], [10], [(0, 0, 0, 0, 1 << 62)] * 3 + [(0, 0, 0, 0, (1 << 62) + 10)]),
+        ([0, 0], [1 << 63, 10], [(0, 0, 0, 0, 10), (1, 0, 0, 0, 10)]),  # size beyond int64
+        ([-704, -704], [(1 << 64) - 1, 0], []),  # ints beyond int64 in a table of misses
+        ([(1 << 64) - 1], [0], []),
+        ([0, 0], [10, 10], [(0, 0, 0, 0, 10), (1, (1 << 63) - 1, 0, 0, 10)]),  # copy 2**63-1
     ],
 )
 def test_client_refuses_a_malformed_table(codes, sizes, rows):
@@ -147,3 +153,62 @@ def test_get_replicas_answers_blocked_keys_not_found_in_both_forms():
             assert all(resp.replicas[i] is None for i in bad) and resp.replicas[0]
     later = time.monotonic() + 1  # within the 5 s ttl of the grants above
     assert not svc.leases.leased("k3", later) and svc.leases.leased("k4", later)
+
+
+def _consistent(codes, sizes, rows) -> str | None:
+    """Why an accepted table breaks what readers rely on, or None: rows only for found
+    keys, in key then copy order, copies numbered 0.. per key, each copy's slices adding
+    up to the object's size, segment indexes in range, offsets >= 0, lengths > 0."""
+    copies: dict[int, dict[int, int]] = {}
+    last = (-1, -1)
+    for k, c, y, ro, ln in rows:
+        if not (0 <= k < len(codes) and codes[k] == 0 and y == 0 and ro >= 0 and ln > 0):
+            return f"row {(k, c, y, ro, ln)}"
+        if (k, c) < last:
+            return "order"
+        last = (k, c)
+        copies.setdefault(k, {})
+        copies[k][c] = copies[k].get(c, 0) + ln
+    for k, code in enumerate(codes):
+        if code == 0:
+            got = copies.get(k, {})
+            if not got or sorted(got) != list(range(len(got))):
+                return f"copies of key {k}: {sorted(got)}"
+            if any(total != sizes[k] for total in got.values()):
+                return f"key {k}: copy sizes {got} vs {sizes[k]}"
+    return None
+
+
+def test_random_tables_are_refused_or_consistent():
+    """A seeded fuzz of forged tables (edge values: +-2**63, 2**62 sums that wrap, huge copy
+    indexes): every table is refused with InternalError or is consistent; nothing else is
+    raised (an OverflowError used to escape a read)."""
+    import random
+
+    rng = random.Random(7)
+    edge = [0, 1, 2, 10, -1, 1 << 62, (1 << 62) + 1, (1 << 63) - 1, -(1 << 63), 1 << 40]
+    accepted = 0
+    for _ in range(20_000):
+        n = rng.randint(1, 3)
+        codes = [0 if rng.random() < 0.8 else -704 for _ in range(n)]
+        sizes = [rng.choice([10, 20, 1 << 40]) if c == 0 else 0 for c in codes]
+        rows = [
+            [
+                rng.randint(0, n - 1) if rng.random() < 0.8 else rng.choice(edge),
+                rng.randint(0, 2) if rng.random() < 0.8 else rng.choice(edge),
+                0 if rng.random() < 0.9 else rng.choice(edge),
+                rng.randint(0, 100),
+                rng.choice([5, 10, 15, 20, 1 << 40]) if rng.random() < 0.8 else rng.choice(edge),
+            ]
+            for _ in range(rng.randint(1, 5))
+        ]
+        if rng.random() < 0.7:
+            rows.sort(key=lambda r: (r[0], r[1]))
+        try:
+            _table(_resp(codes, sizes, rows), n)
+        except E.InternalError:
+            continue
+        accepted += 1
+        why = _consistent(codes, sizes, rows)
+        assert why is None, (why, codes, sizes, rows)
+    assert accepted > 20  # the fuzz reaches the acceptance path, not only refusals
