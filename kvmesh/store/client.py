@@ -711,6 +711,9 @@ class StoreClient:
             raise E.InvalidParams(
                 f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
             )
+        flat = self._flat_pieces(buffers, sizes)
+        if flat is not None:
+            return flat
         where = self._resolver()
         bufs: list[Any] = []
         totals: list[int] = []
@@ -722,6 +725,38 @@ class StoreClient:
                 bufs.append(e)
                 totals.append(0)
         return bufs, totals
+
+    def _flat_pieces(
+        self, buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> tuple[list[Any], list[int]] | None:
+        """:meth:`_multi_pieces` when every buffer is a raw address inside registered memory
+        and every size a positive int (HiCache's layer_first pages: 32-64 ranges per object,
+        thousands per batch): one vectorised region lookup for the whole batch instead of one
+        per range. ``None``: some range is not of that kind (or not registered); the caller
+        then resolves range by range, which names the bad one per object."""
+        counts = list(map(len, buffers))
+        if 0 in counts or counts != list(map(len, sizes)):
+            return None
+        ptrs = [p for b in buffers for p in b]
+        lens = [z for x in sizes for z in x]
+        if set(map(type, ptrs)) != {int} or set(map(type, lens)) != {int}:
+            return None  # bools, buffer objects, regions: the general path
+        try:
+            p = np.array(ptrs, np.int64)
+            ln = np.array(lens, np.int64)
+        except OverflowError:
+            return None
+        if int(ln.min()) <= 0 or int(p.min()) < 0:
+            return None
+        try:
+            regs, ri, off = self.engine.find_regions(p.view(np.uint64), ln.view(np.uint64))
+        except (TransferError, LookupError):
+            return None
+        pieces = list(zip(map(regs.__getitem__, ri.tolist()), off.tolist(), lens))
+        ends = np.cumsum(counts).tolist()
+        starts = [0, *ends[:-1]]
+        totals = np.add.reduceat(ln, starts).tolist()
+        return [pieces[a:z] for a, z in zip(starts, ends)], totals
 
     def put_from_multi(
         self,
@@ -1187,6 +1222,47 @@ class StoreClient:
                 out[lo:hi] = [_whole_error(resp)] * (hi - lo)
         return BatchResults(out)
 
+    def count_leading(
+        self, keys: Any, *, prefix: str = "", suffixes: Sequence[str] | None = None
+    ) -> int:
+        """The number of leading keys whose every name ``prefix + key + suffix`` is a
+        COMPLETE object (``suffixes`` defaults to ``[""]``): what :meth:`exists` by parts
+        answers, up to the first key with a missing name. The master counts (one int in the
+        reply; it stops at the first missing name). A name that is invalid, or a request the
+        master fails, counts as missing; when the first request fails its error is raised
+        (``StoreUnavailable`` when no master answers), as nothing was counted."""
+        ks = self._listify(keys)[0]
+        sufs = list(suffixes or [""])
+        m = len(sufs)
+        if m > MAX_KEYS_PER_RPC or bad_parts(prefix, ks, sufs) is not None:
+            # Name by name: an invalid name is an error result there, i.e. missing here.
+            flags = self.exists(P.parts_names(prefix, ks, sufs))
+            if (
+                flags
+                and isinstance(flags[0], E.StoreError)
+                and not isinstance(flags[0], E.InvalidKey)
+            ):
+                raise flags[0]  # the first name is not known: nothing was counted
+            return _leading(flags, m)
+        step = MAX_KEYS_PER_RPC // m
+        total = 0
+        for start in range(0, len(ks), step):
+            pk = ks[start : start + step]
+            resp = self.rpc.call(lambda rid, pk=pk: P.ExistsPartsReq(rid, prefix, pk, sufs, True))
+            t = type(resp)
+            if t is P.CountResp and type(resp.count) is int and 0 <= resp.count <= len(pk):
+                n = resp.count
+            elif t is P.CodesResp and len(resp.codes) == len(pk) * m:
+                n = _leading(resp.codes, m)  # a master without the count answers per name
+            elif start == 0:
+                raise _whole_error(resp)
+            else:
+                return total  # not known past here: missing
+            total += n
+            if n < len(pk):
+                break
+        return total
+
     def get_size(self, keys: Any) -> Any:
         ks, batch = self._listify(keys)
         out: list[Any] = [None] * len(ks)
@@ -1503,6 +1579,12 @@ def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
             raise E.InvalidParams(f"{n} keys but {len(vals)} {what}")
         return [None if v is None else int(v) for v in vals]
     return [None if value is None else int(value)] * n
+
+
+def _leading(flags: Sequence[Any], per: int) -> int:
+    """Leading groups of ``per`` adjacent flags that are all ``True`` (or 1)."""
+    ok = [f is True or (type(f) is int and f == 1) for f in flags]
+    return ok.index(False) // per if False in ok else len(ok) // per
 
 
 def _whole_error(resp: Any) -> E.StoreError:

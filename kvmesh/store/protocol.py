@@ -143,12 +143,18 @@ class ExistsPartsReq(msgspec.Struct, tag="exists_parts", array_like=True, frozen
     """:class:`ExistsReq` for the names ``prefix + key + suffix``, every key with every suffix
     (key-major: the codes of one key's suffixes are adjacent). Names that share their start
     and end (a HiCache page's K and V objects, of one model and rank) cost the bytes of
-    their middles only, on the wire and in the client and master key checks."""
+    their middles only, on the wire and in the client and master key checks.
+
+    ``leading``: reply :class:`CountResp` instead, the number of leading keys whose every
+    name is a COMPLETE object (HiCache's ``batch_exists``: one int, not a flag per name, and
+    the master stops at the first missing name). A master that predates the field ignores
+    it (a trailing array element) and answers :class:`CodesResp`; clients take both."""
 
     rid: int
     prefix: str
     keys: list[str]
     suffixes: list[str]
+    leading: bool = False
 
 
 class GetSizeReq(msgspec.Struct, tag="get_size", array_like=True, frozen=True):

@@ -817,6 +817,10 @@ class MasterService:
         if t is P.ExistsReq:
             return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
         if t is P.ExistsPartsReq:
+            if req.leading:
+                return P.CountResp(
+                    req.rid, self.sm.exists_leading(req.prefix, req.keys, req.suffixes)
+                )
             return P.CodesResp(req.rid, self.sm.exists_codes(req.prefix, req.keys, req.suffixes))
         sizes = self.sm.get_size(req.keys)
         return P.SizesResp(req.rid, [min(0, s) for s in sizes], [max(s, 0) for s in sizes])

@@ -250,14 +250,118 @@ def _is_mha(pool: Any) -> bool:
     )
 
 
-def _plan(pool: Any, keys: Sequence[str], host_indices: Any, obj: _Names, mha: bool) -> _Plan:
-    """Object names and addresses for ``keys`` whose slots are ``host_indices`` in ``pool``."""
-    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+# Host pools whose get_page_buffer_meta is, per page, ``base[j] + first_slot * stride[j]``
+# with fixed sizes (the SGLang code of both versions, sglang-interfaces.md §4): class name ->
+# layouts. Anything else (subclasses, split-KV and DCP layouts, sidecar pools) asks SGLang.
+_AFFINE = {
+    "MHATokenToKVPoolHost": ("layer_first", "page_first", "page_first_direct", "page_head"),
+    "MLATokenToKVPoolHost": ("layer_first", "page_first", "page_first_direct"),
+}
+
+
+class _PageTable:
+    """``pool.get_page_buffer_meta`` as a table, measured once per pool (at registration):
+    page ``i``'s pointers are ``base + first_slot[i] * stride`` and its sizes ``sizes``.
+    A batch's addresses are then one numpy expression instead of SGLang's Python loop over
+    pages x layers (layer_first: 64 pointers per MHA page). Used only for the pool classes
+    and layouts of :data:`_AFFINE`, and only when SGLang's own answers for probe pages
+    across the pool (one at a time and together in one call) equal the table's exactly."""
+
+    __slots__ = ("base", "stride", "sizes")
+
+    def __init__(self, base: Any, stride: Any, sizes: list[int]) -> None:
+        self.base, self.stride, self.sizes = base, stride, sizes
+
+    @staticmethod
+    def measure(pool: Any, page_size: int) -> _PageTable | None:
+        import numpy as np
+        import torch
+
+        layouts = _AFFINE.get(type(pool).__name__, ())
+        if getattr(pool, "layout", None) not in layouts or getattr(pool, "dcp_size", 1) > 1:
+            return None
+        try:
+            if int(pool.page_size) != page_size:
+                return None
+            pages = int(pool.size) // page_size
+            if pages < 2:
+                return None
+
+            def meta(starts: list[int]) -> tuple[list[int], list[int]]:
+                idx = torch.tensor(
+                    [p * page_size + j for p in starts for j in range(page_size)],
+                    dtype=torch.int64,
+                )
+                ptrs, sizes = pool.get_page_buffer_meta(idx)
+                return [int(x) for x in ptrs], [int(x) for x in sizes]
+
+            p0, s0 = meta([0])
+            p1, s1 = meta([1])
+            if not p0 or len(p0) != len(s0) or p1 is None or s1 != s0:
+                return None
+            base = np.array(p0, np.int64)
+            step = np.array(p1, np.int64) - base
+            if (step % page_size).any():
+                return None
+            table = _PageTable(base, step // page_size, s0)
+            probes = sorted({0, 1, 2 % pages, pages // 2, pages - 1})
+            mixed = [pages - 1, 0, pages // 2, 1]
+            for starts in [[p] for p in probes] + [mixed]:
+                ptrs, sizes = meta(starts)
+                want, _ = table.meta([p * page_size for p in starts])
+                if ptrs != want.reshape(-1).tolist() or sizes != s0 * len(starts):
+                    return None
+            return table
+        except Exception:  # noqa: BLE001 - not measurable: SGLang's meta is asked instead
+            return None
+
+    def meta(self, first: Any) -> tuple[Any, list[int]]:
+        """Pointers ``[page, j]`` (int64) for the pages starting at slots ``first``."""
+        import numpy as np
+
+        f = np.asarray(first, dtype=np.int64).reshape(-1, 1)
+        return self.base + f * self.stride, self.sizes
+
+
+def _plan(
+    pool: Any,
+    keys: Sequence[str],
+    host_indices: Any,
+    obj: _Names,
+    mha: bool,
+    table: _PageTable | None = None,
+    page_size: int = 0,
+) -> _Plan:
+    """Object names and addresses for ``keys`` whose slots are ``host_indices`` in ``pool``
+    (from ``table`` when the pool has one: the same numbers as SGLang's meta)."""
     n = len(keys)
+    comps = ("k", "v") if mha else ("kv",)
+    if table is not None and n and len(host_indices) == n * page_size:
+        names = obj.names(keys, comps)
+        first = host_indices[::page_size]
+        if hasattr(first, "numpy"):
+            first = first.cpu().numpy()
+        grid, sz = table.meta(first)  # [page, buffer]
+        per = grid.shape[1]
+        if per == len(comps):  # one range per object, in name order
+            return _Plan(names, grid.reshape(-1).tolist(), sz * n, sz * n, False, len(comps))
+        if per % len(comps) == 0:
+            step = len(comps)
+            # [page, buffer] -> [page, comp, range]: MHA K takes the even buffers, V the odd.
+            objs = grid.reshape(n, per // step, step).transpose(0, 2, 1).reshape(n * step, -1)
+            osz = [sz[c::step] for c in range(step)]
+            return _Plan(
+                names,
+                objs.tolist(),
+                osz * n,
+                [sum(x) for x in osz] * n,
+                True,
+                step,
+            )
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     if n == 0 or len(ptrs) % n or len(ptrs) != len(sizes):
         raise ValueError(f"{len(ptrs)} page buffers for {n} keys")
     per = len(ptrs) // n
-    comps = ("k", "v") if mha else ("kv",)
     if mha and per % 2:
         raise ValueError(f"MHA page meta with {per} buffers per page (expected K/V pairs)")
     names = obj.names(keys, comps)
@@ -439,6 +543,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._closed = False
         self._down_until = 0.0
         self._shards: _Shards | None = None
+        self._parts: tuple[str, list[str]] | None = None  # batch_exists name parts
+        # id(pool) -> (pool, its page table or None): measured once per pool; the pool is
+        # held so that its id cannot name another pool later.
+        self._tables: dict[int, tuple[Any, _PageTable | None]] = {}
         self._mha = not bool(getattr(storage_config, "is_mla_model", False))
         given = kwargs.get("client") if isinstance(kwargs, dict) else None
         self._own_client = given is None
@@ -512,6 +620,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         bufs = list(get()) if get is not None else []
         return bufs or [getattr(pool, "kv_buffer", None)]
 
+    def _table(self, pool: Any) -> tuple[_PageTable | None, int]:
+        """``pool``'s page table (None: SGLang's meta is asked per call) and page size."""
+        ps = self._page_size(pool)
+        hit = self._tables.get(id(pool))
+        if hit is None or hit[0] is not pool:
+            # Idempotent: two threads measuring at once store equal tables.
+            hit = self._tables[id(pool)] = (pool, _PageTable.measure(pool, ps))
+        return hit[1], ps
+
     def _page_size(self, pool: Any) -> int:
         cfg = self.storage_config
         if pool is self.mem_pool_host and getattr(cfg, "dcp_size", 1) > 1:
@@ -531,11 +648,13 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             self._page_size(pool),
         )
         self._mha = not bool(getattr(self.storage_config, "is_mla_model", False))
+        self._parts = None
         if getattr(pool, "kv_buffer", None) is None:
             return  # a logical anchor (DeepSeek-V4): the sidecar pools carry the bytes
         # Registered once: afterwards every page moves straight between this memory and
         # the store's segments.
         self._register(self._buffers(pool))
+        self._table(pool)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -644,7 +763,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return [True] * len(keys), 0, None  # logical anchor: no KV bytes of its own
         self._check_indices(keys, host_indices, self._page_size(pool))
         t0 = time.perf_counter()
-        plan = _plan(pool, keys, host_indices, self._obj(), self._mha)
+        plan = _plan(pool, keys, host_indices, self._obj(), self._mha, *self._table(pool))
         ok = self._per_page(run(plan), plan.per_page)
         nbytes = sum(plan.totals) // len(keys) * sum(ok)
         return ok, nbytes, time.perf_counter() - t0
@@ -664,18 +783,24 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if not keys:
             return 0
         t0 = time.perf_counter()
-        comps = ("k", "v") if self._mha else ("kv",)
-        obj = self._obj()
         # The names are {pre}{key}{mid}{comp}: the store gets the parts (one prefix, the page
-        # keys, one suffix per component), not 2 x 256 full names.
-        sufs = [obj.mid + c for c in comps]
-        res = list(_whole(self.client.exists(keys, prefix=obj.pre, suffixes=sufs)))
-        if set(map(type, res)) != {bool}:  # an error for some object counts as missing
-            res = [r is True for r in res]
-        # Components of a page are adjacent: the first missing object ends the prefix.
-        n = res.index(False) // len(comps) if False in res else len(keys)
+        # keys, one suffix per component), not 2 x 256 full names, and the master answers
+        # the count itself (the first missing object ends the prefix; an object the store
+        # could not check counts as missing).
+        pre, sufs = self._exists_parts()
+        n = self.client.count_leading(keys, prefix=pre, suffixes=sufs)
         self._counters.add(exists_calls=1, exists_seconds=time.perf_counter() - t0)
         return n
+
+    def _exists_parts(self) -> tuple[str, list[str]]:
+        """``batch_exists``'s name parts: the prefix and one suffix per component (computed
+        once per registered pool)."""
+        parts = self._parts
+        if parts is None:
+            obj = self._obj()
+            comps = ("k", "v") if self._mha else ("kv",)
+            parts = self._parts = (obj.pre, [obj.mid + c for c in comps])
+        return parts
 
     # ------------------------------------------------------------------ generic (copying)
 
@@ -773,7 +898,8 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             # is TP-sharded whatever the attention is.
             shared = (not self._mha) and name != "mamba" and not mha
             tag = "" if name == "kv" else name
-            plans.append((name, _plan(pool, keys, t.host_indices, self._obj(tag, shared), mha)))
+            obj = self._obj(tag, shared)
+            plans.append((name, _plan(pool, keys, t.host_indices, obj, mha, *self._table(pool))))
         return plans
 
     @_guard(_v2_false)
@@ -900,6 +1026,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         # The engine is process-wide and outlives this backend: a registration left behind
         # would point at the host pool's memory after SGLang frees it (and overlap whatever
         # is allocated there next).
+        self._tables.clear()
         with self._reg_lock:
             regions, self._registered = list(self._registered.values()), {}
         for region in regions:

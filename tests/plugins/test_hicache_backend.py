@@ -188,6 +188,51 @@ def test_round_trip_every_layout_partial_prefix_write_once(cluster, kind, layout
         b.close()
 
 
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_page_table_gives_sglangs_own_addresses(kind, layout):
+    """The backend's page table (measured once per pool) plans exactly what SGLang's
+    ``get_page_buffer_meta`` gives for pages in any order anywhere in the pool; a pool it
+    does not know, or whose meta is not of the table's form, gets no table (SGLang's meta is
+    asked per call), and a table off by one slot is caught by the comparison."""
+    import random
+
+    from kvmesh_sglang import hicache as H
+
+    pool = build_pool(kind, layout, layers=3, device_tokens=512)
+    ps = pool.page_size
+    table = H._PageTable.measure(pool, ps)
+    assert table is not None
+    names = H._Names("ns/", "tp0of1")
+    pages = int(pool.size) // ps
+    rng = random.Random(5)
+    for n in (1, 3, 17):
+        starts = rng.sample(range(pages), n)
+        idx = torch.tensor([p * ps + j for p in starts for j in range(ps)], dtype=torch.int64)
+        keys = page_keys(n, "tbl")
+        want = H._plan(pool, keys, idx, names, kind == "mha")
+        assert H._plan(pool, keys, idx, names, kind == "mha", table, ps) == want
+        off = H._PageTable(table.base + table.stride, table.stride, table.sizes)
+        assert H._plan(pool, keys, idx, names, kind == "mha", off, ps) != want
+    # not of the table's form: another class, an unknown layout, a meta that is not affine
+    sub = type("OtherHostPool", (type(pool),), {})
+    pool.__class__ = sub
+    assert H._PageTable.measure(pool, ps) is None
+    pool.__class__ = sub.__mro__[1]
+    real = pool.get_page_buffer_meta
+
+    def bent(indices):
+        ptrs, sizes = real(indices)
+        last = (pages - 1) * ps
+        return [p + 64 * (int(indices[0]) == last) for p in ptrs], sizes
+
+    pool.get_page_buffer_meta = bent
+    assert H._PageTable.measure(pool, ps) is None
+    del pool.get_page_buffer_meta
+    assert H._PageTable.measure(pool, ps + 1) is None  # not the pool's page size
+    pool.layout = "page_first_kv_split"
+    assert H._PageTable.measure(pool, ps) is None
+
+
 def test_names_separate_namespaces_layouts_ranks_and_share_mla(cluster):
     keys = page_keys(3, "iso")
     a, pa = backend(cluster, "mha", "page_first", namespace="iso")

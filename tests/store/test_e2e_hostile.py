@@ -187,6 +187,8 @@ def test_forged_and_oversized_requests_get_errors_not_crashes(master):
         (21, P.ExistsPartsReq(21, "p" * 600, ["k"], ["s" * 600]), E.InvalidKey),
         (22, P.ExistsPartsReq(22, "p", ["k"], ["\0"]), E.InvalidKey),
         (23, P.ExistsPartsReq(23, "p", ["k"], []), E.InvalidKey),
+        (24, P.ExistsPartsReq(24, "p", ["k"] * 1000, ["s"] * 100, True), E.InvalidParams),
+        (25, P.ExistsPartsReq(25, "p", ["k"], ["\0"], True), E.InvalidKey),
     ):
         s.sendall(framing.encode_frame(P.encode(req)))
         r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5.0)))

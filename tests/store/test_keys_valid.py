@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvmesh.store import errors as E
 from kvmesh.store.types import MAX_KEY_BYTES, key_error, keys_valid
 
@@ -182,3 +184,88 @@ def test_exists_by_parts_answers_as_exists_by_name():
         assert c.put([f"p{k}/a" for k in many[::3]], [b"v"] * 1000).ok
         got = list(c.exists(many, prefix="p", suffixes=["/a", "/b"]))
         assert got == [(i % 3 == 0) and j == 0 for i in range(3000) for j in range(2)]
+
+
+def _leading_of(flags: list[Any], per: int) -> int:
+    ok = [f is True for f in flags]
+    return ok.index(False) // per if False in ok else len(ok) // per
+
+
+def test_count_leading_is_the_prefix_of_exists_by_parts():
+    """``count_leading`` (the master counts: ``ExistsPartsReq(leading=True)`` answered by one
+    int) equals the leading run of keys whose every name ``exists`` by parts reports, for
+    random holes at every position, one or two suffixes, across request splits, and when
+    a name is invalid (answered name by name: the invalid key ends the count)."""
+    from kvmesh.store.client import StoreClient
+
+    rng = random.Random(11)
+    with StoreClient(segment_size=1 << 20) as c:
+        keys = [f"c{i:04d}" for i in range(1200)]  # 2 suffixes: 2 requests of <= 1024 names
+        sufs = ["/r0/k", "/r0/v"]
+        names = [f"ns/c/{k}{s}" for k in keys for s in sufs]
+        holes = {rng.randrange(len(names)) for _ in range(40)} | {2 * 700 + 1, 2 * 1100}
+        there = [n for i, n in enumerate(names) if i not in holes]
+        assert c.put(there, [b"v"] * len(there)).ok
+        for _ in range(60):
+            lo = rng.randrange(len(keys))
+            ks = keys[lo : lo + rng.choice([1, 5, 300, 900, 1200])]
+            for sf in (sufs, sufs[1:]):
+                want = _leading_of(list(c.exists(ks, prefix="ns/c/", suffixes=sf)), len(sf))
+                assert c.count_leading(ks, prefix="ns/c/", suffixes=sf) == want
+        # a run past one request: the count continues into the second
+        full = [k for k in keys if not any(2 * keys.index(k) + j in holes for j in (0, 1))]
+        assert c.count_leading(full[:1100], prefix="ns/c/", suffixes=sufs) == 1100
+        assert c.count_leading([], prefix="ns/c/", suffixes=sufs) == 0
+        assert c.count_leading(["x"], prefix="nothing/") == 0
+        assert c.count_leading([f"ns/c/{keys[0]}/r0/k"]) == int(0 not in holes)
+        # an invalid key: asked name by name, the count stops there
+        ok3 = full[:3]
+        assert c.count_leading([*ok3, "bad\0", full[3]], prefix="ns/c/", suffixes=sufs) == 3
+
+
+def test_count_leading_takes_an_old_master_and_refuses_a_forged_count(monkeypatch):
+    """A master that predates ``leading`` ignores the field and answers a code per name: the
+    client counts them itself. A count that cannot be (negative, past the keys asked, not an
+    int) is an error, never a hit."""
+    from kvmesh.store import protocol as P
+    from kvmesh.store.client import StoreClient
+
+    with StoreClient(segment_size=1 << 20) as c:
+        keys = [f"o{i}" for i in range(10)]
+        assert c.put([f"p/{k}/a" for k in keys[:6]], [b"v"] * 6).ok
+        assert c.put([f"p/{k}/b" for k in keys[:4]], [b"v"] * 4).ok
+        assert c.count_leading(keys, prefix="p/", suffixes=["/a", "/b"]) == 4
+        real = c.rpc.call
+
+        def old_master(make: Any, *a: Any, **k: Any) -> Any:
+            def strip(rid: int) -> Any:
+                req = make(rid)
+                if type(req) is P.ExistsPartsReq:  # as an old master decodes it
+                    return P.ExistsPartsReq(rid, req.prefix, req.keys, req.suffixes)
+                return req
+
+            return real(strip, *a, **k)
+
+        monkeypatch.setattr(c.rpc, "call", old_master)
+        assert c.count_leading(keys, prefix="p/", suffixes=["/a", "/b"]) == 4
+        assert c.count_leading(keys, prefix="p/", suffixes=["/a"]) == 6
+        for forged in (-1, 11, True):
+            monkeypatch.setattr(c.rpc, "call", lambda make, *a, f=forged, **k: P.CountResp(1, f))
+            with pytest.raises(E.StoreError):
+                c.count_leading(keys, prefix="p/", suffixes=["/a"])
+
+
+def test_a_count_that_checks_one_suffix_only_is_caught(monkeypatch):
+    """Planted: the master counts a key when its first name exists (K without V)."""
+    from kvmesh.store.client import StoreClient
+    from kvmesh.store.master.state import StoreStateMachine
+
+    def planted(self: Any, prefix: str, keys: list[str], suffixes: list[str]) -> int:
+        codes = self.exists_codes(prefix, keys, suffixes[:1])
+        return codes.index(0) if 0 in codes else len(keys)
+
+    with StoreClient(segment_size=1 << 20) as c:
+        assert c.put(["q/a/k", "q/a/v", "q/b/k"], [b"v"] * 3).ok
+        assert c.count_leading(["a", "b"], prefix="q/", suffixes=["/k", "/v"]) == 1
+        monkeypatch.setattr(StoreStateMachine, "exists_leading", planted)
+        assert c.count_leading(["a", "b"], prefix="q/", suffixes=["/k", "/v"]) == 2

@@ -493,6 +493,27 @@ class StoreStateMachine:
             for s in suffixes
         ]
 
+    def exists_leading(self, prefix: str, keys: list[str], suffixes: list[str]) -> int:
+        """The number of leading keys whose every name ``prefix + key + suffix`` is a
+        COMPLETE object (:meth:`exists_codes` up to its first 0, divided by the suffixes).
+        Stops at the first missing name; one flat loop (no list of codes), the parts
+        checked by the service as for :meth:`exists_codes`."""
+        get = self.objects.get
+        c = _C
+        if len(suffixes) == 1:
+            s = suffixes[0]
+            for i, k in enumerate(keys):
+                o = get(f"{prefix}{k}{s}")
+                if o is None or o.state != c:
+                    return i
+            return len(keys)
+        for i, k in enumerate(keys):
+            for s in suffixes:
+                o = get(f"{prefix}{k}{s}")
+                if o is None or o.state != c:
+                    return i
+        return len(keys)
+
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
         objs = self.objects
