@@ -29,6 +29,7 @@ from bench._common import (
     Child,
     MiB,
     bench_args,
+    cpu_seconds,
     memcpy_gbps,
     peer_child,
     percentiles,
@@ -262,9 +263,20 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
         for th in ths:
             th.start()
         time.sleep(1.0)  # warm-up
+        # CPU of every process over the timed window (where a key's cost goes: leader,
+        # followers, this client), as fields of the row; nothing here changes the load.
+        leader = next((i for i, a in cl.addrs.items() if a == node_rpc.leader), None)
+        pids = {i: cl.procs[i].pid for i in cl.ids}
+        c0 = {i: cpu_seconds(p) for i, p in pids.items()}
+        me0 = cpu_seconds()
         k0, t0 = sum(done), time.perf_counter()
         time.sleep(seconds)
         k1, t1 = sum(done), time.perf_counter()
+        c1 = {i: cpu_seconds(p) for i, p in pids.items()}
+        me1 = cpu_seconds()
+        n = max(1, k1 - k0)
+        per_key = {i: (c1[i] - c0[i]) / n * 1e6 for i in pids}
+        followers = [v for i, v in per_key.items() if i != leader]
         stop.set()
         for th in ths:
             th.join(60)
@@ -281,6 +293,10 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
                 replicas=3,
                 fsync=True,
                 clients=threads,
+                cpu_us_per_key_leader=round(per_key.get(leader, 0.0), 2),
+                cpu_us_per_key_follower=round(sum(followers) / max(1, len(followers)), 2),
+                cpu_us_per_key_client=round((me1 - me0) / n * 1e6, 2),
+                cores_used=round((sum(c1[i] - c0[i] for i in pids) + me1 - me0) / (t1 - t0), 2),
             )
         )
     return rows

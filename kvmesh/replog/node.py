@@ -63,7 +63,7 @@ from .errors import (
 )
 from .net.protocol import SESSION_TOKEN_BYTES
 from .net.transport import Transport, TransportConfig
-from .readypath import SYNC, YIELD, ReadyPath
+from .readypath import SYNC, SYNC_BEGIN, YIELD, ReadyPath
 from .session import (
     Command,
     Expire,
@@ -252,6 +252,7 @@ class RaftNode:
         self.metrics = {
             "readies": 0,
             "fsyncs": 0,
+            "early_sends": 0,
             "entries_persisted": 0,
             "entries_applied": 0,
             "proposals": 0,
@@ -838,14 +839,22 @@ class RaftNode:
         self.metrics["entries_persisted"] += len(rd.entries_to_append)
         gen = path.run(rd)
         result: Any = None
+        syncing: asyncio.Future | None = None
         while True:
             try:
                 eff = gen.send(result)
             except StopIteration:
                 break
             result = None
-            if eff is SYNC:
-                await asyncio.to_thread(storage.sync)
+            if eff is SYNC_BEGIN:
+                # The fsync runs in a worker thread while the path applies on the loop.
+                syncing = asyncio.get_running_loop().run_in_executor(None, storage.sync)
+            elif eff is SYNC:
+                if syncing is None:
+                    await asyncio.to_thread(storage.sync)
+                else:
+                    await self._sync_wait(syncing)
+                    syncing = None
                 self.metrics["fsyncs"] += 1
             elif eff is YIELD:
                 await asyncio.sleep(0)
@@ -857,6 +866,25 @@ class RaftNode:
         ):
             self._snapshotting = True
             asyncio.get_running_loop().create_task(self._snapshot_task())
+
+    async def _sync_wait(self, fut: asyncio.Future) -> None:
+        """Wait for a Ready's fsync. A leader meanwhile sends what new work (proposals,
+        acknowledgements) made sendable at once (:meth:`RaftCore.take_send_now`): the
+        entries proposed during its fsync reach the followers now, not after it."""
+        core = self.core
+        assert core is not None and self.transport is not None
+        while not fut.done() and core.role == Role.LEADER:
+            self._wake.clear()  # the Ready loop re-checks has_ready() after this Ready
+            woke = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait((fut, woke), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woke.cancel()
+            msgs = core.take_send_now()
+            if msgs:
+                self.transport.send(msgs)
+                self.metrics["early_sends"] += 1
+        await fut
 
     # ReadyHost: what the shared path calls back.
 

@@ -10,12 +10,19 @@ effect and resumes the generator (``gen.send(result)``):
    in a worker thread under asyncio);
 2. ``storage.write(ready)`` writes snapshot marker, entries and hard state (page cache);
 3. ``send_now`` goes out (it promises nothing about local durability);
-4. :data:`SYNC`: one fsync for the whole batch, if ``write`` said one is needed - the driver
-   resumes only once it *completed* (group commit: messages keep being stepped meanwhile);
-5. ``send_after_persist`` goes out (votes, append acks: they promise durability);
-6. the state machine is restored from the snapshot, then committed entries are applied in
-   slices with :data:`YIELD` between them (other work runs in between);
-7. ``before_advance`` (soft state, read states), ``core.advance``, ``after_advance``.
+4. :data:`SYNC_BEGIN`: the fsync for the whole batch starts, if ``write`` said one is needed
+   (group commit); the driver resumes at once;
+5. committed entries are applied in slices with :data:`YIELD` between them (other work runs
+   in between) *while that fsync runs*: the core hands out only entries that are committed
+   and were durable locally before this Ready (``min(committed, persisted)``), so none of
+   them waits for this Ready's fsync. Waiting for it first cost every commit up to one more
+   fsync on a busy leader (the entries proposed meanwhile were in the same Ready);
+6. :data:`SYNC`: the driver resumes only once the fsync *completed* (messages keep being
+   stepped meanwhile);
+7. ``send_after_persist`` goes out (votes, append acks: they promise durability);
+8. a snapshot to install is restored into the state machine (such a Ready carries no
+   committed entries: the core hands none out while a snapshot is unstable);
+9. ``before_advance`` (soft state, read states), ``core.advance``, ``after_advance``.
 
 The path also keeps the *applied point*: the applied index and the configuration at that
 index, updated slice by slice as entries are applied (the core learns membership changes
@@ -37,7 +44,7 @@ from .core.raft import RaftCore, next_conf_state
 from .storage.memory import ReadyWriter
 from .types import ConfState, Entry, EntryKind, Ready, Snapshot, decode_conf_change
 
-__all__ = ["APPLY_SLICE", "SYNC", "YIELD", "Io", "ReadyHost", "ReadyPath"]
+__all__ = ["APPLY_SLICE", "SYNC", "SYNC_BEGIN", "YIELD", "Io", "ReadyHost", "ReadyPath"]
 
 APPLY_SLICE = 1000
 """Committed entries applied between two :data:`YIELD` effects."""
@@ -55,8 +62,12 @@ class _Effect:
         return self.name
 
 
+SYNC_BEGIN = _Effect("SYNC_BEGIN")
+"""Start making everything written so far durable (one fsync); resume at once."""
+
 SYNC = _Effect("SYNC")
-"""Make everything written so far durable (one fsync); resume when it has completed."""
+"""Resume once everything written so far is durable: the fsync started by
+:data:`SYNC_BEGIN` has completed (nothing is written to the log in between)."""
 
 YIELD = _Effect("YIELD")
 """Let other work run (messages, requests, timers), then resume."""
@@ -119,6 +130,13 @@ class ReadyPath:
         if rd.send_now:
             host.send(rd.send_now, False)
         if need_sync:
+            yield SYNC_BEGIN
+        ents = rd.committed_entries
+        if ents and snap is None:
+            # Durable locally and on a quorum already (see the module docstring, step 5).
+            yield from self._apply(ents)
+            ents = []
+        if need_sync:
             yield SYNC
         if rd.send_after_persist:
             host.send(rd.send_after_persist, True)
@@ -126,20 +144,8 @@ class ReadyPath:
             host.install(snap)
             self.applied = snap.meta.index
             self.applied_conf = snap.meta.conf_state
-        ents = rd.committed_entries
         if ents:
-            n = self.apply_slice
-            for lo in range(0, len(ents), n):
-                if lo:
-                    yield YIELD
-                part = ents[lo : lo + n]
-                host.apply(part)
-                conf = self.applied_conf
-                for e in part:
-                    if e.kind == _CONF:
-                        conf = next_conf_state(conf, decode_conf_change(e.data))
-                self.applied_conf = conf
-                self.applied = part[-1].index
+            yield from self._apply(ents)
         host.before_advance(rd)
         self.core.advance(rd)
         host.after_advance(rd)
@@ -147,3 +153,19 @@ class ReadyPath:
             doomed = storage.obsolete_snapshot_files()
             if doomed:
                 yield Io(storage.remove_snapshot_files, doomed)
+
+    def _apply(self, ents: list[Entry]) -> Generator[Any, Any, None]:
+        """Apply committed entries in slices, keeping the applied point."""
+        host = self.host
+        n = self.apply_slice
+        for lo in range(0, len(ents), n):
+            if lo:
+                yield YIELD
+            part = ents[lo : lo + n]
+            host.apply(part)
+            conf = self.applied_conf
+            for e in part:
+                if e.kind == _CONF:
+                    conf = next_conf_state(conf, decode_conf_change(e.data))
+            self.applied_conf = conf
+            self.applied = part[-1].index

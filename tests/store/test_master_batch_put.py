@@ -1,7 +1,8 @@
 """The batched PutStart (``StoreStateMachine._put_start_batch``) must give exactly the result
 of the per-key path: same codes, offsets, segments and allocator state, on fragmented
-segments, several segments and hosts, mixed sizes, existing and in-flight keys, and when
-space runs out. Each random history runs twice, once with the batch path switched off."""
+segments, several segments and hosts, mixed sizes, existing and in-flight keys (and PutEnds
+with repeated keys and stale versions), and when space runs out. Each random history runs
+twice, once with the batch path switched off."""
 
 from __future__ import annotations
 
@@ -47,7 +48,13 @@ def _history(seed: int) -> list[C.Command]:
             live.extend(keys)
         elif r < 0.75 and live:
             ks = rng.sample(live, min(len(live), rng.randint(1, 30)))
-            cmds.append(C.PutEnd(ks, [-1] * len(ks)))  # versions filled in at apply time
+            vs = [-1] * len(ks)  # versions filled in at apply time
+            if rng.random() < 0.15:  # a key twice
+                ks.append(ks[0])
+                vs.append(-1)
+            if rng.random() < 0.15:  # a stale version
+                vs[rng.randrange(len(vs))] = -2
+            cmds.append(C.PutEnd(ks, vs))
         elif r < 0.95 and live:
             ks = rng.sample(live, min(len(live), rng.randint(1, 30)))
             cmds.append(C.Remove(ks))
@@ -64,11 +71,15 @@ def _run(cmds: list[C.Command], batch: bool, monkeypatch: pytest.MonkeyPatch) ->
     try:
         for i, cmd in enumerate(cmds, 1):
             if type(cmd) is C.PutEnd:
-                cmd = C.PutEnd(cmd.keys, [sm.version_of(k) for k in cmd.keys])
+                cmd = C.PutEnd(
+                    cmd.keys,
+                    [sm.version_of(k) + (v == -2) for k, v in zip(cmd.keys, cmd.versions)],
+                )
             res = sm.apply(i, C.encode_command(cmd))
             # the batch path answers the compact form of the per-key path's answer
             out.append(res.expand() if type(res) is C.PutStartRun else res)
             out.append([sm.placement(k) for k in sorted(sm.objects)])
+            out.append((sm.complete, list(sm.processing)))
         out.append(sm.digest())
     finally:
         monkeypatch.undo()

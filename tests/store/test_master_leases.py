@@ -158,3 +158,24 @@ def test_plan_remove_prefix_follows_the_remove_rules() -> None:
     fresh = LeaseTable(start=0.0, grace=5.0)  # a new leader: everything leased for a while
     cmd, _ = plan_remove_prefix("p/", ["p/a"], 0, False, fresh, now=1.0)
     assert cmd.keys == [] and cmd.skipped == 1
+
+
+def test_access_stats_touch_matches_the_per_key_moves() -> None:
+    """The batch forms of ``touch`` (all new keys; some known) leave exactly the order of
+    the one-key-at-a-time moves."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        fast, slow = AccessStats(), AccessStats()
+        base = [f"k{i}" for i in rng.sample(range(60), rng.randint(0, 40))]
+        fast.reset(base)
+        slow.reset(base)
+        for _ in range(5):
+            batch = [f"k{i}" for i in rng.sample(range(80), rng.randint(1, 20))]
+            if rng.random() < 0.2:
+                batch.append(batch[0])  # a repeated key: the per-key loop
+            fast.touch(batch)
+            for k in batch:  # the reference: one move per key
+                slow.touch(iter([k]))
+            assert list(fast.oldest()) == list(slow.oldest())

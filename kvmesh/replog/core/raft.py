@@ -537,6 +537,20 @@ class RaftCore:
         self._outstanding = rd
         return rd
 
+    def take_send_now(self) -> list:
+        """Leader with a Ready outstanding: the messages that may go out before any fsync
+        (appends of entries proposed since that Ready, heartbeats), so that the driver
+        replicates new entries while the Ready's fsync runs instead of after it. The leader
+        counts its own copy toward commitment only once a later Ready persisted it (a leader
+        may write its log in parallel with replicating it: thesis §10.2.1). Empty otherwise
+        (without a Ready outstanding, :meth:`ready` hands these out)."""
+        if self._outstanding is None or self.role != LEADER:
+            return []
+        self._flush()
+        msgs = self.msgs_now
+        self.msgs_now = []
+        return msgs
+
     def advance(self, rd: Ready) -> None:
         """Everything in ``rd`` is durably persisted and applied."""
         if rd is not self._outstanding:

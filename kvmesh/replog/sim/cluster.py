@@ -24,7 +24,7 @@ import msgspec
 
 from ..core.raft import RaftCore
 from ..kvsm import KvCas, KvDelete, KvPut, encode_command
-from ..readypath import APPLY_SLICE, SYNC, YIELD, ReadyPath
+from ..readypath import APPLY_SLICE, SYNC, SYNC_BEGIN, YIELD, ReadyPath
 from ..session import Command, Register, SessionRejected, encode_envelope
 from ..storage.memory import MemoryStorage
 from ..types import (
@@ -234,6 +234,7 @@ class SimNode:
         )
         self.path = ReadyPath(self.core, self.disk, self, sim.cfg.apply_slice)
         self._gen = None  # the Ready being processed (a ReadyPath.run generator)
+        self.sync_state: str | None = None  # SYNC_BEGIN's fsync: running / waiting / done
         self._ss = None
         self.busy = False
         self.paused = False
@@ -385,6 +386,14 @@ class SimNode:
     def pump(self) -> None:
         sim = self.sim
         core = self.core
+        if self.sync_state == "waiting" and self.alive and not self.paused:
+            # The driver waits for its Ready's fsync: a leader sends what became sendable
+            # at once (node.RaftNode._sync_wait).
+            msgs = core.take_send_now()
+            if msgs:
+                # Its Appends carry the commit index: checked before anyone acts on it.
+                sim.inv.leader_commit(self.id, core, sim.durables)
+                self._send_all(msgs)
         while self.alive and not self.busy and not self.paused and core.has_ready():
             rd = core.ready()
             if rd.entries_to_append and core.role == Role.LEADER:
@@ -408,7 +417,7 @@ class SimNode:
                 self.busy = False
                 return
             result = None
-            if eff is SYNC:
+            if eff is SYNC_BEGIN:
                 if mode == "memory":
                     continue
                 mark = self.disk.fsync_mark()
@@ -417,6 +426,21 @@ class SimNode:
                     # Negative control: a driver that does not wait for its fsync.
                     sim.schedule(lat, self._fsync_only, self.incarnation, mark)
                     continue
+                # The fsync runs while the path goes on (applies); SYNC waits for it.
+                self.sync_state = "running"
+                sim.schedule(lat, self._fsync_begun_done, self.incarnation, mark)
+                continue
+            if eff is SYNC:
+                if mode == "memory" or mode == "ack_before_fsync":
+                    continue
+                if self.sync_state == "done":
+                    self.sync_state = None
+                    continue
+                if self.sync_state == "running":
+                    self.sync_state = "waiting"
+                    return
+                mark = self.disk.fsync_mark()
+                lat = sim.fsync_latency() * self.fsync_factor
                 sim.schedule(lat, self._fsync_done, self.incarnation, mark)
                 return
             if eff is YIELD:
@@ -438,6 +462,17 @@ class SimNode:
     def _fsync_only(self, inc: int, mark: int) -> None:
         if inc == self.incarnation:
             self.disk.fsync_complete(mark)
+
+    def _fsync_begun_done(self, inc: int, mark: int) -> None:
+        if inc != self.incarnation or not self.alive:
+            return
+        if self.sync_state == "running":
+            # The path has not reached SYNC yet (it is applying): it finds this at SYNC.
+            self.disk.fsync_complete(mark)
+            self.sync_state = "done"
+            return
+        self.sync_state = None
+        self._fsync_done(inc, mark)
 
     def _fsync_done(self, inc: int, mark: int) -> None:
         if inc != self.incarnation or not self.alive:
@@ -805,6 +840,7 @@ class Simulator:
         for i in voters:
             self.add_node(i, MemoryStorage.bootstrap(voters))
         self.nemesis = None
+        self.stall_until = 0.0  # end of the latest BUGGIFY disk stall (check_churn)
         self._ref_event_scheduled = False
         # node -> delay: InstallSnapshot messages to it arrive once more that much later
         # (the nemesis' stale-snapshot schedule).
@@ -839,6 +875,10 @@ class Simulator:
         lat = cfg.fsync_min + self.rng.random() * (cfg.fsync_max - cfg.fsync_min)
         if self.buggify and self.rng.random() < 0.01:
             lat *= 50  # BUGGIFY: one very slow fsync
+            # A disk stall longer than an election timeout is a fault like the nemesis's
+            # slow disk: a stalled leader sends no heartbeats, stalled followers no acks,
+            # so no stable window (check_churn) begins before it ends.
+            self.stall_until = max(self.stall_until, self.now + lat)
         return lat
 
     def log_event(self, kind: str, node: int, detail: str = "") -> None:
@@ -1033,7 +1073,7 @@ class Simulator:
             return
         if not self.cfg.internal_checks or self.stopping:
             return
-        if self.now > nem.stable_since + 2 * self.cfg.election_max_s:
+        if self.now > max(nem.stable_since, self.stall_until) + 2 * self.cfg.election_max_s:
             raise SimViolation(
                 "leader-churn",
                 f"node {node_id} became leader (term {self.nodes[node_id].core.term}) "

@@ -152,8 +152,15 @@ class AccessStats:
             return
         if type(keys) is list and len(set(keys)) == len(keys):
             # a batch of distinct keys: the same moves as the loop below, at C speed
+            young = dict.fromkeys(keys)
+            n = len(o)
+            o.update(young)
+            if len(o) - n == len(young):
+                # all new (a PutEnd of new keys, the common case): appended in order, which
+                # is where the moves put them; one hash-table pass over the big dict, not two
+                return
             deque(map(o.pop, keys, repeat(None)), maxlen=0)
-            o.update(dict.fromkeys(keys))
+            o.update(young)
             return
         for k in keys:
             o.pop(k, None)
