@@ -135,33 +135,41 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline | None)
 def _spin_recv_into(
     sock: socket.socket, view: memoryview, spin: float, deadline: Deadline | None
 ) -> int:
-    """Poll ``sock`` with non-blocking ``recv_into(view)`` for at most ``spin`` seconds (and
-    never past ``deadline``); the bytes received, 0 if none arrived in time. Each poll is one
-    syscall with the GIL released, so other threads run meanwhile; the socket's timeout is
-    restored before returning. TLS: a non-blocking read also returns bytes the TLS layer
-    already decrypted (``pending()``), and a record that is only partly in raises
-    ``SSLWantReadError`` like an empty socket."""
+    """Poll ``sock`` (already non-blocking) with ``recv_into(view)`` for at most ``spin``
+    seconds (and never past ``deadline``); the bytes received, 0 if none arrived in time.
+    Each poll is one syscall with the GIL released, so other threads run meanwhile. TLS: a
+    non-blocking read also returns bytes the TLS layer already decrypted (``pending()``),
+    and a record that is only partly in raises ``SSLWantReadError`` like an empty socket."""
     end = time.perf_counter() + spin
     if deadline is not None:
         end = min(end, time.perf_counter() + deadline.remaining())
-    timeout = sock.gettimeout()
-    sock.settimeout(0.0)
-    try:
-        while True:
-            try:
-                n = sock.recv_into(view)
-            except _WOULD_BLOCK:
-                if time.perf_counter() >= end:
-                    return 0
-                # Let a peer that shares our CPU (the server we wait for, on a small box)
-                # run now instead of when our budget ends; returns at once on an idle CPU.
-                _yield()
-                continue
-            if n == 0:
-                raise PeerClosed("peer closed the connection")
-            return n
-    finally:
-        sock.settimeout(timeout)
+    while True:
+        try:
+            n = sock.recv_into(view)
+        except _WOULD_BLOCK:
+            if time.perf_counter() >= end:
+                return 0
+            # Let a peer that shares our CPU (the server we wait for, on a small box)
+            # run now instead of when our budget ends; returns at once on an idle CPU.
+            _yield()
+            continue
+        if n == 0:
+            raise PeerClosed("peer closed the connection")
+        return n
+
+
+def _ready_into(sock: socket.socket, view: memoryview) -> int:
+    """Read what has arrived into ``view`` from a non-blocking ``sock``, never waiting."""
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except _WOULD_BLOCK:
+            break
+        if n == 0:
+            raise PeerClosed("peer closed the connection")
+        got += n
+    return got
 
 
 def read_frame(
@@ -177,13 +185,37 @@ def read_frame(
     frame, however slowly the peer trickles); without it the socket's own timeout applies.
     ``spin``: seconds to busy-poll for the frame's first bytes before blocking (0: block at
     once); it never extends the deadline, and the CPU it can burn per call is bounded by it.
+    Once the length prefix arrived while polling, the part of the body already here is read
+    in the same non-blocking mode (a small reply arrives whole: no second timeout switch
+    and ``poll``), and the socket's timeout is restored before any blocking read.
     Raises :class:`FrameTooLarge`, :class:`PeerClosed` (EOF), :class:`DeadlineExceeded`,
     ``TimeoutError`` (socket timeout, no deadline) or ``OSError``.
     """
     head = bytearray(HEADER.size)
     hv = memoryview(head)
+    body: bytearray | None = None
+    bv: memoryview | None = None
     if spin > 0.0:
-        hv = hv[_spin_recv_into(sock, hv, spin, deadline) :]
+        timeout = sock.gettimeout()
+        sock.settimeout(0.0)
+        try:
+            got = _spin_recv_into(sock, hv, spin, deadline)
+            hv = hv[got:]
+            if got and len(hv):  # a split length prefix: take what followed it
+                hv = hv[_ready_into(sock, hv) :]
+            if not len(hv):
+                (size,) = HEADER.unpack(head)
+                if size > max_frame:
+                    raise _too_large(size, max_frame)
+                if size <= CHUNK:
+                    body = bytearray(size)
+                    bv = memoryview(body)
+                    bv = bv[_ready_into(sock, bv) :]
+        finally:
+            sock.settimeout(timeout)
+    if body is not None and bv is not None:
+        _recv_into(sock, bv, deadline)  # returns at once when the body is all here
+        return body
     _recv_into(sock, hv, deadline)
     (size,) = HEADER.unpack(head)
     if size > max_frame:

@@ -70,7 +70,8 @@ class LeaderFinder:
     def candidates(self) -> list[str]:
         """One round's order: the leader (if known) first, the others shuffled."""
         order = list(self.addrs)
-        self._rng.shuffle(order)
+        if len(order) > 1:
+            self._rng.shuffle(order)
         lead = self.leader
         if lead is not None:
             # Also a leader outside ``addrs``: a redirect names it and it authenticates anyway.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import sys
 import threading
 import time
@@ -370,12 +371,20 @@ class StoreClient:
                 self._segments[key] = seg
         return seg
 
-    def _count(self, op: Op, res: Any) -> None:
-        key = f"{op.value}:{','.join(t.value for t in res.transports) or '-'}"
+    def _count(self, op: Op, res: Any) -> tuple[str, ...]:
+        """Count a finished engine batch in :attr:`stats`; returns its transports' names."""
+        kinds = tuple(res.transports)
+        names = _COUNT_KEYS.get((op, kinds))
+        if names is None:  # an enum's .value and the key's join cost more than the count
+            vals = tuple(t.value for t in kinds)
+            names = _COUNT_KEYS[(op, kinds)] = (f"{op.value}:{','.join(vals) or '-'}", *vals)
         with self._seg_lock:
-            st = self.stats.setdefault(key, [0, 0])
+            st = self.stats.get(names[0])
+            if st is None:
+                st = self.stats[names[0]] = [0, 0]
             st[0] += 1
             st[1] += int(res.nbytes)
+        return names[1:]
 
     def _forget_segment(self, endpoint: str, name: str) -> None:
         with self._seg_lock:
@@ -411,6 +420,43 @@ class StoreClient:
         )  # fmt: skip
         return set(failed.tolist()), transports
 
+    def _open(self, seg: tuple[str, str, str]) -> Any:
+        """The engine's handle on segment ``(name, node id, endpoint)``; None (logged) when
+        it cannot be reached: its requests fail."""
+        name, _node, ep = seg
+        try:
+            return self._segment(ep, name)
+        except (TransferError, OSError, ValueError) as e:
+            log.info("store: segment %s at %s unreachable: %s", name, ep, e)
+            return None
+
+    def _transfer(
+        self,
+        op: Op,
+        region: MemoryRegion,
+        lo: Any,
+        handle: Any,
+        seg: tuple[str, str, str],
+        ro: Any,
+        ln: Any,
+        deadline: float,
+    ) -> tuple[str, ...] | None:
+        """One engine batch between ``region`` and the open segment ``seg``: int64 arrays of
+        offsets and lengths, or three ints for one request (a single get: no arrays). The
+        transports used, or None (logged, the segment forgotten) when it failed."""
+        try:
+            if type(ln) is int:
+                move = self.engine.read if op is Op.READ else self.engine.write
+                res = move(region, lo, handle, ro, ln, timeout=deadline)
+            else:
+                res = self.engine.transfer(op, region, lo, handle, ro, ln, timeout=deadline)
+            return self._count(op, res)
+        except (TransferError, OSError, ValueError) as e:
+            name, _node, ep = seg
+            log.info("store: %s batch on %s failed: %s", op.value, name, e)
+            self._forget_segment(ep, name)
+            return None
+
     def _move_arrays(
         self,
         op: Op,
@@ -432,12 +478,11 @@ class StoreClient:
         handles: dict[int, Any] = {}
         dead: list[int] = []
         for y in np.unique(seg).tolist() if len(seg) > 1 else seg.tolist():
-            name, _node, ep = segs[y]
-            try:
-                handles[y] = self._segment(ep, name)
-            except (TransferError, OSError, ValueError) as e:
-                log.info("store: segment %s at %s unreachable: %s", name, ep, e)
+            h = self._open(segs[y])
+            if h is None:
                 dead.append(y)
+            else:
+                handles[y] = h
         failed: list[np.ndarray] = []
         if dead:
             gone = np.isin(seg, dead)
@@ -456,15 +501,13 @@ class StoreClient:
         group = None if len(owner) == 1 else reg * len(segs) + seg
         if group is None or int(group.min()) == int(group.max()):
             x, y = int(reg[0]), int(seg[0])
-            try:
-                res = self.engine.transfer(op, regions[x], lo, handles[y], ro, ln, timeout=deadline)
-                transports.update(t.value for t in res.transports)
-                self._count(op, res)
-            except (TransferError, OSError, ValueError) as e:
-                name, _node, ep = segs[y]
-                log.info("store: %s batch on %s failed: %s", op.value, name, e)
-                self._forget_segment(ep, name)
+            used = self._transfer(op, regions[x], lo, handles[y], segs[y], ro, ln, deadline)
+            if used is None:
                 failed.append(owner)
+                return _owners(failed), []
+            if not failed and len(used) <= 1:  # one request or group, all moved
+                return _NO_OWNERS, list(used)
+            transports.update(used)
             return _owners(failed), sorted(transports)
         order = np.argsort(group, kind="stable")
         group, owner = group[order], owner[order]
@@ -491,8 +534,7 @@ class StoreClient:
                     transports.update(t)
                 return _owners(failed), sorted(transports)
             res = b.wait(raise_on_error=False)
-            transports.update(t.value for t in res.transports)
-            self._count(op, res)
+            transports.update(self._count(op, res))
             failed.append(owner[b.status() != 1])
         finally:
             b.free()
@@ -998,15 +1040,17 @@ class StoreClient:
         else:
             region, at = bufs[i]
         _, _, y, ro, ln = looked.rows[0].tolist()
-        req = np.array([at, y, ro, ln], np.int64)  # one array, four views of one element
+        seg = looked.segs[y]
+        h = self._open(seg)
         # Never copy past the lease: after it the memory may belong to another object.
-        bad, t = self._move_arrays(
-            Op.READ, _ZERO, [region], _ZERO, req[0:1], looked.segs, req[1:2], req[2:3],
-            req[3:4], max(0.001, looked.lease_deadline - time.monotonic()),
-        )  # fmt: skip
+        used = None
+        if h is not None:
+            left = max(0.001, looked.lease_deadline - time.monotonic())
+            used = self._transfer(Op.READ, region, at, h, seg, ro, ln, left)
+        t = [] if used is None else list(used)
         if time.monotonic() > looked.lease_deadline:
             out[i] = _lease_expired(keys[i])
-        elif len(bad):
+        elif used is None:
             out[i] = _read_failed(keys[i])
         else:
             out[i] = size
@@ -1395,7 +1439,6 @@ def _split(pieces: list[tuple], slices: Any) -> list[tuple]:
 
 _NO_ROWS = np.empty((0, ROW), np.int64)
 assert array("q").itemsize == 8
-_ZERO = np.zeros(1, np.int64)
 
 
 def _refusal(key: Any, code: int, size: int, cap: int) -> E.StoreError:
@@ -1444,23 +1487,23 @@ def _table(resp: P.ReplicaTableResp, n: int) -> tuple[Any, Any, np.ndarray]:
     bad = E.InternalError("the master sent a malformed replica table")
     if len(resp.codes) != n or len(resp.sizes) != n or len(resp.rows) % (8 * ROW):
         raise bad
+    codes, sizes = resp.codes, resp.sizes
+    if n == 1 and len(resp.rows) == 8 * ROW:  # a single get: the checks below, on five ints
+        k, c, y, ro, ln = _ONE_ROW.unpack(resp.rows)
+        if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
+            raise bad
+        if ln <= 0 or ln != sizes[0]:
+            raise bad
+        return codes, sizes, np.array([(k, c, y, ro, ln)], np.int64)
     flat = array("q")  # int64 (checked at import)
     flat.frombytes(resp.rows)
     if sys.byteorder != "little":
         flat.byteswap()
-    codes, sizes = resp.codes, resp.sizes
     rows = np.frombuffer(flat, np.int64).reshape(-1, ROW)
     if not flat:
         if 0 in codes:
             raise bad
         return _int64(codes, bad), _int64(sizes, bad), rows
-    if len(flat) == ROW and n == 1:  # a single get: the checks below, on five ints
-        k, c, y, ro, ln = flat
-        if codes[0] != 0 or k or c or not 0 <= y < len(resp.segments) or ro < 0:
-            raise bad
-        if ln <= 0 or ln != sizes[0]:
-            raise bad
-        return codes, sizes, rows
     lo, hi = rows.min(0).tolist(), rows.max(0).tolist()
     if (
         lo[0] < 0
@@ -1516,9 +1559,16 @@ def _heads(v: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
 
 
+_ONE_ROW = struct.Struct(f"<{ROW}q")  # one little-endian table row
+_NO_OWNERS = np.empty(0, np.int64)
+_NO_OWNERS.flags.writeable = False  # shared: callers only read it
+# (op, transport kinds of a batch) -> (stats key, transport names): a handful of entries
+_COUNT_KEYS: dict[tuple[Op, tuple[Any, ...]], tuple[str, ...]] = {}
+
+
 def _owners(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
-        return np.empty(0, np.int64)
+        return _NO_OWNERS
     return np.unique(np.concatenate(parts))
 
 

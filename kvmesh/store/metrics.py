@@ -109,12 +109,23 @@ class MasterMetrics:
         )
         self.registry.register(_StateCollector(service))
         self._server: Any = None
+        # (type, outcome) -> its child metrics: a .labels() lookup costs several us per
+        # request (label validation, a lock, a dict); the children never change. Request
+        # types and outcomes are a fixed handful, so this stays small.
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def observe(self, kind: str, outcome: str, nkeys: int, started: float) -> None:
-        self.requests.labels(kind, outcome).inc()
+        ch = self._children.get((kind, outcome))
+        if ch is None:
+            ch = self._children[(kind, outcome)] = (
+                self.requests.labels(kind, outcome),
+                self.keys.labels(kind),
+                self.latency.labels(kind),
+            )
+        ch[0].inc()
         if nkeys:
-            self.keys.labels(kind).inc(nkeys)
-        self.latency.labels(kind).observe(time.perf_counter() - started)
+            ch[1].inc(nkeys)
+        ch[2].observe(time.perf_counter() - started)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         self._server = start_http_server(port, addr=addr, registry=self.registry)

@@ -296,6 +296,19 @@ def _longest_valid(keys: list[Any]) -> int | None:
     """UTF-8 bytes of the longest key when every key is a non-empty ``str`` without NUL that
     encodes (C-level checks for the whole batch; for a non-ASCII batch a bound of 4 bytes per
     code point); None: check key by key (see :func:`keys_valid`)."""
+    if len(keys) == 1:  # a single get: the same checks on the one key, without the set-up
+        k = keys[0]
+        if type(k) is not str or not k or "\0" in k:
+            return None
+        if k.isascii():
+            return len(k)
+        if len(k) * 4 > MAX_KEY_BYTES:
+            return None
+        try:
+            k.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        return len(k) * 4
     if set(map(type, keys)) != {str}:  # str subclasses (and empty batches) take the slow path
         return None
     if "" in keys:

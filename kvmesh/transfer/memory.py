@@ -363,6 +363,7 @@ class RegionIndex:
         self._starts: np.ndarray | None = None  # sorted start addresses, rebuilt lazily
         self._ends: np.ndarray | None = None
         self._sorted: list[MemoryRegion] = []
+        self._py_starts: list[int] = []  # the same starts as Python ints (find)
 
     def add(self, region: MemoryRegion) -> None:
         with self._lock:
@@ -388,19 +389,28 @@ class RegionIndex:
     def _index(self) -> tuple[np.ndarray, np.ndarray, list[MemoryRegion]]:
         with self._lock:
             if self._starts is None:
-                regs = sorted(self._by_id.values(), key=lambda r: (r.ptr, -r.size))
-                self._sorted = regs
-                self._starts = np.array([r.ptr for r in regs], dtype=np.uint64)
-                self._ends = np.array([r.ptr + r.size for r in regs], dtype=np.uint64)
+                self._rebuild()
             return self._starts, self._ends, self._sorted  # type: ignore[return-value]
+
+    def _rebuild(self) -> None:  # under self._lock
+        regs = sorted(self._by_id.values(), key=lambda r: (r.ptr, -r.size))
+        self._sorted = regs
+        self._py_starts = [r.ptr for r in regs]
+        self._starts = np.array(self._py_starts, dtype=np.uint64)
+        self._ends = np.array([r.ptr + r.size for r in regs], dtype=np.uint64)
 
     def find(self, ptr: int, length: int = 1) -> tuple[MemoryRegion, int]:
         """The region holding ``[ptr, ptr + length)`` and the offset of ``ptr`` in it."""
-        starts, ends, regs = self._index()
-        i = int(np.searchsorted(starts, ptr, side="right")) - 1
+        with self._lock:
+            if self._starts is None:
+                self._rebuild()
+            starts, regs = self._py_starts, self._sorted
+        # One address (every single get): bisect on Python ints, not a numpy search.
+        i = bisect.bisect_right(starts, ptr) - 1
         while i >= 0:  # overlapping registrations: walk back to one that covers the range
-            if ptr + length <= int(ends[i]):
-                return regs[i], ptr - regs[i].ptr
+            r = regs[i]
+            if ptr + length <= r.ptr + r.size:
+                return r, ptr - r.ptr
             i -= 1
         raise NotRegistered(f"address range 0x{ptr:x}+{length} is not inside registered memory")
 

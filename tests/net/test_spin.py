@@ -115,6 +115,25 @@ def test_reply_during_the_spin_and_split_header():
         conn.close()
 
 
+def test_spin_reads_the_body_that_came_with_the_header_and_stops_at_the_frame_end():
+    """The spin reads the part of a body that arrived with its header without blocking,
+    waits (blocking, under the deadline) for the rest, and never reads past the frame:
+    two frames sent together come back as two reads."""
+    one, two = b"a" * 3000, b"b" * 70
+    frame = encode_frame(one)
+    conn = _Conn([(0.0, frame + encode_frame(two)), (0.0, frame[:1000]), (0.05, frame[1000:])])
+    try:
+        got, _, _ = _timed_read(conn, deadline=Deadline(10), spin=0.5)
+        assert got == one
+        assert read_frame(conn.sock, 1 << 20, Deadline(10), spin=0.5) == two
+        conn.ask()  # the peer sends the header and 996 body bytes, the rest 50 ms later
+        time.sleep(0.01)
+        got, wall, _ = _timed_read(conn, deadline=Deadline(10), spin=0.001)
+        assert got == one and wall >= 0.03  # the rest of the body came 50 ms later
+    finally:
+        conn.close()
+
+
 def test_spin_never_outlives_the_deadline():
     """No reply at all: a spin budget longer than the deadline ends at the deadline."""
     conn = _Conn([(5.0, b"x")])

@@ -120,19 +120,19 @@ def test_lease_blocks_remove_until_it_ends(env):
 def test_lease_expired_before_copy_finished(env, monkeypatch):
     cl, peer, c = env
     c.put(["slow-a", "slow-b"], [b"a" * 5000, b"b" * 5000])
-    real = c._move_arrays  # every read's copy goes through it
+    real = c._transfer  # one segment here: every read's copy goes through it
 
     def slow_move(*args):
         time.sleep(LEASE_S + 0.3)  # the copy outlives the lease
         return real(*args)
 
-    monkeypatch.setattr(c, "_move_arrays", slow_move)
+    monkeypatch.setattr(c, "_transfer", slow_move)
     res = c.get(["slow-a", "slow-b", "slow-missing"])
     assert isinstance(res[0], E.LeaseExpired) and isinstance(res[1], E.LeaseExpired)
     assert isinstance(res[2], E.ObjectNotFound)
     with pytest.raises(E.LeaseExpired):
         c.get("slow-a")
-    monkeypatch.setattr(c, "_move_arrays", real)
+    monkeypatch.setattr(c, "_transfer", real)
     assert c.get("slow-a") == b"a" * 5000
 
 

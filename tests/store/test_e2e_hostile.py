@@ -139,6 +139,34 @@ def test_junk_after_auth(master):
     _still_serves(cl, client, "junk")
 
 
+def test_silent_authenticated_connection_ends_at_the_idle_deadline(master):
+    """The read loop's one timer per connection (``net.framing.ReadTimer``): a connection
+    that authenticates and then says nothing is closed at ``--idle-timeout-s`` (3 s here),
+    not earlier, while requests spaced closer than that keep another one open."""
+    cl, client = master
+    s = _authed(cl)
+    busy = _authed(cl)
+    t0 = time.monotonic()
+    for rid in range(1, 5):  # one request every 0.9 s: over 3 s in all, never 3 s idle
+        busy.sendall(framing.encode_frame(P.encode(P.ExistsReq(rid, ["k"]))))
+        resp = P.decode_response(framing.read_frame(busy, 1 << 20, Deadline(5)))
+        assert resp.rid == rid
+        time.sleep(0.9)
+        if rid == 2:  # 1.8 s in: the silent one is still open (no EOF, nothing to read)
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+            s.setblocking(True)
+    assert time.monotonic() - t0 > 3.0
+    assert _closed_within(s, 5)
+    assert 2.5 < time.monotonic() - t0 < 7.0
+    busy.sendall(framing.encode_frame(P.encode(P.ExistsReq(9, ["k"]))))
+    assert P.decode_response(framing.read_frame(busy, 1 << 20, Deadline(5))).rid == 9
+    s.close()
+    busy.close()
+    _still_serves(cl, client, "idle")
+
+
 def test_forged_and_oversized_requests_get_errors_not_crashes(master):
     cl, client = master
     s = _authed(cl)

@@ -65,6 +65,26 @@ def test_simple_batch_path_matches_the_loop(monkeypatch):
     _same(*_both(sm, mixed, monkeypatch))
 
 
+def test_single_key_path_matches_the_loop(monkeypatch):
+    sm, keys = _filled(8)
+    calls = []
+    real = sm._lookup_one
+    monkeypatch.setattr(sm, "_lookup_one", lambda k: calls.append(k) or real(k))
+    big = "big"  # an object of several slices: the loop answers it
+    sm.apply(5, encode_command(PutStart([big], [10_000], ReplicateConfig(), 0.0)))
+    sm.apply(6, encode_command(PutEnd([big], [5])))
+    for k in [*keys, "absent", big]:
+        for kw in ({}, {"max_bytes": 1}):  # the first key is answered whatever the budget
+            fast = sm.lookup_table([k], **kw)
+            monkeypatch.setattr(sm, "_lookup_one", lambda k: None)
+            slow = sm.lookup_table([k], **kw)
+            monkeypatch.setattr(sm, "_lookup_one", lambda k: calls.append(k) or real(k))
+            _same(fast, slow)
+            assert fast.rows.tolist() == slow.rows.tolist() and fast.segments == slow.segments
+    assert keys[0] in calls and real("absent") is None and real(big) is None
+    assert len(sm.lookup_table([big]).rows) == 3  # 10,000 bytes in slices of 4096
+
+
 def _resp(codes, sizes, rows, segs=(("s", "n", "e"),)) -> P.ReplicaTableResp:
     raw = np.asarray(rows, "<i8").reshape(-1, ROW).tobytes()
     return P.ReplicaTableResp(1, list(codes), list(sizes), list(segs), raw, 5000)

@@ -53,7 +53,10 @@ class LeaseTable:
             # No lease ends later and no key is blocked (the usual case): every key gets
             # `until`, set with C-level passes instead of a Python step per key.
             self._latest = until
-            u.update(dict.fromkeys(ks, until))
+            if len(ks) == 1:
+                u[ks[0]] = until
+            else:
+                u.update(dict.fromkeys(ks, until))
             self._queue(until, ks)
             return [until] * len(ks)
         out = []
@@ -142,6 +145,11 @@ class AccessStats:
 
     def touch(self, keys: Iterable[str]) -> None:
         o = self._order
+        if type(keys) is list and len(keys) == 1:  # a single get
+            k = keys[0]
+            o.pop(k, None)
+            o[k] = None
+            return
         if type(keys) is list and len(set(keys)) == len(keys):
             # a batch of distinct keys: the same moves as the loop below, at C speed
             young = dict.fromkeys(keys)
