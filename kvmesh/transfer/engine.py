@@ -138,6 +138,12 @@ class TransferEngine:
         self._peers: dict[str, PeerClient] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self._remote: dict[tuple[str, str], RemoteSegment] = {}
+        # locate_many's sorted table of a peer's segments, valid while _remote_gen is
+        # unchanged (bumped under _lock by every change of _remote): rebuilding it per call
+        # (a pass over every remote segment, a sort, two arrays) was ~0.3 ms of a PD
+        # batch_transfer_sync once the pools' ~260 regions were published.
+        self._remote_gen = 0
+        self._locate_cache: dict[str, tuple[int, list[RemoteSegment], np.ndarray, np.ndarray]] = {}
         self._removed: set[int] = set()
         self._monitor: Monitor | None = None
         self._stats = {"batches": 0}
@@ -477,6 +483,7 @@ class TransferEngine:
                 new.stale_reason = "removed by its owner"
             else:
                 self._remote[key] = new
+                self._remote_gen += 1
         if rs is not None and rs.desc.seg_id != desc.seg_id:
             rs.stale_reason = rs.stale_reason or "replaced by its owner"
             rs._close_routes()
@@ -500,7 +507,15 @@ class TransferEngine:
         ptrs = np.asarray(remote_ptrs, dtype=np.uint64)
         lens = np.asarray(lengths, dtype=np.uint64)
         peer = self.peer(address)
+        hit = self._locate_cache.get(peer.engine_id)
+        if hit is not None and hit[0] == self._remote_gen:
+            _, segs, starts, ends = hit
+            i = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
+            safe = np.maximum(i, 0)
+            if ((i >= 0) & (ptrs + lens <= ends[safe])).all():
+                return segs, safe, ptrs - starts[safe]
         for attempt in (0, 1):
+            gen = self._remote_gen  # read before the table: a change meanwhile voids the entry
             segs = [
                 s
                 for (eid, _), s in list(self._remote.items())
@@ -509,11 +524,14 @@ class TransferEngine:
             if attempt == 1 or not segs:
                 segs = [self._adopt(peer, d) for d in peer.list_segments()]
                 segs = [s for s in segs if s.stale_reason is None]
+                gen = -1  # adopted segments may be outside _remote (removed meanwhile)
             if not segs:
                 continue
             segs.sort(key=lambda s: s.desc.base)
             starts = np.array([s.desc.base for s in segs], dtype=np.uint64)
             ends = np.array([s.desc.base + s.desc.size for s in segs], dtype=np.uint64)
+            if gen >= 0:
+                self._locate_cache[peer.engine_id] = (gen, segs, starts, ends)
             i = np.searchsorted(starts, ptrs, side="right").astype(np.int64) - 1
             safe = np.maximum(i, 0)
             ok = (i >= 0) & (ptrs + lens <= ends[safe])
@@ -861,6 +879,7 @@ class TransferEngine:
             if rs is None or rs.desc.seg_id != seg_id:
                 return
             del self._remote[(peer.engine_id, name)]
+            self._remote_gen += 1
         rs.stale_reason = "removed by its owner"
         rs._close_routes()
 
@@ -875,6 +894,7 @@ class TransferEngine:
             gone = [(k, s) for k, s in self._remote.items() if s.peer is peer]
             for k, _ in gone:
                 del self._remote[k]
+            self._remote_gen += 1
         for _, s in gone:
             s.stale_reason = s.stale_reason or f"owner is dead: {reason}"
             s._close_routes()
@@ -919,6 +939,7 @@ class TransferEngine:
             remote = list(self._remote.values())
             self._peers.clear()
             self._remote.clear()
+            self._remote_gen += 1
         for p in peers:
             p.liveness.dead_reason = p.liveness.dead_reason or "local engine closed"
             p.close()

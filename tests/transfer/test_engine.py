@@ -303,6 +303,26 @@ def test_locate_raw_peer_addresses(make_engine):
         a.locate(b.address, x.ctypes.data + 8000, 500)
 
 
+def test_locate_table_forgets_a_removed_segment(make_engine):
+    """locate_many keeps a sorted table of a peer's segments between calls: a segment its
+    owner removed must drop out of it (here: be refused), never be answered from the table."""
+    a, b = make_engine(), make_engine()
+    x, y = np.zeros(8192, np.uint8), np.zeros(4096, np.uint8)
+    _rx, ry = b.register(x, name="x"), b.register(y, name="y")
+    for _ in range(3):  # the table is built, then used
+        segs, idx, _ = a.locate_many(b.address, [x.ctypes.data, y.ctypes.data], [1, 1])
+        assert [segs[i].name for i in idx] == ["x", "y"]
+    held = segs[int(idx[1])]
+    b.unregister(ry)
+    deadline = time.monotonic() + 10
+    while held.stale_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the removal notice travels over the watch connection
+    assert held.stale_reason is not None
+    with pytest.raises(SegmentNotFound):
+        a.locate_many(b.address, [y.ctypes.data], [1])
+    assert a.locate(b.address, x.ctypes.data)[0].name == "x"
+
+
 def test_closed_engine_refuses_and_stops_its_threads():
     before = {t.ident for t in threading.enumerate()}
     eng = TransferEngine()
@@ -552,6 +572,7 @@ def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_en
     # A transport failing on the second job: the call fails as a whole, the rest never runs,
     # and every region and route it held is let go.
     client._remote.clear()  # forget the closed route: new handles
+    client._locate_cache.clear()  # (and locate_many's table of the old segments)
     local_t = client.transport(TransportKind.LOCAL)
     real, calls = local_t.execute, []
 
