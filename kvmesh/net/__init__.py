@@ -12,6 +12,8 @@ messages and bound their work with this package; none keeps its own copy.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
   :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
 * :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
+* :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
+  asyncio connections by one sweeper task) and :func:`read_frames`.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):
@@ -41,6 +43,7 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 
 from __future__ import annotations
 
+from .deadlines import DeadlineWatch, Watched, read_frames
 from .errors import (
     AuthFailed,
     DeadlineExceeded,
@@ -77,6 +80,9 @@ from .security import (
 )
 
 __all__ = [
+    "DeadlineWatch",
+    "Watched",
+    "read_frames",
     "DEFAULT_DEADLINE_S",
     "PREAUTH_MAX_FRAME",
     "AuthFailed",

@@ -44,6 +44,7 @@ import msgspec
 import numpy as np
 
 from ..net import framing as _framing
+from ..net.deadlines import DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import aserver_handshake
 from ..net.limits import ConnectionLimiter
@@ -61,7 +62,7 @@ from ..replog import (
     ReplogError,
     SessionExpiredError,
 )
-from ..replog.net.transport import DeadlineWatch, Watched, parse_addr, read_frames
+from ..replog.net.transport import parse_addr
 from ..replog.session import SessionLimits, SessionRejected
 from ..replog.types import ProposalTooLarge
 from . import errors as E

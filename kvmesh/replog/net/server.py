@@ -32,15 +32,18 @@ import msgspec
 
 from ...launcher import ProcessCluster, free_ports
 from ...net import (
+    DeadlineWatch,
     FrameDecoder,
     FrameTooLarge,
     InsecureBind,
     NetError,
     SecurityConfig,
+    Watched,
     aserver_handshake,
     check_bind,
     clip,
     encode_frame,
+    read_frames,
     server_ssl_context,
 )
 from ..errors import (
@@ -71,7 +74,7 @@ from .protocol import (
     decode_request,
     encode,
 )
-from .transport import Admission, DeadlineWatch, TransportConfig, Watched, parse_addr, read_frames
+from .transport import Admission, TransportConfig, parse_addr
 
 __all__ = [
     "LocalCluster",
