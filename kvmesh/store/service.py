@@ -234,6 +234,7 @@ _LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 # Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
 # buffered on one connection never hold the event loop for long.
 _INLINE_KEYS = 512
+_TURN_REQUESTS = 16  # requests one connection's read loop takes before yielding the loop
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
@@ -604,6 +605,7 @@ class MasterService:
             # DeadlineWatch), not a timeout context per request (two cost ~15 us of a
             # single-key lookup under uvloop).
             watched = self._watch.watch(writer, _framing.FrameDecoder(self.cfg.max_frame))
+            turn = 0  # requests taken since this connection last let the loop run others
             while True:
                 # Read no further request while the peer leaves our replies unread.
                 await out.wait_writable()
@@ -614,6 +616,14 @@ class MasterService:
                 for i, body in enumerate(bodies):
                     if i:
                         await out.wait_writable()
+                    turn += 1
+                    if turn >= _TURN_REQUESTS:
+                        # One read holds up to 256 KiB of frames (thousands of single-key
+                        # gets answered inline without a suspension): let the other
+                        # connections in every few requests, or one pipelining peer holds
+                        # the loop for all of them (~0.5 s per read here).
+                        turn = 0
+                        await asyncio.sleep(0)
                     try:
                         req = P.decode_request(body)
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -401,3 +401,54 @@ def test_targeted_schedules_reach_their_situation(fault: str, counter: str) -> N
     assert sum(getattr(r, counter) for r in results) > 0, [
         (r.seed, getattr(r, counter)) for r in results
     ]
+
+
+# -- planted core bugs behind the Ready path's apply-while-fsync (readypath.py, step 5) -------
+
+
+def test_applying_entries_not_durable_locally_is_caught(monkeypatch) -> None:
+    """The Ready path applies a Ready's committed entries while its fsync runs, on the core's
+    promise that it hands out only entries durable locally (min(committed, persisted)). A
+    core handing out everything committed breaks no other check (the entries are durable on
+    a quorum), so invariant apply-durable-locally exists; planted here, it must fire."""
+    from kvmesh.replog.core.log import RaftLog
+
+    def every_committed(self, max_bytes: int):
+        if self.u_snapshot is not None or self.applying >= self.committed:
+            return []
+        return self.entries(self.applying + 1, self.committed + 1, max_bytes)
+
+    monkeypatch.setattr(RaftLog, "next_committed_entries", every_committed)
+    monkeypatch.setattr(
+        RaftLog,
+        "has_next_committed_entries",
+        lambda self: self.u_snapshot is None and self.applying < self.committed,
+    )
+    results = [run_seed(seed, "ci") for seed in range(4)]
+    assert all(not r.ok and r.violation == "apply-durable-locally" for r in results), [
+        (r.seed, r.violation) for r in results
+    ]
+
+
+def test_leader_counting_its_unpersisted_entries_is_caught(monkeypatch) -> None:
+    """A leader replicates entries while its own fsync of them runs (take_send_now); were it
+    to count its own copy before that fsync, an entry would be committed on fewer durable
+    copies than a quorum: invariant commit-durable-on-quorum must fire in some seeds."""
+    from kvmesh.replog.core import raft as raft_mod
+
+    def counts_unpersisted(self) -> bool:
+        log = self.log
+        matches = [
+            log.last_index() if v == self.id else self.prs[v].match
+            for v in self.voters
+            if v == self.id or v in self.prs
+        ]
+        return log.maybe_commit(raft_mod.committed_index(matches), self.term)
+
+    monkeypatch.setattr(raft_mod.RaftCore, "_maybe_commit", counts_unpersisted)
+    results = [run_seed(seed, "ci") for seed in range(2, 12)]
+    caught = [r for r in results if not r.ok]
+    assert caught, "no seed exposed a commit counted on the leader's unpersisted copy"
+    assert all(r.violation == "commit-durable-on-quorum" for r in caught), [
+        (r.seed, r.violation) for r in caught
+    ]

@@ -243,6 +243,16 @@ class Invariants:
     ) -> None:
         if not self.enabled:
             return
+        # The Ready path applies committed entries while the Ready's fsync runs, on the
+        # core's promise that it hands out only entries durable locally (log.py: committed
+        # entries up to min(committed, persisted)). Raft's other checks do not notice a
+        # break of it (the entry is durable on a quorum), so it is checked here.
+        if self.durable_checks and not _durable_has(durables[node], e.index, e.term):
+            raise SimViolation(
+                "apply-durable-locally",
+                f"node {node} applied index {e.index} (term {e.term}) before it was durable "
+                "in its own log",
+            )
         prev = self.applied.get(e.index)
         if prev is None:
             self.applied[e.index] = e
