@@ -20,7 +20,7 @@ _READ = 256 << 10
 class Watched:
     """A connection under a :class:`DeadlineWatch`: its reads report progress here."""
 
-    __slots__ = ("writer", "dec", "last", "started", "busy", "expired")
+    __slots__ = ("writer", "dec", "last", "started", "busy", "expired", "paused_at")
 
     def __init__(
         self,
@@ -35,6 +35,22 @@ class Watched:
         self.started = 0.0  # when the frame being received began (0: none)
         self.busy = busy  # a connection waiting for its own answers is not idle
         self.expired = ""
+        self.paused_at = 0.0  # the server itself stopped reading at (0: it reads)
+
+    def pause(self) -> None:
+        """The server stops reading this connection for reasons of its own (its in-flight
+        limit is full): that time counts toward neither deadline."""
+        if not self.paused_at:
+            self.paused_at = asyncio.get_running_loop().time()
+
+    def resume(self) -> None:
+        """Reading again: both clocks move on by the time spent paused."""
+        if self.paused_at:
+            held = asyncio.get_running_loop().time() - self.paused_at
+            self.paused_at = 0.0
+            self.last += held
+            if self.started:
+                self.started += held
 
 
 class DeadlineWatch:
@@ -75,6 +91,8 @@ class DeadlineWatch:
             await asyncio.sleep(period)
             now = loop.time()
             for w in list(self._conns.values()):
+                if w.paused_at:
+                    continue  # the server, not the peer, is holding this connection
                 if w.dec.buffered:
                     if not w.started:
                         w.started = w.last

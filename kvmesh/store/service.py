@@ -631,7 +631,17 @@ class MasterService:
                         return
                     if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                         continue  # answered inline from the leader lease
-                    await slots.acquire()
+                    if slots.locked():
+                        # Our own in-flight limit stops the reading, not the peer: a frame it
+                        # began meanwhile must not run out of time (a quorum loss holds
+                        # every slot for long).
+                        watched.pause()
+                        try:
+                            await slots.acquire()
+                        finally:
+                            watched.resume()
+                    else:
+                        await slots.acquire()
                     t = asyncio.get_running_loop().create_task(self._handle(req, out, peer))
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
