@@ -1401,6 +1401,12 @@ def build_arg_parser() -> Any:
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
     p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=ServiceConfig().max_inflight,
+        help="requests in flight per connection (reading pauses at the limit)",
+    )
+    p.add_argument(
         "--request-timeout-s",
         type=float,
         default=10.0,
@@ -1458,6 +1464,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
+        max_inflight=a.max_inflight,
         max_segments=a.max_segments,
         prefix_round_keys=a.prefix_round_keys,
         session_limits=SessionLimits(

@@ -20,6 +20,7 @@ from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
 from kvmesh.store.cluster import StoreCluster
+from kvmesh.store.types import ReplicateConfig
 
 from .e2e_util import TOKEN
 
@@ -323,3 +324,57 @@ def test_a_pipelining_peer_does_not_hold_the_loop_for_other_connections(master):
     assert answered > 100_000, answered  # the flood was served meanwhile
     assert busy < max(0.05, 20 * quiet), (busy, quiet)
     _still_serves(cl, client, "pipelining")
+
+
+def test_a_stalled_frame_behind_full_inflight_slots_is_still_cut(tmp_path):
+    """The master pauses a connection's deadlines while its own in-flight limit stops the
+    reading (``Watched.pause``); an attacker filling its slots with log proposals (puts) and
+    then stalling a begun frame must still be closed by the deadlines once the slots free,
+    never kept alive by the pause (a pause never ended, planted, leaves it open)."""
+    cl = StoreCluster(
+        str(tmp_path),
+        1,
+        token=TOKEN,
+        durability="memory",
+        extra_args=["--idle-timeout-s", "3", "--max-inflight", "2"],
+    )
+    cl.start_all()
+    client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
+    try:
+        s = _authed(cl)
+        s.sendall(framing.encode_frame(P.encode(P.RegisterReq(1))))
+        reg = P.decode_response(framing.read_frame(s, 1 << 20))
+        assert type(reg) is P.RegisterResp, reg
+        cfg = ReplicateConfig()
+        burst = b"".join(
+            framing.encode_frame(
+                P.encode(
+                    P.PutStartReq(i, P.Session(reg.client_id, i, 2), [f"stall/{i}"], [64], cfg)
+                )
+            )
+            for i in range(2, 202)
+        )
+        s.sendall(burst + b"\xff\x00\x00")  # then a length prefix cut short, and silence
+        t0 = time.monotonic()
+        s.settimeout(1.0)
+        closed = answers = None
+        got = b""
+        try:
+            while time.monotonic() - t0 < 20:
+                try:
+                    b = s.recv(1 << 20)
+                except TimeoutError:
+                    continue
+                if not b:
+                    closed = time.monotonic() - t0
+                    break
+                got += b
+        finally:
+            s.close()
+        answers = got.count(b"put_started")
+        assert answers == 200, answers  # every put was served before the stall
+        assert closed is not None and closed < 10, closed  # the 3 s bound
+        _still_serves(cl, client, "stalled behind full slots")
+    finally:
+        client.close()
+        cl.close()
