@@ -21,6 +21,7 @@ from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
 from kvmesh.store.cluster import StoreCluster
 from kvmesh.store.types import ReplicateConfig
+from kvmesh.transfer import TransferEngine
 
 from .e2e_util import TOKEN
 
@@ -339,7 +340,9 @@ def test_a_stalled_frame_behind_full_inflight_slots_is_still_cut(tmp_path):
         extra_args=["--idle-timeout-s", "3", "--max-inflight", "2"],
     )
     cl.start_all()
-    client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20)
+    # Its own engine: the module's client already publishes this process's segment name.
+    engine = TransferEngine()
+    client = StoreClient(cl.address, token=TOKEN, timeout=10, segment_size=8 << 20, engine=engine)
     try:
         s = _authed(cl)
         s.sendall(framing.encode_frame(P.encode(P.RegisterReq(1))))
@@ -377,4 +380,5 @@ def test_a_stalled_frame_behind_full_inflight_slots_is_still_cut(tmp_path):
         _still_serves(cl, client, "stalled behind full slots")
     finally:
         client.close()
+        engine.close()
         cl.close()
