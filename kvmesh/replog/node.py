@@ -1034,7 +1034,12 @@ class RaftNode:
 
     async def _snapshot_task(self) -> None:
         try:
-            await self._take_snapshot()
+            # Entries applied while a snapshot was written count toward the next one: take
+            # it now, not at some later Ready (an idle replica may not see one for a while).
+            while await self._take_snapshot() and (
+                self._running and self._applied - self._snap_index >= self.cfg.snapshot_threshold
+            ):
+                pass
         except Exception as e:  # noqa: BLE001
             if isinstance(e, (OSError,)):
                 self._fatal(e)

@@ -525,7 +525,13 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
                     conf = next_conf_state(conf, decode_conf_change(e.data))
                 truth[e.index] = conf
             n = await c.start(lag, snapshot_threshold=2, trailing_logs=0)
-            await c.converge()
+            applied = await c.converge()
+            # Snapshots run beside the apply path: wait until the last one reached `applied`
+            # (the catch-up may finish while the first is still being written).
+            end = asyncio.get_running_loop().time() + 10
+            while n._snapshotting or n._snap_index < applied - 1:
+                assert asyncio.get_running_loop().time() < end, (n._snap_index, applied)
+                await asyncio.sleep(0.02)
             mine = [(i, cs) for st, i, cs in taken if st is n.storage]
             assert len(mine) >= 2, mine
             wrong = [(i, cs, truth[i]) for i, cs in mine if cs != truth[i]]
