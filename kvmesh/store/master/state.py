@@ -413,8 +413,12 @@ class StoreStateMachine:
             return None
         slices = np.frombuffer(lay, _SLICE_DTYPE)
         sid = slices["sid"]
-        uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
-        xs = np.searchsorted(uniq, sid) if len(uniq) > 1 else np.zeros(len(sid), np.int64)
+        first = int(sid[0])
+        if int(sid.min()) == first == int(sid.max()):  # one segment (usual): no sort
+            uniq, xs = np.array([first]), np.zeros(len(sid), np.int64)
+        else:
+            uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
+            xs = np.searchsorted(uniq, sid)
         named = [self.segs[sid] for sid in uniq.tolist()]
         if max_bytes is not None:
             costs = np.asarray([_seg_cost(s) for s in named], np.int64)
