@@ -1035,7 +1035,7 @@ class StoreClient:
         """:meth:`_read` of the usual batch -- every key looked up and found as one copy of
         one slice, all in the one segment named, each fitting its place in one registered
         region -- as one engine call on the table's own columns, without the masks, ranks
-        and grouping of the general loop (about a third of a 256-key get's client work);
+        and grouping of the general loop (70-100 us of a 256-key get, docs/store.md);
         None: not that batch, the general loop answers it. Same refusals (none apply),
         lease rule and outcomes."""
         rows = looked.rows
