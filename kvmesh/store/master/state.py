@@ -1155,13 +1155,14 @@ class StoreStateMachine:
         objs = self.objects
         codes = [0] * n
         todo: list[int] = []
+        fresh: dict[str, int] = {}  # the batch's keys -> this version (distinct if len n)
         if (
             n
             and keys_valid(keys)
             and set(map(type, sizes)) == {int}
             and min(sizes) >= 1
             and max(sizes) <= min(lim, MAX_OBJECT_SIZE)
-            and len(set(keys)) == n
+            and len(fresh := dict.fromkeys(keys, index)) == n
         ):
             # The batch a conforming client sends: every key valid and distinct, every size
             # one slice (checked with C-level passes); only the table decides per key.
@@ -1300,7 +1301,11 @@ class StoreStateMachine:
                         ),
                     )
                 )
-                processing.update(dict.fromkeys(rkeys, index))
+                # the PROCESSING index gets the batch's keys -> version (built above when
+                # they checked distinct, which a set would have cost as much)
+                processing.update(
+                    fresh if m == n and len(fresh) == n else dict.fromkeys(rkeys, index)
+                )
                 s.keys.extend(rkeys)
                 self._maybe_compact(s)
                 if len(run) == n:  # the whole batch
