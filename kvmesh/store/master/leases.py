@@ -150,9 +150,10 @@ class AccessStats:
             o.pop(k, None)
             o[k] = None
             return
-        if type(keys) is list and len(set(keys)) == len(keys):
-            # a batch of distinct keys: the same moves as the loop below, at C speed
-            young = dict.fromkeys(keys)
+        young = dict.fromkeys(keys) if type(keys) is list else None
+        if young is not None and len(young) == len(keys):
+            # a batch of distinct keys (the dict tells, no set built): the same moves as
+            # the loop below, at C speed
             n = len(o)
             o.update(young)
             if len(o) - n == len(young):
