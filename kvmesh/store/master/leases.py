@@ -152,7 +152,8 @@ class AccessStats:
             return
         young = dict.fromkeys(keys) if type(keys) is list else None
         if young is not None and len(young) == len(keys):
-            # a batch of distinct keys: the same moves as the loop below, at C speed
+            # a batch of distinct keys (the dict tells, no set built): the same moves as
+            # the loop below, at C speed
             if not keys:
                 return
             if keys[0] not in o:
