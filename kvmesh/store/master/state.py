@@ -428,8 +428,12 @@ class StoreStateMachine:
             return None
         slices = np.frombuffer(lay, _SLICE_DTYPE)
         sid = slices["sid"]
-        uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
-        xs = np.searchsorted(uniq, sid) if len(uniq) > 1 else np.zeros(len(sid), np.int64)
+        first = int(sid[0])
+        if int(sid.min()) == first == int(sid.max()):  # one segment (usual): no sort
+            uniq, xs = np.array([first]), np.zeros(len(sid), np.int64)
+        else:
+            uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
+            xs = np.searchsorted(uniq, sid)
         named = [self.segs[sid] for sid in uniq.tolist()]
         if max_bytes is not None:
             costs = np.asarray([_seg_cost(s) for s in named], np.int64)
@@ -493,6 +497,15 @@ class StoreStateMachine:
                 return [k in objs for k in ks]
             return [k in objs and k not in proc for k in ks]
         return [type(k) is str and k in objs and k not in proc for k in ks]
+
+    def exists_flags(self, keys: list[str]) -> list[int]:
+        """:meth:`exists` as the wire's 1 / 0 per key, for keys the caller checked are all
+        ``str`` (the service's decoded requests): one pass, no type test per batch and no
+        second pass from bools to ints."""
+        objs, proc = self.objects, self.processing
+        if not proc:
+            return [1 if k in objs else 0 for k in keys]
+        return [1 if k in objs and k not in proc else 0 for k in keys]
 
     def exists_codes(self, prefix: str, keys: list[str], suffixes: list[str]) -> list[int]:
         """Per name ``prefix + key + suffix`` (key-major, every suffix): 1 for a COMPLETE
