@@ -43,7 +43,7 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 
 from __future__ import annotations
 
-from .deadlines import DeadlineWatch, Watched, read_frames
+from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
     AuthFailed,
     DeadlineExceeded,
@@ -83,6 +83,7 @@ __all__ = [
     "DeadlineWatch",
     "Watched",
     "read_frames",
+    "TURN_REQUESTS",
     "DEFAULT_DEADLINE_S",
     "PREAUTH_MAX_FRAME",
     "AuthFailed",

@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 
 from ..net import framing as _framing
-from ..net.deadlines import DeadlineWatch, Watched, read_frames
+from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import aserver_handshake
 from ..net.limits import ConnectionLimiter
@@ -234,7 +234,6 @@ _LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 # Reads this small are answered inline (latency); bigger ones run as tasks, so that requests
 # buffered on one connection never hold the event loop for long.
 _INLINE_KEYS = 512
-_TURN_REQUESTS = 16  # requests one connection's read loop takes before yielding the loop
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
@@ -617,7 +616,7 @@ class MasterService:
                     if i:
                         await out.wait_writable()
                     turn += 1
-                    if turn >= _TURN_REQUESTS:
+                    if turn >= TURN_REQUESTS:
                         # One read holds up to 256 KiB of frames (thousands of single-key
                         # gets answered inline without a suspension): let the other
                         # connections in every few requests, or one pipelining peer holds

@@ -28,6 +28,7 @@ from kvmesh.replog.net.protocol import (
     CLIENT_SERVICE,
     PEER_SERVICE,
     ReqRegister,
+    ReqStatus,
     ReqSubmit,
     SessionGrant,
     decode_response,
@@ -621,6 +622,61 @@ def test_one_bad_connection_never_stops_the_server(cluster):
         async with client(cluster) as c:
             await put_many(c, "a", 10)
             await check_many(c, "a", 10)
+        assert_alive(cluster)
+
+    run(main())
+
+
+def test_a_pipelining_client_does_not_hold_the_loop_for_other_connections(cluster):
+    """An authenticated client pipelines tiny status requests as fast as it can (reading the
+    answers, so no backpressure stops it): one read of the replica's loop holds up to 256 KiB
+    of frames, tens of thousands of requests answered (most with Overloaded) without a
+    suspension. Another client's reads must not wait for a whole read's worth of them (the
+    listener lets the others in every few requests, as the store master's does)."""
+
+    async def main():
+        lid, _ = await leader_status(cluster)
+        addr = cluster.client_addrs[lid]
+        async with client(cluster) as c:
+            await c.put("fair", b"v")
+
+            async def median_get_s(n: int = 15) -> float:
+                out = []
+                for _ in range(n):
+                    t = time.perf_counter()
+                    assert await c.get("fair") == b"v"
+                    out.append(time.perf_counter() - t)
+                return sorted(out)[n // 2]
+
+            quiet = await median_get_s()
+            r, w = await open_raw(addr)
+            await aclient_handshake(r, w, cluster.security, CLIENT_SERVICE, "pipeliner")
+            burst = b"".join(encode_frame(encode(ReqStatus(i))) for i in range(4000))
+            got = [0]
+
+            async def flood():
+                while True:
+                    w.write(burst)
+                    await w.drain()
+
+            async def drain():
+                while True:
+                    b = await r.read(1 << 20)
+                    if not b:
+                        return
+                    got[0] += len(b)
+
+            tasks = [asyncio.ensure_future(flood()), asyncio.ensure_future(drain())]
+            try:
+                await asyncio.sleep(0.5)
+                busy = await median_get_s()
+                answered = got[0]
+            finally:
+                for t in tasks:
+                    t.cancel()
+                w.transport.abort()
+            assert answered > 100_000, answered  # the flood was served meanwhile
+            assert busy < max(0.05, 20 * quiet), (busy, quiet)
         assert_alive(cluster)
 
     run(main())

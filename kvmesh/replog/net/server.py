@@ -32,6 +32,7 @@ import msgspec
 
 from ...launcher import ProcessCluster, free_ports
 from ...net import (
+    TURN_REQUESTS,
     DeadlineWatch,
     FrameDecoder,
     FrameTooLarge,
@@ -252,10 +253,15 @@ class ReplicaServer(Generic[SM]):
             # Waiting for its own answers is not idleness.
             watched = self._watch.watch(writer, dec, lambda: client.inflight > 0)
             charge = functools.partial(self._charge, c)
+            turn = 0
             while True:
                 bodies = await read_frames(reader, watched, charge)
                 self._charge(c, dec.buffered)
                 for body in bodies:
+                    turn += 1
+                    if turn >= TURN_REQUESTS:
+                        turn = 0
+                        await asyncio.sleep(0)  # let the other connections in
                     self._request(c, body)
                 if writer.transport.get_write_buffer_size() > (1 << 20):
                     await writer.drain()  # a client that stops reading must not grow our buffer
