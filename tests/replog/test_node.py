@@ -117,6 +117,16 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
 
 
+async def eventually(pred, timeout=10.0):
+    """Wait for ``pred()`` (an effect that lands in a task of its own, like a callback):
+    a poll that ends when it holds, not a fixed sleep a loaded machine can outlast."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("durability", ["disk", "memory"])
 def test_elect_propose_read_and_redirect(tmp_path, durability):
     async def main():
@@ -230,19 +240,24 @@ def test_leader_change_callbacks(tmp_path):
         try:
             leader = await c.leader()
             await c.put("x", b"1")
-            await asyncio.sleep(0.05)
-            assert any(e.is_self for e in events[leader.id] if not isinstance(e, tuple))
-            assert ("async", True) in events[leader.id]
+            await eventually(
+                lambda: any(e.is_self for e in events[leader.id] if not isinstance(e, tuple))
+            )
+            await eventually(lambda: ("async", True) in events[leader.id])
             for i, evs in events.items():
                 if i != leader.id:
-                    assert any(
-                        getattr(e, "leader_id", None) == leader.id and not e.is_self for e in evs
+                    await eventually(
+                        lambda evs=evs: any(
+                            getattr(e, "leader_id", None) == leader.id and not e.is_self
+                            for e in evs
+                        )
                     )
             old = leader.id
             await c.stop(old)
             new = await c.leader()
-            await asyncio.sleep(0.05)
-            assert any(getattr(e, "is_self", False) and e.term > 1 for e in events[new.id])
+            await eventually(
+                lambda: any(getattr(e, "is_self", False) and e.term > 1 for e in events[new.id])
+            )
         finally:
             await c.stop_all()
 
