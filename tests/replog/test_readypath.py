@@ -147,12 +147,21 @@ def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeyp
     from .test_node import Cluster
 
     slow = {"storage": None}
+    began: list[float] = []  # per slow fsync: when it began, and an event set when it ends
+    ended: list[threading.Event] = []
     orig = DiskStorage.sync
 
     def sync(self):  # type: ignore[no-untyped-def]
-        if self is slow["storage"]:
-            time.sleep(0.4)
-        return orig(self)
+        if self is not slow["storage"]:
+            return orig(self)
+        done = threading.Event()
+        ended.append(done)
+        began.append(time.monotonic())
+        time.sleep(0.4)
+        try:
+            return orig(self)
+        finally:
+            done.set()
 
     monkeypatch.setattr(DiskStorage, "sync", sync)
 
@@ -162,12 +171,23 @@ def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeyp
             await leader.propose(encode_command(KvPut("a", b"1")))
             slow["storage"] = leader.storage
             first = asyncio.ensure_future(leader.propose(encode_command(KvPut("b", b"2"))))
-            await asyncio.sleep(0.1)  # "b" is in the leader's fsync
+            # "b" is in the leader's fsync: an event, not a fixed 0.1 s (on a loaded machine
+            # the fsync may begin later, and "c" would then join "b"'s Ready).
+            end = time.monotonic() + 30
+            while not began:
+                assert time.monotonic() < end, "the leader never began its fsync"
+                await asyncio.sleep(0.005)
+            running = ended[-1]
             idx = leader.core.log.last_index() + 1
             second = asyncio.ensure_future(leader.propose(encode_command(KvPut("c", b"3"))))
-            await asyncio.sleep(0.15)  # the leader's fsync of "b" still runs
+            # The followers hold "c" while that fsync still runs (a poll that ends at once).
             followers = [n for n in c.nodes.values() if n is not leader]
-            seen = sum(1 for n in followers if n.core.log.last_index() >= idx)
+            seen = 0
+            while not running.is_set():
+                seen = sum(1 for n in followers if n.core.log.last_index() >= idx)
+                if seen == 2:
+                    break
+                await asyncio.sleep(0.005)
             early = leader.metrics["early_sends"]
             await first
             await second
