@@ -156,8 +156,14 @@ def test_elect_propose_read_and_redirect(tmp_path, durability):
 
 
 def test_batched_concurrent_proposals_group_commit(tmp_path):
+    # 2000 proposals at once keep the one event loop of all three replicas busy: on a loaded
+    # machine it stalled past the 0.2-0.4 s election timeout, a follower campaigned and the
+    # batch failed with ProposalLost (1 of 6 runs at load ~10). Elections after 0.6-1.2 s
+    # here: the test is about group commit, not about failover.
+    slow = RaftConfig(election_tick=30, max_election_tick=60, heartbeat_tick=1)
+
     async def main():
-        async with Cluster(tmp_path) as c:
+        async with Cluster(tmp_path, raft=slow) as c:
             leader = await c.leader()
             n = 2000
             res = await asyncio.gather(
