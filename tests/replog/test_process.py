@@ -228,12 +228,21 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
     run(main())
 
 
+async def _until_acked(load, n, timeout=30.0):
+    """More than ``n`` writes acknowledged (a loaded machine elects and writes slower than
+    the fixed sleeps before it assumed)."""
+    end = time.monotonic() + timeout
+    while load.acked <= n and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
 def test_full_cluster_kill_and_restart_from_disk(cluster):
     async def main():
         cluster.start_all()
         load = Load(cluster, seed=33)
         load.start()
         await asyncio.sleep(2.5)
+        await _until_acked(load, 50)
         for i in cluster.ids:
             cluster.kill(i)  # all at once, under load
         await asyncio.sleep(0.3)
@@ -265,6 +274,7 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
             load = Load(c, seed=44, read_ratio=0.0)
             load.start()
             await asyncio.sleep(1.5)
+            await _until_acked(load, 20)
             for i in c.ids:
                 c.kill(i)
             await load.finish()
