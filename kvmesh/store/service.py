@@ -836,7 +836,7 @@ class MasterService:
         if t is P.GetReplicasReq:
             return self._get_replicas(req)
         if t is P.ExistsReq:
-            return P.CodesResp(req.rid, [1 if x else 0 for x in self.sm.exists(req.keys)])
+            return P.CodesResp(req.rid, self.sm.exists_flags(req.keys))  # keys: _check
         if t is P.ExistsPartsReq:
             if req.leading:
                 return P.CountResp(

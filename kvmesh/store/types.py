@@ -20,7 +20,7 @@ Stability: additions only (new optional trailing fields with defaults).
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -288,8 +288,26 @@ def keys_valid(keys: list[Any]) -> bool:
     """True when every key passes :func:`key_error`, decided for the whole batch at once with
     C-level checks (no Python call per key). False means "check key by key" (some key may be
     invalid, or the batch is not plain ``str`` keys), never that a given key is invalid."""
+    if type(keys) is list and len(keys) > 1:
+        # The usual batch (plain ASCII keys), with the per-key length tests in msgspec's C
+        # loop instead of max(map(len)) and a scan for "": a third of the check's cost.
+        if set(map(type, keys)) != {str}:
+            return False
+        try:
+            _convert(keys, _KEY_CHARS)  # 1..MAX_KEY_BYTES characters each
+        except msgspec.ValidationError:
+            return False  # some key is empty or longer than any valid key
+        joined = "".join(keys)
+        if "\0" in joined:
+            return False
+        if joined.isascii():  # one byte per character
+            return True
     longest = _longest_valid(keys)
     return longest is not None and longest <= MAX_KEY_BYTES
+
+
+_KEY_CHARS = list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]]
+_convert = msgspec.convert
 
 
 def _longest_valid(keys: list[Any]) -> int | None:

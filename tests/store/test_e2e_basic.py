@@ -136,6 +136,87 @@ def test_lease_expired_before_copy_finished(env, monkeypatch):
     assert c.get("slow-a") == b"a" * 5000
 
 
+def _simple_read_planted_without_lease_check(real):
+    """A copy of ``real`` (StoreClient._read_simple) that never checks the lease (a planted
+    bug)."""
+    import inspect
+    import textwrap
+
+    from kvmesh.store import client as client_mod
+
+    src = textwrap.dedent(inspect.getsource(real))
+    assert src.count("time.monotonic() > looked.lease_deadline") == 1
+    src = src.replace("time.monotonic() > looked.lease_deadline", "False")
+    ns: dict = {}
+    exec(src, vars(client_mod), ns)  # noqa: S102 - the test's own planted copy
+    return ns["_read_simple"]
+
+
+def test_simple_batch_read_keeps_the_loops_answers_and_the_lease(env, monkeypatch):
+    """The fast path of the usual batch (every key found, one copy of one slice, one
+    segment, one region) answers what the general loop answers: bytes, a lease that ended
+    during the copy (per key), a failed copy, a buffer too small (left to the loop)."""
+    cl, peer, c = env
+    keys = [f"simple-{i}" for i in range(8)]
+    vals = [value_of(k, 3000 + 100 * i) for i, k in enumerate(keys)]
+    assert c.put(keys, vals).ok
+    size = 4096
+    dst = np.zeros(len(keys) * size, np.uint8)
+    c.register_buffer(dst)
+    offs = [i * size for i in range(len(keys))]
+    ran = []
+    real = StoreClient._read_simple
+
+    def spy(self, *a):
+        res = real(self, *a)
+        ran.append(res is not None)
+        return res
+
+    monkeypatch.setattr(StoreClient, "_read_simple", spy)
+    try:
+        got = c.get_into(keys, dst, offs, [size] * len(keys))
+        assert ran == [True] and list(got) == [len(v) for v in vals] and got.transports
+        for i, v in enumerate(vals):
+            assert dst[offs[i] : offs[i] + len(v)].tobytes() == v
+        # The general loop gives the same answers.
+        monkeypatch.setattr(StoreClient, "_read_simple", lambda self, *a: None)
+        dst[:] = 0
+        loop = c.get_into(keys, dst, offs, [size] * len(keys))
+        assert list(loop) == list(got) and loop.transports == got.transports
+        assert all(dst[offs[i] : offs[i] + len(v)].tobytes() == v for i, v in enumerate(vals))
+        monkeypatch.setattr(StoreClient, "_read_simple", spy)
+        # A buffer too small for one key: the loop refuses that key alone.
+        ran.clear()
+        small = c.get_into(keys, dst, offs, [size] * 7 + [100])
+        assert ran == [False] and isinstance(small[7], E.BufferOverflow)
+        assert list(small[:7]) == [len(v) for v in vals[:7]]
+        # The copy outlives the lease: every key of the batch is LeaseExpired.
+        real_move = c._transfer
+
+        def slow_move(*args):
+            time.sleep(LEASE_S + 0.3)
+            return real_move(*args)
+
+        monkeypatch.setattr(c, "_transfer", slow_move)
+        ran.clear()
+        late = c.get_into(keys, dst, offs, [size] * len(keys))
+        assert ran == [True] and all(isinstance(r, E.LeaseExpired) for r in late)
+        # Negative control: the same path without its lease check reports bytes instead.
+        planted_read = _simple_read_planted_without_lease_check(real)
+        monkeypatch.setattr(StoreClient, "_read_simple", planted_read)
+        planted = c.get_into(keys, dst, offs, [size] * len(keys))
+        assert not any(isinstance(r, E.LeaseExpired) for r in planted)
+        monkeypatch.setattr(StoreClient, "_read_simple", spy)
+        # A copy that fails: every key is TransferFailed, none reports bytes.
+        monkeypatch.setattr(c, "_transfer", lambda *a: None)
+        ran.clear()
+        failed = c.get_into(keys, dst, offs, [size] * len(keys))
+        assert ran == [True] and all(isinstance(r, E.TransferFailed) for r in failed)
+    finally:
+        monkeypatch.undo()
+        c.unregister_buffer(dst)
+
+
 def test_bad_keys_are_per_key_errors(env):
     cl, peer, c = env
     bad = ["", "\udc80bad", "k" * (MAX_KEY_BYTES + 1), "nul\0key"]

@@ -305,6 +305,84 @@ def test_snapshot_is_consistent_while_apply_continues() -> None:
     assert clone.digest() == want != sm.digest()
 
 
+def test_put_end_publishes_without_rewriting_the_record() -> None:
+    """A PutEnd of a PROCESSING key only drops it from the PROCESSING index (the state of a
+    key of the table is whether it is there): the record in the big table stays the very
+    object PutStart wrote, and every query sees the key COMPLETE; a repeated PutEnd of the
+    version is a no-op, another version InvalidWrite, before and after."""
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 20, 0.0)))
+    keys = [f"k{i}" for i in range(8)]
+    sm.apply(2, encode_command(PutStart(keys, [100] * 8, ReplicateConfig(), 0.0)))
+    before = [sm.objects[k] for k in keys]
+    assert sm.exists(keys) == [False] * 8 and sm.state_of("k0") == State.PROCESSING
+    assert sm.apply(3, encode_command(PutEnd(keys[:4] + ["k5"], [2, 2, 2, 2, 9]))).codes == [
+        0, 0, 0, 0, int(Code.INVALID_WRITE)
+    ]  # fmt: skip
+    assert all(sm.objects[k] is o for k, o in zip(keys, before))
+    assert sm.exists(keys) == [True] * 4 + [False] * 4
+    assert sm.get_size(keys[3:5]) == [100, int(Code.OBJECT_NOT_FOUND)]
+    assert [c for c in sm.lookup_table(keys).codes] == [0] * 4 + [-704] * 4
+    assert sm.processing_puts() == [(k, 2) for k in keys[4:]]
+    assert sm.apply(4, encode_command(PutEnd(["k0", "k1"], [2, 3]))).codes == [
+        0, int(Code.INVALID_WRITE)
+    ]  # fmt: skip
+    assert sm.usage().complete == 4 and sm.usage().processing == 4
+    assert not invariants.check(sm)
+    # the index is checked against the table: a planted stale version is caught
+    sm.processing["k6"] = 99
+    assert any("PROCESSING index version" in e for e in invariants.check(sm))
+
+
+def test_format_1_snapshot_images_still_restore() -> None:
+    """Data directories written before the PROCESSING index moved into the snapshot header
+    (format 1: every record carries its current state) restore with the same states, and
+    go on from there (testdata/snapshot-format1.bin: written by that code, see
+    tests/store/testdata/README.md)."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "testdata", "snapshot-format1.bin")
+    with open(path, "rb") as f:
+        img = f.read()
+    sm = StoreStateMachine()
+    sm.restore(img)
+    got = {k: (sm.state_of(k).name, sm.version_of(k)) for k in sm.key_list()}
+    assert got == {
+        "c0": ("PROCESSING", 7), "c1": ("COMPLETE", 3), "c2": ("COMPLETE", 3),
+        "c3": ("COMPLETE", 3), "c4": ("COMPLETE", 3), "p0": ("PROCESSING", 5),
+        "p1": ("COMPLETE", 5), "p2": ("PROCESSING", 5), "q0": ("PROCESSING", 9),
+    }  # fmt: skip
+    assert sm.processing_puts() == [("p0", 5), ("p2", 5), ("c0", 7), ("q0", 9)]
+    assert not invariants.check(sm)
+    assert sm.apply(10, encode_command(PutEnd(["p0", "c0"], [5, 7]))).codes == [0, 0]
+    assert sm.exists(["p0", "c0", "p2"]) == [True, True, False]
+    clone = StoreStateMachine()
+    clone.restore(sm.snapshot())  # written as format 2
+    assert clone.digest() == sm.digest() and clone.processing_puts() == sm.processing_puts()
+    assert not invariants.check(clone)
+
+
+def test_snapshot_header_processing_must_match_the_format() -> None:
+    """A format-2 image names its PROCESSING keys; a PROCESSING key missing from the table,
+    or a format-2 header without the list, is refused as corrupt."""
+    from kvmesh.replog.storage.snapfile import iter_chunks, pack_chunk
+    from kvmesh.store.master import state as st
+
+    sm = _sm()
+    sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 20, 0.0)))
+    sm.apply(2, encode_command(PutStart(["a", "b"], [100, 100], ReplicateConfig(), 0.0)))
+    chunks = list(iter_chunks(sm.snapshot()))
+    hdr = msgspec.msgpack.decode(chunks[0], type=st._Header)
+    for bad in (
+        msgspec.structs.replace(hdr, processing=None),
+        msgspec.structs.replace(hdr, processing=["a", "zz"]),
+        msgspec.structs.replace(hdr, processing=["a", "a"]),
+    ):
+        img = b"".join(pack_chunk(c) for c in [msgspec.msgpack.encode(bad), *chunks[1:]])
+        with pytest.raises(SnapshotCorruptionError):
+            StoreStateMachine().restore(img)
+
+
 def test_session_wrapper_caches_typed_results() -> None:
     """Exactly-once retries through kvmesh.replog sessions give back the same result."""
     sm = SessionStateMachine(StoreStateMachine(CFG))

@@ -118,7 +118,7 @@ class Driver:
         for key in sm.keys():  # noqa: SIM118 - state machine, not a dict
             o = sm.objects[key]
             pin = {0: "-", 1: f"soft<{o.pin_until:g}", 2: "hard"}[o.pin]
-            state = "COMPLETE" if o.state == 2 else "PROCESSING"
+            state = sm.state_of(key).name
             copies = " ".join(
                 "[" + " ".join(f"{seg}@{off}+{ln}" for seg, off, ln in copy) + "]"
                 for copy in sm.placement(key)

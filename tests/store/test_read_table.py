@@ -212,3 +212,15 @@ def test_random_tables_are_refused_or_consistent():
         why = _consistent(codes, sizes, rows)
         assert why is None, (why, codes, sizes, rows)
     assert accepted > 20  # the fuzz reaches the acceptance path, not only refusals
+
+
+def test_exists_flags_match_exists():
+    """The service's one-pass ``exists_flags`` answers 1 / 0 exactly where ``exists`` answers
+    True / False: COMPLETE objects only (a PROCESSING put and a missing key are 0)."""
+    sm, keys = _filled(40)
+    sm.apply(5, encode_command(PutStart(["pending"], [100], ReplicateConfig(), 0.0)))
+    batch = [*keys[::3], "pending", "absent", keys[1], "pending"]
+    flags = sm.exists_flags(batch)
+    assert flags == [1 if x else 0 for x in sm.exists(batch)]
+    assert flags.count(0) == 3 and all(type(f) is int for f in flags)
+    assert sm.exists_flags([]) == []

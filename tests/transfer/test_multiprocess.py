@@ -159,7 +159,10 @@ def test_peer_killed_mid_batch_fails_in_bounded_time(make_engine, make_peer, cfg
     seg = eng.open_segment(peer.address, "pool")
     local = eng.register(np.ones(64 * MiB, np.uint8))
     b = eng.batch()
-    zeros = np.zeros(64, np.int64)  # 64 x the same 64 MiB: seconds of work, never done in time
+    # 512 x the same 64 MiB (32 GiB): far more than any box here moves before the kill, even
+    # when this thread's 0.1 s sleep is stretched by load (64 x once finished first: CI saw
+    # "DID NOT RAISE"). The kill ends the batch, so its size costs no time.
+    zeros = np.zeros(512, np.int64)
     b.add_many(op, local, zeros, seg, zeros, 64 * MiB)
     b.submit()
     time.sleep(0.1)

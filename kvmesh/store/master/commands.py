@@ -284,8 +284,10 @@ class PutStartRun(msgspec.Struct, tag="put_start_run", **_S):
 
     @property
     def versions(self) -> list[int]:
-        v = self.version
-        return [v if w >= 0 else 0 for w in self.run.where]
+        v, where = self.version, self.run.where
+        if min(where, default=0) >= 0:  # every key placed (the usual batch): no pass per key
+            return [v] * len(where)
+        return [v if w >= 0 else 0 for w in where]
 
     @property
     def replicas(self) -> list[list[ObjectReplica] | None]:

@@ -60,14 +60,18 @@ def check(sm: StoreStateMachine) -> list[str]:
     # -- objects ----------------------------------------------------------------------
     keys_in: dict[int, set[str]] = {sid: set() for sid in segs}
     slices_in: dict[int, int] = dict.fromkeys(segs, 0)
-    complete = 0
-    processing = set()
-    for key, o in sm.objects.items():
-        if o.state == State.COMPLETE:
-            complete += 1
-        elif o.state == State.PROCESSING:
-            processing.add(key)
-        else:
+    # The PROCESSING index is the state (a key of the table not in it is COMPLETE): every
+    # entry names a key of the table with that record's version, and the counts add up.
+    objs = sm.objects
+    for key, v in sm.processing.items():
+        o = objs.get(key)
+        if o is None:
+            errs.append(f"PROCESSING index names {key!r}, not in the table")
+        elif o.version != v:
+            errs.append(f"{key!r}: PROCESSING index version {v}, record {o.version}")
+    complete = len(objs) - sum(1 for k in sm.processing if k in objs)
+    for key, o in objs.items():
+        if o.state not in (State.COMPLETE, State.PROCESSING):
             errs.append(f"{key!r}: bad state {o.state}")
         ns = n_slices(o.size, lim)
         if not o.layout or len(o.layout) % (12 * ns):
@@ -90,8 +94,6 @@ def check(sm: StoreStateMachine) -> list[str]:
             nodes_seen |= copy_nodes
     if complete != sm.complete:
         errs.append(f"COMPLETE count {sm.complete}, table has {complete}")
-    if processing != set(sm.processing):
-        errs.append(f"PROCESSING index {sorted(sm.processing)} != table {sorted(processing)}")
     # -- segments ---------------------------------------------------------------------
     for sid, s in segs.items():
         al = s.alloc

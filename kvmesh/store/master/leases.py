@@ -150,15 +150,20 @@ class AccessStats:
             o.pop(k, None)
             o[k] = None
             return
-        if type(keys) is list and len(set(keys)) == len(keys):
-            # a batch of distinct keys: the same moves as the loop below, at C speed
-            young = dict.fromkeys(keys)
-            n = len(o)
-            o.update(young)
-            if len(o) - n == len(young):
-                # all new (a PutEnd of new keys, the common case): appended in order, which
-                # is where the moves put them; one hash-table pass over the big dict, not two
+        young = dict.fromkeys(keys) if type(keys) is list else None
+        if young is not None and len(young) == len(keys):
+            # a batch of distinct keys (the dict tells, no set built): the same moves as
+            # the loop below, at C speed
+            if not keys:
                 return
+            if keys[0] not in o:
+                n = len(o)
+                o.update(young)
+                if len(o) - n == len(young):
+                    # all new (a PutEnd of new keys, the common case): appended in order,
+                    # which is where the moves put them; one pass over the big dict, not two
+                    return
+            # (a read's keys are known: straight to the moves, no trial pass first)
             deque(map(o.pop, keys, repeat(None)), maxlen=0)
             o.update(young)
             return

@@ -97,6 +97,9 @@ class Obj(msgspec.Struct, array_like=True, frozen=True, gc=False):
     shallow copy of the table is a consistent snapshot image."""
 
     size: int
+    # The state the record was written with. The current state is the PROCESSING index of
+    # the state machine (``StoreStateMachine.processing``: a key there is PROCESSING, any
+    # other key of the table COMPLETE), so a PutEnd publishes without rewriting the record.
     state: int
     version: int  # log index of the PutStart/Upsert that allocated it
     started: float  # the proposing leader's clock at that entry (for Reclaim)

@@ -106,7 +106,8 @@ from .objects import (
 __all__ = ["CHUNK_ITEMS", "SNAPSHOT_FORMAT", "MasterConfig", "StoreStateMachine"]
 
 CHUNK_ITEMS = 50_000
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+_FORMATS = (1, 2)  # 1: no PROCESSING list in the header (states from the records)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
 MOUNTED, DRAINING = "mounted", "draining"
@@ -195,6 +196,9 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     held: list[tuple[int, list[int]]]  # tag -> seg id, offset, length, ...
     objects: int
     retired: dict[str, float] = {}
+    # format 2: the PROCESSING keys, oldest put first (every other key is COMPLETE; a
+    # record's own ``state`` is the state it was written with, see ``objects.Obj``)
+    processing: list[str] | None = None
 
 
 _DESC_BYTES = 24  # msgpack framing and the two ints of one encoded ReplicaDesc (upper bound)
@@ -257,7 +261,11 @@ class StoreStateMachine:
         self.objects: dict[str, Obj] = {}
         self.segs: dict[int, _Seg] = {}  # by id, in mount order
         self.by_name: dict[str, int] = {}
-        self.processing: dict[str, None] = {}  # PROCESSING keys, oldest put first
+        # PROCESSING key -> its version, oldest put first. THE state of an object: a key of
+        # the table is PROCESSING iff it is here, else COMPLETE (PutEnd only pops it here and
+        # never rewrites the record: one lookup in this small dict instead of a lookup and a
+        # rewrite in the big table). ``Obj.state`` is the state a record was written with.
+        self.processing: dict[str, int] = {}
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
         self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
@@ -336,10 +344,11 @@ class StoreStateMachine:
         lim = self.config.slice_limit
         unpack = SLICE.unpack
         not_found, refused = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_PARAMS)
+        proc = self.processing
         spent = 0
         for i, k in enumerate(keys):
             o = objs.get(k) if type(k) is str else None
-            if o is None or o.state != _C:
+            if o is None or k in proc:
                 codes.append(not_found)
                 sizes.append(0)
                 versions.append(0)
@@ -386,7 +395,12 @@ class StoreStateMachine:
         """:meth:`lookup_table` of a single get of a COMPLETE object of one copy in one slice,
         without the loop's set-up; None for anything else (the loop answers it)."""
         o = self.objects.get(k) if type(k) is str else None
-        if o is None or o.state != _C or len(o.layout) != 12 or o.size > self.config.slice_limit:
+        if (
+            o is None
+            or k in self.processing
+            or len(o.layout) != 12
+            or o.size > self.config.slice_limit
+        ):
             return None
         sid, off = SLICE.unpack(o.layout)
         s = self.segs[sid]
@@ -405,7 +419,8 @@ class StoreStateMachine:
         if not keys or set(map(type, keys)) != {str}:
             return None
         got = list(map(self.objects.get, keys))
-        if None in got or {o.state for o in got} != {_C}:
+        proc = self.processing
+        if None in got or (proc and not proc.keys().isdisjoint(keys)):
             return None
         sizes = [o.size for o in got]
         lay = b"".join([o.layout for o in got])
@@ -413,8 +428,12 @@ class StoreStateMachine:
             return None
         slices = np.frombuffer(lay, _SLICE_DTYPE)
         sid = slices["sid"]
-        uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
-        xs = np.searchsorted(uniq, sid) if len(uniq) > 1 else np.zeros(len(sid), np.int64)
+        first = int(sid[0])
+        if int(sid.min()) == first == int(sid.max()):  # one segment (usual): no sort
+            uniq, xs = np.array([first]), np.zeros(len(sid), np.int64)
+        else:
+            uniq = np.unique(sid)  # sorted; few distinct segments, so no inverse pass
+            xs = np.searchsorted(uniq, sid)
         named = [self.segs[sid] for sid in uniq.tolist()]
         if max_bytes is not None:
             costs = np.asarray([_seg_cost(s) for s in named], np.int64)
@@ -472,24 +491,32 @@ class StoreStateMachine:
     def exists(self, keys: Iterable[str]) -> list[bool]:
         """COMPLETE objects only."""
         ks = keys if type(keys) is list else list(keys)
-        get = self.objects.get
+        objs, proc = self.objects, self.processing
         if set(map(type, ks)) <= {str}:  # what the service decodes: no per-key type test
-            return [o is not None and o.state == _C for o in map(get, ks)]
-        return [type(k) is str and (o := get(k)) is not None and o.state == _C for k in ks]
+            if not proc:
+                return [k in objs for k in ks]
+            return [k in objs and k not in proc for k in ks]
+        return [type(k) is str and k in objs and k not in proc for k in ks]
+
+    def exists_flags(self, keys: list[str]) -> list[int]:
+        """:meth:`exists` as the wire's 1 / 0 per key, for keys the caller checked are all
+        ``str`` (the service's decoded requests): one pass, no type test per batch and no
+        second pass from bools to ints."""
+        objs, proc = self.objects, self.processing
+        if not proc:
+            return [1 if k in objs else 0 for k in keys]
+        return [1 if k in objs and k not in proc else 0 for k in keys]
 
     def exists_codes(self, prefix: str, keys: list[str], suffixes: list[str]) -> list[int]:
         """Per name ``prefix + key + suffix`` (key-major, every suffix): 1 for a COMPLETE
         object, else 0. The names are built and looked up in one pass (no list of names,
         no per-key type test: the service checked the parts, all ``str``)."""
-        get = self.objects.get
-        c = _C
+        objs, proc = self.objects, self.processing
         if len(suffixes) == 1:
             s = suffixes[0]
-            return [
-                1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0 for k in keys
-            ]
+            return [1 if (n := f"{prefix}{k}{s}") in objs and n not in proc else 0 for k in keys]
         return [
-            1 if (o := get(f"{prefix}{k}{s}")) is not None and o.state == c else 0
+            1 if (n := f"{prefix}{k}{s}") in objs and n not in proc else 0
             for k in keys
             for s in suffixes
         ]
@@ -499,34 +526,34 @@ class StoreStateMachine:
         COMPLETE object (:meth:`exists_codes` up to its first 0, divided by the suffixes).
         Stops at the first missing name; one flat loop (no list of codes), the parts
         checked by the service as for :meth:`exists_codes`."""
-        get = self.objects.get
-        c = _C
+        objs, proc = self.objects, self.processing
         if len(suffixes) == 1:
             s = suffixes[0]
             for i, k in enumerate(keys):
-                o = get(f"{prefix}{k}{s}")
-                if o is None or o.state != c:
+                n = f"{prefix}{k}{s}"
+                if n not in objs or n in proc:
                     return i
             return len(keys)
         for i, k in enumerate(keys):
             for s in suffixes:
-                o = get(f"{prefix}{k}{s}")
-                if o is None or o.state != c:
+                n = f"{prefix}{k}{s}"
+                if n not in objs or n in proc:
                     return i
         return len(keys)
 
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
-        objs = self.objects
+        objs, proc = self.objects, self.processing
         out = []
         for k in keys:
             o = objs.get(k) if type(k) is str else None
-            out.append(o.size if o is not None and o.state == _C else int(Code.OBJECT_NOT_FOUND))
+            out.append(o.size if o is not None and k not in proc else int(Code.OBJECT_NOT_FOUND))
         return out
 
     def state_of(self, key: str) -> State:
-        o = self.objects.get(key)
-        return State.GONE if o is None else State(o.state)
+        if key not in self.objects:
+            return State.GONE
+        return State.PROCESSING if key in self.processing else State.COMPLETE
 
     def version_of(self, key: str) -> int:
         o = self.objects.get(key)
@@ -570,8 +597,7 @@ class StoreStateMachine:
 
     def processing_puts(self) -> list[tuple[str, int]]:
         """``(key, version)`` of every PROCESSING put, oldest first."""
-        objs = self.objects
-        return [(k, objs[k].version) for k in self.processing]
+        return list(self.processing.items())
 
     def held_tags(self) -> list[int]:
         """Log indices of hold removes whose bytes are not yet released."""
@@ -585,7 +611,7 @@ class StoreStateMachine:
     def evict_info(self, key: str) -> tuple[int, int, int, float] | None:
         """``(version, allocated bytes, pin, pin_until)`` of a COMPLETE object, else None."""
         o = self.objects.get(key)
-        if o is None or o.state != _C:
+        if o is None or key in self.processing:
             return None
         return o.version, self._bytes(o), o.pin, o.pin_until
 
@@ -635,9 +661,9 @@ class StoreStateMachine:
             hdr = _hdr_dec.decode(first)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise SnapshotCorruptionError(f"store snapshot: bad header: {e}") from None
-        if hdr.format != SNAPSHOT_FORMAT:
+        if hdr.format not in _FORMATS or (hdr.format >= 2) != (hdr.processing is not None):
             raise SnapshotCorruptionError(
-                f"store snapshot: format {hdr.format}, expected {SNAPSHOT_FORMAT}"
+                f"store snapshot: format {hdr.format}, expected one of {_FORMATS}"
             )
         objects: dict[str, Obj] = {}
         for chunk in chunks:
@@ -678,7 +704,7 @@ class StoreStateMachine:
         }  # type: ignore[misc]
         self.objects = objects
         try:
-            self._rebuild_indexes()
+            self._rebuild_indexes(hdr.processing)
         except (KeyError, struct.error) as e:
             raise SnapshotCorruptionError(f"store snapshot: inconsistent image: {e!r}") from None
 
@@ -720,22 +746,26 @@ class StoreStateMachine:
             held,
             len(self.objects),
             dict(self.retired),
+            list(self.processing),
         )
 
-    def _rebuild_indexes(self) -> None:
+    def _rebuild_indexes(self, pkeys: list[str] | None) -> None:
+        """Segment key lists, the PROCESSING index and the COMPLETE count of a restored
+        table; ``pkeys``: the image's PROCESSING keys in order (format 2), or None (format 1:
+        the records' states are current; oldest put first is (version, key) order)."""
         segs = self.segs
+        objs = self.objects
         for s in segs.values():
             s.keys = []
             s.slices = 0
         self.processing = {}
-        complete = 0
         lim = self.config.slice_limit
-        processing: list[tuple[int, str]] = []
-        for k, o in self.objects.items():
-            if o.state == _C:
-                complete += 1
-            else:
-                processing.append((o.version, k))
+        if pkeys is None:
+            pkeys = [k for _, k in sorted((o.version, k) for k, o in objs.items() if o.state != _C)]
+        processing = {k: objs[k].version for k in pkeys}  # KeyError: an inconsistent image
+        if len(processing) != len(pkeys):
+            raise KeyError("a PROCESSING key listed twice")
+        for k, o in objs.items():
             lay = o.layout
             if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
                 s = segs[int.from_bytes(lay[:4], "little")]
@@ -746,9 +776,8 @@ class StoreStateMachine:
                 s = segs[sid]
                 s.keys.append(k)
                 s.slices += 1
-        processing.sort()
-        self.processing = dict.fromkeys(k for _, k in processing)
-        self.complete = complete
+        self.processing = processing
+        self.complete = len(objs) - len(processing)
 
     # ================================================================== internals
 
@@ -833,13 +862,16 @@ class StoreStateMachine:
     def _drop(self, key: str, event: Event, hold_tag: int = 0) -> bool:
         """Remove ``key`` through ``event`` if the lifecycle allows it; frees its bytes."""
         o = self.objects.get(key)
-        if o is None or next_state(o.state, event) is not State.GONE:
+        if o is None:
+            return False
+        busy = key in self.processing
+        if next_state(_P if busy else _C, event) is not State.GONE:
             return False
         del self.objects[key]
-        if o.state == _C:
-            self.complete -= 1
+        if busy:
+            del self.processing[key]
         else:
-            self.processing.pop(key, None)
+            self.complete -= 1
         self._release_copies(key, o, hold_tag)
         return True
 
@@ -926,13 +958,14 @@ class StoreStateMachine:
             copies, lens = self._copies(o)
             keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
             if not keep:
-                if next_state(o.state, Event.NODE_LOST) is State.GONE:
+                busy = key in self.processing
+                if next_state(_P if busy else _C, Event.NODE_LOST) is State.GONE:
                     del self.objects[key]
-                    if o.state == _C:
+                    if busy:
+                        del self.processing[key]
+                    else:
                         self.complete -= 1
                         lost.append(key)
-                    else:
-                        self.processing.pop(key, None)
             else:
                 self.objects[key] = replace(o, layout=pack_layout(keep))
             for c in copies:
@@ -1075,8 +1108,8 @@ class StoreStateMachine:
                         if o is not None:
                             self._register(key, copies)
                             objs[key] = o
-                            self.processing[key] = None
-                elif old.state != _C:
+                            self.processing[key] = index
+                elif key in self.processing:
                     code = int(Code.REPLICA_IS_NOT_READY)  # another put is in flight
                 elif not upsert:
                     code = int(Code.OBJECT_ALREADY_EXISTS)
@@ -1090,13 +1123,13 @@ class StoreStateMachine:
                 ):
                     # Same shape: rewrite in place (the service made sure no reader holds a lease).
                     pin, until = _pin_of(c.config, c.now, c.pin_ttl)
-                    nxt = int(next_state(old.state, Event.UPSERT_REUSE))  # type: ignore[arg-type]
+                    nxt = int(next_state(_C, Event.UPSERT_REUSE))  # type: ignore[arg-type]
                     o = replace(
                         old, state=nxt, version=index, started=c.now, pin=pin, pin_until=until
                     )
                     objs[key] = o
                     self.complete -= 1
-                    self.processing[key] = None
+                    self.processing[key] = index
                 else:
                     # New allocation first, so a NoSpace leaves the old object intact.
                     code, o, copies = self._new_object(index, pos, size, c, mounted)
@@ -1105,7 +1138,7 @@ class StoreStateMachine:
                         self._release_copies(key, old)
                         self._register(key, copies)
                         objs[key] = o  # PROCESSING: TRANSITIONS[(COMPLETE, UPSERT_REPLACE)]
-                        self.processing[key] = None
+                        self.processing[key] = index
             codes.append(code)
             if o is None:
                 reps.append(None)
@@ -1135,13 +1168,14 @@ class StoreStateMachine:
         objs = self.objects
         codes = [0] * n
         todo: list[int] = []
+        fresh: dict[str, int] = {}  # the batch's keys -> this version (distinct if len n)
         if (
             n
             and keys_valid(keys)
             and set(map(type, sizes)) == {int}
             and min(sizes) >= 1
             and max(sizes) <= min(lim, MAX_OBJECT_SIZE)
-            and len(set(keys)) == n
+            and len(fresh := dict.fromkeys(keys, index)) == n
         ):
             # The batch a conforming client sends: every key valid and distinct, every size
             # one slice (checked with C-level passes); only the table decides per key.
@@ -1149,10 +1183,11 @@ class StoreStateMachine:
             if olds.count(None) == n:
                 todo = list(range(n))
             else:
+                proc = self.processing
                 for pos, old in enumerate(olds):
                     if old is None:
                         todo.append(pos)
-                    elif old.state != _C:
+                    elif keys[pos] in proc:
                         codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
                     else:
                         codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
@@ -1178,7 +1213,7 @@ class StoreStateMachine:
                     if old is None:
                         todo.append(pos)
                         seen.add(key)
-                    elif old.state != _C:
+                    elif key in self.processing:
                         codes[pos] = int(Code.REPLICA_IS_NOT_READY)  # a put is in flight
                     else:
                         codes[pos] = int(Code.OBJECT_ALREADY_EXISTS)
@@ -1279,7 +1314,11 @@ class StoreStateMachine:
                         ),
                     )
                 )
-                processing.update(dict.fromkeys(rkeys))
+                # the PROCESSING index gets the batch's keys -> version (built above when
+                # they checked distinct, which a set would have cost as much)
+                processing.update(
+                    fresh if m == n and len(fresh) == n else dict.fromkeys(rkeys, index)
+                )
                 s.keys.extend(rkeys)
                 self._maybe_compact(s)
                 if len(run) == n:  # the whole batch
@@ -1296,7 +1335,7 @@ class StoreStateMachine:
                 s = used_segs[w]
                 key = keys[pos]
                 objs[key] = Obj(sizes[pos], _P, index, now, pack(s.id, offsets[pos]), pin, until)
-                processing[key] = None
+                processing[key] = index
                 s.keys.append(key)
                 self._maybe_compact(s)
         return PutStartRun(
@@ -1321,25 +1360,29 @@ class StoreStateMachine:
         objs = self.objects
         processing = self.processing
         not_found, invalid = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_WRITE)
-        # the lifecycle's answer per current state, looked up once per batch
-        after = {st: next_state(st, Event.PUT_END) for st in (_P, _C)}
+        # the lifecycle's answers, looked up once per batch: PROCESSING -> COMPLETE is
+        # dropping the key from `processing` (the record stays as written)
+        publish = next_state(_P, Event.PUT_END) is State.COMPLETE
+        again = next_state(_C, Event.PUT_END) is State.COMPLETE
+        get = processing.get
         done = 0
         for key, version in zip(c.keys, c.versions):
+            v = get(key) if type(key) is str else None
+            if v is not None:  # PROCESSING, v its version: the small dict only
+                if version != v or not publish:
+                    codes.append(invalid)
+                    continue
+                del processing[key]
+                done += 1
+                codes.append(0)
+                continue
             o = objs.get(key) if type(key) is str else None
             if o is None:
                 codes.append(not_found)
-            elif version != o.version:
+            elif version != o.version or not again:
                 codes.append(invalid)
             else:
-                nxt = after.get(o.state)
-                if nxt is None:
-                    codes.append(invalid)
-                    continue
-                if o.state == _P:
-                    processing.pop(key, None)
-                    done += 1
-                    objs[key] = replace(o, state=int(nxt))
-                codes.append(0)
+                codes.append(0)  # COMPLETE already: a repeated PutEnd of its version
         self.complete += done
         return Codes(codes)
 
@@ -1397,13 +1440,12 @@ class StoreStateMachine:
         ``keys`` that start with ``prefix``, at most ``limit``; how many it passed over
         because ``leased(key)``; whether it stopped at the limit. The leader feeds ``keys``
         in slices of :meth:`keys`, so a scan of a huge table never holds its loop long."""
-        objs = self.objects
+        objs, proc = self.objects, self.processing
         out: list[str] = []
         skipped = 0
         for k in keys:
             if k.startswith(prefix):
-                o = objs.get(k)
-                if o is None or o.state != _C:
+                if k not in objs or k in proc:
                     continue
                 if leased is not None and leased(k):
                     skipped += 1
