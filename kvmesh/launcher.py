@@ -22,15 +22,53 @@ from typing import Any, ClassVar, Self
 __all__ = ["ProcessCluster", "free_ports"]
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` right now (all bound at once, then released)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` right now (all bound at once, then released).
+
+    They are taken below the kernel's ephemeral range when it leaves room: a port is chosen
+    here and bound later by another process (and bound again when a killed replica restarts),
+    and in between the kernel hands ephemeral ports to every ``connect()`` and ``bind(0)``
+    on the host, so a port from that range can be taken by an unrelated client meanwhile
+    (``EADDRINUSE`` at the server's start). Below the range only an explicit bind takes it.
+    """
+    import random
+
+    lo, _ = _ephemeral_range()
+    pool_lo = max(1024, lo - 16384)
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        if lo - pool_lo >= 4 * n:
+            rng = random.Random()  # not the global one: tests seed it
+            for _ in range(64 * n):
+                if len(ports) == n:
+                    break
+                port = rng.randrange(pool_lo, lo)
+                if port in ports:
+                    continue
+                s = socket.socket()
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+                ports.append(port)
+        while len(ports) < n:  # no room below the range (or all tried were taken)
             s = socket.socket()
             socks.append(s)
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()

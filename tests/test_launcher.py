@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 
 import pytest
 
-from kvmesh.launcher import ProcessCluster
+from kvmesh.launcher import ProcessCluster, _ephemeral_range, free_ports
 
 _CHILD = """
 import signal, sys, time
@@ -57,3 +58,15 @@ def test_exit_before_ready_reports_log(tmp_path) -> None:
         with pytest.raises(RuntimeError, match="tiny 1 exited with 4: dying"):
             c.wait_ready(1, timeout=30)
         assert (tmp_path / "tiny1.log").read_text() == "dying\n"
+
+
+def test_free_ports_are_outside_the_ephemeral_range() -> None:
+    """Ports handed to servers that bind them later come from below the kernel's ephemeral
+    range: an unrelated connect() or bind(0) meanwhile never takes one (EADDRINUSE)."""
+    lo, hi = _ephemeral_range()
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(1024 <= p < lo or p > hi for p in ports), (ports, lo, hi)
+    for p in ports:  # free right now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

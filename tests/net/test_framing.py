@@ -93,7 +93,7 @@ def test_read_frame_limits_and_deadline():
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         read_frame(b, 100, Deadline(0.2))
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # the 0.2 s deadline, slack for a loaded machine
     a.close()
     b.close()
 
@@ -123,7 +123,7 @@ def test_aread_frame_body_deadline():
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await aread_frame(r, 1 << 20, frame_timeout=0.2)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0  # slack for a loaded machine
         idle = asyncio.StreamReader()  # no prefix yet: frame_timeout does not apply
         with pytest.raises(TimeoutError) as ei:
             await asyncio.wait_for(aread_frame(idle, 100, frame_timeout=0.05), 0.3)

@@ -325,7 +325,7 @@ def test_oversize_preauth_frame_closes_before_allocating():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # refused at once, not at the 5 s deadline
     assert peak < 256 << 10, peak
     # Just over the pre-auth cap is refused as well.
     s2, c2 = _tcp_pair()
@@ -359,7 +359,8 @@ def test_deadline_is_absolute_over_a_trickling_socket():
         run_server(s, ServerHandshake(SEC, "transfer", "srv"), Deadline(0.6))
     took = time.monotonic() - t0
     stop.set()
-    assert 0.5 < took < 1.5, took
+    # Trickled to its end, the 2000-byte hello takes 100 s; the slack is for a loaded machine.
+    assert 0.5 < took < 4.0, took
     s.close()
     c.close()
     t.join(2)
@@ -418,7 +419,7 @@ def test_asyncio_drivers_end_to_end_and_refusal():
         port = server.sockets[0].getsockname()[1]
         r, w = await asyncio.open_connection("127.0.0.1", port)
         t0 = time.monotonic()
-        while not box and time.monotonic() - t0 < 3:
+        while not box and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.05)
         w.close()
         server.close()
@@ -430,4 +431,4 @@ def test_asyncio_drivers_end_to_end_and_refusal():
     box: list = []
     took = asyncio.run(silent())
     assert isinstance(box[0], HandshakeTimeout), box
-    assert took < 2.0
+    assert took < 5.0  # the 0.3 s deadline, with slack for a loaded machine

@@ -61,7 +61,9 @@ def test_deadline_ends_the_walk() -> None:
     f = LeaderFinder(["a", "b"])
     tries = _walk(f, deadline_s=0.0)
     assert tries.next() is None
-    empty = LeaderFinder([]).attempts(time.monotonic() + 0.05, 1.0)
+    # (0.3 s, not 0.05: a loaded machine may deschedule us past a 50 ms deadline before
+    # the first next(), which then rightly returns None at once.)
+    empty = LeaderFinder([]).attempts(time.monotonic() + 0.3, 1.0)
     n = 0
     while (step := empty.next()) is not None:
         assert step.addr is None

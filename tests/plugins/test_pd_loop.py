@@ -35,12 +35,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from kvmesh.launcher import free_ports
 
 from .sglang_env import ROOT, sglang_missing
 
@@ -64,9 +65,8 @@ WRITE_TIMEOUT = 5.0
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Below the ephemeral range: the child binds it later (see kvmesh.launcher.free_ports).
+    return free_ports(1)[0]
 
 
 def spawn(role: str, dirs: dict[str, str], *extra: str, host_id: str | None = None) -> Child:

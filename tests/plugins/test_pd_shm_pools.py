@@ -357,7 +357,12 @@ def test_shm_decode_killed_mid_transfer_fails_the_sender_and_spares_it(prefill):
     th = threading.Thread(target=loop)
     try:
         th.start()
-        time.sleep(0.3)
+        # Killed once a write went through (not after a fixed 0.3 s: the first write of a
+        # whole pool can take longer than that on a loaded machine).
+        end = time.monotonic() + 30
+        while not rcs and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.05)
         killed = time.monotonic()
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.wait(10)

@@ -102,6 +102,17 @@ async def leader_status(cluster, timeout=15.0):
     raise AssertionError(f"no leader within {timeout}s")
 
 
+async def statuses_until(cluster, pred, timeout=15.0):
+    """Statuses once ``pred(statuses)`` holds (counters land when the replica got to the
+    bytes, not when our write returned), or the last ones after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        st = await statuses(cluster)
+        if pred(st) or time.monotonic() > end:
+            return st
+        await asyncio.sleep(0.1)
+
+
 async def converge(cluster, timeout=30.0):
     end = time.monotonic() + timeout
     st = {}
@@ -215,9 +226,9 @@ def test_forged_append_cannot_lose_an_acknowledged_write(cluster):
             r, w = await peer_as(cluster.peers[f1], f2)
             w.write(msg_frames(*msgs))
             await w.drain()
-            await asyncio.sleep(0.5)
+            st = await statuses_until(cluster, lambda st: st.get(f1, {}).get("forged_msgs", 0))
             w.close()
-            after = (await statuses(cluster))[f1]
+            after = st[f1]
             assert after["forged_msgs"] >= 1
             assert after["last_index"] < last + 39 or after["term"] > term
             # The writes that follow are acknowledged with f1's real acks only ...
@@ -258,9 +269,15 @@ def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and
                 w.write(msg_frames(bad))
                 await w.drain()
                 w.close()
-            await asyncio.sleep(1.0)
+            st = await statuses_until(
+                cluster,
+                lambda st: (
+                    len(st) == len(cluster.ids)
+                    and all(s["snapshots_rejected"] >= 1 for s in st.values())
+                ),
+            )
             assert_alive(cluster)
-            st = await statuses(cluster)
+            assert len(st) == len(cluster.ids), st
             assert all(
                 s["snapshots_rejected"] >= 1 and s["snapshots_installed"] == 0 for s in st.values()
             ), st
@@ -312,7 +329,9 @@ def test_gap_append_forged_votes_and_timeout_now_change_nothing(cluster):
             for x in (w, w2, w3):
                 x.close()
             assert_alive(cluster)
-            st = await statuses(cluster)
+            st = await statuses_until(
+                cluster, lambda st: st.get(f1, {}).get("core_dropped_msgs", 0) >= 3
+            )
             assert {s["term"] for s in st.values()} == {term}, st
             assert {s["leader"] for s in st.values()} == {lid}
             assert st[f1]["core_dropped_msgs"] >= 3

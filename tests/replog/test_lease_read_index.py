@@ -23,7 +23,7 @@ def test_leader_with_lease_answers_at_once(tmp_path) -> None:
         async with Cluster(tmp_path, durability="memory", raft=LEASE) as c:
             leader = await c.leader()
             await c.put("a", b"1")
-            for _ in range(30):  # the lease is confirmed by heartbeat acks
+            for _ in range(250):  # the lease is confirmed by heartbeat acks (a poll)
                 if leader.lease_read_index() is not None:
                     break
                 await asyncio.sleep(0.02)

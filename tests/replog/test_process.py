@@ -205,8 +205,13 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
             term_before = (await statuses(cluster))[victim]["term"]
             cluster.pause(victim)  # SIGSTOP for 3 election timeouts
             acked = load.acked
-            await asyncio.sleep(3.0)
+            t0 = time.monotonic()
+            # A poll, not a fixed 3 s: on a loaded machine the election and the next ack can
+            # take longer; the leader stays paused at least the 3 s either way.
+            while load.acked <= acked and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.1)
             assert load.acked > acked, "the majority did not continue without the paused leader"
+            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
             cluster.resume(victim)
             await asyncio.sleep(1.5)
         finally:
@@ -223,12 +228,21 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
     run(main())
 
 
+async def _until_acked(load, n, timeout=30.0):
+    """More than ``n`` writes acknowledged (a loaded machine elects and writes slower than
+    the fixed sleeps before it assumed)."""
+    end = time.monotonic() + timeout
+    while load.acked <= n and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
 def test_full_cluster_kill_and_restart_from_disk(cluster):
     async def main():
         cluster.start_all()
         load = Load(cluster, seed=33)
         load.start()
         await asyncio.sleep(2.5)
+        await _until_acked(load, 50)
         for i in cluster.ids:
             cluster.kill(i)  # all at once, under load
         await asyncio.sleep(0.3)
@@ -260,6 +274,7 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
             load = Load(c, seed=44, read_ratio=0.0)
             load.start()
             await asyncio.sleep(1.5)
+            await _until_acked(load, 20)
             for i in c.ids:
                 c.kill(i)
             await load.finish()

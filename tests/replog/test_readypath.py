@@ -5,6 +5,7 @@ only after the fsync: the order of its effects, and a live single-replica node."
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from kvmesh.replog.readypath import SYNC, SYNC_BEGIN, ReadyPath
@@ -95,12 +96,20 @@ def test_a_live_replica_answers_before_a_slow_fsync_of_later_entries(tmp_path, m
     from .test_node import Cluster
 
     slow = {"on": False}
+    syncs: list[tuple[float, float]] = []  # (start, end) of each slow fsync
+    began = threading.Event()
     orig = DiskStorage.sync
 
     def sync(self):  # type: ignore[no-untyped-def]
-        if slow["on"]:
-            time.sleep(0.3)
-        return orig(self)
+        if not slow["on"]:
+            return orig(self)
+        t0 = time.monotonic()
+        began.set()
+        time.sleep(0.3)
+        try:
+            return orig(self)
+        finally:
+            syncs.append((t0, time.monotonic()))
 
     monkeypatch.setattr(DiskStorage, "sync", sync)
 
@@ -109,19 +118,22 @@ def test_a_live_replica_answers_before_a_slow_fsync_of_later_entries(tmp_path, m
             leader = await c.leader()
             await leader.propose(encode_command(KvPut("a", b"1")))
             slow["on"] = True
-            t0 = time.monotonic()
             first = asyncio.ensure_future(leader.propose(encode_command(KvPut("b", b"2"))))
-            await asyncio.sleep(0.1)  # "b" is in its fsync; "c" waits for the next Ready
+            # "b" is in its fsync; "c" waits for the next Ready (an event, not a sleep: on a
+            # slow machine "b" may not have reached its fsync after any fixed time).
+            assert await asyncio.to_thread(began.wait, 30)
             second = asyncio.ensure_future(leader.propose(encode_command(KvPut("c", b"3"))))
             await first
-            took = time.monotonic() - t0
+            answered = time.monotonic()
             await second
             slow["on"] = False
-            return took
+            return answered
 
-    took = asyncio.run(asyncio.wait_for(main(), 60))
-    # One fsync (0.3 s) plus scheduling; waiting for the second fsync makes it >= 0.6 s.
-    assert 0.3 <= took < 0.55, took
+    answered = asyncio.run(asyncio.wait_for(main(), 60))
+    # Ordered by events, not by wall-clock bounds (a loaded machine stretches any of them):
+    # "b" was answered after its own fsync and before the fsync of the Ready holding "c" ended.
+    assert len(syncs) >= 2, syncs
+    assert syncs[0][1] <= answered < syncs[1][1], (answered, syncs)
 
 
 def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeypatch):
@@ -135,12 +147,21 @@ def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeyp
     from .test_node import Cluster
 
     slow = {"storage": None}
+    began: list[float] = []  # per slow fsync: when it began, and an event set when it ends
+    ended: list[threading.Event] = []
     orig = DiskStorage.sync
 
     def sync(self):  # type: ignore[no-untyped-def]
-        if self is slow["storage"]:
-            time.sleep(0.4)
-        return orig(self)
+        if self is not slow["storage"]:
+            return orig(self)
+        done = threading.Event()
+        ended.append(done)
+        began.append(time.monotonic())
+        time.sleep(0.4)
+        try:
+            return orig(self)
+        finally:
+            done.set()
 
     monkeypatch.setattr(DiskStorage, "sync", sync)
 
@@ -150,12 +171,23 @@ def test_a_leader_replicates_entries_proposed_during_its_fsync(tmp_path, monkeyp
             await leader.propose(encode_command(KvPut("a", b"1")))
             slow["storage"] = leader.storage
             first = asyncio.ensure_future(leader.propose(encode_command(KvPut("b", b"2"))))
-            await asyncio.sleep(0.1)  # "b" is in the leader's fsync
+            # "b" is in the leader's fsync: an event, not a fixed 0.1 s (on a loaded machine
+            # the fsync may begin later, and "c" would then join "b"'s Ready).
+            end = time.monotonic() + 30
+            while not began:
+                assert time.monotonic() < end, "the leader never began its fsync"
+                await asyncio.sleep(0.005)
+            running = ended[-1]
             idx = leader.core.log.last_index() + 1
             second = asyncio.ensure_future(leader.propose(encode_command(KvPut("c", b"3"))))
-            await asyncio.sleep(0.15)  # the leader's fsync of "b" still runs
+            # The followers hold "c" while that fsync still runs (a poll that ends at once).
             followers = [n for n in c.nodes.values() if n is not leader]
-            seen = sum(1 for n in followers if n.core.log.last_index() >= idx)
+            seen = 0
+            while not running.is_set():
+                seen = sum(1 for n in followers if n.core.log.last_index() >= idx)
+                if seen == 2:
+                    break
+                await asyncio.sleep(0.005)
             early = leader.metrics["early_sends"]
             await first
             await second

@@ -267,13 +267,14 @@ def test_size_mismatches_and_unregistered_buffers(env):
 def test_wrong_token_is_refused(env):
     cl, peer, c = env
     t0 = time.monotonic()
-    bad = StoreClient(cl.address, token="not-the-token", timeout=5)
+    bad = StoreClient(cl.address, token="not-the-token", timeout=15)
     try:
         with pytest.raises(E.StoreUnavailable):
             bad.exists("single-a")
     finally:
         bad.close()
-    assert time.monotonic() - t0 < 4.5  # refused, not retried until the deadline
+    # Refused, not retried until the 15 s deadline (slack for a loaded machine).
+    assert time.monotonic() - t0 < 8
 
 
 def test_tensor_helpers(env):

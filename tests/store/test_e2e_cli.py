@@ -90,9 +90,13 @@ def test_up_status_and_ctrl_c(tmp_path):
             p.kill()
             p.wait()
         p.stdout.close()
-    time.sleep(0.5)
-    procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert str(tmp_path) not in procs  # the master replicas stopped with it
+    end = time.monotonic() + 15  # the master replicas stopped with it (a poll: they exit)
+    while True:
+        procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        if str(tmp_path) not in procs or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    assert str(tmp_path) not in procs
 
 
 def test_master_and_node_commands(tmp_path):
@@ -113,14 +117,23 @@ def test_master_and_node_commands(tmp_path):
             assert c.status()["segments"][0]["size"] == 16 << 20
         finally:
             c.close()
-        time.sleep(0.6)  # the metrics view refreshes on the master's ticker
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
-        )
-        assert 'kvmesh_store_requests_total{outcome="ok",type="PutStartReq"} 1.0' in text
-        assert "kvmesh_store_objects 2.0" in text
-        assert "kvmesh_store_is_leader 1.0" in text
-        assert "kvmesh_store_capacity_bytes 1.6777216e+07" in text
+        want = [
+            'kvmesh_store_requests_total{outcome="ok",type="PutStartReq"} 1.0',
+            "kvmesh_store_objects 2.0",
+            "kvmesh_store_is_leader 1.0",
+            "kvmesh_store_capacity_bytes 1.6777216e+07",
+        ]
+        # The metrics view refreshes on the master's ticker: poll until it shows the puts
+        # (a fixed 0.6 s sleep can end before the next refresh on a loaded machine).
+        end = time.monotonic() + 15
+        while True:
+            url = f"http://127.0.0.1:{mport}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            if all(w in text for w in want) or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        for w in want:
+            assert w in text, (w, text[-3000:])
         n.send_signal(signal.SIGTERM)
         assert n.wait(20) == 0
         m.send_signal(signal.SIGTERM)

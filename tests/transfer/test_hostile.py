@@ -173,7 +173,9 @@ def test_slowloris_connections_are_bounded_in_threads_and_fds(client):
         for s in socks:
             s.close()
         _honest_roundtrip(client(), peer)
-        time.sleep(0.5)
+        end = time.monotonic() + 10  # the threads exit on their own: wait, not a fixed sleep
+        while threads(peer.pid) > th0 + 4 and time.monotonic() < end:
+            time.sleep(0.05)
         assert threads(peer.pid) <= th0 + 4
 
 
@@ -347,9 +349,10 @@ def test_unregister_ends_a_stalled_writer(client):
     with Peer("--size", str(4 * MiB)) as peer:  # request deadline: the default 60 s
         sock = _stall_mid_write(client(), peer)
         t0 = time.monotonic()
-        res = peer.cmd("unregister", wait=3)  # raises if the owner timed out
-        assert res["ok"] and time.monotonic() - t0 < 3.0
-        assert _wait_closed([sock], within=2.0) < 2.0
+        # Bounds far below the 60 s request deadline, with slack for a loaded machine.
+        res = peer.cmd("unregister", wait=10)  # raises if the owner timed out
+        assert res["ok"] and time.monotonic() - t0 < 8.0
+        assert _wait_closed([sock], within=5.0) < 5.0
         sock.close()
 
 

@@ -114,14 +114,14 @@ def _unregister_during_write(make_peer, eng, src, kind: str, transport: str, mod
     return last[2] == "SegmentNotFound" and last[3] > 0 and last[0] < rep["t1"]
 
 
-def _start_write(writer, address: str) -> None:
+def _start_write(writer, address: str, name: str = "pool") -> None:
     # Sent without waiting: the writer answers when its 256 MiB WRITE ends.
     writer.proc.stdin.write(
         json.dumps(
             {
                 "cmd": "write_to",
                 "address": address,
-                "name": "pool",
+                "name": name,
                 "local": 0,
                 "remote": 0,
                 "length": SIZE,
@@ -141,27 +141,48 @@ def _wait_landing(view: np.ndarray) -> None:
 
 def test_a_stopped_peer_makes_unregister_time_out_and_keep_the_memory(make_engine, make_peer):
     eng = make_engine()
-    region = eng.alloc_shared(SIZE, name="pool")
-    view = region.array()
-    view.fill(0)
     writer = make_peer("--kind", "dram", "--size", str(SIZE), "--transport", "shm")
-    _start_write(writer, eng.address)
-    _wait_landing(view)
-    os.kill(writer.pid, signal.SIGSTOP)  # frozen inside a chunk, holding the fence
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(TransferTimeout, match="not handed back"):
-            eng.unregister(region, timeout=0.5)
-        assert time.monotonic() - t0 < 5
-        # Nothing was handed back: still registered (closed to new jobs), still mapped.
-        assert region in eng.regions() and not region.shm.closed
-    finally:
-        os.kill(writer.pid, signal.SIGCONT)
-    # Resumed, the writer stops at its next chunk: the segment is gone, not written.
-    with pytest.raises(RuntimeError, match="SegmentNotFound"):  # the driver raises its error
-        writer._read(30)
-    eng.unregister(region, timeout=5)  # now it completes
-    assert region not in eng.regions() and region.shm.closed
+    # The writer is frozen once its WRITE shows up, meant to be inside a chunk, holding the
+    # fence. On a busy box this process may see the bytes only after the WRITE ended (or the
+    # writer may stop between two chunks, holding nothing): unregister then rightly returns,
+    # the attempt proves nothing and is made again. Unregister not waiting for the fence
+    # returns every time, so the test still fails on that.
+    for attempt in range(3):
+        name = f"pool{attempt}"
+        region = eng.alloc_shared(SIZE, name=name)
+        view = region.array()
+        view.fill(0)
+        _start_write(writer, eng.address, name)
+        _wait_landing(view)
+        os.kill(writer.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            try:
+                eng.unregister(region, timeout=0.5)
+            except TransferTimeout as exc:
+                assert "not handed back" in str(exc), exc
+                timed_out = True
+            else:
+                timed_out = False
+            if timed_out:
+                assert time.monotonic() - t0 < 5
+                # Nothing was handed back: still registered (closed to new jobs), still mapped.
+                assert region in eng.regions() and not region.shm.closed
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+        if not timed_out:
+            try:
+                writer._read(30)  # the WRITE's answer: done, or refused at its next chunk
+            except RuntimeError as exc:
+                assert "SegmentNotFound" in str(exc), exc
+            continue
+        # Resumed, the writer stops at its next chunk: the segment is gone, not written.
+        with pytest.raises(RuntimeError, match="SegmentNotFound"):  # the driver raises it
+            writer._read(30)
+        eng.unregister(region, timeout=5)  # now it completes
+        assert region not in eng.regions() and region.shm.closed
+        return
+    pytest.fail("the writer was never stopped inside a chunk (3 attempts)")
 
 
 def test_a_peer_killed_mid_write_does_not_block_unregister(make_engine, make_peer):
@@ -175,7 +196,7 @@ def test_a_peer_killed_mid_write_does_not_block_unregister(make_engine, make_pee
     writer.kill()  # the kernel drops its fence lock with it
     t0 = time.monotonic()
     eng.unregister(region, timeout=10)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5  # not the 10 s timeout (slack for a loaded machine)
 
 
 def test_an_owner_without_a_fence_is_reached_over_tcp(make_engine, make_peer):

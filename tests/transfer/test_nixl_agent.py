@@ -454,7 +454,7 @@ def test_peer_killed_mid_transfer(tls):
         t0 = time.monotonic()
         with pytest.raises(PeerDeadError):
             agent.transfer("WRITE", region, [0], name, peer.region(), [0], [4096], timeout=10)
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 5  # at once, not at the 10 s timeout (slack for load)
         assert agent.peer_dead(name)
         own = np.zeros(4096, np.uint8)
         r_own = agent.register(own.ctypes.data, own.nbytes)
