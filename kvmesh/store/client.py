@@ -1049,15 +1049,9 @@ class StoreClient:
             return None  # a buffer too small: refused per key by the general loop
         # _table checked that row j is key j, one slice of the object's full size, in the
         # one segment (index 0); its offsets and lengths go to the engine as they are.
-        seg = looked.segs[0]
-        h = self._open(seg)
-        used = None
-        if h is not None:
-            # Never copy past the lease: after it the memory may belong to another object.
-            left = max(0.001, looked.lease_deadline - time.monotonic())
-            lo = np.asarray(bufs.offs, np.int64)
-            used = self._transfer(Op.READ, bufs.region, lo, h, seg, rows[:, 3], rows[:, 4], left)
-        if time.monotonic() > looked.lease_deadline:
+        lo = np.asarray(bufs.offs, np.int64)
+        used, expired = self._read_leased(looked, 0, bufs.region, lo, rows[:, 3], rows[:, 4])
+        if expired:
             out[:] = [_lease_expired(k) for k in keys]
         elif used is None:
             out[:] = [_read_failed(k) for k in keys]
@@ -1066,6 +1060,21 @@ class StoreClient:
         t = [] if used is None else sorted(used)
         self.last_transports = t
         return BatchResults(out, t)
+
+    def _read_leased(
+        self, looked: _Looked, y: int, region: MemoryRegion, lo: Any, ro: Any, ln: Any
+    ) -> tuple[tuple[str, ...] | None, bool]:
+        """One engine read from segment ``looked.segs[y]`` that never runs past the read
+        lease (after it the memory may belong to another object): the transports used (None:
+        the segment could not be opened or the read failed) and whether the lease had
+        expired by the time it ended (then nothing read may be reported as read)."""
+        seg = looked.segs[y]
+        h = self._open(seg)
+        used = None
+        if h is not None:
+            left = max(0.001, looked.lease_deadline - time.monotonic())
+            used = self._transfer(Op.READ, region, lo, h, seg, ro, ln, left)
+        return used, time.monotonic() > looked.lease_deadline
 
     def _read_one(
         self, keys: list[Any], i: int, bufs: Any, caps: Any, looked: _Looked, out: list[Any]
@@ -1082,15 +1091,9 @@ class StoreClient:
         else:
             region, at = bufs[i]
         _, _, y, ro, ln = looked.rows[0].tolist()
-        seg = looked.segs[y]
-        h = self._open(seg)
-        # Never copy past the lease: after it the memory may belong to another object.
-        used = None
-        if h is not None:
-            left = max(0.001, looked.lease_deadline - time.monotonic())
-            used = self._transfer(Op.READ, region, at, h, seg, ro, ln, left)
+        used, expired = self._read_leased(looked, y, region, at, ro, ln)
         t = [] if used is None else list(used)
-        if time.monotonic() > looked.lease_deadline:
+        if expired:
             out[i] = _lease_expired(keys[i])
         elif used is None:
             out[i] = _read_failed(keys[i])

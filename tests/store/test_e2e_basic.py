@@ -136,9 +136,9 @@ def test_lease_expired_before_copy_finished(env, monkeypatch):
     assert c.get("slow-a") == b"a" * 5000
 
 
-def _simple_read_planted_without_lease_check(real):
-    """A copy of ``real`` (StoreClient._read_simple) that never checks the lease (a planted
-    bug)."""
+def _leased_read_planted_without_lease_check(real):
+    """A copy of ``real`` (StoreClient._read_leased, the read of the single-key and usual
+    batch paths) that never checks the lease (a planted bug)."""
     import inspect
     import textwrap
 
@@ -149,7 +149,7 @@ def _simple_read_planted_without_lease_check(real):
     src = src.replace("time.monotonic() > looked.lease_deadline", "False")
     ns: dict = {}
     exec(src, vars(client_mod), ns)  # noqa: S102 - the test's own planted copy
-    return ns["_read_simple"]
+    return ns["_read_leased"]
 
 
 def test_simple_batch_read_keeps_the_loops_answers_and_the_lease(env, monkeypatch):
@@ -202,10 +202,12 @@ def test_simple_batch_read_keeps_the_loops_answers_and_the_lease(env, monkeypatc
         late = c.get_into(keys, dst, offs, [size] * len(keys))
         assert ran == [True] and all(isinstance(r, E.LeaseExpired) for r in late)
         # Negative control: the same path without its lease check reports bytes instead.
-        planted_read = _simple_read_planted_without_lease_check(real)
-        monkeypatch.setattr(StoreClient, "_read_simple", planted_read)
+        planted_read = _leased_read_planted_without_lease_check(StoreClient._read_leased)
+        monkeypatch.setattr(StoreClient, "_read_leased", planted_read)
+        ran.clear()
         planted = c.get_into(keys, dst, offs, [size] * len(keys))
-        assert not any(isinstance(r, E.LeaseExpired) for r in planted)
+        assert ran == [True] and not any(isinstance(r, E.LeaseExpired) for r in planted)
+        monkeypatch.undo()  # the real _read_leased and _transfer again
         monkeypatch.setattr(StoreClient, "_read_simple", spy)
         # A copy that fails: every key is TransferFailed, none reports bytes.
         monkeypatch.setattr(c, "_transfer", lambda *a: None)
