@@ -12,6 +12,7 @@ subclass says only how to run replica ``i`` (:meth:`~ProcessCluster.command`,
 from __future__ import annotations
 
 import os
+import random
 import select
 import signal
 import socket
@@ -40,8 +41,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     on the host, so a port from that range can be taken by an unrelated client meanwhile
     (``EADDRINUSE`` at the server's start). Below the range only an explicit bind takes it.
     """
-    import random
-
     lo, _ = _ephemeral_range()
     pool_lo = max(1024, lo - 16384)
     socks: list[socket.socket] = []
