@@ -31,6 +31,7 @@ from .errors import (
     TransferTimeout,
 )
 from .executor import Task
+from .fastcopy import bulk_busy, bulk_slot
 from .memory import MemoryRegion
 from .ranges import as_int64, as_op, as_requests, check_ranges
 from .segment import RemoteSegment, RouteHandle
@@ -320,6 +321,9 @@ class Batch:
                 and (
                     self._nbytes <= cfg.split_bytes
                     or all(t.job.nbytes <= cfg.inline_bytes for t in tasks)
+                    # Other bulk copies already hold the CPUs: fanning out would only queue
+                    # the jobs behind them and hand the slots over at every job.
+                    or (all(t.transport.cpu_copy for t in tasks) and bulk_busy())
                 )
             )
         else:
@@ -330,9 +334,13 @@ class Batch:
                     inline = False
                     break
         if inline:
-            for t in tasks:
-                if t.claim():
-                    t.run()
+            # One copy slot for the whole set (a slot per small job would hand it over between
+            # threads at every job: fastcopy.bulk_slot).
+            cpu = all(t.transport.cpu_copy for t in tasks)
+            with bulk_slot(self._nbytes if cpu else 0):
+                for t in tasks:
+                    if t.claim():
+                        t.run(gate=not cpu)
         else:
             for t in tasks:
                 ctx.submit(t)

@@ -43,6 +43,7 @@ from .errors import (
     TransportUnavailable,
 )
 from .executor import Executor
+from .fastcopy import bulk_slot
 from .memory import (
     MemoryRegion,
     RegionIndex,
@@ -721,6 +722,7 @@ class TransferEngine:
         Batch does; the first failure ends the call (it fails as a whole anyway).
         """
         held: list[tuple[MemoryRegion, RouteHandle]] = []
+        slot = None
         try:
             for (local, remote, *_), h in zip(groups, handles):
                 if not h.acquire():
@@ -735,6 +737,9 @@ class TransferEngine:
             deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
             served: list[TransportKind] = []
             nbytes = 0
+            if all(h.transport.cpu_copy for h in handles):
+                # One copy slot for the call, not one per (small) job: fastcopy.bulk_slot.
+                slot = bulk_slot(sum(g[5] for g in groups))
             for i, ((local, remote, lo, ro, ln, nb), h) in enumerate(zip(groups, handles)):
                 job = TransferJob(
                     op,
@@ -767,6 +772,8 @@ class TransferEngine:
                 if h.transport.kind not in served:
                     served.append(h.transport.kind)
         finally:
+            if slot is not None:
+                slot.__exit__(None, None, None)
             for item in held:
                 if item is not None:
                     item[0].release()

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .fastcopy import bulk_slot
+
 if TYPE_CHECKING:  # pragma: no cover
     from .transports.base import TransferJob, Transport
 
@@ -53,11 +55,17 @@ class Task:
     def claimed(self) -> bool:
         return not self._claim
 
-    def run(self) -> None:
-        """Execute the claimed task and report the outcome (never raises)."""
+    def run(self, gate: bool = True) -> None:
+        """Execute the claimed task and report the outcome (never raises). A CPU copy runs
+        under :func:`~kvmesh.transfer.fastcopy.bulk_slot` unless ``gate`` is False (the caller
+        holds a slot for a whole set of tasks)."""
         try:
             self.job.check()
-            self.transport.execute(self.job)
+            if gate and self.transport.cpu_copy:
+                with bulk_slot(self.job.nbytes):
+                    self.transport.execute(self.job)
+            else:
+                self.transport.execute(self.job)
         except BaseException as exc:  # reported to the batch; the worker must survive
             self.on_done(self, exc)
         else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -118,6 +119,110 @@ def copy(dst: int, src: int, n: int) -> None:
 
 
 _CHECK_EVERY = 8 << 20  # bytes copied between two check() calls
+
+GATE_MIN_BYTES = 256 << 10  # copy_ranges calls moving less than this never wait for a slot
+
+
+def copy_slots(env: str, cpus: int) -> int:
+    """How many bulk copies may run at once for ``KVMESH_COPY_THREADS=env`` (0: unbounded)."""
+    env = env.strip()
+    if not env:
+        return max(1, cpus)
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"KVMESH_COPY_THREADS={env!r}: expected an integer >= 0") from None
+    if n < 0:
+        raise ValueError(f"KVMESH_COPY_THREADS={env!r}: expected an integer >= 0")
+    return n
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# Bulk copies of this process run at most one per CPU, whoever calls them (the engine's workers,
+# callers running their jobs inline): each thread releases the GIL for every page it copies
+# and takes it back ~10-20 us later, so more copying threads than CPUs mostly trade the GIL and
+# the CPUs (16 concurrent PD requests from 4 threads on 2 vCPUs: ~2,300 voluntary switches per
+# round and 15 % more CPU per byte than under the gate; docs/sglang.md "16 concurrent
+# requests"). Small copies (a store get of a few pages, HiCache's page reads) never wait, so
+# they never queue behind bulk transfers. A slot is not handed over in FIFO order: a thread
+# that is running takes a free slot before a sleeping waiter wakes up (a FIFO hand-off left a
+# CPU idle at every hand-off: 10-25 % slower here), so a bulk copy waits for as long as the
+# copies holding the slots keep them (one job, or one call that runs its jobs inline).
+COPY_SLOTS = copy_slots(os.environ.get("KVMESH_COPY_THREADS", ""), _cpus())
+
+
+class _Gate:
+    def __init__(self, slots: int) -> None:
+        self.sem = threading.Semaphore(slots)
+        self.held = 0  # places taken now (updated under the GIL: a hint, not a lock)
+        self.taken = 0  # bulk copies that took a place
+        self.waited = 0  # ... of which after waiting
+
+
+_gate: _Gate | None = _Gate(COPY_SLOTS) if COPY_SLOTS else None
+
+
+class BulkSlot:
+    """A held copy slot (context manager)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: _Gate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> BulkSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate.held -= 1
+        self._gate.sem.release()
+
+
+class _NoSlot:
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SLOT = _NoSlot()
+
+
+def bulk_slot(nbytes: int) -> BulkSlot | _NoSlot:
+    """A copy slot for a bulk CPU copy of ``nbytes`` (waits for one), or a no-op for small
+    copies and when the gate is off (``KVMESH_COPY_THREADS=0``)."""
+    gate = _gate
+    if gate is None or nbytes < GATE_MIN_BYTES:
+        return _NO_SLOT
+    gate.taken += 1
+    if not gate.sem.acquire(blocking=False):
+        gate.waited += 1
+        gate.sem.acquire()
+    gate.held += 1
+    return BulkSlot(gate)
+
+
+def bulk_busy() -> bool:
+    """True while some bulk copy holds a slot: a new bulk batch then gains nothing from
+    fanning out to worker threads (a hint: read without a lock)."""
+    return _gate is not None and _gate.held > 0
+
+
+def gate_stats() -> dict[str, int]:
+    """Slots, slots held now, bulk copies that took one and those that waited for it."""
+    g = _gate
+    if g is None:
+        return {"slots": 0, "held": 0, "taken": 0, "waited": 0}
+    return {"slots": COPY_SLOTS, "held": g.held, "taken": g.taken, "waited": g.waited}
 
 
 def copy_ranges(

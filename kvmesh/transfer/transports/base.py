@@ -245,6 +245,9 @@ class Transport(abc.ABC):
     # False when cutting a big job into parts for several worker threads does not pay (one
     # NIXL agent posts them one after the other and each extra handle costs 7-25 %).
     split_ok: ClassVar[bool] = True
+    # True when execute() copies with the CPU in this thread through fastcopy (GIL released per
+    # range): such bulk jobs run under fastcopy.bulk_slot, at most one per CPU at a time.
+    cpu_copy: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

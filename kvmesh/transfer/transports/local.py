@@ -29,6 +29,7 @@ class LocalTransport(Transport):
 
     kind = TransportKind.LOCAL
     inline_ok = True
+    cpu_copy = True
 
     def can_serve(self, local: MemoryRegion, remote: SegmentDescriptor) -> bool:
         if remote.pid != self.ctx.pid or remote.host_id != self.ctx.host_id:

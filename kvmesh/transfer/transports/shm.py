@@ -39,6 +39,7 @@ class ShmTransport(Transport):
 
     kind = TransportKind.SHM
     inline_ok = True
+    cpu_copy = True
 
     def __init__(self, ctx) -> None:  # type: ignore[no-untyped-def]
         super().__init__(ctx)
