@@ -56,7 +56,7 @@ from .memory import (
 from .ranges import as_int64, as_op, as_requests
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import TransferJob, Transport, TransportContext
-from .transports.tcp import TcpServer
+from .transports.tcp import TcpServer, TcpTransport
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
 log = logging.getLogger("kvmesh.transfer")
@@ -663,6 +663,19 @@ class TransferEngine:
             # What a sync Batch would run in this thread anyway (one job per group, in order),
             # without its per-request status and task bookkeeping (issue 9: <= 1 ms per call).
             return self._run_inline(op, groups, handles, requests, timeout, coalesced=True)
+        if (
+            op is Op.WRITE
+            and len(groups) > 1
+            and isinstance(handles[0].transport, TcpTransport)
+            and all(h.route is handles[0].route for h in handles)
+            and all(g[5] <= cfg.inline_bytes for g in groups)
+        ):
+            # Many small WRITEs to one TCP peer (a PD request: one job per layer buffer): one
+            # connection carries them back to back from this thread (TcpTransport.execute_writes)
+            # instead of a worker hand-off and a round trip each.
+            return self._run_inline(
+                op, groups, handles, requests, timeout, coalesced=True, pipelined=True
+            )
         b = Batch(self._batch_ctx)
         try:
             for local, remote, glo, gro, gln, _ in groups:
@@ -714,8 +727,10 @@ class TransferEngine:
         timeout: float | None,
         *,
         coalesced: bool = False,
+        pipelined: bool = False,
     ) -> BatchResult:
-        """Run validated groups (uint64 offset and length arrays) as one job each, in order.
+        """Run validated groups (uint64 offset and length arrays) as one job each, in order
+        (``pipelined``: WRITEs to one TCP peer, handed to the transport at once).
 
         Every route and region is held before the first byte moves (a route closed meanwhile
         fails the call with nothing copied) and each is let go as soon as its job ended, as a
@@ -740,6 +755,36 @@ class TransferEngine:
             if all(h.transport.cpu_copy for h in handles):
                 # One copy slot for the call, not one per (small) job: fastcopy.bulk_slot.
                 slot = bulk_slot(sum(g[5] for g in groups))
+            if pipelined:
+                jobs = [
+                    TransferJob(
+                        op,
+                        local,
+                        remote.desc,
+                        h.route,
+                        lo,
+                        ro,
+                        ln,
+                        nb,
+                        deadline,
+                        remote.peer.liveness,
+                        coalesced=coalesced,
+                    )
+                    for (local, remote, lo, ro, ln, nb), h in zip(groups, handles)
+                ]
+                h = handles[0]
+                try:
+                    h.transport.execute_writes(jobs)
+                except TransferError:
+                    raise
+                except Exception as exc:
+                    raise TransferError(
+                        f"{h.transport.kind.value} transport failed writing to "
+                        f"{groups[0][1].peer.address}: {exc!r}"
+                    ) from exc
+                groups = []  # every byte moved; the holds go in the finally below
+                nbytes = sum(j.nbytes for j in jobs)
+                served.append(h.transport.kind)
             for i, ((local, remote, lo, ro, ln, nb), h) in enumerate(zip(groups, handles)):
                 job = TransferJob(
                     op,

@@ -177,6 +177,12 @@ def client_read(
             raise P.io_error(exc, f"reading from {peer.address}") from None
 
 
+# WRITE requests a connection carries ahead of their Acks (execute_writes): the unread Acks
+# and error replies (a few hundred bytes at most each) must fit in the socket buffers, or the
+# owner would block on a reply while we block on a send.
+PIPELINE_DEPTH = 32
+
+
 class TcpTransport(Transport):
     """Pushes pages through the segment owner's control server."""
 
@@ -188,22 +194,54 @@ class TcpTransport(Transport):
     def open(self, remote: SegmentDescriptor) -> Any:
         return self.ctx.peer(remote.control)
 
-    def execute(self, job: TransferJob) -> None:
-        job.check()
+    def _parts(self, job: TransferJob) -> Any:
+        """(local offsets, remote offsets, lengths, bytes) of each request of ``job``."""
         cfg = self.ctx.config
-        base = memoryview(job.local.array())
-        peer = job.route
         lo, ro, ln = job.coalesced()
         if len(ln) <= cfg.max_request_pieces and job.nbytes <= cfg.max_request_bytes:
-            parts: Any = ((lo, ro, ln, job.nbytes),)  # the common case: one request
-        else:
-            parts = (
-                (a, b, c, int(c.sum()))
-                for a, b, c in request_chunks(
-                    lo, ro, ln, cfg.max_request_pieces, cfg.max_request_bytes
-                )
-            )
-        for lo, ro, ln, total in parts:
+            return ((lo, ro, ln, job.nbytes),)  # the common case: one request
+        return (
+            (a, b, c, int(c.sum()))
+            for a, b, c in request_chunks(lo, ro, ln, cfg.max_request_pieces, cfg.max_request_bytes)
+        )
+
+    def execute_writes(self, jobs: list[TransferJob]) -> None:
+        """WRITE ``jobs`` (one peer, in order) back to back on one connection, reading each
+        Ack up to :data:`PIPELINE_DEPTH` requests later instead of waiting a round trip per
+        request: a PD request is one small job per layer buffer (64 x 512 KiB), and one
+        round trip and thread hand-off each cost more CPU than their bytes (docs/sglang.md
+        "16 concurrent requests"). The owner serves them exactly as one by one."""
+        peer = jobs[0].route
+        pending = 0
+        with peer.connection(jobs[0].remaining()) as conn:
+            sock = conn.sock
+            for job in jobs:
+                job.check()
+                base = memoryview(job.local.array())
+                for lo, ro, ln, total in self._parts(job):
+                    if pending >= PIPELINE_DEPTH:
+                        _expect(conn.reply(job.remaining()), P.Ack)
+                        pending -= 1
+                    req = P.WriteReq(job.remote.name, job.remote.seg_id, _u64(ro), _u64(ln), total)
+                    sock.settimeout(job.remaining())
+                    try:
+                        send_ranges(sock, base, lo, ln, P.encode(req))
+                    except OSError as exc:
+                        # The owner may have refused an earlier request and closed: its reply
+                        # says why better than the broken pipe does.
+                        for _ in range(pending):
+                            _expect(conn.reply(min(job.remaining(), 1.0)), P.Ack)
+                        raise P.io_error(exc, f"writing to {peer.address}") from None
+                    pending += 1
+            while pending:
+                _expect(conn.reply(jobs[-1].remaining()), P.Ack)
+                pending -= 1
+
+    def execute(self, job: TransferJob) -> None:
+        job.check()
+        base = memoryview(job.local.array())
+        peer = job.route
+        for lo, ro, ln, total in self._parts(job):
             if job.op is Op.WRITE:
                 client_write(
                     peer,
