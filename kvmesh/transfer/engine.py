@@ -668,7 +668,7 @@ class TransferEngine:
             and len(groups) > 1
             and isinstance(handles[0].transport, TcpTransport)
             and all(h.route is handles[0].route for h in handles)
-            and all(g[5] <= cfg.inline_bytes for g in groups)
+            and all(g[5] <= cfg.split_bytes for g in groups)
         ):
             # Many small WRITEs to one TCP peer (a PD request: one job per layer buffer): one
             # connection carries them back to back from this thread (TcpTransport.execute_writes)

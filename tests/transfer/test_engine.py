@@ -556,6 +556,82 @@ def test_by_address_groups_run_in_the_caller_without_a_batch(make_engine, monkey
     client.unregister(srcs[3], timeout=1.0)  # nothing pins it: returns at once
 
 
+def _peer_of(client, owner):
+    return client.peer(owner.address)
+
+
+def test_by_address_writes_to_one_tcp_peer_go_back_to_back_on_one_connection(
+    make_engine, monkeypatch
+):
+    # issue 9: a PD request over TCP is one small job per layer buffer; each went to a worker
+    # thread and waited a round trip for its Ack. Now the calling thread sends them all on one
+    # connection and reads the Acks behind (more jobs than the pipeline depth here).
+    import kvmesh.transfer.engine as engine_mod
+    from kvmesh.transfer.transports import tcp
+
+    owner, client = make_engine(), make_engine(transport="tcp")
+    pairs = tcp.PIPELINE_DEPTH + 8
+    src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, pairs, 64 << 10, 7)
+
+    def no_batch(*a, **k):
+        raise AssertionError("small WRITEs to one TCP peer must not build a Batch")
+
+    def no_single(self, job):
+        raise AssertionError("small WRITEs to one TCP peer must not run one request at a time")
+
+    monkeypatch.setattr(engine_mod, "Batch", no_batch)
+    monkeypatch.setattr(tcp.TcpTransport, "execute", no_single)
+    for _ in range(2):  # the second call reuses the pooled connection
+        res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+        q = (64 << 10) // 4
+        for s, d in zip(src, dst):
+            assert (d[3 * q :] == s[:q]).all() and (d[q : 2 * q] == s[2 * q : 3 * q]).all()
+        assert res.state is BatchState.DONE and res.nbytes == sum(lens)
+        assert res.transports == [TransportKind.TCP]
+        # Every Ack was read: the pooled connection answers the next request, not a stale Ack.
+        client.ping(owner.address)
+        assert len(_peer_of(client, owner)._idle) == 1, "one connection carried the call"
+        for d in dst:
+            d[:] = 0
+    handles = [h for rs in client._remote.values() for h in rs._routes.values()]
+    assert _idle(*srcs, *handles)
+
+
+def test_a_pipelined_write_refused_by_the_owner_fails_the_call_and_spoils_nothing(
+    make_engine, monkeypatch
+):
+    from kvmesh.transfer.transports import tcp
+
+    owner, client = make_engine(), make_engine(transport="tcp")
+    src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 6, 64 << 10, 8)
+    client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)  # routes, a conn
+    real = tcp.TcpServer._resolve
+
+    def refuse_d8_2(self, req, offsets, lengths):
+        if req.segment == "d8-2":
+            raise SegmentNotFound("injected: segment 'd8-2' refused by its owner")
+        return real(self, req, offsets, lengths)
+
+    monkeypatch.setattr(tcp.TcpServer, "_resolve", refuse_d8_2)
+    for d in dst:
+        d[:] = 0
+    with pytest.raises(SegmentNotFound, match="injected"):
+        client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert not dst[2].any(), "the refused request's payload was drained, not landed"
+    # The connection with unread Acks behind the error is closed, not pooled; what follows on
+    # a fresh one works, and nothing is left held.
+    assert not _peer_of(client, owner)._idle
+    monkeypatch.setattr(tcp.TcpServer, "_resolve", real)
+    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert res.nbytes == sum(lens)
+    q = (64 << 10) // 4
+    for s, d in zip(src, dst):
+        assert (d[3 * q :] == s[:q]).all() and (d[q : 2 * q] == s[2 * q : 3 * q]).all()
+    client.ping(owner.address)
+    handles = [h for rs in client._remote.values() for h in rs._routes.values()]
+    assert _idle(*srcs, *handles)
+
+
 def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_engine, monkeypatch):
     owner, client = make_engine(), make_engine()
     src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 4, 64 << 10, 6)
