@@ -632,6 +632,24 @@ def test_a_pipelined_write_refused_by_the_owner_fails_the_call_and_spoils_nothin
     assert _idle(*srcs, *handles)
 
 
+def test_a_pipelined_write_the_owner_cannot_skip_reports_the_owners_reason(make_engine):
+    # The owner refuses a request above its own size limit and closes the connection (it cannot
+    # skip the payload); the client, still sending the requests behind it, gets the owner's
+    # reason, not a broken pipe.
+    from kvmesh.transfer import RequestTooLarge
+
+    owner = make_engine(max_request_bytes=96 << 10)
+    client = make_engine(transport="tcp")
+    src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 8, 4 << 20, 9)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTooLarge, match="limit"):
+        client.transfer_by_address(Op.WRITE, owner.address, local, remote, lens)
+    assert time.monotonic() - t0 < 10
+    assert not _peer_of(client, owner)._idle
+    handles = [h for rs in client._remote.values() for h in rs._routes.values()]
+    assert _idle(*srcs, *handles)
+
+
 def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_engine, monkeypatch):
     owner, client = make_engine(), make_engine()
     src, dst, srcs, dsts, local, remote, lens = _by_address_pairs(owner, client, 4, 64 << 10, 6)

@@ -22,6 +22,7 @@ not a Python object per piece.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,24 @@ def client_read(
             raise P.io_error(exc, f"reading from {peer.address}") from None
 
 
+def _refusal(conn: Any, pending: int, until: float) -> None:
+    """Raise the owner's error if one of the ``pending`` replies is a refusal: an owner that
+    refused a request it could not skip closed the connection, and its reply says why better
+    than the broken pipe does. Reads until ``until`` (monotonic) at most."""
+    for _ in range(pending):
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            msg = conn.reply(left)
+        except TransferError:
+            raise  # the owner's answer (error_from_code), or a broken reply: both say more
+        except Exception:  # noqa: BLE001 - nothing more to learn; the send error is raised
+            return
+        if not isinstance(msg, P.Ack):
+            return
+
+
 # WRITE requests a connection carries ahead of their Acks (execute_writes): the unread Acks
 # and error replies (a few hundred bytes at most each) must fit in the socket buffers, or the
 # owner would block on a reply while we block on a send.
@@ -227,10 +246,8 @@ class TcpTransport(Transport):
                     try:
                         send_ranges(sock, base, lo, ln, P.encode(req))
                     except OSError as exc:
-                        # The owner may have refused an earlier request and closed: its reply
-                        # says why better than the broken pipe does.
-                        for _ in range(pending):
-                            _expect(conn.reply(min(job.remaining(), 1.0)), P.Ack)
+                        if not isinstance(exc, TimeoutError):  # a stalled owner gets no more
+                            _refusal(conn, pending, min(job.deadline, time.monotonic() + 0.5))
                         raise P.io_error(exc, f"writing to {peer.address}") from None
                     pending += 1
             while pending:
