@@ -160,7 +160,10 @@ COPY_SLOTS = copy_slots(os.environ.get("KVMESH_COPY_THREADS", ""), _cpus())
 class _Gate:
     def __init__(self, slots: int) -> None:
         self.sem = threading.Semaphore(slots)
-        self.held = 0  # places taken now (updated under the GIL: a hint, not a lock)
+        # Counted under a lock: ``+=`` on an attribute is not atomic between threads, and a
+        # count that drifted up would keep bulk_busy() true for good.
+        self.lock = threading.Lock()
+        self.held = 0  # places taken now
         self.taken = 0  # bulk copies that took a place
         self.waited = 0  # ... of which after waiting
 
@@ -180,8 +183,10 @@ class BulkSlot:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._gate.held -= 1
-        self._gate.sem.release()
+        gate = self._gate
+        with gate.lock:
+            gate.held -= 1
+        gate.sem.release()
 
 
 class _NoSlot:
@@ -203,11 +208,13 @@ def bulk_slot(nbytes: int) -> BulkSlot | _NoSlot:
     gate = _gate
     if gate is None or nbytes < GATE_MIN_BYTES:
         return _NO_SLOT
-    gate.taken += 1
-    if not gate.sem.acquire(blocking=False):
-        gate.waited += 1
+    waited = not gate.sem.acquire(blocking=False)
+    if waited:
         gate.sem.acquire()
-    gate.held += 1
+    with gate.lock:
+        gate.taken += 1
+        gate.waited += waited
+        gate.held += 1
     return BulkSlot(gate)
 
 

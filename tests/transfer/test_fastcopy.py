@@ -207,4 +207,6 @@ def test_concurrent_bulk_transfers_copy_at_most_one_per_slot(make_engine, two_sl
     assert not errors, errors
     assert all((d == i).all() for i, d in enumerate(dsts))
     assert peak[0] == 2, f"{peak[0]} bulk copies ran at once with two slots"
-    assert fastcopy.gate_stats()["waited"] > 0
+    st = fastcopy.gate_stats()
+    assert st["waited"] > 0
+    assert st["held"] == 0 and not fastcopy.bulk_busy(), "a slot count drifted"
