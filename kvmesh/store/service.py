@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -1494,6 +1495,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
     _install_uvloop()
+    # The cyclic GC's young generation every 20,000 container allocations, not 700: a
+    # 512-key batch allocates hundreds of lists, structs and futures that live across the
+    # log round trip, and at 700 the GC rescans them several times per batch (~3-4 % of a
+    # replica's CPU per key in the metadata bench). The master's records are gc=False
+    # structs, so nothing long-lived is added to the scans; a young collection scans only
+    # what is still alive (~0.9 ms measured if all 20,000 were, under load).
+    gc.set_threshold(20_000, 10, 10)
     try:
         return asyncio.run(run_master(cfg))
     except OSError as e:
