@@ -108,6 +108,11 @@ def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray
     )
 
 
+def _failed(h: RouteHandle, what: str, exc: Exception) -> TransferError:
+    """A transport's unexpected exception as the call's error."""
+    return TransferError(f"{h.transport.kind.value} transport failed {what}: {exc!r}")
+
+
 class TransferEngine:
     """Moves bytes between registered memory of this process and segments of peers.
 
@@ -737,7 +742,6 @@ class TransferEngine:
         Batch does; the first failure ends the call (it fails as a whole anyway).
         """
         held: list[tuple[MemoryRegion, RouteHandle]] = []
-        slot = None
         try:
             for (local, remote, *_), h in zip(groups, handles):
                 if not h.acquire():
@@ -750,43 +754,8 @@ class TransferEngine:
                 held.append((local, h))
             t0 = time.monotonic()
             deadline = t0 + (self.config.transfer_timeout if timeout is None else timeout)
-            served: list[TransportKind] = []
-            nbytes = 0
-            if all(h.transport.cpu_copy for h in handles):
-                # One copy slot for the call, not one per (small) job: fastcopy.bulk_slot.
-                slot = bulk_slot(sum(g[5] for g in groups))
-            if pipelined:
-                jobs = [
-                    TransferJob(
-                        op,
-                        local,
-                        remote.desc,
-                        h.route,
-                        lo,
-                        ro,
-                        ln,
-                        nb,
-                        deadline,
-                        remote.peer.liveness,
-                        coalesced=coalesced,
-                    )
-                    for (local, remote, lo, ro, ln, nb), h in zip(groups, handles)
-                ]
-                h = handles[0]
-                try:
-                    h.transport.execute_writes(jobs)
-                except TransferError:
-                    raise
-                except Exception as exc:
-                    raise TransferError(
-                        f"{h.transport.kind.value} transport failed writing to "
-                        f"{groups[0][1].peer.address}: {exc!r}"
-                    ) from exc
-                groups = []  # every byte moved; the holds go in the finally below
-                nbytes = sum(j.nbytes for j in jobs)
-                served.append(h.transport.kind)
-            for i, ((local, remote, lo, ro, ln, nb), h) in enumerate(zip(groups, handles)):
-                job = TransferJob(
+            jobs = [
+                TransferJob(
                     op,
                     local,
                     remote.desc,
@@ -799,26 +768,38 @@ class TransferEngine:
                     remote.peer.liveness,
                     coalesced=coalesced,
                 )
-                try:
-                    job.check()
-                    h.transport.execute(job)
-                except TransferError:
-                    raise
-                except Exception as exc:
-                    raise TransferError(
-                        f"{h.transport.kind.value} transport failed on segment "
-                        f"{remote.name!r}: {exc!r}"
-                    ) from exc
-                finally:
-                    held[i] = None  # type: ignore[call-overload]
-                    local.release()
-                    h.release()
-                nbytes += nb
-                if h.transport.kind not in served:
+                for (local, remote, lo, ro, ln, nb), h in zip(groups, handles)
+            ]
+            nbytes = sum(j.nbytes for j in jobs)
+            served: list[TransportKind] = []
+            # One copy slot for the whole call, not one per (small) job: fastcopy.bulk_slot.
+            cpu = all(h.transport.cpu_copy for h in handles)
+            with bulk_slot(nbytes if cpu else 0):
+                if pipelined:
+                    h = handles[0]
+                    try:
+                        h.transport.execute_writes(jobs)
+                    except TransferError:
+                        raise
+                    except Exception as exc:
+                        raise _failed(h, f"writing to {h.route.address}", exc) from exc
                     served.append(h.transport.kind)
+                else:
+                    for i, (job, h) in enumerate(zip(jobs, handles)):
+                        try:
+                            job.check()
+                            h.transport.execute(job)
+                        except TransferError:
+                            raise
+                        except Exception as exc:
+                            raise _failed(h, f"on segment {job.remote.name!r}", exc) from exc
+                        finally:
+                            held[i] = None  # type: ignore[call-overload]
+                            job.local.release()
+                            h.release()
+                        if h.transport.kind not in served:
+                            served.append(h.transport.kind)
         finally:
-            if slot is not None:
-                slot.__exit__(None, None, None)
             for item in held:
                 if item is not None:
                     item[0].release()
