@@ -1,8 +1,10 @@
 """Helpers shared by every script in bench/ (conventions: shared docs bench-format.md).
 
 * :func:`bench_args`: the common ``--quick`` / ``--json PATH`` command line;
-* :func:`memcpy_gbps` and :func:`tcp_gbps`: the same-run reference limits (single-thread
-  memcpy of 64 MiB buffers; one raw TCP loopback stream between two processes);
+* :func:`memcpy_gbps`, :func:`copy_all_cores_gbps` and :func:`tcp_gbps`: the same-run
+  reference limits (single-thread memcpy of 64 MiB buffers; every core copying its own part
+  at once; one raw TCP loopback stream between two processes); :func:`copy_limits` measures
+  both copy limits, :func:`copy_limits_text` prints them;
 * :func:`record`: one result row with every standard field (``None`` where it does not apply)
   and the ratios to the limits filled in;
 * :func:`print_table` and :func:`write_json`: the human table and the JSON object;
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -22,6 +25,7 @@ import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -39,6 +43,7 @@ FIELDS = (
     "p50_us",
     "p99_us",
     "ratio_memcpy",
+    "ratio_copy_limit",
     "ratio_tcp",
 )
 
@@ -135,6 +140,71 @@ def memcpy_gbps(size: int = 64 * MiB, reps: int = 5) -> float:
     return size / dt / 1e9
 
 
+def cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def copy_all_cores_gbps(part: int = 32 * MiB, reps: int = 5, threads: int | None = None) -> float:
+    """The machine's copy bandwidth with every core copying at once (GB/s, median of ``reps``).
+
+    One thread per CPU, each copying its own ``part``-byte slice of two shared buffers
+    (disjoint, so no line is shared), all released together; a round lasts until the last
+    thread is done. ``ctypes.memmove`` releases the GIL, so the threads copy in parallel. This
+    is the ceiling of a same-host transfer, which may copy on several cores (the engine's
+    workers, a peer process): ratios above 1 x single-thread memcpy stay below this one.
+    """
+    n = max(1, threads or cpus())
+    src = np.ones(part * n, dtype=np.uint8)
+    dst = np.ones(part * n, dtype=np.uint8)  # written now: no first-touch faults in a round
+    sa, da = src.ctypes.data, dst.ctypes.data
+    start, done = threading.Barrier(n + 1), threading.Barrier(n + 1)
+    rounds = reps + 1  # the first warms up
+
+    def work(i: int) -> None:
+        for _ in range(rounds):
+            start.wait()
+            ctypes.memmove(da + i * part, sa + i * part, part)
+            done.wait()
+
+    pool = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+    for t in pool:
+        t.start()
+    times = []
+    try:
+        for _ in range(rounds):
+            start.wait(60)
+            t0 = time.perf_counter()
+            done.wait(60)
+            times.append(time.perf_counter() - t0)
+    finally:
+        for t in pool:
+            t.join(60)
+    return part * n / float(np.median(times[1:])) / 1e9
+
+
+def copy_limits(limits: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure both copy limits into ``limits`` (kept where an earlier sample was higher: a
+    limit is the best the machine did in this run) and return it."""
+    limits = {} if limits is None else limits
+    for key, fn in (("memcpy_gbps", memcpy_gbps), ("copy_all_cores_gbps", copy_all_cores_gbps)):
+        limits[key] = round(max(limits.get(key) or 0.0, fn()), 3)
+    return limits
+
+
+def copy_limits_text(limits: dict[str, Any]) -> str:
+    """``memcpy X GB/s (one thread), all cores Y GB/s (N threads, Zx)`` for a limits line."""
+    mem, allc = limits.get("memcpy_gbps"), limits.get("copy_all_cores_gbps")
+    text = f"memcpy {mem:.2f} GB/s (one thread)" if mem else "memcpy -"
+    if allc:
+        text += f", all cores {allc:.2f} GB/s ({cpus()} threads"
+        text += f", {allc / mem:.2f}x)" if mem else ")"
+    return text
+
+
 _TCP_SENDER = r"""
 import socket, sys, numpy as np
 port, total, chunk = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -206,6 +276,7 @@ def record(
 ) -> dict[str, Any]:
     """One result row in bench-format.md's shape; ratios computed from ``limits``."""
     mem = limits.get("memcpy_gbps")
+    allc = limits.get("copy_all_cores_gbps")
     tcp = limits.get("tcp_gbps")
     row: dict[str, Any] = {
         "case": case,
@@ -218,6 +289,7 @@ def record(
         "p50_us": None if p50_us is None else round(p50_us, 2),
         "p99_us": None if p99_us is None else round(p99_us, 2),
         "ratio_memcpy": None if gbps is None or not mem else round(gbps / mem, 3),
+        "ratio_copy_limit": None if gbps is None or not allc else round(gbps / allc, 3),
         "ratio_tcp": None if gbps is None or not tcp else round(gbps / tcp, 3),
     }
     row.update(extra)
@@ -227,10 +299,12 @@ def record(
 def apply_ratios(records: list[dict[str, Any]], limits: dict[str, float | None]) -> None:
     """(Re)compute every record's ratios from ``limits`` (once the limits are final)."""
     mem = limits.get("memcpy_gbps")
+    allc = limits.get("copy_all_cores_gbps")
     tcp = limits.get("tcp_gbps")
     for r in records:
         g = r.get("gbps")
         r["ratio_memcpy"] = None if g is None or not mem else round(g / mem, 3)
+        r["ratio_copy_limit"] = None if g is None or not allc else round(g / allc, 3)
         r["ratio_tcp"] = None if g is None or not tcp else round(g / tcp, 3)
 
 

@@ -46,6 +46,8 @@ from bench._common import (  # noqa: E402
     Child,
     MiB,
     bench_args,
+    copy_all_cores_gbps,
+    copy_limits_text,
     memcpy_gbps,
     peer_child,
     percentiles,
@@ -394,13 +396,11 @@ def main(argv: list[str] | None = None) -> int:
 
     limits: dict[str, float | None] = {
         "memcpy_gbps": memcpy_gbps(),
+        "copy_all_cores_gbps": copy_all_cores_gbps(),
         "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
     }
     rows = run(limits, a)
-    print(
-        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
-        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
-    )
+    print(f"limits: {copy_limits_text(limits)}, loopback TCP {limits['tcp_gbps']:.2f} GB/s")
     print_table(
         rows,
         (
@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "p50_us",
             "ratio_memcpy",
             "ratio_memcpy_near",
+            "ratio_copy_limit",
             "ratio_store",
         ),
     )

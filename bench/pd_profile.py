@@ -215,7 +215,7 @@ def concurrent(tokens: int, rounds: int, nreq: int = 16, threads: int = 4) -> No
         print(
             f"{nreq} requests x {pages * PAGE} tokens ({total / nreq / C.MiB:.0f} MiB, "
             f"{len(reqs[0][2][0])} blocks, 64 region pairs each) from {threads} threads; "
-            f"copy kernel {fastcopy.BACKEND}"
+            f"copy kernel {fastcopy.choice().label}"
         )
         with concurrent_futures.ThreadPoolExecutor(threads) as ex:
             for fn in (engine_one, raw_one):

@@ -29,6 +29,8 @@ from bench._common import (
     Child,
     MiB,
     bench_args,
+    copy_all_cores_gbps,
+    copy_limits_text,
     cpu_seconds,
     memcpy_gbps,
     peer_child,
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     limits: dict[str, float | None] = {
         "memcpy_gbps": memcpy_gbps(),
+        "copy_all_cores_gbps": copy_all_cores_gbps(),
         "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
     }
     rows = data_path(limits, a, "cross-process", None)
@@ -420,10 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += metadata(limits, a)
     if not a.quick or a.objects:
         rows += million(limits, a)
-    print(
-        f"limits: memcpy {limits['memcpy_gbps']:.2f} GB/s, "
-        f"loopback TCP {limits['tcp_gbps']:.2f} GB/s"
-    )
+    print(f"limits: {copy_limits_text(limits)}, loopback TCP {limits['tcp_gbps']:.2f} GB/s")
     for r in rows:
         if r["op"] == "restart":
             print(

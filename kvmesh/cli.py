@@ -47,7 +47,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_env(shm_sweep=False)
     with TransferEngine(config=cfg) as eng:
         info = eng.info()
-    info["copy"] = fastcopy.BACKEND
+    ch = fastcopy.choice()
+    info["copy"] = ch.label
+    info["copy_kernel"] = {
+        "kernel": ch.kernel,
+        "reason": ch.reason,
+        "probe_ms": ch.probe_ms,
+        "gbps": ch.medians(),  # median GB/s per probe shape and kernel
+    }
     info["nixl"] = {"installed": nixl.installed_reason() is None, "reason": nixl.installed_reason()}
     if args.probe_nixl:
         info["nixl"]["usable"] = nixl.available()
@@ -64,6 +71,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     )
     print(f"  host id       {info['host_id']}")
     print(f"  copy routine  {info['copy']}")
+    for shape, by in info["copy_kernel"]["gbps"].items():
+        figures = ", ".join(f"{k} {v:.1f}" for k, v in by.items())
+        print(f"    {shape:14} {figures} GB/s")
+    if ch.probe_ms is not None:
+        print(f"    (probe of {ch.probe_ms:.0f} ms at engine start; KVMESH_COPY forces a kernel)")
     nx = info["nixl"]
     state = "installed" if nx["installed"] else f"not installed ({nx['reason']})"
     if "usable" in nx:

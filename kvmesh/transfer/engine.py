@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from . import fence
+from . import fastcopy, fence
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
@@ -168,6 +168,7 @@ class TransferEngine:
         self._transports: list[Transport] = []
         self.transport_status: dict[str, str | None] = {}  # kind -> None (enabled) or why not
         self._start_transports()
+        fastcopy.choice()  # the copy kernel's probe (once per process), before any timed copy
         self._executor = Executor(cfg.workers)
         self._batch_ctx = BatchContext(
             cfg,

@@ -3,17 +3,16 @@
 Two kernels are reachable, both bit-exact and both releasing the GIL:
 
 * ``memmove`` (glibc): between ~2 KiB and its non-temporal threshold it copies with
-  ``rep movsb``. On Intel CPUs with ERMS/FSRM that was never slower than the SIMD loop below
-  for scattered 64-512 KiB pages between ``/dev/shm`` mappings (4 KiB pages), up to 1.45x
-  faster, and 1.8x for a long run (docs/transfer.md, "Copies: which kernel").
-* OpenBLAS ``dcopy`` from NumPy's bundled OpenBLAS, a plain SIMD loop: on AMD EPYC (the VM
-  this was first built on) ``rep movsb`` ran 3-4x slower when the *source* lay in 4 KiB
-  pages, the normal case for a shared-memory segment; ``dcopy`` reached 6.5 GB/s for 256 KiB
-  reads out of a mapping where memmove made 1.6-2.5.
+  ``rep movsb``;
+* OpenBLAS ``dcopy`` from NumPy's bundled OpenBLAS, a plain SIMD loop.
 
-Selection (``BACKEND`` says which and why): ``KVMESH_COPY=memmove`` or ``KVMESH_COPY=dcopy``
-forces one; otherwise ``dcopy`` on AMD and Hygon CPUs (``vendor_id`` in ``/proc/cpuinfo``),
-``memmove`` elsewhere. ``dcopy`` is used only after a bit-exact check at import (NaN payloads
+Which one is faster depends on the CPU, not on its vendor alone: ``rep movsb`` ran 3-4x slower
+than the SIMD loop from 4 KiB-page sources on the AMD EPYC VM this was first built on, 1.1-1.45x
+*faster* on an Intel Xeon, and within ±15 % of it on a later EPYC (docs/transfer.md, "Copies:
+which kernel"). So the kernel is chosen by measuring both, once per process, at the first copy
+or engine start (:func:`choice`): a ~10 ms probe on the shapes kvmesh copies, and ``dcopy``
+only when it is clearly faster (:func:`decide`). ``KVMESH_COPY=memmove`` or ``KVMESH_COPY=dcopy``
+forces one and skips the probe. ``dcopy`` is used only after a bit-exact check (NaN payloads
 included), for 8-byte aligned blocks of at least ``_MIN_BLAS`` bytes. No kernel with
 non-temporal stores is reachable without compiling (none of the bundled libraries exports
 one: docs/transfer.md), so scattered pages copy through the cache either way.
@@ -23,41 +22,35 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
+import mmap
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 memmove = ctypes.memmove
 _MIN_BLAS = 2048  # below this glibc does not use rep movsb anyway and call overhead dominates
 
+KERNELS = ("memmove", "dcopy")
+DEFAULT_KERNEL = "memmove"  # what a near tie keeps: glibc's, needs nothing else to be found
+# dcopy must beat memmove by this factor (geometric mean over the probe's shapes) to be chosen.
+# Interleaved medians of the probe still move by ~10 % between runs on a shared 2-vCPU VM
+# (docs/transfer.md): without a margin a near tie would flip from one process to the next.
+TIE_MARGIN = 1.15
 
-_SIMD_VENDORS = ("AuthenticAMD", "HygonGenuine")  # slow rep movsb from 4 KiB-page sources
-
-
-def cpu_vendor() -> str:
-    """``vendor_id`` of the first CPU in ``/proc/cpuinfo`` ('' when unknown)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def choose_kernel(env: str, vendor: str) -> tuple[str, str]:
-    """``(kernel, reason)``: the kernel for ``KVMESH_COPY=env`` on a CPU of ``vendor``."""
-    env = env.strip().lower()
-    if env in ("memmove", "dcopy"):
-        return env, "KVMESH_COPY"
-    if env not in ("", "auto"):
-        raise ValueError(f"KVMESH_COPY={env!r}: expected memmove, dcopy or auto")
-    if vendor in _SIMD_VENDORS:
-        return "dcopy", f"{vendor}: rep movsb is slow from 4 KiB pages"
-    return "memmove", f"{vendor or 'unknown CPU'}: rep movsb"
+# The probe's shapes, as (label, block bytes): the store's and HiCache's scattered pages, and
+# MiB-sized contiguous runs (a store object, a PD layer chunk), each to a random slot.
+PROBE_SHAPES = (
+    ("128 KiB pages", 128 << 10),
+    ("512 KiB pages", 512 << 10),
+    ("2 MiB runs", 2 << 20),
+)
+_PROBE_POOL = 4 << 20  # each side; a shared-memory file in 4 KiB pages, as a segment is
+_PROBE_REPS = 5  # timed rounds per kernel and shape, interleaved, after one warm-up round
 
 
 def find_dcopy() -> tuple[Callable[..., None] | None, str]:
@@ -97,23 +90,161 @@ def _exact(fn: Callable[..., None]) -> bool:
     return bool((src == dst).all())
 
 
-def _select() -> tuple[Callable[..., None] | None, str]:
-    kernel, why = choose_kernel(os.environ.get("KVMESH_COPY", ""), cpu_vendor())
-    if kernel == "memmove":
-        return None, f"memmove ({why})"
+def forced_kernel(env: str) -> str | None:
+    """The kernel ``KVMESH_COPY=env`` forces, or None for ``auto`` (measure)."""
+    env = env.strip().lower()
+    if env in KERNELS:
+        return env
+    if env not in ("", "auto"):
+        raise ValueError(f"KVMESH_COPY={env!r}: expected memmove, dcopy or auto")
+    return None
+
+
+def decide(
+    samples: Mapping[str, Mapping[str, Sequence[float]]], margin: float = TIE_MARGIN
+) -> tuple[str, str]:
+    """``(kernel, reason)`` from probe samples: ``samples[shape][kernel]`` lists GB/s, one
+    figure per round, the kernels of a round measured back to back.
+
+    Pure. Per shape, the median over rounds of dcopy's figure over memmove's of the same round
+    (a pair sees the same load, so a busy neighbour slows both); then the geometric mean over
+    shapes. ``dcopy`` only at ``margin`` or above; anything closer, or a shape missing a
+    kernel, keeps :data:`DEFAULT_KERNEL`, so the choice does not flip with the noise of a
+    shared machine.
+    """
+    logs = []
+    for shape, by_kernel in samples.items():
+        pairs = [
+            d / m
+            for m, d in zip(by_kernel.get("memmove", ()), by_kernel.get("dcopy", ()))
+            if m > 0 and d > 0
+        ]
+        if not pairs:
+            return DEFAULT_KERNEL, f"no figures for {shape}"
+        logs.append(math.log(float(np.median(pairs))))
+    if not logs:
+        return DEFAULT_KERNEL, "nothing measured"
+    ratio = math.exp(sum(logs) / len(logs))
+    if ratio >= margin:
+        return "dcopy", f"measured: dcopy {ratio:.2f}x memmove"
+    if ratio > 1 / margin:
+        return DEFAULT_KERNEL, f"measured: dcopy {ratio:.2f}x memmove, a near tie keeps memmove"
+    return "memmove", f"measured: dcopy {ratio:.2f}x memmove"
+
+
+def _probe_pool(size: int) -> tuple[mmap.mmap, int]:
+    # memfd: shared memory in 4 KiB pages like a /dev/shm segment, and no file left behind.
+    fd = os.memfd_create("kvmesh-copy-probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+    view = np.frombuffer(m, np.uint8)
+    view[:: mmap.PAGESIZE] = 1  # every page present before timing (MAP_POPULATE may be absent)
+    addr = view.ctypes.data
+    del view
+    return m, addr
+
+
+def probe(dcopy: Callable[..., None], reps: int = _PROBE_REPS) -> dict[str, dict[str, list[float]]]:
+    """GB/s samples of memmove and ``dcopy`` per :data:`PROBE_SHAPES` shape (``decide``'s
+    input). Kernels alternate inside every round, so load changes hit both alike."""
+    kernels: dict[str, Callable[[int, int, int], object]] = {
+        "memmove": memmove,
+        "dcopy": lambda d, s, n: dcopy(n >> 3, s, 1, d, 1),
+    }
+    pool = _PROBE_POOL
+    per_sample = 2 << 20
+    src_map, src = _probe_pool(pool)
+    dst_map, dst = _probe_pool(pool)
+    rng = np.random.default_rng()
+    order = list(kernels.items())
+    out: dict[str, dict[str, list[float]]] = {s[0]: {k: [] for k in kernels} for s in PROBE_SHAPES}
+    try:
+        for rnd in range(reps + 1):  # round 0 warms caches and TLBs up
+            for label, page in PROBE_SHAPES:
+                k, slots = per_sample // page, pool // page
+                for name, fn in order if rnd % 2 else order[::-1]:  # neither always first
+                    so = (rng.permutation(slots)[:k] * page + src).tolist()
+                    do = (rng.permutation(slots)[:k] * page + dst).tolist()
+                    t0 = time.perf_counter()
+                    for d, s in zip(do, so):
+                        fn(d, s, page)
+                    dt = time.perf_counter() - t0
+                    if rnd:
+                        out[label][name].append(round(per_sample / max(dt, 1e-9) / 1e9, 2))
+    finally:
+        src_map.close()
+        dst_map.close()
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The copy kernel of this process and why (``kvmesh info`` prints it)."""
+
+    kernel: str  # one of KERNELS: the identifier benches and tests compare against
+    reason: str
+    library: str | None = None  # dcopy's OpenBLAS library, when it was found
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # GB/s, by shape
+    probe_ms: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kernel == "dcopy":
+            return f"openblas dcopy ({self.library}; {self.reason})"
+        return f"memmove ({self.reason})"
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        return {
+            shape: {k: round(float(np.median(v)), 2) for k, v in by.items() if v}
+            for shape, by in self.samples.items()
+        }
+
+
+def _select(env: str) -> tuple[Callable[..., None] | None, Choice]:
+    forced = forced_kernel(env)
+    if forced == "memmove":
+        return None, Choice("memmove", "KVMESH_COPY")
     fn, lib = find_dcopy()
     if fn is None:
-        return None, f"memmove ({lib})"
-    return fn, f"openblas dcopy ({lib}; {why})"
+        return None, Choice("memmove", lib)
+    if forced == "dcopy":
+        return fn, Choice("dcopy", "KVMESH_COPY", lib)
+    t0 = time.perf_counter()
+    samples = probe(fn)
+    ms = (time.perf_counter() - t0) * 1e3
+    kernel, why = decide(samples)
+    return (fn if kernel == "dcopy" else None), Choice(kernel, why, lib, samples, round(ms, 1))
 
 
-_dcopy, BACKEND = _select()
+_dcopy: Callable[..., None] | None = None  # the chosen kernel when it is dcopy
+_chosen: Choice | None = None
+_choose_lock = threading.Lock()
+
+
+def _choose() -> Callable[..., None] | None:
+    global _dcopy, _chosen
+    with _choose_lock:
+        if _chosen is None:
+            _dcopy, _chosen = _select(os.environ.get("KVMESH_COPY", ""))
+    return _dcopy
+
+
+def choice() -> Choice:
+    """This process's copy kernel, measured on first use and kept for the process."""
+    if _chosen is None:
+        _choose()
+    assert _chosen is not None
+    return _chosen
 
 
 def copy(dst: int, src: int, n: int) -> None:
     """Copy ``n`` bytes from address ``src`` to ``dst`` (non-overlapping ranges)."""
-    if _dcopy is not None and n >= _MIN_BLAS and not ((dst | src | n) & 7):
-        _dcopy(n >> 3, src, 1, dst, 1)
+    fast = _dcopy if _chosen is not None else _choose()
+    if fast is not None and n >= _MIN_BLAS and not ((dst | src | n) & 7):
+        fast(n >> 3, src, 1, dst, 1)
     else:
         memmove(dst, src, n)
 
@@ -258,7 +389,7 @@ def copy_ranges(
     dst = dsts.tolist()
     src = srcs.tolist()
     lens = lengths.tolist()
-    fast = _dcopy
+    fast = _dcopy if _chosen is not None else _choose()
     if (
         fast is not None
         and len(lens)
