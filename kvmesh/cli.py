@@ -4,8 +4,9 @@
 ``kvmesh info``   what this host offers: host id, transports (and why one is missing), NIXL,
                   the copy routine in use.
 ``kvmesh demo``   the store demo (kvmesh/store/demo.py): an embedded store, a prefill worker
-                  writing prefix KV pages, decode workers reading them back on this host and
-                  over the network path, every byte verified.
+                  writing prefix KV pages (256 x 1 MiB a round), decode workers reading them
+                  back on this host and over the network path, every byte verified; a
+                  warm-up round reported apart from the steady state.
 ``kvmesh demo transfer``   the transfer engine alone: a second process holds a KV page pool
                   in shared memory (a "cache node"); this process (a "prefill worker") WRITEs
                   batches of real KV pages into it and READs them back over every transport that
@@ -271,10 +272,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.which == "transfer":
+        args.pages = args.pages or 128
         return cmd_demo(args)
-    from kvmesh.store.demo import run_demo
+    from kvmesh.store.demo import PAGES, run_demo
 
-    return run_demo(pages=args.pages, page_bytes=args.page_kib << 10, rounds=args.rounds)
+    if args.page_kib:
+        page_bytes = args.page_kib << 10
+    else:  # one page_first KV page of the model geometry below: 1 MiB by default
+        page_bytes = args.layers * 2 * args.page_tokens * args.kv_heads * args.head_dim * 2
+    return run_demo(pages=args.pages or PAGES, page_bytes=page_bytes, rounds=args.rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,15 +304,23 @@ def main(argv: list[str] | None = None) -> int:
         default="store",
         help="store: embedded store, two worker processes; transfer: engine only",
     )
-    p.add_argument("--pages", type=int, default=128, help="pages per batch")
+    p.add_argument(
+        "--pages", type=int, default=0, help="pages per batch (default: store 256, transfer 128)"
+    )
     p.add_argument("--slots", type=int, default=0, help="pool slots (default 2 x pages)")
+    # A KV page of a small model (Llama-3.2-1B) in SGLang's page_first layout: 1 MiB.
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (after a warm-up one)")
     p.add_argument("--transports", default="auto", help="comma list of shm,nixl,tcp (default: all)")
-    p.add_argument("--page-kib", type=int, default=64, help="store demo: page size in KiB")
+    p.add_argument(
+        "--page-kib",
+        type=int,
+        default=0,
+        help="store demo: page size in KiB (default: one KV page of the geometry above)",
+    )
     p.set_defaults(fn=_demo)
     from kvmesh.store.cli import register as register_store
 

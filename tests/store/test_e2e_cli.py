@@ -157,7 +157,7 @@ def test_store_demo_verifies_every_page():
             "--pages",
             "32",
             "--rounds",
-            "1",
+            "2",
             "--page-kib",
             "16",
         ],
@@ -167,5 +167,33 @@ def test_store_demo_verifies_every_page():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "every page verified" in out.stdout
-    assert "decode other host" in out.stdout and "tcp" in out.stdout  # the forced network path
-    assert "100%" in out.stdout  # hit rate
+    lines = out.stdout.splitlines()
+    assert "warm-up: 32 pages written, read twice, verified" in lines
+    assert "round 2/2: 32 pages written, read twice, verified" in lines
+    rows = [ln.split() for ln in lines if ln.startswith(("prefill ", "decode "))]
+    # Per worker: the warm-up round's row, then the steady state's (the median of 2 rounds).
+    by_worker: dict[str, list[list[str]]] = {}
+    for r in rows:
+        who = " ".join(r[:3]) if r[0] == "decode" else r[0]
+        by_worker.setdefault(who, []).append(r)
+    assert set(by_worker) == {"prefill", "decode same host", "decode other host"}, rows
+    for who, rs in by_worker.items():
+        assert [r[r.index("write" if who == "prefill" else "read") + 1 :][:2] for r in rs] == [
+            ["warm-up", "32"],
+            ["steady", "x2"],
+        ], rs
+        assert all(r[-1] == "ok" for r in rs), rs  # bytes verified
+        assert all(r[-2] == ("tcp" if who == "decode other host" else "shm") for r in rs), rs
+        if who != "prefill":
+            assert all("100%" in r for r in rs), rs  # hit rate
+
+
+def test_store_demo_default_is_mib_pages_a_few_hundred_mb_a_round():
+    from kvmesh.store import demo
+
+    assert demo.PAGE_BYTES == 1 << 20  # one page_first page of Llama-3.2-1B (32 tokens)
+    assert 128 << 20 <= demo.PAGES * demo.PAGE_BYTES <= 512 << 20
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "demo", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "store 256" in out.stdout
