@@ -1382,6 +1382,27 @@ class StoreClient:
             if not resp.more or idle >= 3:  # a round that found only vanishing keys
                 return Removed(removed, resp.skipped)
 
+    def replicas(self, keys: Any) -> Any:
+        """The COMPLETE copies of objects (per key a list of :class:`ObjectReplica`, slices
+        in byte order, copies on this host first): where each object lives, for callers that
+        show or reason about placement. Like a read, it grants a lease on each found key."""
+        ks, batch = self._listify(keys)
+        out: list[Any] = [None] * len(ks)
+        idx = _valid_indices(ks, out)
+        host = self.engine.host_id
+        for start in range(0, len(idx), MAX_KEYS_PER_RPC):
+            part = idx[start : start + MAX_KEYS_PER_RPC]
+            pk = [ks[i] for i in part]
+            resp = self.rpc.call(lambda rid, pk=pk: P.GetReplicasReq(rid, pk, host))
+            if type(resp) is P.ReplicasResp and len(resp.codes) == len(resp.replicas) == len(pk):
+                for i, c, reps in zip(part, resp.codes, resp.replicas):
+                    out[i] = list(reps or []) if c == 0 else E.error_for(c, f"lookup of {ks[i]!r}")
+            else:
+                err = _whole_error(resp)
+                for i in part:
+                    out[i] = err
+        return self._finish(BatchResults(out), batch)
+
     def status(self) -> dict[str, Any]:
         """The leader's view (members, term, segments, usage, objects, leases)."""
         resp = self.rpc.call(lambda rid: P.StatusReq(rid))

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class StorageNode:
     """``master``: a :class:`MasterClient`; ``size``: bytes to contribute; ``heartbeat_s``:
-    interval (keep it well under the master's node TTL, default 10 s)."""
+    interval (keep it well under the master's node TTL, default 10 s); ``segment``/``node_id``:
+    the names it mounts under (default: from the engine's node id)."""
 
     def __init__(
         self,
@@ -39,13 +40,17 @@ class StorageNode:
         *,
         engine: TransferEngine | None = None,
         segment: str | None = None,
+        node_id: str | None = None,
         heartbeat_s: float = 2.0,
     ) -> None:
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"segment size must be a positive int, got {size!r}")
         self.master = master
         self.engine = engine if engine is not None else get_engine()
-        self.node_id = self.engine.node_id
+        # One process may run several storage nodes on its one engine (Mooncake's clients
+        # each own a segment): each needs its own id, so that the copies of one object still
+        # go to distinct nodes and each node's heartbeat and unmount speak only for it.
+        self.node_id = node_id or self.engine.node_id
         self._base = segment or f"kvstore-{self.node_id}"
         self._generation = 0
         self.segment = self._base

@@ -74,8 +74,8 @@ def install(force: bool = False) -> bool:
     setattr(pkg, _MARK, True)
     store = types.ModuleType("mooncake.store")
     store.__spec__ = importlib.machinery.ModuleSpec("mooncake.store", None)
-    store.MooncakeDistributedStore = compat.MooncakeDistributedStore  # type: ignore[attr-defined]
-    store.ReplicateConfig = compat.ReplicateConfig  # type: ignore[attr-defined]
+    for name, obj in compat.module_names().items():  # every name of Mooncake's module
+        setattr(store, name, obj)
     setattr(store, _MARK, True)
     pkg.store = store  # type: ignore[attr-defined]
     for name in ("mooncake", "mooncake.store"):
