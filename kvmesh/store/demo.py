@@ -190,8 +190,9 @@ def run_demo(
         f"{seg >> 20} MiB in this process ..."
     )
     master = EmbeddedMaster(security=sec)
-    rpc = MasterClient([master.address], sec, name="demo-node")
-    node = StorageNode(rpc, seg, engine=get_engine()).start()
+    engine = get_engine()
+    rpc = MasterClient([master.address], sec, name="demo-node", node_id=engine.node_id)
+    node = StorageNode(rpc, seg, engine=engine).start()
     workers: list[_Worker] = []
     rows: list[dict[str, Any]] = []
     ok = True

@@ -46,6 +46,12 @@ class StorageNode:
         self.master = master
         self.engine = engine if engine is not None else get_engine()
         self.node_id = self.engine.node_id
+        if master.node_id != self.node_id:
+            # The master lets only storage node X mount, unmount and heartbeat X.
+            raise ValueError(
+                f"a storage node needs MasterClient(node_id={self.node_id!r}) "
+                f"(this one speaks as {master.role} {master.node_id or master.name!r})"
+            )
         self._base = segment or f"kvstore-{self.node_id}"
         self._generation = 0
         self.segment = self._base
