@@ -49,7 +49,7 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from ..net.security import SecurityConfig
-    from ..transfer import get_engine
+    from ..transfer import init_engine
     from .node import StorageNode
     from .rpc import MasterClient
 
@@ -59,7 +59,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     sec = SecurityConfig.from_env()
     # A node credential (kvmesh keys node ID) names the node: its engine runs as that id.
     who = sec.identity
-    engine = get_engine(node_id=who[1] if who is not None and who[0] == "node" else None)
+    engine = init_engine(node_id=who[1] if who is not None and who[0] == "node" else None)
     rpc = MasterClient(
         [a for a in args.master.split(",") if a], sec, name="store-node", node_id=engine.node_id
     )
