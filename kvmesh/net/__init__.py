@@ -3,10 +3,14 @@
 The transfer engine, the replicated log and the store all authenticate connections, frame
 messages and bound their work with this package; none keeps its own copy.
 
-* :mod:`.security` -- :class:`SecurityConfig` (token, optional mutual TLS, ``from_env``),
-  :func:`check_bind`, :func:`server_ssl_context` / :func:`client_ssl_context`.
+* :mod:`.identity` -- roles (replica, node, client), keys derived per (role, id) from the
+  cluster secret, credentials (:func:`~.identity.issue`, ``kvmesh keys``).
+* :mod:`.security` -- :class:`SecurityConfig` (cluster secret or credential, optional mutual
+  TLS, ``from_env``, ``key_for``), :func:`check_bind`, :func:`server_ssl_context` /
+  :func:`client_ssl_context`, :func:`check_cert_identity`.
 * :mod:`.handshake` -- sans-I/O mutual HMAC challenge-response (:class:`ServerHandshake`,
-  :class:`ClientHandshake`) binding the service name and both peer ids, with blocking
+  :class:`ClientHandshake`) binding the service name, the client's role and both ids (the
+  key is the claimed role and id's; servers apply an ``accept`` policy), with blocking
   (:func:`server_handshake`, :func:`client_handshake`) and asyncio (:func:`aserver_handshake`,
   :func:`aclient_handshake`) drivers under one absolute deadline.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
@@ -70,16 +74,25 @@ from .handshake import (
     run_server,
     server_handshake,
 )
+from .identity import CLIENT, NODE, REPLICA, ROLES, Credential, speaks_for_node
 from .limits import ConnectionLimiter, Deadline, Slot
 from .security import (
     SecurityConfig,
     check_bind,
+    check_cert_identity,
     client_ssl_context,
     is_loopback,
     server_ssl_context,
 )
 
 __all__ = [
+    "CLIENT",
+    "NODE",
+    "REPLICA",
+    "ROLES",
+    "Credential",
+    "check_cert_identity",
+    "speaks_for_node",
     "DeadlineWatch",
     "Watched",
     "read_frames",

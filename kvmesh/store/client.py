@@ -231,6 +231,9 @@ class StoreClient:
             addrs,
             sec,
             name=f"store-client-{self.engine.node_id}",
+            # With a segment this process is also storage node <engine node id>: it needs
+            # that node's credential (or the secret), not only a client's.
+            node_id=self.engine.node_id if segment_size else None,
             timeout=timeout,
             spin_us=spin_us,
         )

@@ -54,7 +54,10 @@ class _Conn:
 
 class MasterClient(LeaderFinderViews):
     """``addrs``: store RPC addresses of the master replicas (any subset that includes a
-    live one). ``timeout``: the longest one call keeps retrying; ``attempt_timeout``: how
+    live one). ``node_id``: given, this client authenticates as storage node ``node_id``
+    (the secret or that node's credential, ``kvmesh keys node ID``), which mounting,
+    unmounting and heartbeating that node require; else as a client. ``timeout``: the
+    longest one call keeps retrying; ``attempt_timeout``: how
     long one replica gets to answer one attempt. ``spin_us``: how long a call busy-polls
     for the master's reply before it blocks (default ``$KVMESH_SPIN_US`` or
     :data:`~kvmesh.net.framing.DEFAULT_SPIN_US`; 0 turns it off; see docs/store.md)."""
@@ -65,6 +68,7 @@ class MasterClient(LeaderFinderViews):
         security: SecurityConfig | None = None,
         *,
         name: str = "store-client",
+        node_id: str | None = None,
         timeout: float = 15.0,
         attempt_timeout: float = 5.0,
         max_pool: int = 8,
@@ -75,8 +79,12 @@ class MasterClient(LeaderFinderViews):
         self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
-        # Unique per client: the master binds our session to this authenticated name.
-        self.name = f"{name}-{secrets.token_hex(6)}"
+        # Unique per client: the master binds our session to this authenticated name. A
+        # storage node's client speaks as "node <node_id>" (its credential's), the only
+        # identity the master lets mount, unmount and heartbeat that node.
+        self.node_id = node_id
+        self.role = "client" if node_id is None else "node"
+        self.name = f"{name}-{secrets.token_hex(6)}" if node_id is None else node_id
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_pool = max_pool
@@ -101,7 +109,12 @@ class MasterClient(LeaderFinderViews):
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=host)
             client_handshake(
-                sock, self.sec, P.SERVICE, self.name, max(0.01, deadline - time.monotonic())
+                sock,
+                self.sec,
+                P.SERVICE,
+                self.name,
+                max(0.01, deadline - time.monotonic()),
+                role=self.role,  # type: ignore[arg-type]
             )
         except BaseException:
             sock.close()

@@ -47,9 +47,10 @@ import numpy as np
 from ..net import framing as _framing
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
-from ..net.handshake import aserver_handshake
+from ..net.handshake import ServerHandshake, arun_server
 from ..net.limits import ConnectionLimiter
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
+from ..net.identity import speaks_for_node
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -583,14 +584,11 @@ class MasterService:
         watched: Watched | None = None
         try:
             try:
-                peer = await aserver_handshake(
-                    reader,
-                    writer,
-                    self.sec,
-                    P.SERVICE,
-                    self.server_id,
-                    self.cfg.handshake_timeout_s,
-                )
+                hs = ServerHandshake(self.sec, P.SERVICE, self.server_id)
+                who = await arun_server(reader, writer, hs, self.cfg.handshake_timeout_s)
+                # Sessions and storage nodes bind to the authenticated role and id: a
+                # client's connection is never the same peer as node X's (_admit).
+                peer = f"{hs.peer_role}:{who}"
             except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
                 log.info(
                     "store master: handshake from %s refused: %s",
@@ -827,6 +825,15 @@ class MasterService:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
         node_id = req.node_id if "node_id" in fields else None
         if node_id is not None:
+            # Mount, Unmount, Heartbeat: only storage node X (its credential) acts for node
+            # X (and the sub-nodes X/... its process hosts), or a replica-role peer (an operator: it holds the cluster secret, which
+            # derives node X's key anyway); a client credential never can.
+            role, _, who = peer.partition(":")
+            if not (role == "replica" or (role == "node" and speaks_for_node(who, node_id))):
+                raise E.InvalidParams(
+                    f"only storage node {node_id[:_MAX_NAME]!r} may {name[:-3].lower()} it "
+                    f"(this connection is {peer[:_MAX_NAME]!r})"
+                )
             self._check_node_owner(node_id, peer)
         return node
 

@@ -94,7 +94,18 @@ def security_of(config: EngineConfig) -> SecurityConfig:
             raise InvalidArgument(f"token file {config.token_file!r} is empty")
     if token == "":
         raise InvalidArgument("an empty token would authenticate everyone; leave it unset")
-    return SecurityConfig(token=token, allow_insecure=config.allow_insecure)
+    cred = config.credential
+    if config.credential_file is not None:
+        if cred is not None:
+            raise InvalidArgument("set credential or credential_file, not both")
+        with open(config.credential_file, encoding="utf-8") as f:
+            cred = f.read().strip() or None
+    try:
+        # Every engine speaks as a client (the default role): the client key, which a
+        # node's credential carries too, verifies every peer's engine.
+        return SecurityConfig(token=token, credential=cred, allow_insecure=config.allow_insecure)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def _tune(sock: socket.socket, keepalive: bool) -> None:

@@ -158,7 +158,9 @@ async def open_raw(addr):
 async def peer_as(addr, as_id, token=TOKEN):
     """An authenticated replica connection presenting node id ``as_id``."""
     r, w = await open_raw(addr)
-    await aclient_handshake(r, w, SecurityConfig(token=token), PEER_SERVICE, str(as_id))
+    await aclient_handshake(
+        r, w, SecurityConfig(token=token), PEER_SERVICE, str(as_id), role="replica"
+    )
     return r, w
 
 

@@ -32,6 +32,7 @@ import msgspec
 
 from ...launcher import ProcessCluster, free_ports
 from ...net import (
+    CLIENT,
     TURN_REQUESTS,
     DeadlineWatch,
     FrameDecoder,
@@ -47,6 +48,7 @@ from ...net import (
     read_frames,
     server_ssl_context,
 )
+from ...net.identity import issue
 from ..errors import (
     BadRequest,
     NotLeaderError,
@@ -238,7 +240,7 @@ class ReplicaServer(Generic[SM]):
                 log.info("client connection refused: %s", clip(str(e)))
                 return
             self._admission.authenticated(slot)
-            authenticated = sec.token is not None or (
+            authenticated = sec.authenticates or (
                 sec.mutual_tls and writer.get_extra_info("peercert") is not None
             )
             c = _Client(writer, authenticated, peer)
@@ -631,8 +633,12 @@ class LocalCluster(ProcessCluster):
     ) -> None:
         super().__init__(base_dir, list(range(1, n + 1)))
         # With a token, replicas read it from a 0600 file (never from argv: ps shows argv);
-        # clients use ``self.security``.
+        # clients use ``self.security`` (the secret: an operator's) or ``client_security``
+        # (a client credential derived from it, what an application gets).
         self.security = SecurityConfig(token=token)
+        self.client_security = (
+            SecurityConfig(credential=issue(token, CLIENT)) if token is not None else self.security
+        )
         self.token_file: str | None = None
         if token is not None:
             self.token_file = os.path.join(base_dir, "token")

@@ -3,9 +3,11 @@ msgpack frames of Raft messages.
 
 Each node listens on its own address and opens one outbound connection per peer; a
 message from A to B always travels on A's connection to B. A connection opens with the
-:mod:`kvmesh.net` handshake (service ``"replog-peer"``, peer ids = node ids): with the
-cluster token configured both sides prove they know it, and the listener learns the
-*authenticated* id of the connecting node. Then frames (:mod:`kvmesh.net.framing`: a u32 LE
+:mod:`kvmesh.net` handshake (service ``"replog-peer"``, role ``replica``, peer ids = node
+ids): with the cluster secret configured the connecting node proves it holds the key of
+*replica N* (derived from the secret; no client or storage-node credential yields it), and
+the listener refuses any other role and any id outside the current membership, so it learns
+the *authenticated* id of a member. Then frames (:mod:`kvmesh.net.framing`: a u32 LE
 length, then the body) whose body is::
 
     [kind u8][payload]
@@ -48,6 +50,7 @@ from collections.abc import Callable
 import msgspec
 
 from ...net import (
+    REPLICA,
     ConnectionLimiter,
     DeadlineWatch,
     FrameDecoder,
@@ -219,6 +222,7 @@ class _Peer:
                 PEER_SERVICE,
                 str(tr.node_id),
                 tr.cfg.handshake_timeout_s,
+                role=REPLICA,
             )
             if peer != str(self.id):
                 raise ConnectionError(f"{self.addr} is node {clip(peer, 40)}, expected {self.id}")
@@ -370,6 +374,7 @@ class Transport:
         self._buffered = 0
         self.forged_msgs = 0
         self.refused_conns = 0
+        self.refused_handshakes = 0  # wrong key, role or id (or a broken handshake)
         self.on_message = on_message
         self.on_unreachable = on_unreachable
         self.on_snapshot_status = on_snapshot_status
@@ -456,12 +461,12 @@ class Transport:
                     PEER_SERVICE,
                     str(self.node_id),
                     cfg.handshake_timeout_s,
+                    accept=self._accept,
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
+                self.refused_handshakes += 1
                 raise FrameError(f"handshake failed: {clip(str(e))}") from None
-            if not who.isdigit() or not 0 < int(who) < 1 << 63 or int(who) == self.node_id:
-                raise FrameError(f"peer id {clip(who, 40)} is not a node id")
-            peer = int(who)
+            peer = int(who)  # _accept admitted only a member's id
             n = self._per_peer_conns.get(peer, 0)
             if n >= cfg.max_conns_per_peer:
                 raise FrameError(f"node {peer} already has {n} connections")
@@ -543,6 +548,18 @@ class Transport:
             self._conns.discard(task)
             self._conn_writers.discard(writer)
             writer.close()
+
+    def _accept(self, role: str, who: str) -> str | None:
+        """The handshake's policy: only replicas of the current membership (the peers this
+        node sends to), never this node's own id."""
+        if role != REPLICA:
+            return "only replicas may connect to a raft port"
+        # Canonical decimal only: "01" must not pass as node 1 (its key is another's).
+        if not (who.isascii() and who.isdigit()) or str(int(who)) != who:
+            return "not a node id"
+        if int(who) == self.node_id or int(who) not in self._peers:
+            return f"not a member of node {self.node_id}'s group"
+        return None
 
     def _release(self, peer: int, n: int) -> None:
         if n:
