@@ -48,9 +48,9 @@ from ..net import framing as _framing
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import ServerHandshake, arun_server
+from ..net.identity import speaks_for_node
 from ..net.limits import ConnectionLimiter
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
-from ..net.identity import speaks_for_node
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -826,8 +826,9 @@ class MasterService:
         node_id = req.node_id if "node_id" in fields else None
         if node_id is not None:
             # Mount, Unmount, Heartbeat: only storage node X (its credential) acts for node
-            # X (and the sub-nodes X/... its process hosts), or a replica-role peer (an operator: it holds the cluster secret, which
-            # derives node X's key anyway); a client credential never can.
+            # X (and the sub-nodes X/... its process hosts), or a replica-role peer (an
+            # operator: it holds the cluster secret, which derives node X's key anyway); a
+            # client credential never can.
             role, _, who = peer.partition(":")
             if not (role == "replica" or (role == "node" and speaks_for_node(who, node_id))):
                 raise E.InvalidParams(
