@@ -50,6 +50,7 @@ from ..net.errors import NetError
 from ..net.handshake import aserver_handshake
 from ..net.limits import ConnectionLimiter, source_of
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
+from ..net.throttle import LogThrottle
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -307,6 +308,7 @@ class MasterService:
             config.max_unauthenticated_per_source,
         )
         self._conns: set[asyncio.Task] = set()
+        self._throttle = LogThrottle(log, 5.0)  # refused handshakes: a line per interval
         # A begun request frame must end within request_timeout_s and within the idle bound
         # (which also bounds the wait for the next request), as one asyncio.timeout did.
         self._watch = DeadlineWatch(
@@ -599,7 +601,9 @@ class MasterService:
                     self.cfg.handshake_timeout_s,
                 )
             except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
-                log.info(
+                self._throttle.log(
+                    logging.INFO,
+                    "auth",
                     "store master: handshake from %s refused: %s",
                     writer.get_extra_info("peername"),
                     str(e)[:200],

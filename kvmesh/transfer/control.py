@@ -57,6 +57,7 @@ from kvmesh.net import (
     source_of,
 )
 from kvmesh.net.framing import CHUNK
+from kvmesh.net.throttle import LogThrottle
 
 from . import protocol as P
 from . import sockio
@@ -128,31 +129,6 @@ def primary_ip() -> str:
         probe.close()
 
 
-class _Throttle:
-    """Logs one line per kind of event per interval, with a count of what it held back.
-
-    A flood of bad connections must not become a flood of log lines.
-    """
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -1e9) < self._interval:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        if held:
-            msg += f" (and {held} more like it in the last {self._interval:g} s)"
-        log.log(level, msg, *args, exc_info=exc_info)
-
-
 class Served:
     """One connection of the control server, as handlers see it."""
 
@@ -212,7 +188,7 @@ class ControlServer:
             config.max_unauthenticated,
             config.max_unauthenticated_per_source,
         )
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle(log)
         self._info = P.encode_info(P.ServerInfo(identity.node_id, identity.host_id))
         self._lsock = socket.create_server((host, port), family=family_of(host), backlog=128)
         bound = self._lsock.getsockname()

@@ -17,11 +17,14 @@ import contextlib
 import errno
 import selectors
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+
+_RST = struct.pack("ii", 1, 0)
 
 
 def _open(host: str, port: int, source: str | None, blocking: bool) -> socket.socket:
@@ -107,6 +110,7 @@ class SilentFlood:
 def connect_flood(host: str, port: int, seconds: float, source: str | None = None) -> int:
     """Open connections as fast as possible for ``seconds`` (module docstring)."""
     ring: deque[socket.socket] = deque()
+    errors: dict[int | None, int] = {}
     n = 0
     end = time.monotonic() + seconds
     try:
@@ -115,15 +119,20 @@ def connect_flood(host: str, port: int, seconds: float, source: str | None = Non
                 try:
                     ring.append(_open(host, port, source, blocking=False))
                     n += 1
-                except OSError:
-                    time.sleep(0.001)  # out of ports or fds for a moment
+                except OSError as exc:
+                    errors[exc.errno] = errors.get(exc.errno, 0) + 1
+                    time.sleep(0.001)  # refused, or out of ports or fds for a moment
                     break
                 while len(ring) > 256:
+                    old = ring.popleft()
                     with contextlib.suppress(OSError):
-                        ring.popleft().close()
+                        old.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
+                    old.close()  # a reset: no TIME_WAIT to exhaust the source's ports
     finally:
         for s in ring:
             s.close()
+        if errors:
+            print("connect errors:", errors, file=sys.stderr)
     return n
 
 

@@ -50,6 +50,7 @@ from ...net import (
     source_of,
 )
 from ...net.addr import join_host_port
+from ...net.throttle import LogThrottle
 from ..errors import (
     BadRequest,
     NotLeaderError,
@@ -182,6 +183,7 @@ class ReplicaServer(Generic[SM]):
             lim.max_connections, lim.max_unauthenticated, lim.max_unauthenticated_per_source
         )
         self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
+        self._throttle = LogThrottle(log, 5.0)
         self._buffered = 0
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
@@ -193,7 +195,11 @@ class ReplicaServer(Generic[SM]):
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
         self._server = await asyncio.start_server(
-            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            ssl=server_ssl_context(self.security),
         )
 
     async def stop(self) -> None:
@@ -246,7 +252,9 @@ class ReplicaServer(Generic[SM]):
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
                 self.stats["auth_failures"] += 1
-                log.info("client connection refused: %s", clip(str(e)))
+                self._throttle.log(
+                    logging.INFO, "auth", "client connection refused: %s", clip(str(e))
+                )
                 return
             if not self._limiter.authenticated(slot):
                 return  # evicted for a newer connection while still in its handshake

@@ -66,6 +66,7 @@ from ...net import (
     source_of,
 )
 from ...net.addr import split_host_port
+from ...net.throttle import LogThrottle
 from ..errors import FrameError
 from ..types import InstallSnapshot, decode_message, encode_message
 from .protocol import PEER_SERVICE
@@ -330,6 +331,7 @@ class Transport:
             cfg.max_connections, cfg.max_unauthenticated, cfg.max_unauthenticated_per_source
         )
         self._watch = DeadlineWatch(cfg.idle_timeout_s, cfg.frame_timeout_s)
+        self._throttle = LogThrottle(log, 5.0)
         self._per_peer_conns: dict[int, int] = {}
         self._per_peer_bytes: dict[int, int] = {}
         self._buffered = 0
@@ -351,7 +353,11 @@ class Transport:
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
         self._server = await asyncio.start_server(
-            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            ssl=server_ssl_context(self.security),
         )
         for p, a in self._initial.items():
             self.add_peer(p, a)
@@ -494,7 +500,11 @@ class Transport:
             pass
         except (TimeoutError, FrameError, FrameTooLarge) as e:
             self.bad_frames += 1
-            log.warning(
+            # Before authentication, one line per interval: a connect flood must not cost a
+            # log line (more CPU than the refusal) per connection.
+            self._throttle.log(
+                logging.WARNING,
+                "peer" if peer else "preauth",
                 "replog transport %d: closing connection from node %s: %s",
                 self.node_id,
                 peer or "?",
