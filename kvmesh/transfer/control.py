@@ -649,8 +649,8 @@ class PeerClient:
                 raise PeerDeadError(f"peer {self.address} is dead: {reason}") from None
             raise PeerDeadError(f"peer {self.address}: {exc}") from None
 
-    def get_segment(self, name: str) -> SegmentDescriptor:
-        return _expect(self._call(P.GetSegment(name)), P.SegmentInfo).desc
+    def get_segment(self, name: str, timeout: float | None = None) -> SegmentDescriptor:
+        return _expect(self._call(P.GetSegment(name), timeout), P.SegmentInfo).desc
 
     def list_segments(self) -> list[SegmentDescriptor]:
         return _expect(self._call(P.ListSegments()), P.SegmentList).descs
