@@ -15,7 +15,10 @@ messages and bound their work with this package; none keeps its own copy.
   :func:`aclient_handshake`) drivers under one absolute deadline.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
   :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
-* :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
+* :mod:`.limits` -- :class:`ConnectionLimiter` (per-source caps, eviction), :func:`source_of`,
+  :class:`Deadline`.
+* :mod:`.addr` -- :func:`split_host_port` / :func:`join_host_port` (``[v6]:port``),
+  :func:`family_of` (the socket family to listen with).
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
@@ -47,6 +50,7 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 
 from __future__ import annotations
 
+from .addr import family_of, join_host_port, split_host_port
 from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
     AuthFailed,
@@ -75,7 +79,7 @@ from .handshake import (
     server_handshake,
 )
 from .identity import CLIENT, NODE, REPLICA, ROLES, Credential, speaks_for_node
-from .limits import ConnectionLimiter, Deadline, Slot
+from .limits import ConnectionLimiter, Deadline, Slot, source_of
 from .security import (
     SecurityConfig,
     check_bind,
@@ -129,6 +133,10 @@ __all__ = [
     "run_client",
     "run_server",
     "send_frame",
+    "source_of",
+    "family_of",
+    "join_host_port",
+    "split_host_port",
     "server_handshake",
     "server_ssl_context",
 ]

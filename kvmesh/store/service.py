@@ -49,8 +49,9 @@ from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import ServerHandshake, arun_server
 from ..net.identity import speaks_for_node
-from ..net.limits import ConnectionLimiter
+from ..net.limits import ConnectionLimiter, source_of
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
+from ..net.throttle import LogThrottle
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -137,6 +138,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_keys: int = 8192
     max_connections: int = 1024
     max_unauthenticated: int = 64
+    max_unauthenticated_per_source: int = 32  # of those, from one address (IPv6: one /64)
     max_inflight: int = 64
     # replica descriptors of one GetReplicas reply (later keys answer InvalidParams)
     max_reply_bytes: int = 8 << 20
@@ -301,8 +303,13 @@ class MasterService:
         self.address = ""
         self.server_id = f"store-master-{config.node_id}-{secrets.token_hex(4)}"
         self._server: asyncio.base_events.Server | None = None
-        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
+        self._limiter = ConnectionLimiter(
+            config.max_connections,
+            config.max_unauthenticated,
+            config.max_unauthenticated_per_source,
+        )
         self._conns: set[asyncio.Task] = set()
+        self._throttle = LogThrottle(log, 5.0)  # refused handshakes: a line per interval
         # A begun request frame must end within request_timeout_s and within the idle bound
         # (which also bounds the wait for the next request), as one asyncio.timeout did.
         self._watch = DeadlineWatch(
@@ -572,7 +579,9 @@ class MasterService:
     # ------------------------------------------------------------------------- server
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        token = self._limiter.try_acquire(on_evict=writer.transport.abort)
+        token = self._limiter.try_acquire(
+            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
+        )
         if token is None:
             writer.close()
             return
@@ -590,7 +599,9 @@ class MasterService:
                 # client's connection is never the same peer as node X's (_admit).
                 peer = f"{hs.peer_role}:{who}"
             except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
-                log.info(
+                self._throttle.log(
+                    logging.INFO,
+                    "auth",
                     "store master: handshake from %s refused: %s",
                     writer.get_extra_info("peername"),
                     str(e)[:200],

@@ -132,6 +132,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Limits of the control server (what one peer may cost this engine; docs/transfer.md).
     max_connections: int = 1024  # served connections in total; more are closed at once
     max_unauthenticated: int = 64  # connections still in their handshake
+    max_unauthenticated_per_source: int = 32  # of those, from one address (IPv6: one /64)
     request_timeout: float = 60.0  # one request: its frame, payload and reply
     idle_timeout: float = 300.0  # a data connection with no request for this long is closed
     max_request_pieces: int = 1 << 20  # (offset, length) pieces in one WRITE/READ request
@@ -167,6 +168,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in (
             "max_connections",
             "max_unauthenticated",
+            "max_unauthenticated_per_source",
             "max_request_pieces",
             "max_request_bytes",
         ):

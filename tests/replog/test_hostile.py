@@ -168,9 +168,12 @@ async def closed_within(reader, seconds) -> float:
     """Seconds until the server closes the connection (fails after ``seconds``)."""
     t0 = time.monotonic()
     while True:
-        data = await asyncio.wait_for(
-            reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
-        )
+        try:
+            data = await asyncio.wait_for(
+                reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
+            )
+        except ConnectionResetError:  # closed with our bytes unread: a reset, not a FIN
+            data = b""
         if not data:
             return time.monotonic() - t0
 
