@@ -14,6 +14,7 @@ messages and bound their work with this package; none keeps its own copy.
 * :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
+* :mod:`.addr` -- :func:`split_host_port`, the one parser of ``host:port`` addresses.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):
@@ -43,6 +44,7 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 
 from __future__ import annotations
 
+from .addr import split_host_port
 from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
     AuthFailed,
@@ -118,4 +120,5 @@ __all__ = [
     "send_frame",
     "server_handshake",
     "server_ssl_context",
+    "split_host_port",
 ]

@@ -72,6 +72,10 @@ class MasterClient(LeaderFinderViews):
     ) -> None:
         if not addrs:
             raise ValueError("no master addresses")
+        for a in addrs:
+            parse_addr(a)  # a bad one is refused here, not at the first call's connect
+        if security is not None and not isinstance(security, SecurityConfig):
+            raise TypeError(f"security must be a SecurityConfig, got {security!r}")
         self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)

@@ -627,8 +627,12 @@ class MasterService:
                     try:
                         req = P.decode_request(body)
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        log.info("store master: undecodable request; closing: %s", str(e)[:200])
-                        return
+                        # Answered, not dropped: the frame ended where its length said, so
+                        # the connection is still in step, and a dropped connection reads
+                        # to the sender as an outage to retry until its deadline.
+                        log.info("store master: undecodable request: %s", str(e)[:200])
+                        await out.send(_framing.encode_frame(P.encode(P.undecodable(body, e))))
+                        continue
                     if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                         continue  # answered inline from the leader lease
                     if slots.locked():

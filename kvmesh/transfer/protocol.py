@@ -33,6 +33,7 @@ from kvmesh.net import (
     encode_frame,
     read_frame,
 )
+from kvmesh.net.addr import split_host_port as _split_host_port
 from kvmesh.net.errors import clip
 
 from .errors import InvalidArgument, PeerDeadError, ProtocolError, TransferTimeout
@@ -233,8 +234,10 @@ def recv_msg(
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"bad address {address!r}: expected 'host:port'")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; an empty host is loopback.
+    (:func:`kvmesh.net.addr.split_host_port`, its errors as InvalidArgument.)"""
+    try:
+        host, port = _split_host_port(address)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(str(e)) from None
+    return host or "127.0.0.1", port

@@ -64,6 +64,7 @@ from ...net import (
     read_frames,
     server_ssl_context,
 )
+from ...net.addr import split_host_port
 from ..errors import FrameError
 from ..types import InstallSnapshot, decode_message, encode_message
 from .protocol import PEER_SERVICE
@@ -85,11 +86,11 @@ MSG, FRAG, FRAG_END = 1, 2, 3
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``"host:port"`` -> (host, port)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    """``"host:port"`` -> (host, port): :func:`kvmesh.net.addr.split_host_port` with a host."""
+    host, port = split_host_port(addr)
+    if not host:
         raise ValueError(f"bad address {addr!r}, expected host:port")
-    return host, int(port)
+    return host, port
 
 
 class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
