@@ -11,8 +11,9 @@ Data path (the master never sees a byte):
   caller's registered buffer into the replicas' segments -> ``PutEnd`` makes them visible
   (``PutRevoke`` frees the keys whose write failed);
 * get: ``GetReplicas`` returns COMPLETE replicas under a read lease -> the engine READs into
-  the caller's buffer. The lease is counted from *before* the request left, so the client's
-  view expires before the master's; a copy that finishes after it answers LeaseExpired for
+  the caller's buffer. The lease is counted from *before* the request left (the attempt the
+  master answered, not an earlier one lost to an outage), so the client's view expires
+  before the master's; a copy that finishes after it answers LeaseExpired for
   that key and its bytes must be ignored (the memory may have been reused).
 
 Zero-copy: :meth:`StoreClient.register_buffer` once, then :meth:`put_from` / :meth:`get_into`
@@ -828,9 +829,8 @@ class StoreClient:
         of the found keys (key index relative to ``keys``), and the lease deadline."""
         n = len(keys)
         if n <= MAX_KEYS_PER_RPC:  # one RPC (the usual case): its arrays as they are
-            t0 = time.monotonic()
             host = self.engine.host_id
-            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, keys, host, True))
+            resp, t0 = self.rpc.call_timed(lambda rid: P.GetReplicasReq(rid, keys, host, True))
             try:
                 if type(resp) is not P.ReplicaTableResp:
                     raise _whole_error(resp)
@@ -847,8 +847,9 @@ class StoreClient:
         for start in range(0, n, MAX_KEYS_PER_RPC):
             part = keys[start : start + MAX_KEYS_PER_RPC]
             end = start + len(part)
-            t0 = time.monotonic()
-            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host, True))
+            resp, t0 = self.rpc.call_timed(
+                lambda rid, part=part: P.GetReplicasReq(rid, part, host, True)
+            )
             try:
                 if type(resp) is not P.ReplicaTableResp:
                     raise _whole_error(resp)
