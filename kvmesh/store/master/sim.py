@@ -39,7 +39,10 @@ leader releases it again), ``"lease_ignored"`` (eviction ignores read leases),
 ``"lost_put"`` (PutEnd acknowledges puts it does not publish) and ``"wall_reclaim"`` (stale
 puts reclaimed by the wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a
 leader whose clock runs ahead frees memory a writer is still writing) and
-``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases) must be caught.
+``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases), ``"no_grace"`` (a
+new leader ignores its predecessors' leases) and ``"fresh_by_key"`` (an over-narrow grace:
+"put under this leader" judged by key name, not by :class:`~.leases.TermStart`'s versions)
+must be caught.
 ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
