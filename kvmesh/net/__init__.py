@@ -21,6 +21,7 @@ messages and bound their work with this package; none keeps its own copy.
   :func:`family_of` (the socket family to listen with).
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
+* :mod:`.addr` -- :func:`split_host_port`, the one parser of ``host:port`` addresses.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):
@@ -139,4 +140,5 @@ __all__ = [
     "split_host_port",
     "server_handshake",
     "server_ssl_context",
+    "split_host_port",
 ]

@@ -13,9 +13,13 @@ import socket
 
 def split_host_port(address: str) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)`` with a bare host; a ValueError
-    for anything else (no port, a port outside 0-65535, an unbracketed IPv6 address)."""
+    for anything else (no port, a port outside 0-65535 -- the socket layer would take 99999
+    modulo 65536 and reach port 34463 --, an unbracketed IPv6 address); a TypeError for a
+    non-str."""
+    if not isinstance(address, str):
+        raise TypeError(f"an address is a 'host:port' str, got {address!r}")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"bad address {address!r}: expected 'host:port' or '[v6]:port'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

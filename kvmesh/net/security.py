@@ -46,6 +46,15 @@ class SecurityConfig(msgspec.Struct, frozen=True, kw_only=True):
     allow_insecure: bool = False  # permit binding a non-loopback address without a token
 
     def __post_init__(self) -> None:
+        # msgspec checks field types when it decodes, not when a config is built in code.
+        for f in ("token", "tls_cert", "tls_key", "tls_ca"):
+            v = getattr(self, f)
+            if v is not None and type(v) is not str:
+                raise TypeError(f"SecurityConfig.{f} must be a str or None, got {type(v).__name__}")
+        if type(self.allow_insecure) is not bool:
+            raise TypeError(
+                f"SecurityConfig.allow_insecure must be a bool, got {self.allow_insecure!r}"
+            )
         if self.token == "":
             raise ValueError("an empty token would authenticate everyone; leave it unset instead")
         if self.token is not None and self.credential is not None:

@@ -76,6 +76,10 @@ class MasterClient(LeaderFinderViews):
     ) -> None:
         if not addrs:
             raise ValueError("no master addresses")
+        for a in addrs:
+            parse_addr(a)  # a bad one is refused here, not at the first call's connect
+        if security is not None and not isinstance(security, SecurityConfig):
+            raise TypeError(f"security must be a SecurityConfig, got {security!r}")
         self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
@@ -138,11 +142,13 @@ class MasterClient(LeaderFinderViews):
                 return
         conn.close()
 
-    def _exchange(self, addr: str, req: Any, deadline: float) -> Any:
+    def _exchange(self, addr: str, req: Any, deadline: float) -> tuple[Any, float]:
+        """``req``'s reply from ``addr`` and the time (monotonic) just before it was sent."""
         conn = self._take(addr, deadline)
         ok = False
         try:
             conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sent = time.monotonic()
             conn.sock.sendall(_framing.encode_frame(P.encode(req)))
             while True:
                 body = _framing.read_frame(
@@ -151,7 +157,7 @@ class MasterClient(LeaderFinderViews):
                 resp = P.decode_response(body)
                 if resp.rid == req.rid:
                     ok = True
-                    return resp
+                    return resp, sent
                 # A stale reply of an attempt we gave up on: skip it.
         finally:
             if ok:
@@ -172,6 +178,15 @@ class MasterClient(LeaderFinderViews):
     def call(self, make: Callable[[int], Any], *, timeout: float | None = None) -> Any:
         """Send ``make(rid)`` until a replica answers definitely; returns the reply (never a
         Redirect or a retryable ErrorResp). Raises StoreUnavailable after the deadline."""
+        return self.call_timed(make, timeout=timeout)[0]
+
+    def call_timed(
+        self, make: Callable[[int], Any], *, timeout: float | None = None
+    ) -> tuple[Any, float]:
+        """:meth:`call`, and when the attempt that was answered left (monotonic): what a
+        lease in the reply is counted from. Not the first attempt's time: after attempts
+        lost to an outage that would count the outage against a lease granted afterwards
+        (every read of a fresh copy then answered LeaseExpired)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         tries = self._finder.attempts(deadline, self.attempt_timeout)
         while (step := tries.next()) is not None:
@@ -180,7 +195,7 @@ class MasterClient(LeaderFinderViews):
                 time.sleep(step.wait)
                 continue
             try:
-                resp = self._exchange(addr, make(next(self._rid)), step.deadline)
+                resp, sent = self._exchange(addr, make(next(self._rid)), step.deadline)
             except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 tries.failed(addr, f"{type(e).__name__}: {str(e)[:200]}")
                 if isinstance(e, AuthFailed):
@@ -197,7 +212,7 @@ class MasterClient(LeaderFinderViews):
                 tries.retry(addr, resp.message[:200])
                 continue
             tries.succeeded(addr)
-            return resp
+            return resp, sent
         raise E.StoreUnavailable(f"no master answered in time (last: {tries.last})")
 
     def _session(self) -> int:
@@ -252,7 +267,7 @@ class MasterClient(LeaderFinderViews):
         return resp
 
     def status(self, addr: str, timeout: float = 5.0) -> dict[str, Any]:
-        resp = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
+        resp, _ = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
         if type(resp) is not P.StatusResp:
             raise _error(resp)
         return resp.info

@@ -72,7 +72,7 @@ from . import errors as E
 from . import protocol as P
 from .master import commands as C
 from .master.eviction import choose_victims
-from .master.leases import AccessStats, HeartbeatTable, LeaseTable
+from .master.leases import AccessStats, HeartbeatTable, LeaseTable, TermStart
 from .master.objects import State
 from .master.policy import (
     HoldTracker,
@@ -207,8 +207,12 @@ class _EchoMachine:
         self.inner = inner
         self.result_type = _make_result_type(getattr(inner, "result_type", Any))
         self.on_hold: Any = None
+        self.term_start: TermStart | None = None  # this replica's leadership, if it leads
 
     def apply(self, index: int, data: bytes) -> Any:
+        ts = self.term_start
+        if ts is not None:
+            ts.observe(index, self.inner.processing)
         env = _echo_dec.decode(data)
         res = self.inner.apply(index, env.body)
         if env.release_at and self.on_hold is not None:
@@ -321,6 +325,7 @@ class MasterService:
         # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
         # this process's monotonic clock; commands carry wall time (_now).
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
+        self.term_start = TermStart(1 << 62)  # nothing is fresh before we lead
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
@@ -447,11 +452,24 @@ class MasterService:
         if not ch.is_self:
             return
         now = time.monotonic()
-        # The previous leader's leases are unknown here: every key counts as leased for one
-        # lease period; nodes get a full heartbeat TTL from now. (A lone replica holding no
-        # object can have no earlier leases: it skips the blanket period.)
+        # The previous leaders' leases are unknown here: every object one of them may have
+        # leased counts as leased for one lease period (TermStart says which: not those
+        # created or completed in this term); nodes get a full heartbeat TTL from now. (A
+        # lone replica holding no object can have no earlier leases: it skips the period.)
         alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
-        self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
+        node, sm = self.node, self.sm
+        assert node is not None  # the callback is the node's
+        ts = TermStart(node.status()["last_index"] + 1)
+        self._machine.term_start = ts
+
+        def fresh(key: str) -> bool:
+            ts.observe(node.applied_index + 1, sm.processing)  # every earlier entry applied?
+            return ts.fresh(key, sm.version_of(key))
+
+        self.term_start = ts
+        self.leases = LeaseTable(
+            start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=fresh
+        )
         self.heartbeats = HeartbeatTable()
         self.heartbeats.reset(self.sm.nodes(), now)
         self.stats = AccessStats()
@@ -636,8 +654,12 @@ class MasterService:
                     try:
                         req = P.decode_request(body)
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        log.info("store master: undecodable request; closing: %s", str(e)[:200])
-                        return
+                        # Answered, not dropped: the frame ended where its length said, so
+                        # the connection is still in step, and a dropped connection reads
+                        # to the sender as an outage to retry until its deadline.
+                        log.info("store master: undecodable request: %s", str(e)[:200])
+                        await out.send(_framing.encode_frame(P.encode(P.undecodable(body, e))))
+                        continue
                     if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                         continue  # answered inline from the leader lease
                     if slots.locked():
@@ -1165,7 +1187,11 @@ class MasterService:
         try:
             release_at = 0.0
             if mono < self.leases.blanket_until:
-                leased = list(self.sm.keys())
+                if not self.term_start.settled:
+                    # An earlier term's entry still to apply may create a key this list
+                    # would miss (and RemoveAll then remove it under an old lease).
+                    raise _Busy("a new leader is still applying the earlier terms' entries")
+                leased = self.leases.leased_keys(self.sm.keys(), mono)
             else:
                 leased = self.leases.all_leased(mono)
             if req.force:

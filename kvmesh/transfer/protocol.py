@@ -234,8 +234,11 @@ def recv_msg(
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)`` (:mod:`kvmesh.net.addr`)."""
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; an empty host (``":port"``)
+    is loopback. (:func:`kvmesh.net.addr.split_host_port`, its errors as InvalidArgument.)"""
+    if isinstance(address, str) and address.startswith(":"):
+        address = "127.0.0.1" + address
     try:
         return _split(address)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise InvalidArgument(str(exc)) from None
