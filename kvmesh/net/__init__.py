@@ -17,11 +17,11 @@ messages and bound their work with this package; none keeps its own copy.
   :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
 * :mod:`.limits` -- :class:`ConnectionLimiter` (per-source caps, eviction), :func:`source_of`,
   :class:`Deadline`.
-* :mod:`.addr` -- :func:`split_host_port` / :func:`join_host_port` (``[v6]:port``),
-  :func:`family_of` (the socket family to listen with).
+* :mod:`.addr` -- :func:`split_host_port` / :func:`join_host_port` (``[v6]:port``), the one
+  parser and formatter of ``host:port`` addresses; :func:`family_of` (the socket family to
+  listen with); :func:`~.addr.parse_peers` (``ID=HOST:PORT,...`` peer lists).
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
-* :mod:`.addr` -- :func:`split_host_port`, the one parser of ``host:port`` addresses.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):

@@ -36,6 +36,24 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def parse_peers(spec: str) -> dict[int, str]:
+    """``"1=127.0.0.1:7001,2=127.0.0.1:7002"`` -> ``{1: "127.0.0.1:7001", ...}``: the peer
+    lists of the replog replicas' and the store masters' command lines."""
+    out: dict[int, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip().isdigit():
+            raise ValueError(f"bad peer {part!r}, expected ID=HOST:PORT")
+        split_host_port(v.strip())  # a bad address is refused here, not at the first connect
+        out[int(k)] = v.strip()
+    if not out:
+        raise ValueError("no peers given")
+    return out
+
+
 def family_of(host: str) -> socket.AddressFamily:
     """The socket family to listen on ``host`` with: AF_INET6 for an IPv6 literal or a name
     that resolves only to IPv6 addresses, else AF_INET."""

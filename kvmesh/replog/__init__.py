@@ -1,19 +1,25 @@
 """kvmesh.replog: the Raft-replicated log behind the store master's metadata.
 
-Layers (see docs/replog.md):
+The package's face: other layers import from here (its ``__all__``), not from the modules.
+Module map and contracts: docs/replog.md. In short:
 
 * :mod:`.types` - the contract: entries, messages, Ready, storage/state-machine protocols;
-* :class:`RaftCore` - the sans-I/O protocol core; :class:`MemoryStorage`;
-* :class:`DiskStorage` - WAL (:mod:`.wal`) + snapshot files (:mod:`.snapfile`);
-* :class:`RaftNode` - the asyncio driver (timers, TCP transport, group-commit fsync,
-  proposals resolved after apply, read-index, snapshots), with exactly-once client sessions
-  (:class:`SessionStateMachine`);
-* :class:`ReplicaServer` / ``python -m kvmesh.replog`` - a replica process with a client
-  endpoint (:mod:`.protocol`); :class:`ReplogClient` / :class:`KvClient` - leader-finding,
-  retrying clients; both ports authenticate with :mod:`kvmesh.net`;
-* :mod:`.errors` - every exception, with wire codes;
-* :mod:`.linearizability` - the Porcupine-style history checker used by the tests;
-* :mod:`.sim` - the deterministic simulator.
+  :mod:`.errors` - every exception, with wire codes;
+* :class:`RaftCore` (:mod:`.core`) - the sans-I/O protocol core;
+* :class:`MemoryStorage` (:mod:`.storage.memory`); :class:`DiskStorage`
+  (:mod:`.storage.disk`) - WAL (:mod:`.storage.wal`) + snapshot files
+  (:mod:`.storage.snapfile`, whose :func:`pack_chunk` / :func:`iter_chunks` also frame the
+  inside of state-machine snapshots);
+* :class:`RaftNode` (:mod:`.node`) - the asyncio driver (timers, TCP transport
+  :mod:`.net.transport`, group-commit fsync, proposals resolved after apply, read-index,
+  snapshots) over the one Ready path (:mod:`.readypath`), with exactly-once client sessions
+  (:class:`SessionStateMachine`, :mod:`.session`);
+* :class:`ReplicaServer` / ``python -m kvmesh.replog`` (:mod:`.net.server`) - a replica
+  process with a client endpoint (:mod:`.net.protocol`); :class:`ReplogClient` /
+  :class:`KvClient` (:mod:`.net.client`) - leader-finding, retrying clients; both ports
+  authenticate with :mod:`kvmesh.net`;
+* :mod:`.sim.linearizability` - the Porcupine-style history checker (:func:`check`);
+  :mod:`.sim` - the deterministic simulator.
 """
 
 from .core.raft import RaftCore
@@ -40,23 +46,27 @@ from .node import (
     ReadTimeout,
     SessionExpiredError,
 )
-from .session import SessionLimits, SessionStateMachine, SessionTracker
-from .sim.linearizability import History, KvModel, KvOp, Operation, check
+from .session import SessionLimits, SessionRejected, SessionStateMachine, SessionTracker
+from .sim.linearizability import UNKNOWN, History, KvModel, KvOp, Operation, check
 from .storage.disk import DiskStorage, StorageCorruptionError, StorageLockedError
 from .storage.memory import MemoryStorage
+from .storage.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
 from .storage.wal import WalCorruptionError, WalFatalError
 from .types import (
     ConfChange,
     ConfChangeType,
     ConfState,
     Entry,
+    EntryKind,
     HardState,
     LogStorage,
     NotLeader,
     ProposalDropped,
+    ProposalTooLarge,
     RaftConfig,
     ReadOnlyOption,
     ReplogError,
+    Role,
     Snapshot,
     SnapshotMeta,
     StateMachine,
@@ -67,6 +77,8 @@ __all__ = [
     "RaftConfig",
     "ReadOnlyOption",
     "Entry",
+    "EntryKind",
+    "Role",
     "HardState",
     "ConfState",
     "ConfChange",
@@ -98,6 +110,7 @@ __all__ = [
     "KvModel",
     "KvOp",
     "check",
+    "UNKNOWN",
     "ReplogError",
     "ERROR_CODES",
     "BadRequest",
@@ -105,10 +118,12 @@ __all__ = [
     "SessionDenied",
     "ResultEvicted",
     "SessionLimits",
+    "SessionRejected",
     "Unauthorized",
     "NotLeader",
     "NotLeaderError",
     "ProposalDropped",
+    "ProposalTooLarge",
     "ProposalLost",
     "ProposalTimeout",
     "ReadTimeout",
@@ -120,4 +135,7 @@ __all__ = [
     "StorageLockedError",
     "WalCorruptionError",
     "WalFatalError",
+    "SnapshotCorruptionError",
+    "pack_chunk",
+    "iter_chunks",
 ]

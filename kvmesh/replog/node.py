@@ -49,6 +49,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..net import SecurityConfig
+from ..net.addr import parse_peers
 from .core.raft import RaftCore
 from .errors import (
     CommandError,
@@ -1110,19 +1111,3 @@ def _default_factory(sm: StateMachine) -> Callable[[], StateMachine] | None:
         )
         return None
     return cls
-
-
-def parse_peers(spec: str) -> dict[int, str]:
-    """``"1=127.0.0.1:7001,2=127.0.0.1:7002"`` -> ``{1: "127.0.0.1:7001", ...}``."""
-    out: dict[int, str] = {}
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        k, sep, v = part.partition("=")
-        if not sep or not k.strip().isdigit():
-            raise ValueError(f"bad peer {part!r}, expected ID=HOST:PORT")
-        out[int(k)] = v.strip()
-    if not out:
-        raise ValueError("no peers given")
-    return out

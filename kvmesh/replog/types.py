@@ -65,6 +65,7 @@ from .errors import (
 __all__ = [
     "NONE",
     "ENTRY_OVERHEAD",
+    "limit_size",
     "EntryKind",
     "Entry",
     "HardState",
@@ -152,6 +153,19 @@ class Entry(msgspec.Struct, array_like=True, frozen=True, gc=False):
 def entry_size(e: Entry) -> int:
     """Size charged for ``e`` by all byte limits."""
     return len(e.data) + ENTRY_OVERHEAD
+
+
+def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
+    """Longest prefix of ``ents`` whose ``entry_size`` total stays within ``max_bytes``,
+    but at least one entry."""
+    if max_bytes is None or len(ents) <= 1:
+        return ents
+    total = 0
+    for i, e in enumerate(ents):
+        total += len(e.data) + ENTRY_OVERHEAD
+        if total > max_bytes and i > 0:
+            return ents[:i]
+    return ents
 
 
 class HardState(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig", "parse_size"]
+__all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig", "parse_size", "errors"]
+
+
+def embedded(**kwargs: Any) -> Any:
+    """A :class:`StoreClient` on this process's embedded master (started on first use, see
+    :mod:`.embedded_master`) that contributes a local segment: ``StoreClient(None, ...)``."""
+    from .client import StoreClient
+
+    return StoreClient(None, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
@@ -22,10 +30,10 @@ def __getattr__(name: str) -> Any:
         from . import client
 
         return getattr(client, name)
-    if name == "embedded":
-        from .embedded import embedded
+    if name == "errors":
+        from . import errors
 
-        return embedded
+        return errors
     if name in ("ReplicateConfig", "parse_size"):
         from . import types
 

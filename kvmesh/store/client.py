@@ -185,7 +185,7 @@ class StoreClient:
 
     ``master``: ``"host:port"``, ``"h1:p1,h2:p2,h3:p3"`` or a list of store RPC addresses of
     the master replicas; ``None`` starts (or reuses) this process's embedded master (see
-    :mod:`kvmesh.store.embedded`) and contributes a local segment. ``segment_size``: bytes
+    :mod:`kvmesh.store.embedded_master`) and contributes a local segment. ``segment_size``: bytes
     this process contributes as a storage node (default 0 with a master address, 256 MiB
     embedded). ``replica_num``: copies per object (on distinct nodes). ``token``/``security``:
     the cluster's shared secret (default: ``KVMESH_TOKEN`` etc. from the environment).
@@ -212,7 +212,7 @@ class StoreClient:
         if sec is None and token is not None:
             sec = SecurityConfig(token=token)
         if master is None:
-            from .embedded import acquire_embedded
+            from .embedded_master import acquire_embedded
 
             self._embedded = acquire_embedded()
             addrs = [self._embedded.address]
@@ -278,7 +278,7 @@ class StoreClient:
                 pass
         self.rpc.close()
         if self._embedded is not None:
-            from .embedded import release_embedded
+            from .embedded_master import release_embedded
 
             release_embedded(self._embedded)
             self._embedded = None

@@ -188,7 +188,7 @@ def run_demo(
     every round verified."""
     from ..net.security import SecurityConfig
     from ..transfer import get_engine
-    from .embedded import EmbeddedMaster
+    from .embedded_master import EmbeddedMaster
     from .node import StorageNode
     from .rpc import MasterClient
 

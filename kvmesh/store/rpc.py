@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 
 from ..net import framing as _framing
+from ..net.addr import split_host_port
 from ..net.errors import AuthFailed, NetError
 from ..net.handshake import client_handshake
 from ..net.limits import Deadline
 from ..net.retry import LeaderFinder, LeaderFinderViews
 from ..net.security import SecurityConfig, client_ssl_context
-from ..replog.net.transport import parse_addr
 from . import errors as E
 from . import protocol as P
 
@@ -77,7 +77,7 @@ class MasterClient(LeaderFinderViews):
         if not addrs:
             raise ValueError("no master addresses")
         for a in addrs:
-            parse_addr(a)  # a bad one is refused here, not at the first call's connect
+            split_host_port(a)  # a bad one is refused here, not at the first call's connect
         if security is not None and not isinstance(security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got {security!r}")
         self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
@@ -105,7 +105,7 @@ class MasterClient(LeaderFinderViews):
     # ----------------------------------------------------------------- connections
 
     def _connect(self, addr: str, deadline: float) -> _Conn:
-        host, port = parse_addr(addr)
+        host, port = split_host_port(addr)
         left = max(0.01, deadline - time.monotonic())
         sock = socket.create_connection((host, port), timeout=left)
         try:

@@ -45,6 +45,7 @@ import msgspec
 import numpy as np
 
 from ..net import framing as _framing
+from ..net.addr import parse_peers, split_host_port
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import ServerHandshake, arun_server
@@ -58,16 +59,16 @@ from ..replog import (
     NodeStopped,
     NotLeaderError,
     ProposalTimeout,
+    ProposalTooLarge,
     RaftConfig,
     RaftNode,
     ReadOnlyOption,
     ReadTimeout,
     ReplogError,
     SessionExpiredError,
+    SessionLimits,
+    SessionRejected,
 )
-from ..replog.net.transport import parse_addr
-from ..replog.session import SessionLimits, SessionRejected
-from ..replog.types import ProposalTooLarge
 from . import errors as E
 from . import protocol as P
 from .master import commands as C
@@ -298,7 +299,7 @@ class MasterService:
         listen = config.listen or config.addrs.get(config.node_id)
         if not listen:
             raise ValueError("ServiceConfig needs listen or addrs[node_id]")
-        host, _ = parse_addr(listen)
+        host, _ = split_host_port(listen)
         check_bind(host, self.sec)
         self._listen = listen
         self.sm = StoreStateMachine()
@@ -360,7 +361,7 @@ class MasterService:
 
     async def start(self) -> None:
         cfg = self.cfg
-        host, port = parse_addr(self._listen)
+        host, port = split_host_port(self._listen)
         tls = server_ssl_context(self.sec)  # optional mutual TLS under the handshake
         self._server = await asyncio.start_server(
             self._serve,
@@ -1380,7 +1381,7 @@ def _code_of(res: Any) -> int:
 
 
 def _free_addr(host: str) -> str:
-    from ..replog.net.server import free_ports
+    from ..launcher import free_ports
 
     return f"{host}:{free_ports(1, host)[0]}"
 
@@ -1490,8 +1491,6 @@ def build_arg_parser() -> Any:
 
 
 def config_from_args(a: Any) -> ServiceConfig:
-    from ..replog.node import parse_peers
-
     return ServiceConfig(
         node_id=a.id,
         peers=parse_peers(a.peers) if a.peers else {},

@@ -32,9 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any
 
 from kvmesh.net import (
     AuthFailed,
@@ -529,15 +527,6 @@ class Connection:
             self.sock.close()
 
 
-M = TypeVar("M", bound=P.Message)
-
-
-def _expect(msg: P.Message, cls: type[M]) -> M:
-    if not isinstance(msg, cls):
-        raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
-    return msg
-
-
 class PeerClient:
     """This engine's link to one remote engine: connection pool, calls, TCP data path, liveness."""
 
@@ -661,67 +650,22 @@ class PeerClient:
             raise PeerDeadError(f"peer {self.address}: {exc}") from None
 
     def get_segment(self, name: str, timeout: float | None = None) -> SegmentDescriptor:
-        return _expect(self._call(P.GetSegment(name), timeout), P.SegmentInfo).desc
+        return P.expect(self._call(P.GetSegment(name), timeout), P.SegmentInfo).desc
 
     def list_segments(self) -> list[SegmentDescriptor]:
-        return _expect(self._call(P.ListSegments()), P.SegmentList).descs
+        return P.expect(self._call(P.ListSegments()), P.SegmentList).descs
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip time of one ping, in seconds."""
         t0 = time.perf_counter()
         seq = int.from_bytes(os.urandom(4), "little")
-        pong = _expect(self._call(P.Ping(seq), timeout), P.Pong)
+        pong = P.expect(self._call(P.Ping(seq), timeout), P.Pong)
         if pong.seq != seq:
             raise ProtocolError("ping answered with the wrong sequence number")
         return time.perf_counter() - t0
 
     def call(self, kind: str, payload: bytes, timeout: float | None = None) -> bytes:
-        return _expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload
-
-    # --- TCP data path (kept for the NIXL transport's owner-push READs) ------------------
-    def write(
-        self,
-        desc: SegmentDescriptor,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
-        views: list[memoryview],
-        total: int,
-        timeout: float,
-    ) -> None:
-        """Push ``views`` into ``desc`` at ``offsets``; returns once the owner acknowledged."""
-        from .transports import tcp
-
-        tcp.client_write(
-            self,
-            desc,
-            offsets,
-            lengths,
-            total,
-            timeout,
-            lambda sock, head: tcp.send_views(sock, [memoryview(head), *views]),
-        )
-
-    def read(
-        self,
-        desc: SegmentDescriptor,
-        offsets: np.ndarray,
-        lengths: np.ndarray,
-        views: list[memoryview],
-        total: int,
-        timeout: float,
-    ) -> None:
-        """Ask the owner to push the ranges; receive them straight into ``views``."""
-        from .transports import tcp
-
-        tcp.client_read(
-            self,
-            desc,
-            offsets,
-            lengths,
-            total,
-            timeout,
-            lambda sock: tcp.recv_into_views(sock, views),
-        )
+        return P.expect(self._call(P.Call(kind, payload), timeout), P.CallReply).payload
 
     def close(self) -> None:
         with self._lock:

@@ -203,6 +203,16 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
         raise io_error(exc, "sending to peer") from None
 
 
+M = TypeVar("M", bound=Message)
+
+
+def expect(msg: Message, cls: type[M]) -> M:
+    """``msg`` as the reply type the request calls for; anything else is the peer's error."""
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
+
+
 def decode(body: bytes | bytearray | memoryview) -> Message:
     try:
         return _decoder.decode(body)

@@ -17,7 +17,7 @@ from kvmesh.replog.core.progress import (
     committed_index,
     vote_result,
 )
-from kvmesh.replog.storage.memory import MemoryStorage, limit_size
+from kvmesh.replog.storage.memory import MemoryStorage
 from kvmesh.replog.types import (
     ENTRY_OVERHEAD,
     Append,
@@ -51,6 +51,7 @@ from kvmesh.replog.types import (
     decode_message,
     encode_conf_change,
     encode_message,
+    limit_size,
 )
 
 SNAP = Snapshot(SnapshotMeta(10, 3, ConfState((1, 2, 3), (4,))), b"\x00image")

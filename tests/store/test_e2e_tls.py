@@ -12,7 +12,7 @@ import pytest
 from kvmesh.net.security import SecurityConfig
 from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
-from kvmesh.store.embedded import EmbeddedMaster
+from kvmesh.store.embedded_master import EmbeddedMaster
 
 
 def _cert(d, name: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import threading
 
 from kvmesh.store import StoreClient
 from kvmesh.store import service as service_mod
-from kvmesh.store.embedded import EmbeddedMaster
+from kvmesh.store.embedded_master import EmbeddedMaster
 
 
 def _drive(monkeypatch, *, unbounded: bool) -> int:

@@ -27,6 +27,7 @@ from kvmesh.transfer import (
     init_engine,
     shutdown_engine,
 )
+from kvmesh.transfer.transports import tcp
 
 MiB = 1 << 20
 
@@ -401,12 +402,13 @@ def test_owner_rechecks_requests_it_receives(make_engine):
     u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
     views = lambda: [memoryview(payload)[:4096], memoryview(payload)[4096:]]  # noqa: E731
     with pytest.raises(OOB):
-        peer.write(desc, u(0, MiB - 100), u(4096, 4096), views(), 8192, 5.0)
+        tcp.write_views(peer, desc, u(0, MiB - 100), u(4096, 4096), views(), 8192, 5.0)
     stale = msgspec.structs.replace(desc, seg_id=desc.seg_id + 1)
     with pytest.raises(SegmentNotFound, match="replaced"):
-        peer.write(stale, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
+        tcp.write_views(peer, stale, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
     with pytest.raises(SegmentNotFound):
-        peer.read(
+        tcp.read_views(
+            peer,
             msgspec.structs.replace(desc, name="other"),
             u(0),
             u(16),
@@ -415,7 +417,8 @@ def test_owner_rechecks_requests_it_receives(make_engine):
             5.0,
         )
     assert (seg.array() == 1).all()  # nothing landed
-    peer.write(desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)  # pooled connections still fine
+    # pooled connections still fine
+    tcp.write_views(peer, desc, u(0, 4096), u(4096, 4096), views(), 8192, 5.0)
     assert (seg.array()[:8192] == 9).all() and (seg.array()[8192:] == 1).all()
 
 

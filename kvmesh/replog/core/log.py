@@ -15,8 +15,15 @@ Indices tracked here:
 
 from __future__ import annotations
 
-from ..storage.memory import limit_size
-from ..types import ENTRY_OVERHEAD, Entry, LogCompacted, LogStorage, LogUnavailable, Snapshot
+from ..types import (
+    ENTRY_OVERHEAD,
+    Entry,
+    LogCompacted,
+    LogStorage,
+    LogUnavailable,
+    Snapshot,
+    limit_size,
+)
 
 __all__ = ["RaftLog"]
 

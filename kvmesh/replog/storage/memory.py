@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..types import (
-    ENTRY_OVERHEAD,
     ConfState,
     Entry,
     HardState,
@@ -19,22 +18,10 @@ from ..types import (
     SnapshotMeta,
     StorageError,
     bootstrap_entries,
+    limit_size,
 )
 
-__all__ = ["EntryLog", "MemoryStorage", "ReadyWriter", "limit_size"]
-
-
-def limit_size(ents: list[Entry], max_bytes: int | None) -> list[Entry]:
-    """Longest prefix of ``ents`` whose ``entry_size`` total stays within ``max_bytes``,
-    but at least one entry."""
-    if max_bytes is None or len(ents) <= 1:
-        return ents
-    total = 0
-    for i, e in enumerate(ents):
-        total += len(e.data) + ENTRY_OVERHEAD
-        if total > max_bytes and i > 0:
-            return ents[:i]
-    return ents
+__all__ = ["EntryLog", "MemoryStorage", "ReadyWriter"]
 
 
 class EntryLog:

@@ -57,10 +57,19 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from ...replog.errors import ReplogError
+from ...replog import (
+    UNKNOWN,
+    EntryKind,
+    History,
+    NotLeader,
+    Operation,
+    ProposalDropped,
+    RaftConfig,
+    ReplogError,
+    Role,
+    check,
+)
 from ...replog.sim.harness import Network
-from ...replog.sim.linearizability import UNKNOWN, History, Operation, check
-from ...replog.types import EntryKind, NotLeader, ProposalDropped, RaftConfig, Role
 from ..errors import Code
 from ..types import ReplicateConfig
 from . import state as state_mod

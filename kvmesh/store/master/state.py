@@ -18,7 +18,7 @@ key position, copy, slice). Inside the segment the allocator takes the best fit.
 finds no segment, everything allocated for the object is returned and the key gets
 ``NoSpace`` (the service then evicts and retries).
 
-Snapshots are CRC-framed chunks (``kvmesh.replog.storage.snapfile.pack_chunk``): a header (config,
+Snapshots are CRC-framed chunks (``kvmesh.replog.pack_chunk``): a header (config,
 segments with their free extents, held bytes) then the objects, ``CHUNK_ITEMS`` per chunk,
 encoded lazily from a shallow copy (:meth:`snapshot_chunks`). Object records are compact
 ``gc=False`` array-like structs with the slices packed in 12 bytes each, so 1,000,000
@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 from msgspec.structs import replace
 
-from ...replog.storage.snapfile import SnapshotCorruptionError, iter_chunks, pack_chunk
+from ...replog import SnapshotCorruptionError, iter_chunks, pack_chunk
 from ..errors import Code
 from ..types import (
     MAX_BATCH_KEYS,

@@ -63,6 +63,7 @@ from ..errors import (
 from ..memory import MemoryRegion
 from ..protocol import split_host_port
 from ..types import MemoryKind, Op, SegmentDescriptor, TransportKind
+from . import tcp
 from .base import CHUNK_BYTES, TransferJob, Transport, TransportContext, chunks
 
 log = logging.getLogger("kvmesh.transfer")
@@ -431,9 +432,8 @@ class NixlTransport(Transport):
         lo, ro, ln = job.coalesced()
         mv = memoryview(job.local.array())
         views = [mv[o : o + n] for o, n in zip(lo.tolist(), ln.tolist())]
-        self.ctx.peer(job.remote.control).read(
-            job.remote, ro, ln, views, job.nbytes, job.remaining()
-        )
+        peer = self.ctx.peer(job.remote.control)
+        tcp.read_views(peer, job.remote, ro, ln, views, job.nbytes, job.remaining())
 
     def _pull(self, job: TransferJob, route: _Route) -> None:
         agent = self.agent

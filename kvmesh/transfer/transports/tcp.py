@@ -32,7 +32,6 @@ import numpy as np
 from kvmesh.net import Deadline
 
 from .. import protocol as P
-from ..control import _expect
 from ..errors import (
     InvalidLength,
     PeerDeadError,
@@ -154,7 +153,7 @@ def client_write(
             send(conn.sock, P.encode(req))
         except OSError as exc:
             raise P.io_error(exc, f"writing to {peer.address}") from None
-        _expect(conn.reply(timeout), P.Ack)
+        P.expect(conn.reply(timeout), P.Ack)
 
 
 def client_read(
@@ -169,7 +168,7 @@ def client_read(
     """One READ request: the owner answers ``ReadResp`` and pushes; ``receive(sock)`` lands it."""
     req = P.ReadReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
     with _segment_gone_explains(peer, desc), peer.connection(timeout) as conn:
-        resp = _expect(conn.request(req, timeout), P.ReadResp)
+        resp = P.expect(conn.request(req, timeout), P.ReadResp)
         if resp.total != total:
             raise ProtocolError(
                 f"peer {peer.address} answered {resp.total} bytes for a {total} byte read"
@@ -178,6 +177,37 @@ def client_read(
             receive(conn.sock)
         except OSError as exc:
             raise P.io_error(exc, f"reading from {peer.address}") from None
+
+
+def write_views(
+    peer: PeerClient,
+    desc: SegmentDescriptor,
+    ro: np.ndarray,
+    ln: np.ndarray,
+    views: list[memoryview],
+    total: int,
+    timeout: float,
+) -> None:
+    """Push ``views`` into ``desc`` at ``ro``; returns once the owner acknowledged."""
+
+    def send(sock: socket.socket, head: bytes) -> None:
+        send_views(sock, [memoryview(head), *views])
+
+    client_write(peer, desc, ro, ln, total, timeout, send)
+
+
+def read_views(
+    peer: PeerClient,
+    desc: SegmentDescriptor,
+    ro: np.ndarray,
+    ln: np.ndarray,
+    views: list[memoryview],
+    total: int,
+    timeout: float,
+) -> None:
+    """Ask the owner to push the ranges; receive them straight into ``views`` (the NIXL
+    transport's owner-push READs use this too)."""
+    client_read(peer, desc, ro, ln, total, timeout, lambda sock: recv_into_views(sock, views))
 
 
 @contextlib.contextmanager
@@ -270,7 +300,7 @@ class TcpTransport(Transport):
                 base = memoryview(job.local.array())
                 for lo, ro, ln, total in self._parts(job):
                     if pending >= PIPELINE_DEPTH:
-                        _expect(conn.reply(job.remaining()), P.Ack)
+                        P.expect(conn.reply(job.remaining()), P.Ack)
                         pending -= 1
                     req = P.WriteReq(job.remote.name, job.remote.seg_id, _u64(ro), _u64(ln), total)
                     sock.settimeout(job.remaining())
@@ -282,7 +312,7 @@ class TcpTransport(Transport):
                         raise P.io_error(exc, f"writing to {peer.address}") from None
                     pending += 1
             while pending:
-                _expect(conn.reply(jobs[-1].remaining()), P.Ack)
+                P.expect(conn.reply(jobs[-1].remaining()), P.Ack)
                 pending -= 1
 
     def execute(self, job: TransferJob) -> None:

@@ -7,8 +7,10 @@ callers share it, and it stops when the last one releases it. Its metadata lives
 only (the process is the whole cluster). Other processes on the host can join it with
 ``StoreClient(handle.address, token=handle.security.token)``.
 
-:func:`embedded` is the one-liner: a :class:`~kvmesh.store.client.StoreClient` on this
-process's embedded master that contributes a local segment.
+:func:`kvmesh.store.embedded` is the one-liner: a :class:`~kvmesh.store.client.StoreClient`
+on this process's embedded master that contributes a local segment. (The function is not here:
+this module is below the client, which starts the master, and a submodule named ``embedded``
+would shadow the package's function once imported.)
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-from typing import Any
 
 from ..net.security import SecurityConfig
 from .service import MasterService, ServiceConfig
 
-__all__ = ["EmbeddedMaster", "acquire_embedded", "embedded", "release_embedded"]
+__all__ = ["EmbeddedMaster", "acquire_embedded", "release_embedded"]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -104,10 +105,3 @@ def release_embedded(handle: EmbeddedMaster) -> None:
             return
         _shared = None
     handle.stop()
-
-
-def embedded(**kwargs: Any) -> Any:
-    """A :class:`StoreClient` on this process's embedded master with a local segment."""
-    from .client import StoreClient
-
-    return StoreClient(None, **kwargs)
