@@ -7,6 +7,7 @@ Layers (see docs/architecture.md):
 """
 
 __version__ = "0.1.0"
+__all__ = ["StoreClient", "__version__"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562 lazy export

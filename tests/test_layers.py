@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (top-level package, the directory holding it)
@@ -512,16 +515,64 @@ def test_no_private_reach_ins():
     assert private_violations(load()) == []
 
 
-def test_faces_name_what_they_export():
-    """Every name in a face's ``__all__`` is importable from it (the plugin rule relies on it)."""
-    import importlib
+_SHADOW_CHECK = """
+import importlib, importlib.util, sys
+bad = []
+for face in sys.argv[1:]:
+    mod = importlib.import_module(face)
+    for name in mod.__all__:
+        before = getattr(mod, name, None)
+        if before is None:
+            bad.append(f"{face}.__all__ names {name}, which it does not export")
+        elif hasattr(mod, "__path__") and importlib.util.find_spec(f"{face}.{name}") and (
+            importlib.import_module(f"{face}.{name}") is not getattr(mod, name)
+            or before is not getattr(mod, name)
+        ):
+            bad.append(f"{face}.{name} changes once the submodule {face}.{name} is imported")
+print(repr(bad))
+"""
 
-    for face in (*PLUGIN_FACES, "kvmesh.replog"):
-        mod = importlib.import_module(face)
-        for name in mod.__all__:
-            assert getattr(mod, name, None) is not None or importlib.util.find_spec(
-                f"{face}.{name}"
-            ), f"{face}.__all__ names {name}, which it does not export"
+
+def face_export_problems(faces: tuple[str, ...], path: list[pathlib.Path]) -> list[str]:
+    """Names a face's ``__all__`` promises but does not give, or gives only until a submodule
+    of the same name is imported (``kvmesh.store.embedded`` was a function until the client
+    imported the module ``kvmesh.store.embedded``). In a fresh interpreter: import order
+    matters."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
+    out = subprocess.run(
+        [sys.executable, "-c", _SHADOW_CHECK, *faces],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_planted_shadowed_export_is_found(tmp_path):
+    pkg = tmp_path / "face"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "__all__ = ['thing', 'errors', 'missing']\n"
+        "def thing():\n    return 1\n"
+        "def __getattr__(name):\n"
+        "    if name == 'errors':\n"
+        "        import importlib\n"
+        "        return importlib.import_module('.errors', __name__)\n"
+        "    raise AttributeError(name)\n"
+    )
+    (pkg / "thing.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    assert face_export_problems(("face",), [tmp_path]) == [
+        "face.thing changes once the submodule face.thing is imported",
+        "face.__all__ names missing, which it does not export",
+    ]
+
+
+def test_faces_export_what_they_name():
+    faces = (*PLUGIN_FACES, *REPLOG_FACES)
+    assert face_export_problems(faces, [ROOT, ROOT / "plugins"]) == []
 
 
 # Kept from tests/transfer/test_structure.py: the batch knows only its context, and transport

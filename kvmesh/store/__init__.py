@@ -10,6 +10,7 @@ kvmesh.transfer (bytes). See docs/store.md.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["StoreClient", "BatchResults", "embedded", "ReplicateConfig", "parse_size", "errors"]
@@ -30,10 +31,8 @@ def __getattr__(name: str) -> Any:
         from . import client
 
         return getattr(client, name)
-    if name == "errors":
-        from . import errors
-
-        return errors
+    if name == "errors":  # (not "from . import errors": that asks this function again)
+        return importlib.import_module(".errors", __name__)
     if name in ("ReplicateConfig", "parse_size"):
         from . import types
 

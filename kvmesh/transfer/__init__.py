@@ -5,6 +5,7 @@ keys or objects (that is kvmesh.store). See docs/transfer.md.
 """
 
 from .batch import Batch, BatchResult
+from .cuda import memory_kind
 from .engine import TransferEngine, detect_host_id, get_engine, init_engine, shutdown_engine
 from .errors import (
     AuthError,
@@ -71,5 +72,6 @@ __all__ = [
     "detect_host_id",
     "get_engine",
     "init_engine",
+    "memory_kind",
     "shutdown_engine",
 ]

@@ -13,6 +13,9 @@ What the transports need and nothing more:
   :func:`open_ipc` maps a peer's handle once per process (reference counted: CUDA refuses to
   open the same handle twice in one context) and :func:`close_ipc` unmaps it;
 * peer access (NVLink/PCIe P2P) between two devices: :func:`can_access_peer`;
+* what memory is at a pointer (:func:`memory_kind`, exported as
+  ``kvmesh.transfer.memory_kind``): for callers that get raw addresses without a kind (the
+  Mooncake transfer API of the SGLang PD plugin);
 * batched copies: :func:`copy_runs` queues one ``cudaMemcpyAsync(cudaMemcpyDefault)`` per
   run on a per-thread, per-device stream and synchronises once.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgument, TransferError, TransportUnavailable
+from .types import MemoryKind
 
 __all__ = [
     "CudaError",
@@ -47,6 +52,7 @@ __all__ = [
     "export_ipc",
     "free",
     "malloc",
+    "memory_kind",
     "open_ipc",
     "ordinal_of",
     "pointer_device",
@@ -241,6 +247,69 @@ def pointer_device(ptr: int) -> int | None:
     attrs = res[1]
     kind = getattr(attrs.type, "name", str(attrs.type))
     return int(attrs.device) if kind.endswith("Device") or kind.endswith("Managed") else None
+
+
+class _CudaPointerAttributes(ctypes.Structure):
+    # cudaPointerAttributes since CUDA 11: type, device, devicePointer, hostPointer.
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+    ]
+
+
+def _cudart_probe() -> Callable[[int], int | None] | None:
+    """``ptr -> device or None`` through the CUDA runtime torch already loaded, or None: a
+    process with torch's CUDA but no cuda-python still tells device memory from host memory."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+    except Exception:
+        return None
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            lib = ctypes.CDLL(name)
+            fn = lib.cudaPointerGetAttributes
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        return None
+    fn.argtypes = [ctypes.POINTER(_CudaPointerAttributes), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    clear = getattr(lib, "cudaGetLastError", None)
+
+    def probe(ptr: int) -> int | None:
+        attrs = _CudaPointerAttributes()
+        if fn(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
+            if clear is not None:
+                clear()  # an unknown pointer leaves an error behind; drop it
+            return None
+        return int(attrs.device) if attrs.type in (2, 3) else None  # device, managed
+
+    return probe
+
+
+_probe_lock = threading.Lock()
+_probe: Any = False  # False: not chosen yet; None: no CUDA here (every pointer is host memory)
+
+
+def memory_kind(ptr: int) -> tuple[MemoryKind, int]:
+    """``(kind, device)`` of the memory at ``ptr``, for ``register_raw``: ``(VRAM, device)``
+    for CUDA device or managed memory, ``(DRAM, -1)`` for anything else (every pointer, on a
+    host without CUDA). CUDA pointer attributes through cuda-python, else through the CUDA
+    runtime torch loaded."""
+    global _probe
+    if _probe is False:
+        with _probe_lock:
+            if _probe is False:
+                _probe = pointer_device if available() else _cudart_probe()
+    if _probe is None:
+        return MemoryKind.DRAM, -1
+    dev = _probe(ptr)
+    return (MemoryKind.DRAM, -1) if dev is None else (MemoryKind.VRAM, int(dev))
 
 
 def can_access_peer(device: int, peer: int) -> bool:

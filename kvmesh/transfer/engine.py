@@ -493,7 +493,7 @@ class TransferEngine:
                 self._remote_gen += 1
         if rs is not None and rs.desc.seg_id != desc.seg_id:
             rs.stale_reason = rs.stale_reason or "replaced by its owner"
-            rs._close_routes()
+            rs.close_routes()
         return new
 
     def locate(self, address: str, remote_ptr: int, length: int = 1) -> tuple[RemoteSegment, int]:
@@ -915,7 +915,7 @@ class TransferEngine:
             del self._remote[(peer.engine_id, name)]
             self._remote_gen += 1
         rs.stale_reason = "removed by its owner"
-        rs._close_routes()
+        rs.close_routes()
 
     def _on_peer_dead(self, peer: PeerClient, reason: str) -> None:
         if peer.liveness.dead_reason is None:
@@ -931,7 +931,7 @@ class TransferEngine:
             self._remote_gen += 1
         for _, s in gone:
             s.stale_reason = s.stale_reason or f"owner is dead: {reason}"
-            s._close_routes()
+            s.close_routes()
         for t in self._transports:
             try:
                 t.peer_lost(peer.engine_id)
@@ -982,7 +982,7 @@ class TransferEngine:
         self._executor.close()
         for s in remote:
             s.stale_reason = s.stale_reason or "local engine closed"
-            s._close_routes()
+            s.close_routes()
         for region in self._regions.all():
             try:
                 self.unregister(region, timeout=2.0)

@@ -166,7 +166,8 @@ class RemoteSegment:
             f"segment {self.name!r} is gone: {self.stale_reason or 'closed while submitting'}"
         )
 
-    def _close_routes(self) -> None:
+    def close_routes(self) -> None:
+        """Close the cached transport routes (the engine does, when the segment goes)."""
         with self._lock:
             routes, self._routes = list(self._routes.values()), {}
         for h in routes:

@@ -19,7 +19,6 @@ backend and this class share one engine, one set of registrations and one metric
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -33,7 +32,6 @@ from kvmesh.transfer import (
     EngineClosed,
     InvalidArgument,
     InvalidLength,
-    MemoryKind,
     MemoryRegion,
     NotRegistered,
     Op,
@@ -46,8 +44,8 @@ from kvmesh.transfer import (
     TransportUnavailable,
     get_engine,
     init_engine,
+    memory_kind,
 )
-from kvmesh.transfer import cuda as _cuda
 
 log = logging.getLogger("kvmesh.sglang.pd")
 
@@ -98,72 +96,6 @@ def _env_float(name: str) -> float | None:
     if val <= 0:
         raise RuntimeError(f"{name} must be positive, got {raw!r}")
     return val
-
-
-# --- memory kind per pointer -------------------------------------------------------------------
-
-
-class _CudaPointerAttributes(ctypes.Structure):
-    # cudaPointerAttributes since CUDA 11: type, device, devicePointer, hostPointer.
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("device", ctypes.c_int),
-        ("devicePointer", ctypes.c_void_p),
-        ("hostPointer", ctypes.c_void_p),
-    ]
-
-
-def _cudart_probe() -> Any:
-    """``ptr -> device or None`` through the CUDA runtime torch already loaded, or None."""
-    torch = sys.modules.get("torch")
-    try:
-        if torch is None or not torch.cuda.is_available():
-            return None
-    except Exception:
-        return None
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
-        try:
-            lib = ctypes.CDLL(name)
-            fn = lib.cudaPointerGetAttributes
-            break
-        except (OSError, AttributeError):
-            continue
-    else:
-        return None
-    fn.argtypes = [ctypes.POINTER(_CudaPointerAttributes), ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    clear = getattr(lib, "cudaGetLastError", None)
-
-    def probe(ptr: int) -> int | None:
-        attrs = _CudaPointerAttributes()
-        if fn(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
-            if clear is not None:
-                clear()  # an unknown pointer leaves a sticky-free error behind; drop it
-            return None
-        return int(attrs.device) if attrs.type in (2, 3) else None  # device, managed
-
-    return probe
-
-
-_probe_lock = threading.Lock()
-_probe: Any = False  # False: not chosen yet; None: no CUDA here (every pointer is host memory)
-
-
-def pointer_kind(ptr: int) -> tuple[MemoryKind, int]:
-    """``(kind, device)`` of memory at ``ptr``: the Mooncake API carries no memory kind.
-
-    CUDA pointer attributes (cuda-python through ``kvmesh.transfer.cuda``, else the CUDA runtime
-    torch loaded) tell device memory from host memory; without CUDA everything is host memory.
-    """
-    global _probe
-    if _probe is False:
-        with _probe_lock:
-            if _probe is False:
-                _probe = _cuda.pointer_device if _cuda.available() else _cudart_probe()
-    if _probe is None:
-        return MemoryKind.DRAM, -1
-    dev = _probe(ptr)
-    return (MemoryKind.DRAM, -1) if dev is None else (MemoryKind.VRAM, int(dev))
 
 
 def _ib_device(ib_device: str | None, gpu_id: int) -> str | None:
@@ -247,7 +179,7 @@ class KvmeshTransferEngine:
         with self._lock:
             if any(r.size == length for r in self._regions.get(ptr, ())):
                 return None
-        kind, device = pointer_kind(ptr)
+        kind, device = memory_kind(ptr)  # the Mooncake API carries no memory kind
         region = self.engine.register_raw(
             ptr, length, kind, device, name=f"{SEGMENT_PREFIX}{ptr:x}-{length:x}"
         )

@@ -26,15 +26,16 @@ GEOM = {"layers": 2, "pages": 32, "page_size": 16, "heads": 2, "head_dim": 64}
 
 def test_batch_register_tells_device_from_host_memory():
     from bench._pd import KVPool
-    from kvmesh_sglang.pd import KvmeshTransferEngine, pointer_kind
+    from kvmesh.transfer import memory_kind
+    from kvmesh_sglang.pd import KvmeshTransferEngine
 
     pool = KVPool(**GEOM, device="cuda")
     try:
         eng = KvmeshTransferEngine("127.0.0.1", 0, None)
         for p in pool.kv_data_ptrs:
-            assert pointer_kind(p)[0] is MemoryKind.VRAM
+            assert memory_kind(p)[0] is MemoryKind.VRAM
         for p in pool.aux_data_ptrs:
-            assert pointer_kind(p) == (MemoryKind.DRAM, -1)
+            assert memory_kind(p) == (MemoryKind.DRAM, -1)
         assert pool.register(eng) == 0  # one call, device and host regions mixed
         kinds = {r.ptr: r.kind for r in get_engine().regions()}
         assert all(kinds[p] is MemoryKind.VRAM for p in pool.kv_data_ptrs)

@@ -106,7 +106,10 @@ def test_register_conventions(mte):
 
 
 def test_memory_kind_detected_per_pointer(mte, monkeypatch):
-    """batch_register asks the pointer probe per region (device KV, host aux: mixed lists)."""
+    """batch_register asks the engine's pointer probe (``kvmesh.transfer.memory_kind``) per
+    region (device KV, host aux: mixed lists)."""
+    from kvmesh.transfer import cuda, memory_kind
+
     eng = mte.init_mooncake_transfer_engine(hostname="127.0.0.1")
     kv = np.zeros(8192, np.uint8)
     aux = np.zeros(512, np.uint8)
@@ -116,9 +119,9 @@ def test_memory_kind_detected_per_pointer(mte, monkeypatch):
         asked.append(ptr)
         return 0 if ptr == kv.ctypes.data else None  # "kv is on device 0"
 
-    monkeypatch.setattr(kpd, "_probe", probe)
-    assert kpd.pointer_kind(kv.ctypes.data) == (MemoryKind.VRAM, 0)
-    assert kpd.pointer_kind(aux.ctypes.data) == (MemoryKind.DRAM, -1)
+    monkeypatch.setattr(cuda, "_probe", probe)
+    assert memory_kind(kv.ctypes.data) == (MemoryKind.VRAM, 0)
+    assert memory_kind(aux.ctypes.data) == (MemoryKind.DRAM, -1)
     # Register through the API with the probe in place, but keep the VRAM region away from the
     # real transports (no CUDA here): only check the kinds that reach register_raw.
     seen: list[tuple[int, MemoryKind, int]] = []
@@ -135,12 +138,12 @@ def test_memory_kind_detected_per_pointer(mte, monkeypatch):
 
 
 def test_no_cuda_means_host_memory():
-    from kvmesh.transfer import cuda
+    from kvmesh.transfer import cuda, memory_kind
 
     if cuda.available():
         pytest.skip("CUDA present: covered by test_pd_gpu.py")
     arr = np.zeros(64, np.uint8)
-    assert kpd.pointer_kind(arr.ctypes.data) == (MemoryKind.DRAM, -1)
+    assert memory_kind(arr.ctypes.data) == (MemoryKind.DRAM, -1)
 
 
 def test_bad_sessions_fail_fast(mte):

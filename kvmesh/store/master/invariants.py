@@ -97,7 +97,7 @@ def check(sm: StoreStateMachine) -> list[str]:
     # -- segments ---------------------------------------------------------------------
     for sid, s in segs.items():
         al = s.alloc
-        live = sm._live_keys(s)
+        live = sm.live_keys(s)
         if len(live) != len(set(live)) or set(live) != keys_in[sid]:
             off = sorted(set(live) ^ keys_in[sid])[:5]
             errs.append(f"segment {s.name}: key index off by {off}")

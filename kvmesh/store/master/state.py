@@ -160,7 +160,7 @@ class _Seg:
         self.generation = generation
         # keys placed here, one entry per slice placed (appended, never searched): keys
         # whose slices left since stay until the list is compacted (StoreStateMachine.
-        # _live_keys filters them). A list of strings costs the cyclic GC nothing and an
+        # live_keys filters them). A list of strings costs the cyclic GC nothing and an
         # append per key, where a set or dict is one more hash table insert per key and
         # delete per removal, as large as the table.
         self.keys: list[str] = []
@@ -826,9 +826,9 @@ class StoreStateMachine:
         # Entries of keys gone from the segment pile up under churn: drop them once the
         # list is twice its live size (amortised O(1) per key placed).
         if len(s.keys) > 2 * s.slices + 1024:
-            s.keys = self._live_keys(s)
+            s.keys = self.live_keys(s)
 
-    def _live_keys(self, s: _Seg) -> list[str]:
+    def live_keys(self, s: _Seg) -> list[str]:
         """The keys with a slice in segment ``s``, each once, in placement order."""
         objs = self.objects
         sid = s.id
@@ -953,7 +953,7 @@ class StoreStateMachine:
         lost = []
         segs = self.segs
         held = self.held.setdefault(tag, [])
-        for key in sorted(self._live_keys(seg)):
+        for key in sorted(self.live_keys(seg)):
             o = self.objects[key]
             copies, lens = self._copies(o)
             keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]

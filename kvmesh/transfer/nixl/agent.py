@@ -29,7 +29,7 @@ from .errmap import translate
 from .loader import drop_empty_tls, require
 from .patch import PATCH_TESTED_VERSIONS, ConfigPatch
 from .plan import Plan, descriptor_table, granule_table, plan_request
-from .prepped import PreppedCache
+from .prepped import Prepped, PreppedCache
 from .types import Kind, NixlOptions, NixlRegion, RemoteRegion
 from .xfer import NixlXfer
 
@@ -191,7 +191,7 @@ class NixlAgent:
                 self._notifs.setdefault(key, []).extend(msgs)
 
     # --- state ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"NIXL agent {self.name!r} is closed")
 
@@ -203,7 +203,7 @@ class NixlAgent:
         except Exception as exc:
             raise translate(self._loaded.errors, exc, what) from None
 
-    def _failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
+    def failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
         """The kvmesh error for a failed transfer with ``peer``; remembers a dead peer."""
         err = exc if isinstance(exc, TransferError) else translate(self._loaded.errors, exc, what)
         if isinstance(err, PeerDeadError):
@@ -214,10 +214,20 @@ class NixlAgent:
         with self._lock:
             self._dead.setdefault(peer, reason)
 
-    def _leak(self, handle: Any) -> None:
+    def leak(self, handle: Any) -> None:
         """A transfer handle NIXL refused to release: retried at :meth:`close`."""
         with self._lock:
             self._leaked.append(handle)
+
+    # --- what a transfer handle (xfer.py) needs ------------------------------------------
+    def xfer_post(self, handle: Any) -> str:
+        return self._ag.transfer(handle)
+
+    def xfer_state(self, handle: Any) -> str:
+        return self._ag.check_xfer_state(handle)
+
+    def unuse_prepped(self, prepped: tuple[Prepped, ...]) -> None:
+        self._prepped.unuse(prepped)
 
     @property
     def closed(self) -> bool:
@@ -238,7 +248,7 @@ class NixlAgent:
         Register big pools once: each region adds ~44 bytes to the agent metadata. VRAM needs a
         CUDA build of UCX and a CUDA device; it fails with ``TransportUnavailable`` otherwise.
         """
-        self._check_open()
+        self.check_open()
         if kind not in ("DRAM", "VRAM"):
             raise InvalidArgument(f"memory kind must be 'DRAM' or 'VRAM' (got {kind!r})")
         if int(size) <= 0:
@@ -276,13 +286,13 @@ class NixlAgent:
         if self._closed:
             return
         self._call(
-            "deregistering memory", self._ag.deregister_memory, region._reg, backends=_BACKENDS
+            "deregistering memory", self._ag.deregister_memory, region.reg, backends=_BACKENDS
         )
 
     # --- metadata -------------------------------------------------------------------------
     def metadata(self) -> bytes:
         """Full agent metadata (connection info and every registered region)."""
-        self._check_open()
+        self.check_open()
         return bytes(self._call("reading local metadata", self._ag.get_agent_metadata))
 
     def partial_metadata(
@@ -293,7 +303,7 @@ class NixlAgent:
         The regions must share one memory kind; with no regions it carries only the
         connection info (``include_connection`` must then be true).
         """
-        self._check_open()
+        self.check_open()
         kinds = {r.kind for r in regions}
         if len(kinds) > 1:
             raise InvalidArgument("partial metadata regions must share one memory kind")
@@ -318,7 +328,7 @@ class NixlAgent:
 
     def add_remote(self, metadata: bytes, connect: bool = True) -> str:
         """Load a peer's (full or partial) metadata; returns its agent name as ``str``."""
-        self._check_open()
+        self.check_open()
         if not isinstance(metadata, (bytes, bytearray, memoryview)) or not len(metadata):
             raise InvalidArgument("NIXL metadata must be non-empty bytes")
         raw = self._call("loading peer metadata", self._ag.add_remote_agent, bytes(metadata))
@@ -333,7 +343,7 @@ class NixlAgent:
 
     def connect(self, peer: str) -> None:
         """Set up the endpoint now, not on the first transfer (10x faster first transfer)."""
-        self._check_open()
+        self.check_open()
         self._call(
             f"connecting to NIXL agent {peer!r}", self._ag.make_connection, peer, backends=_BACKENDS
         )
@@ -409,7 +419,7 @@ class NixlAgent:
         skips the range checks for callers that already checked (the engine checks every
         request against both regions).
         """
-        self._check_open()
+        self.check_open()
         self._active = time.monotonic()
         opu = op.upper() if isinstance(op, str) else getattr(op, "value", str(op)).upper()
         if opu not in ("READ", "WRITE"):
@@ -445,7 +455,7 @@ class NixlAgent:
     ) -> NixlXfer:
         granule = plan.granule
         with self._lock:
-            self._check_open()
+            self.check_open()
             lp = self._prepped.get("", local.addr, local.size, local.kind, local.device, granule)
             try:
                 rp = self._prepped.get(
@@ -460,7 +470,7 @@ class NixlAgent:
             )
         except BaseException as exc:
             self._prepped.unuse((lp, rp))
-            raise self._failed(exc, f"NIXL {op} with {peer!r}", peer) from None
+            raise self.failed(exc, f"NIXL {op} with {peer!r}", peer) from None
         return NixlXfer(self, handle, (lp, rp), op, peer, plan.nbytes, plan.count, True)
 
     def _make_direct(
@@ -511,12 +521,12 @@ class NixlAgent:
     # --- notifications ------------------------------------------------------------------------
     def send_notif(self, peer: str, message: bytes) -> None:
         """Send a small message to a peer agent (delivered through UCX active messages)."""
-        self._check_open()
+        self.check_open()
         self._call(f"notifying {peer!r}", self._ag.send_notif, peer, bytes(message))
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, keyed by sender name (``str``)."""
-        self._check_open()
+        self.check_open()
         if self._pump is None:
             new = self._call("reading notifications", self._ag.get_new_notifs)
             if new:
@@ -545,7 +555,7 @@ class NixlAgent:
             for region in list(self._regions):
                 region._live = False
                 try:
-                    self._ag.deregister_memory(region._reg, backends=_BACKENDS)
+                    self._ag.deregister_memory(region.reg, backends=_BACKENDS)
                 except Exception as exc:
                     log.debug("NIXL close: deregister: %s", exc)
             self._regions.clear()

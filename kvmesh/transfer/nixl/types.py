@@ -63,14 +63,14 @@ class RemoteRegion(msgspec.Struct, frozen=True):
 class NixlRegion:
     """A region of local memory registered with an agent (``register``/``deregister``)."""
 
-    __slots__ = ("addr", "size", "kind", "device", "_reg", "_live", "__weakref__")
+    __slots__ = ("addr", "size", "kind", "device", "reg", "_live", "__weakref__")
 
     def __init__(self, addr: int, size: int, kind: Kind, device: int, reg: Any) -> None:
         self.addr = addr
         self.size = size
         self.kind: Kind = kind
         self.device = device
-        self._reg = reg
+        self.reg = reg  # NIXL's registration handle (what the agent deregisters)
         self._live = True
 
     @property

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import TransferError, TransferTimeout
-from .prepped import Prepped, PreppedCache
+from .prepped import Prepped
 
 __all__ = ["NixlXfer", "XferOwner"]
 
@@ -25,18 +25,26 @@ log = logging.getLogger("kvmesh.transfer.nixl")
 class XferOwner(Protocol):
     """What a transfer handle needs from the agent that made it (``NixlAgent``)."""
 
-    _ag: Any  # the NIXL agent object: transfer(), check_xfer_state()
-    _prepped: PreppedCache
-
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         """Raise ``EngineClosed`` once the agent is closed."""
 
-    def _failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
+    def xfer_post(self, handle: Any) -> str:
+        """Post a prepared NIXL transfer: ``"DONE"``, ``"PROC"`` or ``"ERR"``."""
+        ...
+
+    def xfer_state(self, handle: Any) -> str:
+        """The state of a posted NIXL transfer: ``"DONE"``, ``"PROC"`` or ``"ERR"``."""
+        ...
+
+    def failed(self, exc: BaseException, what: str, peer: str) -> TransferError:
         """The kvmesh error for a failed transfer with ``peer`` (remembers a dead peer)."""
         ...
 
-    def _leak(self, handle: Any) -> None:
+    def leak(self, handle: Any) -> None:
         """Keep a handle NIXL refused to release, to retry when the agent closes."""
+
+    def unuse_prepped(self, prepped: tuple[Prepped, ...]) -> None:
+        """Hand back the prepared lists the transfer used (the cache may drop them now)."""
 
 
 class NixlXfer:
@@ -91,16 +99,16 @@ class NixlXfer:
 
     def _fail(self, exc: BaseException) -> TransferError:
         self._state = "failed"
-        return self._agent._failed(exc, self._what(), self.peer)
+        return self._agent.failed(exc, self._what(), self.peer)
 
     def post(self) -> bool:
         """Start the transfer; ``True`` when it already completed inside the call."""
         if self._state not in ("new", "done"):
             raise TransferError(f"{self._what()}: cannot post a handle in state {self._state}")
         agent = self._agent
-        agent._check_open()
+        agent.check_open()
         try:
-            status = agent._ag.transfer(self._handle)
+            status = agent.xfer_post(self._handle)
         except Exception as exc:
             raise self._fail(exc) from None
         if status == "DONE":
@@ -116,11 +124,11 @@ class NixlXfer:
         state = self._state
         if state == "done":
             return True
-        self._agent._check_open()
+        self._agent.check_open()
         if state != "posted":
             raise TransferError(f"{self._what()}: cannot poll a handle in state {state}")
         try:
-            status = self._agent._ag.check_xfer_state(self._handle)
+            status = self._agent.xfer_state(self._handle)
         except Exception as exc:
             raise self._fail(exc) from None
         if status == "DONE":
@@ -166,9 +174,9 @@ class NixlXfer:
         except Exception as exc:
             # An in-flight handle NIXL could not cancel: keep it to retry at close.
             log.warning("%s: release failed (%s); retrying at agent close", self._what(), exc)
-            agent._leak(self._handle)
+            agent.leak(self._handle)
         finally:
-            agent._prepped.unuse(self._prepped)
+            agent.unuse_prepped(self._prepped)
 
     def __enter__(self) -> NixlXfer:
         return self
