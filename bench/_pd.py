@@ -3,8 +3,8 @@
 * :class:`KVPool`: CPU tensors laid out like an SGLang MHA KV pool: one K and one V buffer per
   layer of ``pages * page_size`` token rows (``[tokens, heads, head_dim]``), plus aux buffers
   with one row per request. ``kv_data_ptrs`` lists all K layers, then all V layers, and
-  ``kv_item_lens`` is the bytes of one page of one layer, as ``KVArgs`` has them
-  (shared/docs/sglang-interfaces.md §5.1).
+  ``kv_item_lens`` is the bytes of one page of one layer
+  (SGLang's ``KVArgs``; docs/sglang.md, "PD disaggregation").
 * :func:`page_digest`: a SHA-256 of given pages of every layer buffer (byte-for-byte checks
   across processes).
 * :func:`serve_decode`: the decode side as a helper process (``python -m bench._pd``): it builds

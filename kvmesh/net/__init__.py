@@ -24,7 +24,7 @@ messages and bound their work with this package; none keeps its own copy.
   asyncio connections by one sweeper task) and :func:`read_frames`.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
-Refinements of the API announced in the net-api brief (same names and semantics otherwise):
+Details of the API worth knowing:
 
 * Both handshake sides may send a small opaque ``info`` blob (<= 1 KiB) covered by the MACs;
   ``peer_info`` holds the other side's after success. The MACs also cover both nonces and

@@ -116,7 +116,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RAFT = RaftConfig(
     election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=8 << 20
 )
-"""With the default 100 ms tick: heartbeats every 100 ms, elections after 1-2 s (notes §5.3)."""
+"""With the default 100 ms tick: heartbeats every 100 ms, elections after 1-2 s (docs/replog.md,
+"Running a cluster": heartbeat << election timeout << MTBF)."""
 
 
 _APPLY_SLICE = 1000

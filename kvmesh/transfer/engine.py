@@ -152,6 +152,9 @@ class TransferEngine:
         self._locate_cache: dict[str, tuple[int, list[RemoteSegment], np.ndarray, np.ndarray]] = {}
         self._removed: set[int] = set()
         self._monitor: Monitor | None = None
+        # Counted under a lock: batches complete on many threads, and ``+=`` on a dict item
+        # is not atomic between them (the pattern of fastcopy's copy gate).
+        self._stats_lock = threading.Lock()
         self._stats = {"batches": 0}
         self._sweep()
 
@@ -556,8 +559,6 @@ class TransferEngine:
         self._check_open()
         return Batch(self._batch_ctx)
 
-    allocate_batch = batch
-
     def transfer(
         self,
         op: Op | str,
@@ -805,7 +806,7 @@ class TransferEngine:
                 if item is not None:
                     item[0].release()
                     item[1].release()
-        self._stats["batches"] += 1
+        self._note_batch()
         return BatchResult(
             state=BatchState.DONE,
             requests=requests,
@@ -824,7 +825,8 @@ class TransferEngine:
         )
 
     def _note_batch(self) -> None:
-        self._stats["batches"] += 1
+        with self._stats_lock:
+            self._stats["batches"] += 1
 
     # --- standalone tensors -----------------------------------------------------------------
     def expose_tensor(self, name: str, tensor: Any) -> SegmentDescriptor:

@@ -14,7 +14,8 @@ the pool and the store's segments without a copy in between (``get_page_buffer_m
 each page's addresses). Only public kvmesh APIs are used: :class:`kvmesh.StoreClient` and
 :func:`kvmesh.transfer.get_engine`.
 
-Object names keep apart everything a page hash does not say (sglang-interfaces.md §1.7):
+Object names keep apart everything a page hash does not say (docs/sglang.md, "What it does
+with SGLang's calls"):
 ``{namespace}/{model}/{layout}/{dtype}/ps{page_size}/{hash}/{shard}/{component}``, where the
 shard is ``tp{rank}of{size}`` for MHA (K and V are separate objects, so ranks never share)
 and ``mla`` for rank-replicated MLA KV (one object, shared by the ranks), each followed by
@@ -72,7 +73,7 @@ ENV_PREFIX = "KVMESH_HICACHE_"
 ENV_CONFIG_FILE = ENV_PREFIX + "CONFIG"
 
 # Extra-config keys that belong to SGLang (or its dynamic loader), not to kvmesh: they stay
-# in storage_config.extra_config and are ignored here (sglang-interfaces.md §2.2).
+# in storage_config.extra_config and are ignored here (docs/sglang.md, "Configuration").
 SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "allocator",
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
@@ -304,8 +305,9 @@ def _is_mha(pool: Any) -> bool:
 
 
 # Host pools whose get_page_buffer_meta is, per page, ``base[j] + first_slot * stride[j]``
-# with fixed sizes (the SGLang code of both versions, sglang-interfaces.md §4): class name ->
-# layouts. Anything else (subclasses, split-KV and DCP layouts, sidecar pools) asks SGLang.
+# with fixed sizes (the SGLang code of both versions; docs/sglang.md, "Page addresses"):
+# class name -> layouts. Anything else (subclasses, split-KV and DCP layouts, sidecar pools)
+# asks SGLang.
 _AFFINE = {
     "MHATokenToKVPoolHost": ("layer_first", "page_first", "page_first_direct", "page_head"),
     "MLATokenToKVPoolHost": ("layer_first", "page_first", "page_first_direct"),

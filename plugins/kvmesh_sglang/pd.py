@@ -1,8 +1,8 @@
 """A drop-in for SGLang's ``MooncakeTransferEngine`` that moves PD KV pages with kvmesh.
 
 SGLang's Mooncake PD backend (bootstrap, ZMQ control, TP/PP mapping, aux and state) stays as it
-is; only its transfer engine is swapped (route A of shared/docs/sglang-interfaces.md §5.6).
-The API and return conventions are those of §5.4:
+is; only its transfer engine is swapped (docs/sglang.md, "PD disaggregation"). The API and
+return conventions are those of SGLang's ``MooncakeTransferEngine``:
 
 * ``register``/``deregister`` raise ``RuntimeError`` on failure; ``batch_register``/
   ``batch_deregister`` return 0 on success and a negative code otherwise;

@@ -1,6 +1,7 @@
-"""Safety invariants checked continuously while a simulation runs (design notes §6.1).
+"""Safety invariants checked continuously while a simulation runs.
 
-Numbers refer to the notes: 1 election safety, 2 leader append-only, 3 log matching,
+Numbers are those of the list in docs/replog.md, "Deterministic simulator": 1 election
+safety, 2 leader append-only, 3 log matching,
 4 leader completeness, 5 state-machine safety, 6 commit monotonicity and bounds (including
 "what is reported committed is durable on a quorum"), 7 term/vote durability, 8 snapshot
 equivalence, 9 one uncommitted configuration change, 12 exactly-once apply (together with

@@ -46,9 +46,6 @@ class SimNetwork:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def cut_link(self, frm: int, to: int) -> None:
-        self.cut.add((frm, to))
-
     def cut_both(self, a: int, b: int) -> None:
         self.cut.add((a, b))
         self.cut.add((b, a))

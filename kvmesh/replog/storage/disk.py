@@ -13,7 +13,7 @@ Write side (same names as ``MemoryStorage``): :meth:`append`, :meth:`set_hard_st
 two halves :meth:`prepare_snapshot` (pure, call from any thread: builds the Snapshot and
 writes its file) and :meth:`commit_snapshot`, then :meth:`compact`.
 
-Recovery (:meth:`open`), per the durability rules of the design notes §4.3:
+Recovery (:meth:`open`), per docs/replog.md, "Durability rules (as implemented)":
 
 1. remove partial snapshot temp files; load the newest snapshot that verifies (an older
    one only if the WAL still covers the gap, else fail stop);
@@ -300,10 +300,6 @@ class DiskStorage(EntryLog, ReadyWriter):
             except SnapshotCorruptionError as e:
                 raise StorageCorruptionError(f"{self.path}: {e}") from e
         return Snapshot(self._snap_meta, self._snap_data)
-
-    @property
-    def snapshot_meta(self) -> SnapshotMeta:
-        return self._snap_meta
 
     # ------------------------------------------------------------------ write API
 

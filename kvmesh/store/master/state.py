@@ -62,7 +62,6 @@ from ..types import (
 from .allocator import SegmentAllocator
 from .commands import (
     Codes,
-    Command,
     Evict,
     EvictResult,
     ExpireNodes,
@@ -285,11 +284,6 @@ class StoreStateMachine:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
         self.applied_keys += len(getattr(cmd, "keys", ()))
-        return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
-
-    def apply_command(self, index: int, cmd: Command) -> Result:
-        """``apply`` for an already-decoded command (tests, the embedded single-replica mode)."""
-        self.applied = index
         return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
     # ================================================================== read-only queries
@@ -592,9 +586,6 @@ class StoreStateMachine:
         """All keys in table order, as a new list (one C-level copy)."""
         return list(self.objects)
 
-    def processing_keys(self) -> list[str]:
-        return list(self.processing)
-
     def processing_puts(self) -> list[tuple[str, int]]:
         """``(key, version)`` of every PROCESSING put, oldest first."""
         return list(self.processing.items())
@@ -602,11 +593,6 @@ class StoreStateMachine:
     def held_tags(self) -> list[int]:
         """Log indices of hold removes whose bytes are not yet released."""
         return list(self.held)
-
-    def object_bytes(self, key: str) -> int:
-        """Allocated bytes of all copies of ``key`` (0 if absent)."""
-        o = self.objects.get(key)
-        return 0 if o is None else self._bytes(o)
 
     def evict_info(self, key: str) -> tuple[int, int, int, float] | None:
         """``(version, allocated bytes, pin, pin_until)`` of a COMPLETE object, else None."""
