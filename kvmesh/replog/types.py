@@ -1,5 +1,5 @@
 """Wire, state and interface types of the replicated log: the contract between the sans-I/O
-Raft core (``core.py``), storages (``memstorage.py``, ``diskstorage.py``) and drivers
+Raft core (``core/``), storages (``storage/memory.py``, ``storage/disk.py``) and drivers
 (``node.py``, the simulator in ``sim/``).
 
 Conventions
