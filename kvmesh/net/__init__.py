@@ -14,7 +14,10 @@ messages and bound their work with this package; none keeps its own copy.
 * :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
-* :mod:`.errors` -- :class:`NetError` and its subclasses.
+* :mod:`.errors` -- :class:`NetError` and its subclasses; :data:`TRANSPORT_ERRORS`, what a
+  failing asyncio connection raises on either event loop.
+* :mod:`.eventloop` -- the event loop a server process runs (uvloop or the standard
+  library's, ``KVMESH_EVENT_LOOP``).
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
+    TRANSPORT_ERRORS,
     AuthFailed,
     DeadlineExceeded,
     FrameTooLarge,
@@ -98,6 +102,7 @@ __all__ = [
     "InsecureBind",
     "NetError",
     "PeerClosed",
+    "TRANSPORT_ERRORS",
     "SecurityConfig",
     "ServerHandshake",
     "Slot",

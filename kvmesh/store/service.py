@@ -44,6 +44,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from ..net import eventloop
 from ..net import framing as _framing
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
@@ -1343,14 +1344,6 @@ def _free_addr(host: str) -> str:
 # --------------------------------------------------------------------------- process
 
 
-def _install_uvloop() -> None:
-    try:
-        import uvloop  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
 async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> int:
     """Run one replica until SIGTERM/SIGINT (exit 0) or a fatal storage error (exit 3)."""
     import signal
@@ -1494,7 +1487,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
-    _install_uvloop()
     # The cyclic GC's young generation every 20,000 container allocations, not 700: a
     # 512-key batch allocates hundreds of lists, structs and futures that live across the
     # log round trip, and at 700 the GC rescans them several times per batch (~3-4 % of a
@@ -1503,7 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
     # what is still alive (~0.9 ms measured if all 20,000 were, under load).
     gc.set_threshold(20_000, 10, 10)
     try:
-        return asyncio.run(run_master(cfg))
+        return eventloop.run(run_master(cfg))  # uvloop unless KVMESH_EVENT_LOOP says
     except OSError as e:
         print(f"error: master {cfg.node_id} cannot start: {e}", file=sys.stderr)
         return 5
