@@ -47,7 +47,7 @@ import numpy as np
 from ..net import eventloop
 from ..net import framing as _framing
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
-from ..net.errors import NetError
+from ..net.errors import TRANSPORT_ERRORS
 from ..net.handshake import aserver_handshake
 from ..net.limits import ConnectionLimiter
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
@@ -592,7 +592,7 @@ class MasterService:
                     self.server_id,
                     self.cfg.handshake_timeout_s,
                 )
-            except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
+            except TRANSPORT_ERRORS as e:
                 log.info(
                     "store master: handshake from %s refused: %s",
                     writer.get_extra_info("peername"),
@@ -647,10 +647,12 @@ class MasterService:
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
                     t.add_done_callback(lambda _t: slots.release())
-        except (NetError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            log.debug("store master: connection ended: %s", str(e)[:200])
+        except TRANSPORT_ERRORS as e:  # incl. uvloop's RuntimeError on a reset connection
+            log.debug("store master: connection ended: %s: %s", type(e).__name__, str(e)[:200])
         except asyncio.CancelledError:
             pass
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("store master: connection failed")
         finally:
             if watched is not None:
                 self._watch.unwatch(watched)
@@ -1291,7 +1293,7 @@ class _Replies:
                 w.transport.get_write_buffer_size(),
             )
             w.transport.abort()
-        except (ConnectionError, OSError):
+        except TRANSPORT_ERRORS:
             w.transport.abort()
 
     async def wait_writable(self) -> None:
@@ -1306,7 +1308,7 @@ class _Replies:
                 return
             try:
                 self.writer.write(frame)
-            except (ConnectionError, OSError):
+            except TRANSPORT_ERRORS:
                 return
             await self._drain()
 
@@ -1324,7 +1326,7 @@ class _Replies:
             return
         try:
             self.writer.write(frame)
-        except (ConnectionError, OSError):
+        except TRANSPORT_ERRORS:
             pass
 
 
