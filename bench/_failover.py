@@ -3,7 +3,7 @@
 
 Three ``kvmesh.store.service`` replicas (``--durability disk``) on loopback, a storage node in
 its own process (``tests.store.store_peer``) and a writer thread in this process putting 8
-keys of 4 KiB per call, back to back. Rounds alternate: kill -9 a follower, or kill -9 the
+keys of 1 KiB per call, back to back. Rounds alternate: kill -9 a follower, or kill -9 the
 leader; then start the killed replica again. Per round:
 
 * ``pause_s`` (leader kills): from the kill to the acknowledgement of the first put the
@@ -30,7 +30,7 @@ from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store.cluster import StoreCluster
 
-VALUE_BYTES = 4096
+VALUE_BYTES = 1024
 TOKEN = "failover-rounds-token"
 
 
@@ -143,7 +143,7 @@ def run_rounds(
         base_dir, 3, token=TOKEN, durability="disk", tick_ms=tick_ms, extra_args=extra_args
     ) as cl:
         cl.start_all()
-        peer = Peer(cl.address, 64 << 20, token=TOKEN)
+        peer = Peer(cl.address, 256 << 20, token=TOKEN)  # no eviction in 20 rounds
         client = StoreClient(cl.address, token=TOKEN, timeout=30)
         w = _Writer(client)
         try:
@@ -158,6 +158,7 @@ def run_rounds(
                 victim = lead if kind == "leader" else next(i for i in cl.ids if i != lead)
                 row: dict[str, Any] = {"kind": kind, "victim": victim}
                 t_kill = time.monotonic()
+                row["t_kill"] = round(t_kill, 3)
                 cl.kill(victim)
                 out["rounds"].append(row)
                 if kind == "leader":
@@ -189,7 +190,11 @@ def run_rounds(
                 for s in range(0, len(w.acked), 512):
                     keys = w.acked[s : s + 512]
                     got = check.get(keys)
-                    lost += sum(1 for k, v in zip(keys, got) if v != _value(k))  # type: ignore[operator]
+                    bad = [(k, v) for k, v in zip(keys, got) if v != _value(k)]
+                    lost += len(bad)  # type: ignore[operator]
+                    out.setdefault("lost_examples", []).extend(
+                        f"{k}: {v!r:.200}" for k, v in bad[: 5 - len(out.get("lost_examples", []))]
+                    )
             except E.StoreError:
                 lost = None  # not checked: no master answers (a stuck cluster)
             finally:
