@@ -48,9 +48,12 @@ def peer_main(master: str, segment: int) -> None:
     """The storage-node helper: contributes a segment until told to exit."""
     from kvmesh.store.node import StorageNode
     from kvmesh.store.rpc import MasterClient
+    from kvmesh.transfer import get_engine
 
-    rpc = MasterClient([master], name="bench-node")
-    node = StorageNode(rpc, segment).start()
+    engine = get_engine()
+    # A storage node mounts as itself (net/identity.py): its master connection names it.
+    rpc = MasterClient([master], name="bench-node", node_id=engine.node_id)
+    node = StorageNode(rpc, segment, engine=engine).start()
 
     def on_exit() -> None:
         node.close()
@@ -238,7 +241,7 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
         StoreCluster(d, 3, durability="disk", tick_ms=50, extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
-        node_rpc = MasterClient(list(cl.addrs.values()), name="bench-meta-node")
+        node_rpc = MasterClient(list(cl.addrs.values()), node_id="meta-node")
         # A segment is needed for allocation; no bytes move in this case.
         r = node_rpc.mutate(
             lambda rid, s: P.MountReq(rid, s, "meta-node", "meta-seg", "127.0.0.1:1", "h", 1 << 40)
@@ -332,7 +335,7 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
         StoreCluster(d, 1, durability="disk", extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
-        rpc = MasterClient([cl.address], name="bench-million", timeout=60)
+        rpc = MasterClient([cl.address], node_id="big-node", timeout=60)
         r = rpc.mutate(
             lambda rid, s: P.MountReq(rid, s, "big-node", "big-seg", "127.0.0.1:1", "h", 1 << 40)
         )
