@@ -283,6 +283,24 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(pages=args.pages or PAGES, page_bytes=page_bytes, rounds=args.rounds)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Print the credential of ``role`` (and ``id``), derived from the cluster secret."""
+    from kvmesh.net.identity import CLIENT, issue
+    from kvmesh.net.security import SecurityConfig
+
+    try:
+        sec = SecurityConfig.from_env()
+        if sec.token is None:
+            raise ValueError("set KVMESH_TOKEN or KVMESH_TOKEN_FILE to the cluster secret")
+        if (args.role == CLIENT) != (args.id is None):
+            raise ValueError("give an id for node and replica credentials, none for client")
+        print(issue(sec.token, args.role, args.id or ""))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvmesh", description="kvmesh: a prefix KV cache as a system resource"
@@ -325,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvmesh.store.cli import register as register_store
 
     register_store(sub)  # master, node, up, status
+    p = sub.add_parser(
+        "keys",
+        help="print a credential derived from the cluster secret (KVMESH_TOKEN[_FILE])",
+        description="Print the credential a client, storage node ID or replica ID gets "
+        "instead of the cluster secret (give it as KVMESH_CREDENTIAL or KVMESH_CREDENTIAL_FILE;"
+        " docs/net.md, 'Identity').",
+    )
+    p.add_argument("role", choices=["client", "node", "replica"])
+    p.add_argument("id", nargs="?", default=None, help="the node or replica id")
+    p.set_defaults(fn=cmd_keys)
     p = sub.add_parser("_demo-peer")
     p.add_argument("--slots", type=int, required=True)
     p.add_argument("--page-bytes", type=int, required=True)

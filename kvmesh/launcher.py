@@ -20,6 +20,8 @@ import subprocess
 import time
 from typing import Any, ClassVar, Self
 
+from .net.addr import family_of
+
 __all__ = ["ProcessCluster", "free_ports"]
 
 
@@ -41,6 +43,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     on the host, so a port from that range can be taken by an unrelated client meanwhile
     (``EADDRINUSE`` at the server's start). Below the range only an explicit bind takes it.
     """
+    host = host.strip("[]")
+    family = family_of(host)
     lo, _ = _ephemeral_range()
     pool_lo = max(1024, lo - 16384)
     socks: list[socket.socket] = []
@@ -54,7 +58,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 port = rng.randrange(pool_lo, lo)
                 if port in ports:
                     continue
-                s = socket.socket()
+                s = socket.socket(family)
                 try:
                     s.bind((host, port))
                 except OSError:
@@ -63,7 +67,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 socks.append(s)
                 ports.append(port)
         while len(ports) < n:  # no room below the range (or all tried were taken)
-            s = socket.socket()
+            s = socket.socket(family)
             socks.append(s)
             s.bind((host, 0))
             ports.append(s.getsockname()[1])

@@ -3,17 +3,25 @@
 The transfer engine, the replicated log and the store all authenticate connections, frame
 messages and bound their work with this package; none keeps its own copy.
 
-* :mod:`.security` -- :class:`SecurityConfig` (token, optional mutual TLS, ``from_env``),
-  :func:`check_bind`, :func:`server_ssl_context` / :func:`client_ssl_context`.
+* :mod:`.identity` -- roles (replica, node, client), keys derived per (role, id) from the
+  cluster secret, credentials (:func:`~.identity.issue`, ``kvmesh keys``).
+* :mod:`.security` -- :class:`SecurityConfig` (cluster secret or credential, optional mutual
+  TLS, ``from_env``, ``key_for``), :func:`check_bind`, :func:`server_ssl_context` /
+  :func:`client_ssl_context`, :func:`check_cert_identity`.
 * :mod:`.handshake` -- sans-I/O mutual HMAC challenge-response (:class:`ServerHandshake`,
-  :class:`ClientHandshake`) binding the service name and both peer ids, with blocking
+  :class:`ClientHandshake`) binding the service name, the client's role and both ids (the
+  key is the claimed role and id's; servers apply an ``accept`` policy), with blocking
   (:func:`server_handshake`, :func:`client_handshake`) and asyncio (:func:`aserver_handshake`,
   :func:`aclient_handshake`) drivers under one absolute deadline.
 * :mod:`.framing` -- 4-byte little-endian length + body; :class:`FrameDecoder` (sans-I/O),
   :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
-* :mod:`.limits` -- :class:`ConnectionLimiter`, :class:`Deadline`.
+* :mod:`.limits` -- :class:`ConnectionLimiter` (per-source caps, eviction), :func:`source_of`,
+  :class:`Deadline`.
+* :mod:`.addr` -- :func:`split_host_port` / :func:`join_host_port` (``[v6]:port``),
+  :func:`family_of` (the socket family to listen with).
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
+* :mod:`.addr` -- :func:`split_host_port`, the one parser of ``host:port`` addresses.
 * :mod:`.errors` -- :class:`NetError` and its subclasses.
 
 Refinements of the API announced in the net-api brief (same names and semantics otherwise):
@@ -43,6 +51,7 @@ Refinements of the API announced in the net-api brief (same names and semantics 
 
 from __future__ import annotations
 
+from .addr import family_of, join_host_port, split_host_port
 from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
     AuthFailed,
@@ -70,16 +79,25 @@ from .handshake import (
     run_server,
     server_handshake,
 )
-from .limits import ConnectionLimiter, Deadline, Slot
+from .identity import CLIENT, NODE, REPLICA, ROLES, Credential, speaks_for_node
+from .limits import ConnectionLimiter, Deadline, Slot, source_of
 from .security import (
     SecurityConfig,
     check_bind,
+    check_cert_identity,
     client_ssl_context,
     is_loopback,
     server_ssl_context,
 )
 
 __all__ = [
+    "CLIENT",
+    "NODE",
+    "REPLICA",
+    "ROLES",
+    "Credential",
+    "check_cert_identity",
+    "speaks_for_node",
     "DeadlineWatch",
     "Watched",
     "read_frames",
@@ -116,6 +134,11 @@ __all__ = [
     "run_client",
     "run_server",
     "send_frame",
+    "source_of",
+    "family_of",
+    "join_host_port",
+    "split_host_port",
     "server_handshake",
     "server_ssl_context",
+    "split_host_port",
 ]

@@ -1,25 +1,34 @@
-"""Mutual challenge-response on the shared secret: a sans-I/O core and its two drivers.
+"""Mutual challenge-response on per-(role, id) keys: a sans-I/O core and its two drivers.
 
 Every connection opens with (frames of :mod:`kvmesh.net.framing`, msgspec msgpack bodies)::
 
     server -> Challenge(nonce, server_id, service, version, auth_required, info)
-    client -> Hello(client_id, client_nonce, mac, version, info)
+    client -> Hello(client_id, client_nonce, mac, version, info, role)
     server -> Welcome(mac) | Refused(code, message)
 
-    client mac = HMAC-SHA256(token, "kvmesh-net/1 c" | service | nonce | client_nonce
+    K          = key(role, client_id)   (kvmesh.net.identity: derived from the cluster secret)
+    client mac = HMAC-SHA256(K, "kvmesh-net/2 c" | service | nonce | client_nonce | role
                              | client_id | client info | server_id)
-    server mac = HMAC-SHA256(token, "kvmesh-net/1 s" | service | client_nonce | nonce
+    server mac = HMAC-SHA256(K, "kvmesh-net/2 s" | service | client_nonce | nonce | role
                              | server_id | server info | client_id)
 
-(each part after the label prefixed with its 4-byte little-endian length). ``service`` is
-bound into both proofs, so a proof made for one port cannot be used at another; ``client_id``
-is bound too, so after the handshake the server knows who the peer is (``peer_id``), and the
-client knows the server's id. ``info`` is a small
-opaque blob each side may send (the transfer engine sends its node and host ids); it is
-covered by the MACs, so with a token it is authenticated. The token never crosses the wire.
+(each part after the label prefixed with its 4-byte little-endian length). The client claims
+a role (``replica``, ``node``, ``client``) and an id and proves it holds that pair's key; the
+server derives the key it expects for the claim (it holds the cluster secret, or -- for the
+client role -- a credential carrying the client key, :meth:`SecurityConfig.key_for`) and
+refuses a proof made with any other key. So a client credential proves only "a client", a
+node credential only "node N". After success the server knows ``peer_role`` and ``peer_id``;
+its ``accept(role, id)`` policy (e.g. "replicas of the current membership only") is applied
+to the authenticated claim, and with mutual TLS the certificate must name the claim too
+(:func:`~kvmesh.net.security.check_cert_identity`). The server's proof uses the same key,
+so the client learns the server holds the secret (or, for a client key, some credential).
+``service`` is bound into both proofs, so a proof made for one port cannot be used at
+another. ``info`` is a small opaque blob each side may send (the transfer engine sends its
+node and host ids); it is covered by the MACs. No key crosses the wire.
 
-Without a token on both sides the exchange still runs (ids, service and version are checked)
-but proves nothing; a client with a token refuses a server without one and vice versa.
+Without keys on both sides the exchange still runs (ids, role, service and version are
+checked, ``accept`` applies to the claim) but proves nothing; a side with keys refuses a peer
+without them.
 
 Every field has a size cap (ids <= :data:`MAX_ID_BYTES` bytes, nonces 16-64 bytes, info <=
 :data:`MAX_INFO`), and handshake frames are capped at :data:`PREAUTH_MAX_FRAME`. The drivers
@@ -37,17 +46,19 @@ import hashlib
 import hmac
 import secrets
 import socket
-from collections.abc import Coroutine, Iterator
+import ssl
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Annotated, Any
 
 import msgspec
 
 from .errors import AuthFailed, DeadlineExceeded, HandshakeError, HandshakeTimeout, clip
 from .framing import aread_frame, encode_frame, read_frame, send_frame
+from .identity import CLIENT, Role
 from .limits import Deadline
-from .security import SecurityConfig
+from .security import SecurityConfig, check_cert_identity
 
-VERSION = 1
+VERSION = 2
 PREAUTH_MAX_FRAME = 4 << 10  # no handshake frame is bigger; a larger prefix closes the connection
 DEFAULT_DEADLINE_S = 5.0
 MAX_ID_BYTES = 256
@@ -76,6 +87,11 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     mac: _Mac | None
     version: int = VERSION
     info: _Info = b""
+    role: Role = CLIENT
+
+
+# A server's policy on an authenticated claim: the reason to refuse (role, id), or None.
+Accept = Callable[[str, str], "str | None"]
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -100,8 +116,8 @@ def _id_ok(value: str) -> bool:
     return len(value.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES
 
 
-def _mac(token: str, label: bytes, *parts: bytes | str) -> bytes:
-    h = hmac.new(token.encode(), b"kvmesh-net/1 " + label, hashlib.sha256)
+def _mac(key: bytes, label: bytes, *parts: bytes | str) -> bytes:
+    h = hmac.new(key, b"kvmesh-net/2 " + label, hashlib.sha256)
     for p in parts:
         raw = p.encode() if isinstance(p, str) else p
         h.update(len(raw).to_bytes(4, "little"))
@@ -110,29 +126,31 @@ def _mac(token: str, label: bytes, *parts: bytes | str) -> bytes:
 
 
 def client_mac(
-    token: str,
+    key: bytes,
     service: str,
     nonce: bytes,
     client_nonce: bytes,
+    role: str,
     client_id: str,
     info: bytes,
     server_id: str,
 ) -> bytes:
     """The client's proof (exposed for tests of forged and replayed proofs)."""
-    return _mac(token, b"c", service, nonce, client_nonce, client_id, info, server_id)
+    return _mac(key, b"c", service, nonce, client_nonce, role, client_id, info, server_id)
 
 
 def server_mac(
-    token: str,
+    key: bytes,
     service: str,
     client_nonce: bytes,
     nonce: bytes,
+    role: str,
     server_id: str,
     info: bytes,
     client_id: str,
 ) -> bytes:
     """The server's proof."""
-    return _mac(token, b"s", service, client_nonce, nonce, server_id, info, client_id)
+    return _mac(key, b"s", service, client_nonce, nonce, role, server_id, info, client_id)
 
 
 class ServerHandshake:
@@ -140,7 +158,10 @@ class ServerHandshake:
 
     ``receive`` returns the Welcome frame or raises :class:`AuthFailed` /
     :class:`HandshakeError` whose ``reply`` is the Refused frame to send before closing.
-    After success ``peer_id`` and ``peer_info`` hold what the (authenticated) client sent.
+    After success ``peer_role``, ``peer_id`` and ``peer_info`` hold what the (authenticated)
+    client claimed and sent. ``accept(role, id)`` returns why a claim is refused (code
+    ``forbidden``), or None; ``peer_cert``: the client's verified TLS certificate (the
+    drivers fill it in), which must name the claim (module docstring).
     """
 
     def __init__(
@@ -151,6 +172,8 @@ class ServerHandshake:
         *,
         info: bytes = b"",
         nonce: bytes | None = None,
+        accept: Accept | None = None,
+        peer_cert: Mapping[str, Any] | None = None,
     ) -> None:
         if not _id_ok(server_id) or len(info) > MAX_INFO or len(service) > 64:
             raise ValueError("server id, service or info exceeds its size cap")
@@ -159,6 +182,9 @@ class ServerHandshake:
         self.server_id = server_id
         self.info = bytes(info)
         self.nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_BYTES)
+        self.accept = accept
+        self.peer_cert = peer_cert
+        self.peer_role: str | None = None
         self.peer_id: str | None = None
         self.peer_info: bytes = b""
         self.done = False
@@ -175,7 +201,7 @@ class ServerHandshake:
                 self.server_id,
                 self.service,
                 VERSION,
-                self.sec.token is not None,
+                self.sec.authenticates,
                 self.info,
             )
         )
@@ -198,32 +224,31 @@ class ServerHandshake:
             )
         if not _id_ok(hello.client_id):
             raise self._refuse(HandshakeError, "protocol", "client id too long")
-        token = self.sec.token
-        if token is not None:
+        role, cid = hello.role, hello.client_id
+        sec = self.sec
+        mac = None
+        if sec.authenticates:
             if hello.mac is None:
                 raise self._refuse(AuthFailed, "auth", "this server requires a token; none given")
+            key = sec.key_for(role, cid)
+            if key is None:
+                raise self._refuse(AuthFailed, "auth", f"this server cannot verify a {role}")
             want = client_mac(
-                token,
-                self.service,
-                self.nonce,
-                hello.client_nonce,
-                hello.client_id,
-                hello.info,
+                key, self.service, self.nonce, hello.client_nonce, role, cid, hello.info,
                 self.server_id,
-            )
+            )  # fmt: skip
             if not hmac.compare_digest(want, hello.mac):
-                raise self._refuse(AuthFailed, "auth", "wrong token")
+                raise self._refuse(AuthFailed, "auth", f"wrong token or credential for {role}")
             mac = server_mac(
-                token,
-                self.service,
-                hello.client_nonce,
-                self.nonce,
-                self.server_id,
-                self.info,
-                hello.client_id,
-            )
-        else:
-            mac = None
+                key, self.service, hello.client_nonce, self.nonce, role, self.server_id,
+                self.info, cid,
+            )  # fmt: skip
+        why = check_cert_identity(sec, self.peer_cert, role, cid)
+        if why is None and self.accept is not None:
+            why = self.accept(role, cid)
+        if why is not None:
+            raise self._refuse(AuthFailed, "forbidden", f"{role} {clip(cid, 60)}: {why}")
+        self.peer_role = role
         self.peer_id = hello.client_id
         self.peer_info = hello.info
         self.done = True
@@ -233,6 +258,7 @@ class ServerHandshake:
 class ClientHandshake:
     """Client side: ``receive(challenge_body)`` -> Hello frame; ``receive(welcome_body)`` -> None.
 
+    ``role``: the role this side claims (its key: :meth:`SecurityConfig.key_for`).
     Raises :class:`AuthFailed` (wrong proof, refused, token on one side only) or
     :class:`HandshakeError` (wrong service or version, bad frame). After ``done``, ``peer_id``
     and ``peer_info`` are the server's (authenticated when a token is configured).
@@ -247,10 +273,13 @@ class ClientHandshake:
         info: bytes = b"",
         expect_server_id: str | None = None,
         nonce: bytes | None = None,
+        role: Role = CLIENT,
     ) -> None:
         if not _id_ok(client_id) or len(info) > MAX_INFO:
             raise ValueError("client id or info exceeds its size cap")
         self.sec = sec
+        self.role = role
+        self._key: bytes | None = None
         self.service = service
         self.client_id = client_id
         self.info = bytes(info)
@@ -269,7 +298,7 @@ class ClientHandshake:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise HandshakeError(f"bad handshake frame from server: {clip(str(exc))}") from None
         if isinstance(msg, Refused):
-            cls = AuthFailed if msg.code == "auth" else HandshakeError
+            cls = AuthFailed if msg.code in ("auth", "forbidden") else HandshakeError
             raise cls(
                 f"server refused the connection ({clip(msg.code, 40)}): {clip(msg.message)}",
                 code=msg.code,
@@ -281,11 +310,11 @@ class ClientHandshake:
         if not isinstance(msg, Welcome):
             raise HandshakeError(f"expected welcome, got {type(msg).__name__}")
         ch = self._challenge
-        token = self.sec.token
-        if token is not None:
+        if self._key is not None:
             want = server_mac(
-                token, self.service, self.nonce, ch.nonce, ch.server_id, ch.info, self.client_id
-            )
+                self._key, self.service, self.nonce, ch.nonce, self.role, ch.server_id, ch.info,
+                self.client_id,
+            )  # fmt: skip
             if msg.mac is None or not hmac.compare_digest(want, msg.mac):
                 raise AuthFailed("the server could not prove it knows the token")
         self.peer_id = ch.server_id
@@ -311,20 +340,27 @@ class ClientHandshake:
                 f"expected server {self.expect_server_id!r}, found {clip(ch.server_id)}",
                 code="identity",
             )
-        token = self.sec.token
-        if token is None and ch.auth_required:
+        sec = self.sec
+        if not sec.authenticates and ch.auth_required:
             raise AuthFailed("the server requires a token and we have none")
-        if token is not None and not ch.auth_required:
+        if sec.authenticates and not ch.auth_required:
             raise AuthFailed(
                 "we have a token and the server has none (refusing an unauthenticated peer)"
             )
-        self._challenge = ch
         mac = None
-        if token is not None:
+        if sec.authenticates:
+            self._key = sec.key_for(self.role, self.client_id)
+            if self._key is None:
+                raise AuthFailed(
+                    f"our credential ({'/'.join(sec.identity or ())}) cannot speak as "
+                    f"{self.role} {clip(self.client_id, 60)}"
+                )
             mac = client_mac(
-                token, self.service, ch.nonce, self.nonce, self.client_id, self.info, ch.server_id
-            )
-        return _frame(Hello(self.client_id, self.nonce, mac, VERSION, self.info))
+                self._key, self.service, ch.nonce, self.nonce, self.role, self.client_id,
+                self.info, ch.server_id,
+            )  # fmt: skip
+        self._challenge = ch
+        return _frame(Hello(self.client_id, self.nonce, mac, VERSION, self.info, self.role))
 
 
 # --- blocking-socket driver -----------------------------------------------------------------
@@ -351,6 +387,8 @@ def run_server(sock: socket.socket, hs: ServerHandshake, deadline: Deadline) -> 
     On refusal the ``Refused`` frame is sent (best effort) before the error propagates. The
     socket's own timeout is restored afterwards.
     """
+    if hs.peer_cert is None and isinstance(sock, ssl.SSLSocket):
+        hs.peer_cert = sock.getpeercert() or None
     with _blocking_step(sock):
         send_frame(sock, hs.start(), deadline)
         body = read_frame(sock, PREAUTH_MAX_FRAME, deadline)
@@ -383,11 +421,11 @@ def server_handshake(
     deadline_s: float = DEFAULT_DEADLINE_S,
     *,
     info: bytes = b"",
+    accept: Accept | None = None,
 ) -> str:
     """Authenticate the client on ``sock``; returns its (proven) id."""
-    return run_server(
-        sock, ServerHandshake(sec, service, server_id, info=info), Deadline(deadline_s)
-    )
+    hs = ServerHandshake(sec, service, server_id, info=info, accept=accept)
+    return run_server(sock, hs, Deadline(deadline_s))
 
 
 def client_handshake(
@@ -398,11 +436,11 @@ def client_handshake(
     deadline_s: float = DEFAULT_DEADLINE_S,
     *,
     info: bytes = b"",
+    role: Role = CLIENT,
 ) -> str:
-    """Authenticate to the server on ``sock``; returns its (proven) id."""
-    return run_client(
-        sock, ClientHandshake(sec, service, client_id, info=info), Deadline(deadline_s)
-    )
+    """Authenticate to the server on ``sock`` as ``role`` ``client_id``; returns its id."""
+    hs = ClientHandshake(sec, service, client_id, info=info, role=role)
+    return run_client(sock, hs, Deadline(deadline_s))
 
 
 # --- asyncio driver -------------------------------------------------------------------------
@@ -424,6 +462,8 @@ async def arun_server(
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> str:
     """asyncio twin of :func:`run_server` (one deadline for the whole exchange)."""
+    if hs.peer_cert is None:
+        hs.peer_cert = writer.get_extra_info("peercert") or None
 
     async def run() -> None:
         writer.write(hs.start())
@@ -472,9 +512,10 @@ async def aserver_handshake(
     deadline_s: float = DEFAULT_DEADLINE_S,
     *,
     info: bytes = b"",
+    accept: Accept | None = None,
 ) -> str:
     """asyncio twin of :func:`server_handshake`."""
-    hs = ServerHandshake(sec, service, server_id, info=info)
+    hs = ServerHandshake(sec, service, server_id, info=info, accept=accept)
     return await arun_server(reader, writer, hs, deadline_s)
 
 
@@ -487,7 +528,8 @@ async def aclient_handshake(
     deadline_s: float = DEFAULT_DEADLINE_S,
     *,
     info: bytes = b"",
+    role: Role = CLIENT,
 ) -> str:
     """asyncio twin of :func:`client_handshake`."""
-    hs = ClientHandshake(sec, service, client_id, info=info)
+    hs = ClientHandshake(sec, service, client_id, info=info, role=role)
     return await arun_client(reader, writer, hs, deadline_s)

@@ -448,6 +448,9 @@ class RaftNode:
             "core_dropped_msgs": core.dropped_msgs,
             "forged_msgs": self.transport.forged_msgs if self.transport is not None else 0,
             "peer_bad_frames": self.transport.bad_frames if self.transport is not None else 0,
+            "peer_refused_handshakes": (
+                self.transport.refused_handshakes if self.transport is not None else 0
+            ),
             **self.metrics,
         }
 

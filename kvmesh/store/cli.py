@@ -48,14 +48,22 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from ..net.security import SecurityConfig
+    from ..transfer import init_engine
     from .node import StorageNode
     from .rpc import MasterClient
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.WARNING), stream=sys.stderr
     )
-    rpc = MasterClient([a for a in args.master.split(",") if a], name="store-node")
-    node = StorageNode(rpc, args.size, heartbeat_s=args.heartbeat_s).start()
+    sec = SecurityConfig.from_env()
+    # A node credential (kvmesh keys node ID) names the node: its engine runs as that id.
+    who = sec.identity
+    engine = init_engine(node_id=who[1] if who is not None and who[0] == "node" else None)
+    rpc = MasterClient(
+        [a for a in args.master.split(",") if a], sec, name="store-node", node_id=engine.node_id
+    )
+    node = StorageNode(rpc, args.size, engine=engine, heartbeat_s=args.heartbeat_s).start()
     print(
         f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
         f"engine {node.engine.address}",
@@ -87,11 +95,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     rpc = None
     try:
         cl.start_all()
-        rpc = MasterClient(list(cl.addrs.values()), name="kvmesh-up")
-        node = StorageNode(rpc, args.segment, heartbeat_s=2.0).start()
+        from ..transfer import get_engine
+
+        engine = get_engine()
+        rpc = MasterClient(list(cl.addrs.values()), name="kvmesh-up", node_id=engine.node_id)
+        node = StorageNode(rpc, args.segment, engine=engine, heartbeat_s=2.0).start()
         print(f"masters   {cl.address}")
         print(f"node      {node.node_id}: segment {node.segment} of {args.segment} bytes")
         print(f"use it:   StoreClient({cl.address!r})   or   kvmesh status --master {cl.address}")
+        if token:
+            from ..net.identity import issue
+
+            # What applications get instead of the secret (docs/net.md, "Identity").
+            print(f"clients:  KVMESH_CREDENTIAL={issue(token, 'client')}")
         print("Ctrl-C stops the cluster.", flush=True)
         _wait_for_signal()
         print("stopping ...", flush=True)

@@ -11,8 +11,9 @@ Data path (the master never sees a byte):
   caller's registered buffer into the replicas' segments -> ``PutEnd`` makes them visible
   (``PutRevoke`` frees the keys whose write failed);
 * get: ``GetReplicas`` returns COMPLETE replicas under a read lease -> the engine READs into
-  the caller's buffer. The lease is counted from *before* the request left, so the client's
-  view expires before the master's; a copy that finishes after it answers LeaseExpired for
+  the caller's buffer. The lease is counted from *before* the request left (the attempt the
+  master answered, not an earlier one lost to an outage), so the client's view expires
+  before the master's; a copy that finishes after it answers LeaseExpired for
   that key and its bytes must be ignored (the memory may have been reused).
 
 Zero-copy: :meth:`StoreClient.register_buffer` once, then :meth:`put_from` / :meth:`get_into`
@@ -231,6 +232,9 @@ class StoreClient:
             addrs,
             sec,
             name=f"store-client-{self.engine.node_id}",
+            # With a segment this process is also storage node <engine node id>: it needs
+            # that node's credential (or the secret), not only a client's.
+            node_id=self.engine.node_id if segment_size else None,
             timeout=timeout,
             spin_us=spin_us,
         )
@@ -550,6 +554,11 @@ class StoreClient:
         upsert: bool,
         config: ReplicateConfig | None,
     ) -> BatchResults:
+        if config is None:
+            config = self.config
+        elif type(config) is not ReplicateConfig:
+            # The master could not decode it: refused here, at once, not after retries.
+            raise E.InvalidParams(f"config must be a ReplicateConfig, got {config!r}")
         n = len(keys)
         out: list[Any] = [None] * n
         todo: list[int] = []
@@ -565,7 +574,7 @@ class StoreClient:
                 todo.append(i)
         transports: list[str] = []
         for part in _rpc_parts(todo, keys):
-            transports = self._put_part(keys, bufs, sizes, part, out, upsert, config or self.config)
+            transports = self._put_part(keys, bufs, sizes, part, out, upsert, config)
         self.last_transports = transports
         return BatchResults(out, transports)
 
@@ -823,9 +832,8 @@ class StoreClient:
         of the found keys (key index relative to ``keys``), and the lease deadline."""
         n = len(keys)
         if n <= MAX_KEYS_PER_RPC:  # one RPC (the usual case): its arrays as they are
-            t0 = time.monotonic()
             host = self.engine.host_id
-            resp = self.rpc.call(lambda rid: P.GetReplicasReq(rid, keys, host, True))
+            resp, t0 = self.rpc.call_timed(lambda rid: P.GetReplicasReq(rid, keys, host, True))
             try:
                 if type(resp) is not P.ReplicaTableResp:
                     raise _whole_error(resp)
@@ -842,8 +850,9 @@ class StoreClient:
         for start in range(0, n, MAX_KEYS_PER_RPC):
             part = keys[start : start + MAX_KEYS_PER_RPC]
             end = start + len(part)
-            t0 = time.monotonic()
-            resp = self.rpc.call(lambda rid, part=part: P.GetReplicasReq(rid, part, host, True))
+            resp, t0 = self.rpc.call_timed(
+                lambda rid, part=part: P.GetReplicasReq(rid, part, host, True)
+            )
             try:
                 if type(resp) is not P.ReplicaTableResp:
                     raise _whole_error(resp)
@@ -1154,11 +1163,10 @@ class StoreClient:
             if offsets < 0 or cap <= 0 or at + cap > region.size:
                 return None
             return _OneRegion(region, [at], [cap])
-        try:
-            offs = np.asarray(offsets if batch else [offsets], np.int64)
-            caps = None if sizes is None else np.asarray(sizes if batch else [sizes], np.int64)
-        except (TypeError, ValueError, OverflowError):
-            return None
+        offs = _int_array(offsets if batch else [offsets])
+        caps = None if sizes is None else _int_array(sizes if batch else [sizes])
+        if offs is None or (caps is None and sizes is not None):
+            return None  # not all ints: the per-key path says which
         if offs.ndim == 0:
             offs = np.full(n, int(offs), np.int64)
         if caps is not None and caps.ndim == 0:
@@ -1643,8 +1651,39 @@ def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
         vals = list(value)
         if len(vals) != n:
             raise E.InvalidParams(f"{n} keys but {len(vals)} {what}")
-        return [None if v is None else int(v) for v in vals]
-    return [None if value is None else int(value)] * n
+        return [None if v is None else _index(v, what) for v in vals]
+    return [None if value is None else _index(value, what)] * n
+
+
+def _index(v: Any, what: str) -> int:
+    """``v`` as an int when it is one (numpy integers too); an offset of 1.5 or a size of
+    ``"4096"`` is refused, not truncated or parsed (``int()`` would do both)."""
+    if type(v) is int:
+        return v
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        return int(v)
+    raise E.InvalidParams(f"{what} must be ints, got {v!r}")
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _int_array(values: Any) -> np.ndarray | None:
+    """``values`` (an int or a sequence of ints) as int64, or None when some value is not an
+    int (floats, strings, bools) or does not fit int64: ``np.asarray(v, np.int64)`` would
+    truncate 1.5 to 1 and parse "4096"."""
+    try:
+        a = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    k = a.dtype.kind
+    if k == "i":
+        return a.astype(np.int64, copy=False)
+    if k == "u" and (not a.size or int(a.max()) <= _INT64_MAX):
+        return a.astype(np.int64)
+    if k == "f" and not a.size:  # np.asarray([]) is float64
+        return a.astype(np.int64)
+    return None
 
 
 def _leading(flags: Sequence[Any], per: int) -> int:

@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..launcher import ProcessCluster, free_ports
+from ..net.addr import join_host_port
 
 __all__ = ["StoreCluster"]
 
@@ -37,8 +38,8 @@ class StoreCluster(ProcessCluster):
     ) -> None:
         super().__init__(base_dir, list(range(1, n + 1)))
         ports = free_ports(2 * n, host)
-        self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
-        self.addrs = {i: f"{host}:{ports[n + i - 1]}" for i in self.ids}
+        self.peers = {i: join_host_port(host, ports[i - 1]) for i in self.ids}
+        self.addrs = {i: join_host_port(host, ports[n + i - 1]) for i in self.ids}
         self.token = token
         self.durability = durability
         self.tick_ms = tick_ms

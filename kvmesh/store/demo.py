@@ -221,8 +221,9 @@ def run_demo(
         f"{seg >> 20} MiB in this process ..."
     )
     master = EmbeddedMaster(security=sec)
-    rpc = MasterClient([master.address], sec, name="demo-node")
-    node = StorageNode(rpc, seg, engine=get_engine()).start()
+    engine = get_engine()
+    rpc = MasterClient([master.address], sec, name="demo-node", node_id=engine.node_id)
+    node = StorageNode(rpc, seg, engine=engine).start()
     workers: list[_Worker] = []
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (worker, op) -> reply per round
     ok = True

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from ..net import speaks_for_node
 from ..transfer import MemoryRegion, TransferEngine, get_engine
 from . import errors as E
 from . import protocol as P
@@ -49,8 +50,16 @@ class StorageNode:
         self.engine = engine if engine is not None else get_engine()
         # One process may run several storage nodes on its one engine (Mooncake's clients
         # each own a segment): each needs its own id, so that the copies of one object still
-        # go to distinct nodes and each node's heartbeat and unmount speak only for it.
+        # go to distinct nodes and each node's heartbeat and unmount speak only for it. Those
+        # ids are "<engine node id>/<segment>": the engine's node credential covers them.
         self.node_id = node_id or self.engine.node_id
+        if not speaks_for_node(master.node_id, self.node_id):
+            # The master lets only storage node X (or a node X/... hosted by X's process)
+            # mount, unmount and heartbeat X.
+            raise ValueError(
+                f"a storage node {self.node_id!r} needs MasterClient(node_id=...) naming it "
+                f"(this one speaks as {master.role} {master.node_id or master.name!r})"
+            )
         self._base = segment or f"kvstore-{self.node_id}"
         self._generation = 0
         self.segment = self._base

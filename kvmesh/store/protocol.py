@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from .errors import Code
 from .types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "parts_names",
     "request_key_count",
     "request_keys",
+    "undecodable",
 ]
 
 SERVICE = "store"
@@ -403,6 +405,28 @@ def decode_request(body: bytes | memoryview) -> Request:
 
 def decode_response(body: bytes | memoryview) -> Response:
     return _resp_dec.decode(body)
+
+
+class _Head(msgspec.Struct, array_like=True):
+    """The start every request shares (its tag and rid); the rest of the array is ignored."""
+
+    tag: str
+    rid: int
+
+
+_head_dec = msgspec.msgpack.Decoder(_Head)
+
+
+def undecodable(body: bytes | memoryview, err: Exception) -> ErrorResp:
+    """The answer to a request :func:`decode_request` refused: InvalidParams, not retryable,
+    under the request's rid when its head can be read (else 0), so the sender stops at once
+    instead of retrying a request that can never be decoded until its deadline."""
+    try:
+        rid = _head_dec.decode(body).rid
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        rid = 0
+    why = f"undecodable request: {str(err)[:300]}"
+    return ErrorResp(rid, int(Code.INVALID_PARAMS), why, retry=False)
 
 
 def request_keys(req: Any) -> list[str]:

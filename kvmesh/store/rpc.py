@@ -54,7 +54,10 @@ class _Conn:
 
 class MasterClient(LeaderFinderViews):
     """``addrs``: store RPC addresses of the master replicas (any subset that includes a
-    live one). ``timeout``: the longest one call keeps retrying; ``attempt_timeout``: how
+    live one). ``node_id``: given, this client authenticates as storage node ``node_id``
+    (the secret or that node's credential, ``kvmesh keys node ID``), which mounting,
+    unmounting and heartbeating that node require; else as a client. ``timeout``: the
+    longest one call keeps retrying; ``attempt_timeout``: how
     long one replica gets to answer one attempt. ``spin_us``: how long a call busy-polls
     for the master's reply before it blocks (default ``$KVMESH_SPIN_US`` or
     :data:`~kvmesh.net.framing.DEFAULT_SPIN_US`; 0 turns it off; see docs/store.md)."""
@@ -65,6 +68,7 @@ class MasterClient(LeaderFinderViews):
         security: SecurityConfig | None = None,
         *,
         name: str = "store-client",
+        node_id: str | None = None,
         timeout: float = 15.0,
         attempt_timeout: float = 5.0,
         max_pool: int = 8,
@@ -72,11 +76,19 @@ class MasterClient(LeaderFinderViews):
     ) -> None:
         if not addrs:
             raise ValueError("no master addresses")
+        for a in addrs:
+            parse_addr(a)  # a bad one is refused here, not at the first call's connect
+        if security is not None and not isinstance(security, SecurityConfig):
+            raise TypeError(f"security must be a SecurityConfig, got {security!r}")
         self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
-        # Unique per client: the master binds our session to this authenticated name.
-        self.name = f"{name}-{secrets.token_hex(6)}"
+        # Unique per client: the master binds our session to this authenticated name. A
+        # storage node's client speaks as "node <node_id>" (its credential's), the only
+        # identity the master lets mount, unmount and heartbeat that node.
+        self.node_id = node_id
+        self.role = "client" if node_id is None else "node"
+        self.name = f"{name}-{secrets.token_hex(6)}" if node_id is None else node_id
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.max_pool = max_pool
@@ -101,7 +113,12 @@ class MasterClient(LeaderFinderViews):
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=host)
             client_handshake(
-                sock, self.sec, P.SERVICE, self.name, max(0.01, deadline - time.monotonic())
+                sock,
+                self.sec,
+                P.SERVICE,
+                self.name,
+                max(0.01, deadline - time.monotonic()),
+                role=self.role,  # type: ignore[arg-type]
             )
         except BaseException:
             sock.close()
@@ -125,11 +142,13 @@ class MasterClient(LeaderFinderViews):
                 return
         conn.close()
 
-    def _exchange(self, addr: str, req: Any, deadline: float) -> Any:
+    def _exchange(self, addr: str, req: Any, deadline: float) -> tuple[Any, float]:
+        """``req``'s reply from ``addr`` and the time (monotonic) just before it was sent."""
         conn = self._take(addr, deadline)
         ok = False
         try:
             conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sent = time.monotonic()
             conn.sock.sendall(_framing.encode_frame(P.encode(req)))
             while True:
                 body = _framing.read_frame(
@@ -138,7 +157,7 @@ class MasterClient(LeaderFinderViews):
                 resp = P.decode_response(body)
                 if resp.rid == req.rid:
                     ok = True
-                    return resp
+                    return resp, sent
                 # A stale reply of an attempt we gave up on: skip it.
         finally:
             if ok:
@@ -159,6 +178,15 @@ class MasterClient(LeaderFinderViews):
     def call(self, make: Callable[[int], Any], *, timeout: float | None = None) -> Any:
         """Send ``make(rid)`` until a replica answers definitely; returns the reply (never a
         Redirect or a retryable ErrorResp). Raises StoreUnavailable after the deadline."""
+        return self.call_timed(make, timeout=timeout)[0]
+
+    def call_timed(
+        self, make: Callable[[int], Any], *, timeout: float | None = None
+    ) -> tuple[Any, float]:
+        """:meth:`call`, and when the attempt that was answered left (monotonic): what a
+        lease in the reply is counted from. Not the first attempt's time: after attempts
+        lost to an outage that would count the outage against a lease granted afterwards
+        (every read of a fresh copy then answered LeaseExpired)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         tries = self._finder.attempts(deadline, self.attempt_timeout)
         while (step := tries.next()) is not None:
@@ -167,7 +195,7 @@ class MasterClient(LeaderFinderViews):
                 time.sleep(step.wait)
                 continue
             try:
-                resp = self._exchange(addr, make(next(self._rid)), step.deadline)
+                resp, sent = self._exchange(addr, make(next(self._rid)), step.deadline)
             except (OSError, NetError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 tries.failed(addr, f"{type(e).__name__}: {str(e)[:200]}")
                 if isinstance(e, AuthFailed):
@@ -184,7 +212,7 @@ class MasterClient(LeaderFinderViews):
                 tries.retry(addr, resp.message[:200])
                 continue
             tries.succeeded(addr)
-            return resp
+            return resp, sent
         raise E.StoreUnavailable(f"no master answered in time (last: {tries.last})")
 
     def _session(self) -> int:
@@ -239,7 +267,7 @@ class MasterClient(LeaderFinderViews):
         return resp
 
     def status(self, addr: str, timeout: float = 5.0) -> dict[str, Any]:
-        resp = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
+        resp, _ = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
         if type(resp) is not P.StatusResp:
             raise _error(resp)
         return resp.info

@@ -47,9 +47,11 @@ import numpy as np
 from ..net import framing as _framing
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
-from ..net.handshake import aserver_handshake
-from ..net.limits import ConnectionLimiter
+from ..net.handshake import ServerHandshake, arun_server
+from ..net.identity import speaks_for_node
+from ..net.limits import ConnectionLimiter, source_of
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
+from ..net.throttle import LogThrottle
 from ..replog import (
     CommandError,
     NodeConfig,
@@ -70,7 +72,7 @@ from . import errors as E
 from . import protocol as P
 from .master import commands as C
 from .master.eviction import choose_victims
-from .master.leases import AccessStats, HeartbeatTable, LeaseTable
+from .master.leases import AccessStats, HeartbeatTable, LeaseTable, TermStart
 from .master.objects import State
 from .master.policy import (
     HoldTracker,
@@ -136,6 +138,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_keys: int = 8192
     max_connections: int = 1024
     max_unauthenticated: int = 64
+    max_unauthenticated_per_source: int = 32  # of those, from one address (IPv6: one /64)
     max_inflight: int = 64
     # replica descriptors of one GetReplicas reply (later keys answer InvalidParams)
     max_reply_bytes: int = 8 << 20
@@ -204,8 +207,12 @@ class _EchoMachine:
         self.inner = inner
         self.result_type = _make_result_type(getattr(inner, "result_type", Any))
         self.on_hold: Any = None
+        self.term_start: TermStart | None = None  # this replica's leadership, if it leads
 
     def apply(self, index: int, data: bytes) -> Any:
+        ts = self.term_start
+        if ts is not None:
+            ts.observe(index, self.inner.processing)
         env = _echo_dec.decode(data)
         res = self.inner.apply(index, env.body)
         if env.release_at and self.on_hold is not None:
@@ -300,8 +307,13 @@ class MasterService:
         self.address = ""
         self.server_id = f"store-master-{config.node_id}-{secrets.token_hex(4)}"
         self._server: asyncio.base_events.Server | None = None
-        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
+        self._limiter = ConnectionLimiter(
+            config.max_connections,
+            config.max_unauthenticated,
+            config.max_unauthenticated_per_source,
+        )
         self._conns: set[asyncio.Task] = set()
+        self._throttle = LogThrottle(log, 5.0)  # refused handshakes: a line per interval
         # A begun request frame must end within request_timeout_s and within the idle bound
         # (which also bounds the wait for the next request), as one asyncio.timeout did.
         self._watch = DeadlineWatch(
@@ -313,6 +325,7 @@ class MasterService:
         # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
         # this process's monotonic clock; commands carry wall time (_now).
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
+        self.term_start = TermStart(1 << 62)  # nothing is fresh before we lead
         self.heartbeats = HeartbeatTable()
         self.stats = AccessStats()
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
@@ -439,11 +452,24 @@ class MasterService:
         if not ch.is_self:
             return
         now = time.monotonic()
-        # The previous leader's leases are unknown here: every key counts as leased for one
-        # lease period; nodes get a full heartbeat TTL from now. (A lone replica holding no
-        # object can have no earlier leases: it skips the blanket period.)
+        # The previous leaders' leases are unknown here: every object one of them may have
+        # leased counts as leased for one lease period (TermStart says which: not those
+        # created or completed in this term); nodes get a full heartbeat TTL from now. (A
+        # lone replica holding no object can have no earlier leases: it skips the period.)
         alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
-        self.leases = LeaseTable(start=now, grace=0.0 if alone else self.cfg.lease_ttl_s)
+        node, sm = self.node, self.sm
+        assert node is not None  # the callback is the node's
+        ts = TermStart(node.status()["last_index"] + 1)
+        self._machine.term_start = ts
+
+        def fresh(key: str) -> bool:
+            ts.observe(node.applied_index + 1, sm.processing)  # every earlier entry applied?
+            return ts.fresh(key, sm.version_of(key))
+
+        self.term_start = ts
+        self.leases = LeaseTable(
+            start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=fresh
+        )
         self.heartbeats = HeartbeatTable()
         self.heartbeats.reset(self.sm.nodes(), now)
         self.stats = AccessStats()
@@ -571,7 +597,9 @@ class MasterService:
     # ------------------------------------------------------------------------- server
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        token = self._limiter.try_acquire(on_evict=writer.transport.abort)
+        token = self._limiter.try_acquire(
+            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
+        )
         if token is None:
             writer.close()
             return
@@ -583,16 +611,15 @@ class MasterService:
         watched: Watched | None = None
         try:
             try:
-                peer = await aserver_handshake(
-                    reader,
-                    writer,
-                    self.sec,
-                    P.SERVICE,
-                    self.server_id,
-                    self.cfg.handshake_timeout_s,
-                )
+                hs = ServerHandshake(self.sec, P.SERVICE, self.server_id)
+                who = await arun_server(reader, writer, hs, self.cfg.handshake_timeout_s)
+                # Sessions and storage nodes bind to the authenticated role and id: a
+                # client's connection is never the same peer as node X's (_admit).
+                peer = f"{hs.peer_role}:{who}"
             except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
-                log.info(
+                self._throttle.log(
+                    logging.INFO,
+                    "auth",
                     "store master: handshake from %s refused: %s",
                     writer.get_extra_info("peername"),
                     str(e)[:200],
@@ -627,8 +654,12 @@ class MasterService:
                     try:
                         req = P.decode_request(body)
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        log.info("store master: undecodable request; closing: %s", str(e)[:200])
-                        return
+                        # Answered, not dropped: the frame ended where its length said, so
+                        # the connection is still in step, and a dropped connection reads
+                        # to the sender as an outage to retry until its deadline.
+                        log.info("store master: undecodable request: %s", str(e)[:200])
+                        await out.send(_framing.encode_frame(P.encode(P.undecodable(body, e))))
+                        continue
                     if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                         continue  # answered inline from the leader lease
                     if slots.locked():
@@ -827,6 +858,16 @@ class MasterService:
                 raise E.InvalidParams(f"session {sess.client_id} belongs to another client")
         node_id = req.node_id if "node_id" in fields else None
         if node_id is not None:
+            # Mount, Unmount, Heartbeat: only storage node X (its credential) acts for node
+            # X (and the sub-nodes X/... its process hosts), or a replica-role peer (an
+            # operator: it holds the cluster secret, which derives node X's key anyway); a
+            # client credential never can.
+            role, _, who = peer.partition(":")
+            if not (role == "replica" or (role == "node" and speaks_for_node(who, node_id))):
+                raise E.InvalidParams(
+                    f"only storage node {node_id[:_MAX_NAME]!r} may {name[:-3].lower()} it "
+                    f"(this connection is {peer[:_MAX_NAME]!r})"
+                )
             self._check_node_owner(node_id, peer)
         return node
 
@@ -1146,7 +1187,11 @@ class MasterService:
         try:
             release_at = 0.0
             if mono < self.leases.blanket_until:
-                leased = list(self.sm.keys())
+                if not self.term_start.settled:
+                    # An earlier term's entry still to apply may create a key this list
+                    # would miss (and RemoveAll then remove it under an old lease).
+                    raise _Busy("a new leader is still applying the earlier terms' entries")
+                leased = self.leases.leased_keys(self.sm.keys(), mono)
             else:
                 leased = self.leases.all_leased(mono)
             if req.force:

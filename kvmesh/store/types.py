@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
+from .errors import InvalidParams
+
 __all__ = [
     "parse_size",
     "MAX_BATCH_KEYS",
@@ -133,6 +135,34 @@ class ReplicateConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     writer_host: str | None = None
     soft_pin: bool = False
     hard_pin: bool = False
+
+    def __post_init__(self) -> None:
+        # msgspec checks these types when it decodes a config, not when one is built: a
+        # wrong-typed field would otherwise travel to the master and fail only there. (The
+        # range of replica_num is the master's to judge: MAX_REPLICAS is its limit.)
+        why = _config_error(self)
+        if why is not None:
+            raise InvalidParams(f"ReplicateConfig: {why}")
+
+
+_STRATEGIES = frozenset(Strategy.__args__)
+
+
+def _config_error(c: ReplicateConfig) -> str | None:
+    """What is wrong with the types of ``c``'s fields (None: nothing). Explicit checks: a
+    ``msgspec.convert`` per field costs ~10 us a config, and the master decodes one per put."""
+    if type(c.replica_num) is not int:
+        return f"replica_num must be an int, got {c.replica_num!r}"
+    for f in ("preferred_segment", "writer_host"):
+        v = getattr(c, f)
+        if v is not None and type(v) is not str:
+            return f"{f} must be a str or None, got {v!r}"
+    if type(c.strategy) is not str or c.strategy not in _STRATEGIES:
+        return f"strategy must be one of {sorted(_STRATEGIES)}, got {c.strategy!r}"
+    for f in ("soft_pin", "hard_pin"):
+        if type(getattr(c, f)) is not bool:
+            return f"{f} must be a bool, got {getattr(c, f)!r}"
+    return None
 
 
 class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,9 +8,11 @@ Python, and a blocked thread costs no CPU (an idle engine stays near 0 %).
   (service ``"transfer"``) and answers requests: segment descriptors, pings, transport calls,
   and whatever the engine installs as handlers (the TCP transport's server half:
   ``transports/tcp.py``). What one peer may cost is bounded: connections in total and in
-  their handshake (:class:`~kvmesh.net.ConnectionLimiter`; excess ones are closed at once,
-  so threads and fds are bounded), one absolute handshake deadline with 4 KiB pre-auth
-  frames, a frame limit after it, a deadline per request, an idle timeout per connection.
+  their handshake, in total and per source address (:class:`~kvmesh.net.ConnectionLimiter`;
+  a newcomer evicts the oldest stalled handshake, its own source's first, so threads and
+  fds are bounded and silent connections cannot lock peers out), one absolute handshake
+  deadline with 4 KiB pre-auth frames, a frame limit after it, a deadline per request, an
+  idle timeout per connection.
   The accept loop survives any failure (a failed ``Thread.start`` closes that one socket).
 * :class:`PeerClient` is this engine's view of one remote engine: a pool of authenticated
   connections and a *watch* connection whose closing (process death, engine close) marks the
@@ -21,6 +23,7 @@ Python, and a blocked thread costs no CPU (an idle engine stays near 0 %).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -47,10 +50,14 @@ from kvmesh.net import (
     ServerHandshake,
     Slot,
     check_bind,
+    family_of,
+    join_host_port,
     run_client,
     run_server,
+    source_of,
 )
 from kvmesh.net.framing import CHUNK
+from kvmesh.net.throttle import LogThrottle
 
 from . import protocol as P
 from . import sockio
@@ -94,7 +101,18 @@ def security_of(config: EngineConfig) -> SecurityConfig:
             raise InvalidArgument(f"token file {config.token_file!r} is empty")
     if token == "":
         raise InvalidArgument("an empty token would authenticate everyone; leave it unset")
-    return SecurityConfig(token=token, allow_insecure=config.allow_insecure)
+    cred = config.credential
+    if config.credential_file is not None:
+        if cred is not None:
+            raise InvalidArgument("set credential or credential_file, not both")
+        with open(config.credential_file, encoding="utf-8") as f:
+            cred = f.read().strip() or None
+    try:
+        # Every engine speaks as a client (the default role): the client key, which a
+        # node's credential carries too, verifies every peer's engine.
+        return SecurityConfig(token=token, credential=cred, allow_insecure=config.allow_insecure)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def _tune(sock: socket.socket, keepalive: bool) -> None:
@@ -120,31 +138,6 @@ def primary_ip() -> str:
             return "127.0.0.1"
     finally:
         probe.close()
-
-
-class _Throttle:
-    """Logs one line per kind of event per interval, with a count of what it held back.
-
-    A flood of bad connections must not become a flood of log lines.
-    """
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def log(self, level: int, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -1e9) < self._interval:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        if held:
-            msg += f" (and {held} more like it in the last {self._interval:g} s)"
-        log.log(level, msg, *args, exc_info=exc_info)
 
 
 class Served:
@@ -201,17 +194,19 @@ class ControlServer:
         self._handlers = dict(handlers or {})
         # Requests are small apart from the data path's offset arrays (its handler's limit).
         self._max_frame = max(max_frame, CHUNK)
-        self._limiter = ConnectionLimiter(config.max_connections, config.max_unauthenticated)
-        self._throttle = _Throttle()
+        self._limiter = ConnectionLimiter(
+            config.max_connections,
+            config.max_unauthenticated,
+            config.max_unauthenticated_per_source,
+        )
+        self._throttle = LogThrottle(log)
         self._info = P.encode_info(P.ServerInfo(identity.node_id, identity.host_id))
-        self._lsock = socket.create_server((host, port), backlog=128)
+        self._lsock = socket.create_server((host, port), family=family_of(host), backlog=128)
         bound = self._lsock.getsockname()
         bhost = bound[0]
         if bhost in ("0.0.0.0", "::", ""):
             bhost = primary_ip()  # a wildcard is not an address peers can use
-        if ":" in bhost:
-            bhost = f"[{bhost}]"
-        self.address = config.advertise or f"{bhost}:{bound[1]}"
+        self.address = config.advertise or join_host_port(bhost, bound[1])
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, Served] = {}
         self._watchers: dict[socket.socket, threading.Lock] = {}
@@ -229,7 +224,7 @@ class ControlServer:
         # Never dies while the server is open: a failure costs one connection, never the port.
         while True:
             try:
-                sock, _ = self._lsock.accept()
+                sock, addr = self._lsock.accept()
             except Exception as exc:
                 if self._closed:
                     return
@@ -240,7 +235,7 @@ class ControlServer:
                 time.sleep(0.05)
                 continue
             try:
-                self._admit(sock)
+                self._admit(sock, source_of(addr))
             except Exception as exc:
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -251,8 +246,12 @@ class ControlServer:
                     exc,
                 )
 
-    def _admit(self, sock: socket.socket) -> None:
-        slot = self._limiter.try_acquire()
+    def _admit(self, sock: socket.socket, source: str) -> None:
+        # A newcomer may take the place of the oldest stalled handshake (of its own source
+        # first): silent connections renewed at the handshake deadline then cannot lock
+        # peers out (docs/net.md, "Frames and limits"). Evicting shuts the socket down,
+        # which ends the blocked handshake read in that connection's thread.
+        slot = self._limiter.try_acquire(on_evict=functools.partial(_shut, sock), source=source)
         if slot is None:
             sock.close()
             self._throttle.log(
@@ -285,7 +284,8 @@ class ControlServer:
         try:
             _tune(sock, self.config.tcp_keepalive)
             info = self._handshake(conn)
-            self._limiter.authenticated(slot)
+            if not self._limiter.authenticated(slot):
+                return  # evicted for a newer connection while still in its handshake
             if info.watch:
                 with self._lock:
                     self._watchers[sock] = threading.Lock()
@@ -472,6 +472,11 @@ class ControlServer:
             t.join(2.0)
 
 
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def _peer_name(sock: socket.socket) -> str:
     try:
         host, port = sock.getpeername()[:2]
@@ -655,8 +660,8 @@ class PeerClient:
                 raise PeerDeadError(f"peer {self.address} is dead: {reason}") from None
             raise PeerDeadError(f"peer {self.address}: {exc}") from None
 
-    def get_segment(self, name: str) -> SegmentDescriptor:
-        return _expect(self._call(P.GetSegment(name)), P.SegmentInfo).desc
+    def get_segment(self, name: str, timeout: float | None = None) -> SegmentDescriptor:
+        return _expect(self._call(P.GetSegment(name), timeout), P.SegmentInfo).desc
 
     def list_segments(self) -> list[SegmentDescriptor]:
         return _expect(self._call(P.ListSegments()), P.SegmentList).descs

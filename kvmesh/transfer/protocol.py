@@ -33,6 +33,7 @@ from kvmesh.net import (
     encode_frame,
     read_frame,
 )
+from kvmesh.net.addr import split_host_port as _split
 from kvmesh.net.errors import clip
 
 from .errors import InvalidArgument, PeerDeadError, ProtocolError, TransferTimeout
@@ -233,8 +234,11 @@ def recv_msg(
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"bad address {address!r}: expected 'host:port'")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; an empty host (``":port"``)
+    is loopback. (:func:`kvmesh.net.addr.split_host_port`, its errors as InvalidArgument.)"""
+    if isinstance(address, str) and address.startswith(":"):
+        address = "127.0.0.1" + address
+    try:
+        return _split(address)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from None

@@ -112,8 +112,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     listen: str = "127.0.0.1:0"  # control server address; port 0 picks a free port
     advertise: str | None = None  # address given to peers (default: the bound address)
     host_id: str | None = None  # override locality detection (tests force "other host")
-    token: str | None = None  # shared secret; peers must prove they know it
+    token: str | None = None  # the cluster secret; peers must prove they hold a key of it
     token_file: str | None = None  # read the shared secret from this file instead
+    # Or a credential derived from the secret (kvmesh keys; docs/net.md, "Identity"): the
+    # engine authenticates as a client with its client key.
+    credential: str | None = None
+    credential_file: str | None = None
     allow_insecure: bool = False  # allow listening on a non-loopback address without a token
     transport: TransportKind | None = None  # force one transport for every remote segment
     transports_allow: list[TransportKind] | None = None  # None: every available transport
@@ -128,6 +132,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Limits of the control server (what one peer may cost this engine; docs/transfer.md).
     max_connections: int = 1024  # served connections in total; more are closed at once
     max_unauthenticated: int = 64  # connections still in their handshake
+    max_unauthenticated_per_source: int = 32  # of those, from one address (IPv6: one /64)
     request_timeout: float = 60.0  # one request: its frame, payload and reply
     idle_timeout: float = 300.0  # a data connection with no request for this long is closed
     max_request_pieces: int = 1 << 20  # (offset, length) pieces in one WRITE/READ request
@@ -163,6 +168,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in (
             "max_connections",
             "max_unauthenticated",
+            "max_unauthenticated_per_source",
             "max_request_pieces",
             "max_request_bytes",
         ):

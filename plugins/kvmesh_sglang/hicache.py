@@ -18,8 +18,11 @@ Object names keep apart everything a page hash does not say (sglang-interfaces.m
 ``{namespace}/{model}/{layout}/{dtype}/ps{page_size}/{hash}/{shard}/{component}``, where the
 shard is ``tp{rank}of{size}`` for MHA (K and V are separate objects, so ranks never share)
 and ``mla`` for rank-replicated MLA KV (one object, shared by the ranks), each followed by
-``pp{rank}of{size}`` and ``cp{rank}of{size}`` when those are used. Namespace and model are
-percent-quoted, so no two configurations produce the same name.
+``pp{rank}of{size}`` and ``cp{rank}of{size}`` when those are used (an MLA model's
+rank-private sidecar objects: ``mlatp{rank}of{size}``). Namespace and model are
+percent-quoted (no model name is ``-``, a model named ``-`` is ``%2D``), layout and dtype
+when they hold ``/`` or ``%``: no two configurations produce the same name
+(tests/plugins/test_hicache_names.py).
 
 Failure rule: a call never raises into SGLang's prefetch/backup threads; a page that cannot
 be read or written is a miss (``False``, or the end of the prefix count). A read counts only
@@ -181,8 +184,38 @@ def _quote(s: str) -> str:
     return urllib.parse.quote(s, safe="")
 
 
+def _model_part(model: Any) -> str:
+    """The model's name segment, one per model: ``-`` for no name (None), the percent-quoted
+    name otherwise (``""`` is an empty segment), except that a model literally named ``-``
+    is ``%2D``: quoting never writes that, and never a ``/``, so the segment is injective
+    (None, ``""`` and ``"-"`` all used to be ``-``: two such deployments read each other's
+    pages)."""
+    if model is None:
+        return "-"
+    if not isinstance(model, str):
+        raise ValueError(f"kvmesh HiCache: model_name must be a str or None, got {model!r}")
+    q = _quote(model)
+    return "%2D" if q == "-" else q
+
+
+def _segment(s: str) -> str:
+    """``s`` as one name segment: as it is without ``/`` and ``%`` (every layout and dtype
+    SGLang has: their names stay), else percent-quoted, which always writes a ``%``:
+    injective either way, never a ``/``."""
+    return s if "/" not in s and "%" not in s else _quote(s)
+
+
 def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _segment(str(dtype).removeprefix("torch."))
+
+
+def _rank(cfg: Any, what: str, rank: str, size: str) -> tuple[int, int]:
+    """``cfg``'s (rank, size) of one parallelism, checked: a name made of a rank outside its
+    group, or of a non-int, would not say which shard it is."""
+    r, n = getattr(cfg, rank, 0), getattr(cfg, size, 1)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (r, n)) or not (0 <= r < n):
+        raise ValueError(f"kvmesh HiCache: {what} rank {r!r} of size {n!r} is not a rank")
+    return int(r), int(n)
 
 
 class _Shards(msgspec.Struct, frozen=True):
@@ -193,21 +226,41 @@ class _Shards(msgspec.Struct, frozen=True):
     shared: str  # "mla[/pp..][/cp|dcp..]" for rank-replicated KV, else == rank
 
 
+def _namespace_prefix(namespace: str, model: Any) -> str:
+    """``{namespace}/{model}/``: every name of one deployment starts with it, and with no
+    other deployment's (both segments are quoted: no ``/`` inside)."""
+    return f"{_quote(namespace)}/{_model_part(model)}/"
+
+
 def _shards(cfg: Any, namespace: str, layout: str, dtype: Any, page_size: int) -> _Shards:
-    model = getattr(cfg, "model_name", None) or "-"
-    prefix = f"{_quote(namespace)}/{_quote(model)}/{layout}/{_dtype_name(dtype)}/ps{page_size}/"
+    # Injective over configurations (tests/plugins/test_hicache_names.py): the five prefix
+    # segments are quoted (no "/" inside); the shard's first segment alone starts with
+    # "tp" or "mla", so the shard part cannot be confused with the end of a page hash.
+    if type(page_size) is not int or page_size < 1:
+        raise ValueError(f"kvmesh HiCache: page size {page_size!r} is not a positive int")
+    prefix = (
+        f"{_namespace_prefix(namespace, getattr(cfg, 'model_name', None))}"
+        f"{_segment(str(layout))}/{_dtype_name(dtype)}/ps{page_size}/"
+    )
+    tp, tp_n = _rank(cfg, "TP", "tp_rank", "tp_size")
+    pp, pp_n = _rank(cfg, "PP", "pp_rank", "pp_size")
+    cp, cp_n = _rank(cfg, "CP", "attn_cp_rank", "attn_cp_size")
     tail = ""
-    if getattr(cfg, "pp_size", 1) > 1:
-        tail += f"/pp{cfg.pp_rank}of{cfg.pp_size}"
-    if getattr(cfg, "attn_cp_size", 1) > 1:
-        tail += f"/cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
-    rank = f"tp{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}{tail}"
+    if pp_n > 1:
+        tail += f"/pp{pp}of{pp_n}"
+    if cp_n > 1:
+        tail += f"/cp{cp}of{cp_n}"
+    rank = f"tp{tp}of{tp_n}{tail}"
     if getattr(cfg, "is_mla_model", False):
+        # An MLA model's rank-private objects (its Mamba and MHA-shaped sidecar pools) are
+        # named apart from an MHA model's: is_mla_model is a field like any other.
+        rank = f"mla{rank}"
         dcp = ""
-        if getattr(cfg, "dcp_size", 1) > 1:
+        d, d_n = _rank(cfg, "DCP", "dcp_rank", "dcp_size")
+        if d_n > 1:
             # Equivalent MLA shards of different DCP groups share objects; the topology
             # and logical page size must match (as in SGLang's own backends).
-            dcp = f"/dcp{cfg.dcp_rank}of{cfg.dcp_size}tp{cfg.tp_size}"
+            dcp = f"/dcp{d}of{d_n}tp{tp_n}"
         return _Shards(prefix, rank, f"mla{tail}{dcp}")
     return _Shards(prefix, rank, rank)
 
@@ -378,6 +431,20 @@ def _plan(
             mp.append(ptrs[b + c : b + per : step])
             ms.append(sizes[b + c : b + per : step])
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
+
+
+def _pool_names(
+    sh: _Shards, mla_model: bool, pool: str = "kv", pool_mha: bool | None = None
+) -> _Names:
+    """The names of one pool's objects (``pool``: SGLang's pool name, ``"kv"`` the main KV
+    pool; ``pool_mha``: whether the pool keeps K and V apart, default: as the model).
+    Rank-replicated pools of an MLA model -- its KV and the sidecar pools that are not
+    MHA-shaped -- are shared by the ranks; Mamba state is TP-sharded whatever the
+    attention is; the rest is rank-private."""
+    if pool_mha is None:
+        pool_mha = not mla_model
+    shared = mla_model and pool != "mamba" and not pool_mha
+    return _Names(sh.prefix, sh.shared if shared else sh.rank, "" if pool == "kv" else pool)
 
 
 class _Names:
@@ -596,10 +663,8 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             raise RuntimeError("register_mem_pool_host() was not called")
         return self._shards
 
-    def _obj(self, pool_tag: str = "", shared: bool | None = None) -> _Names:
-        sh = self._names()
-        mid = sh.shared if (not self._mha if shared is None else shared) else sh.rank
-        return _Names(sh.prefix, mid, pool_tag)
+    def _obj(self, pool: str = "kv", pool_mha: bool | None = None) -> _Names:
+        return _pool_names(self._names(), not self._mha, pool, pool_mha)
 
     def _register(self, tensors: Sequence[Any]) -> None:
         for t in tensors:
@@ -894,11 +959,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 continue
             self._check_indices(keys, t.host_indices, self._page_size(pool))
             mha = _is_mha(pool)
-            # Rank-replicated pools of an MLA model are shared by the ranks; Mamba state
-            # is TP-sharded whatever the attention is.
-            shared = (not self._mha) and name != "mamba" and not mha
-            tag = "" if name == "kv" else name
-            obj = self._obj(tag, shared)
+            obj = self._obj(name, mha)
             plans.append((name, _plan(pool, keys, t.host_indices, obj, mha, *self._table(pool))))
         return plans
 
@@ -943,8 +1004,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             if pool is None:
                 raise ValueError(f"pool {name!r} was not registered")
             mha = _is_mha(pool)
-            shared = (not self._mha) and name != "mamba" and not mha
-            o = self._obj(name, shared)
+            o = self._obj(name, mha)
             pc = ("k", "v") if mha else ("kv",)
             policy = getattr(t.hit_policy, "value", t.hit_policy)
             if policy not in ("all_pages", "trailing_pages", "block_groups"):
@@ -994,8 +1054,9 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         under ``{namespace}/{model}/`` -- all layouts, dtypes, page sizes and ranks of this
         model in this namespace -- and nothing of another namespace or model sharing the
         store. Pages being read are removed too (their readers get a miss)."""
-        model = getattr(self.storage_config, "model_name", None) or "-"
-        prefix = f"{_quote(self.config.namespace)}/{_quote(model)}/"
+        prefix = _namespace_prefix(
+            self.config.namespace, getattr(self.storage_config, "model_name", None)
+        )
         n = self.client.remove_prefix(prefix, force=True)
         log.info("kvmesh HiCache: cleared %d objects under %r", n, prefix)
 

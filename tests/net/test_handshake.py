@@ -48,12 +48,19 @@ def decode(frame: bytes) -> dict:
     return msgspec.msgpack.decode(body(frame))
 
 
-def ref_mac(token: str, label: bytes, *parts: bytes) -> bytes:
+def lp(*parts: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+
+
+def ref_key(token: str, role: bytes, ident: bytes) -> bytes:
+    """key(role, id) of kvmesh.net.identity, written out independently of the module."""
+    return hmac.new(token.encode(), b"kvmesh-id/1" + lp(role, ident), hashlib.sha256).digest()
+
+
+def ref_mac(token: str, label: bytes, *parts: bytes, role=b"client", ident=b"") -> bytes:
     """The transcript format written out independently of the module."""
-    data = b"kvmesh-net/1 " + label
-    for p in parts:
-        data += len(p).to_bytes(4, "little") + p
-    return hmac.new(token.encode(), data, hashlib.sha256).digest()
+    data = b"kvmesh-net/2 " + label + lp(*parts)
+    return hmac.new(ref_key(token, role, ident), data, hashlib.sha256).digest()
 
 
 def pair(service="transfer", ssec=SEC, csec=SEC, cid="client-1", sid="server-1", **kw):
@@ -73,7 +80,7 @@ def test_transcript_with_token():
         "nonce": b"N" * 32,
         "server_id": "server-1",
         "service": "transfer",
-        "version": 1,
+        "version": 2,
         "auth_required": True,
         "info": b"node=a",
     }
@@ -82,18 +89,28 @@ def test_transcript_with_token():
     d = decode(hello)
     assert d["type"] == "hello" and d["client_id"] == "client-1" and d["client_nonce"] == b"C" * 32
     assert d["mac"] == ref_mac(
-        TOKEN, b"c", b"transfer", b"N" * 32, b"C" * 32, b"client-1", b"watch", b"server-1"
-    )
+        TOKEN, b"c", b"transfer", b"N" * 32, b"C" * 32, b"client", b"client-1", b"watch",
+        b"server-1",
+    )  # fmt: skip
     assert TOKEN.encode() not in hello and TOKEN.encode() not in ch
     welcome = s.receive(body(hello))
     d = decode(welcome)
     assert d == {
         "type": "welcome",
         "mac": ref_mac(
-            TOKEN, b"s", b"transfer", b"C" * 32, b"N" * 32, b"server-1", b"node=a", b"client-1"
+            TOKEN,
+            b"s",
+            b"transfer",
+            b"C" * 32,
+            b"N" * 32,
+            b"client",
+            b"server-1",
+            b"node=a",
+            b"client-1",
         ),
     }
     assert s.done and s.peer_id == "client-1" and s.peer_info == b"watch"
+    assert s.peer_role == "client"
     assert not c.done
     assert c.receive(body(welcome)) is None
     assert c.done and c.peer_id == "server-1" and c.peer_info == b"node=a"
@@ -183,7 +200,7 @@ def test_proof_replayed_across_services_is_refused():
     # And a Welcome of the log server does not satisfy a transfer client.
     welcome_log = s_log.receive(body(hello_for_log))
     c_tr = ClientHandshake(SEC, "transfer", "client-1", nonce=b"C" * 32)
-    c_tr.receive(body(H._frame(H.Challenge(b"N" * 32, "server-1", "transfer", 1, True))))
+    c_tr.receive(body(H._frame(H.Challenge(b"N" * 32, "server-1", "transfer", H.VERSION, True))))
     with pytest.raises(AuthFailed):
         c_tr.receive(body(welcome_log))
 

@@ -19,8 +19,12 @@ from kvmesh.net import (
     check_bind,
     client_handshake,
     client_ssl_context,
+    family_of,
+    join_host_port,
     server_handshake,
     server_ssl_context,
+    source_of,
+    split_host_port,
 )
 
 
@@ -250,3 +254,49 @@ def test_mutual_tls_refuses_a_client_without_a_trusted_cert(certs):
 def test_no_tls_without_files():
     assert server_ssl_context(SecurityConfig(token="t")) is None
     assert client_ssl_context(SecurityConfig(token="t")) is None
+
+
+def test_connection_limiter_per_source_cap_evicts_only_that_sources_handshakes():
+    lim = ConnectionLimiter(max_total=10, max_unauthenticated=4, max_unauthenticated_per_source=2)
+    closed: list[str] = []
+
+    def slot(name: str, src: str):
+        return lim.try_acquire(on_evict=lambda: closed.append(name), source=src)
+
+    good = slot("good", "10.0.0.1")
+    a1, a2 = slot("a1", "10.0.0.9"), slot("a2", "10.0.0.9")
+    # The flooding source is at its cap: its own oldest goes.
+    assert slot("a3", "10.0.0.9") is not None
+    assert closed == ["a1"] and a1.evicted and not good.evicted
+    assert lim.unauthenticated_from("10.0.0.9") == 2 and lim.unauthenticated == 3
+    for i in range(20):  # however fast it floods, it only churns its own slots
+        slot(f"a{i + 4}", "10.0.0.9")
+    assert "good" not in closed and lim.unauthenticated_from("10.0.0.9") == 2
+    b = slot("b", "10.0.0.2")
+    c = slot("c", "10.0.0.3")  # the global cap: the heaviest source (the flood) pays
+    assert c is not None and closed[-1].startswith("a") and not good.evicted and not b.evicted
+    assert lim.authenticated(good) is True and lim.authenticated(a2) is False
+    # Without on_evict, a source at its cap is refused rather than evicting anything.
+    lim2 = ConnectionLimiter(4, 4, 1)
+    assert lim2.try_acquire(source="x") is not None and lim2.try_acquire(source="x") is None
+    assert lim2.try_acquire(source="y") is not None and lim2.try_acquire() is not None
+    assert lim2.refused == 1
+
+
+def test_source_of_groups_ipv6_by_64_and_maps_ipv4():
+    assert source_of(("10.1.2.3", 5)) == "10.1.2.3"
+    assert source_of(("2001:db8:1:2:aa::1", 5, 0, 0)) == source_of(("2001:db8:1:2:bb::9", 1, 0, 0))
+    assert source_of(("2001:db8:1:2::1", 5, 0, 0)) != source_of(("2001:db8:1:3::1", 5, 0, 0))
+    assert source_of(("::ffff:10.1.2.3", 5, 0, 0)) == "10.1.2.3"
+    assert source_of(None) == "" and source_of("/tmp/sock") == ""
+
+
+def test_address_helpers_take_bracketed_ipv6():
+    assert split_host_port("[::1]:7001") == ("::1", 7001)
+    assert split_host_port("host:1") == ("host", 1)
+    assert join_host_port("::1", 7001) == "[::1]:7001"
+    assert join_host_port("10.0.0.1", 1) == "10.0.0.1:1"
+    for bad in ("::1:7001", "nohost", "h:99999", "[]:1", ":1"):
+        with pytest.raises(ValueError):
+            split_host_port(bad)
+    assert family_of("::1") == socket.AF_INET6 and family_of("127.0.0.1") == socket.AF_INET

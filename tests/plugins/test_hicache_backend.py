@@ -280,6 +280,30 @@ def test_names_separate_namespaces_layouts_ranks_and_share_mla(cluster):
     r.close()
 
 
+def test_unnamed_empty_and_dash_models_do_not_read_each_others_pages(cluster):
+    """A model of None, "" and "-" all used to be named "-": each deployment read the
+    others' pages (8/8 pages with the other's bytes). Now each has its own objects: the
+    same page hashes miss in the others, and every one reads back its own bytes."""
+    keys = page_keys(4, "unnamed")
+    seeds = {None: [11, 12, 13, 14], "": [21, 22, 23, 24], "-": [31, 32, 33, 34]}
+    backends = {m: backend(cluster, namespace="unnamed", cfg_kw={"model": m}) for m in seeds}
+    try:
+        for i, (m, (b, pool)) in enumerate(backends.items()):
+            # before this one writes, the pages written by the ones before it are misses
+            assert b.batch_exists(keys) == 0, (m, i)
+            assert b.batch_get_v1(keys, pool.alloc(4 * pool.page_size)) == [False] * 4
+            idx = pool.alloc(4 * pool.page_size)
+            fill_pages(pool, idx, seeds[m])
+            assert b.batch_set_v1(keys, idx) == [True] * 4
+        for m, (b, pool) in backends.items():
+            got = pool.alloc(4 * pool.page_size)
+            assert b.batch_exists(keys) == 4 and b.batch_get_v1(keys, got) == [True] * 4
+            assert page_digests(pool, got, 4) == expected_digests("mha", "page_first", seeds[m])
+    finally:
+        for b, _ in backends.values():
+            b.close()
+
+
 def test_concurrent_prefetch_and_backup_threads(cluster):
     b, pool = backend(cluster, "mha", "page_first", namespace="threads")
     ps = pool.page_size

@@ -158,7 +158,9 @@ async def open_raw(addr):
 async def peer_as(addr, as_id, token=TOKEN):
     """An authenticated replica connection presenting node id ``as_id``."""
     r, w = await open_raw(addr)
-    await aclient_handshake(r, w, SecurityConfig(token=token), PEER_SERVICE, str(as_id))
+    await aclient_handshake(
+        r, w, SecurityConfig(token=token), PEER_SERVICE, str(as_id), role="replica"
+    )
     return r, w
 
 
@@ -166,9 +168,12 @@ async def closed_within(reader, seconds) -> float:
     """Seconds until the server closes the connection (fails after ``seconds``)."""
     t0 = time.monotonic()
     while True:
-        data = await asyncio.wait_for(
-            reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
-        )
+        try:
+            data = await asyncio.wait_for(
+                reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
+            )
+        except ConnectionResetError:  # closed with our bytes unread: a reset, not a FIN
+            data = b""
         if not data:
             return time.monotonic() - t0
 

@@ -163,7 +163,9 @@ def test_reconnects_after_peer_restart():
 async def connect_as(port, node_id, sec=None):
     """A raw connection to a replica port, authenticated as ``node_id``."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    await aclient_handshake(r, w, sec or SecurityConfig(), PEER_SERVICE, str(node_id))
+    await aclient_handshake(
+        r, w, sec or SecurityConfig(), PEER_SERVICE, str(node_id), role="replica"
+    )
     return r, w
 
 
@@ -175,15 +177,15 @@ def test_malformed_frames_close_only_that_connection():
         b = make(2, peers, b_box)
         await b.start()
         try:
-            r, w = await connect_as(p[1], 7)
+            r, w = await connect_as(p[1], 1)
             w.write(struct.pack("<IB", 4, 9) + b"abc")  # unknown kind
             await w.drain()
             assert await r.read() == b""  # closed by B
-            r, w = await connect_as(p[1], 7)
+            r, w = await connect_as(p[1], 1)
             w.write(struct.pack("<IB", 3, 1) + b"\xc1\xc1")
             await w.drain()
             assert await r.read() == b""
-            r, w = await connect_as(p[1], 7)
+            r, w = await connect_as(p[1], 1)
             w.write(struct.pack("<IB", 100 << 20, FRAG))
             await w.drain()
             assert await r.read() == b""  # oversized frame refused before reading it

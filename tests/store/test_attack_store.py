@@ -67,12 +67,15 @@ def _proc(cl: StoreCluster) -> dict[str, int]:
 
 
 class Peer:
-    """An authenticated raw connection speaking the store protocol (a hostile client)."""
+    """An authenticated raw connection speaking the store protocol (a hostile client).
+    ``role="replica"``: an operator's connection (the secret), which may mount for any node
+    id -- what the tests of lying storage nodes need."""
 
-    def __init__(self, cl: StoreCluster, name: str = "attacker") -> None:
+    def __init__(self, cl: StoreCluster, name: str = "attacker", role: str = "client") -> None:
         host, port = cl.addrs[1].rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=30)
-        client_handshake(self.sock, SecurityConfig(token=TOKEN), P.SERVICE, name, 5.0)
+        sec = SecurityConfig(token=TOKEN)
+        client_handshake(self.sock, sec, P.SERVICE, name, 5.0, role=role)
         self.seq = 0
         self.cid = self.call(P.RegisterReq(1)).client_id
 
@@ -138,7 +141,7 @@ def test_get_replicas_reply_is_bounded_whatever_the_request_names(master):
     1 TiB object the master runs out of memory). Now a reply carries at most
     ``max_reply_bytes`` of descriptors; later keys answer InvalidParams."""
     cl, client = master
-    p = Peer(cl)
+    p = Peer(cl, role="replica")
     try:
         _mount_fake(p, "liar")
         # The lying node's segment takes puts; their writes fail, nothing is published.
@@ -181,7 +184,7 @@ def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
     connection has one large reply in the making at a time, writes wait for the peer to
     read, and a peer that reads nothing for ``request_timeout_s`` is disconnected."""
     cl, client = master
-    p = Peer(cl)
+    p = Peer(cl, role="replica")
     hogs: list[socket.socket] = []
     try:
         _mount_fake(p, "liar2")
@@ -238,7 +241,11 @@ def test_a_peer_cannot_act_for_another_storage_node(master):
             r = p.call(req)
             assert type(r) is P.ErrorResp and r.code == E.InvalidParams.code, (req, r)
         # A segment name that is taken stays taken (no overlap), for anyone.
-        r = p.call(P.MountReq(5, p.session(), "other-node", seg, "127.0.0.1:1", "h", 1 << 20))
+        other = Peer(cl, "other-node", role="node")
+        r = other.call(
+            P.MountReq(5, other.session(), "other-node", seg, "127.0.0.1:1", "h", 1 << 20)
+        )
+        other.close()
         assert type(r) is P.CodesResp and r.codes == [E.SegmentExists.code], r
     finally:
         p.close()
@@ -306,7 +313,7 @@ def test_segment_count_is_capped(master):
     segments made a 256-key put 20x slower, and the table only grew). Now the master
     holds at most ``max_segments`` (default 1024) and refuses more."""
     cl, client = master
-    p = Peer(cl)
+    p = Peer(cl, role="replica")
     names = []
     try:
         refused = None

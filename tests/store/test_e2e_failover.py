@@ -100,3 +100,43 @@ def test_leader_killed_under_load_loses_no_acknowledged_put(tmp_path):
             reader.close()
             peer.close()
         assert len(acked) > 200
+
+
+GRACE_S = 20.0  # the lease TTL, so the new leader's grace period outlasts the test's calls
+
+
+@pytest.mark.timeout(180)
+def test_a_new_leader_does_not_wait_out_its_grace_for_its_own_keys(tmp_path):
+    """Issue 20 item 6: a new leader answered ObjectHasLease for upserts and removes of
+    keys created under itself for a whole lease period. Now only objects an earlier leader
+    may have leased wait: an old key read (leased) under the killed leader still answers
+    ObjectHasLease, while a key put under the new leader is upserted and removed at once."""
+    args = ["--lease-ttl-s", str(GRACE_S)]
+    with StoreCluster(str(tmp_path), 3, token=TOKEN, extra_args=args) as cl:
+        cl.start_all()
+        peer = Peer(cl.address, 16 << 20)
+        c = StoreClient(cl.address, token=TOKEN, timeout=30)
+        try:
+            assert c.put("old", b"o" * 64) is None
+            assert c.get("old") == b"o" * 64  # leased by the first leader
+            first = _leader(cl, c)
+            cl.kill(first)
+            assert c.put("new", b"n" * 64) is None  # under the new leader
+            assert _leader(cl, c) != first
+            t0 = time.monotonic()
+            with pytest.raises(E.ObjectHasLease):
+                c.remove("old")  # the old leader's lease may still run: the grace holds
+            assert c.upsert("new", b"N" * 64) is None
+            assert c.get("new") == b"N" * 64  # (now leased by the new leader itself)
+            with pytest.raises(E.ObjectHasLease):
+                c.remove("new")
+            assert c.remove("new", force=True) is None
+            assert c.put("new2", b"x" * 64) is None
+            assert c.remove("new2") is None
+            assert c.put("new2", b"y" * 64) is None  # remove + recreate in the same term
+            assert c.upsert("new2", b"z" * 64) is None
+            assert c.get("new2") == b"z" * 64
+            assert time.monotonic() - t0 < GRACE_S / 2  # all of it inside the grace period
+        finally:
+            c.close()
+            peer.close()

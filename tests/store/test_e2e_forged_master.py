@@ -415,3 +415,38 @@ def test_a_master_answering_more_forever_ends_at_the_call_deadline():
     finally:
         client.close()
         fake.close()
+
+
+def test_the_lease_counts_from_the_attempt_that_was_answered(live):
+    """A master outage in the middle of a read: the first GetReplicas attempt is held for
+    ``OUTAGE_S`` and its connection then dropped (a master that stalled and died); the retry
+    is answered with the honest table under a lease shorter than the outage. The lease
+    starts when the answered attempt left, so the fresh copy is read; counted from the
+    first attempt (the old client), the lease had ended before the answer came, and every
+    such read answered LeaseExpired."""
+    outage_s, lease_ms = 3.0, 2500
+    honest = _forge(live, 2, lease_ms=lease_ms)
+    gets = []
+
+    def answer(req: Any) -> Any:
+        if type(req) is P.GetReplicasReq:
+            gets.append(time.monotonic())
+            if len(gets) == 1:
+                time.sleep(outage_s)
+                raise ConnectionResetError("the master went away")  # the connection drops
+        return honest(req)
+
+    fake = FakeMaster(answer)
+    client = StoreClient(fake.addr, token=TOKEN, segment_size=0, timeout=20, transfer_timeout=5)
+    try:
+        buf = np.full(3 * SIZE, CANARY, np.uint8)
+        client.register_buffer(buf)
+        res = client.get_into(["real0", "real1"], buf, [0, 2 * SIZE], [SIZE, SIZE])
+        assert len(gets) == 2 and gets[1] - gets[0] >= outage_s  # the outage happened
+        assert list(res) == [SIZE, SIZE], list(res)
+        assert buf[:SIZE].tobytes() == value_of("real0", SIZE)
+        assert buf[2 * SIZE :].tobytes() == value_of("real1", SIZE)
+        client.unregister_buffer(buf)
+    finally:
+        client.close()
+        fake.close()

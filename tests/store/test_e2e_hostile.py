@@ -125,12 +125,46 @@ def test_wrong_mac_is_refused(master):
     _still_serves(cl, client, "mac")
 
 
-def test_junk_after_auth(master):
+def _answer(s: socket.socket) -> object:
+    return P.decode_response(framing.read_frame(s, 1 << 20, Deadline(5)))
+
+
+def test_undecodable_requests_get_an_error_reply(master):
+    """A frame the master cannot decode (not msgpack, an unknown tag, a field of the wrong
+    type) is answered InvalidParams, not retryable, under its rid when the head is readable
+    (0 when not), and the connection keeps serving: a dropped connection would read to a
+    client as an outage, and it would retry the request until its deadline."""
     cl, client = master
     s = _authed(cl)
-    s.sendall(framing.encode_frame(b"\xc1\xc1 not msgpack"))
-    assert _closed_within(s, 5)
-    s.close()
+    try:
+        s.sendall(framing.encode_frame(b"\xc1\xc1 not msgpack"))
+        r = _answer(s)
+        assert type(r) is P.ErrorResp and r.rid == 0 and r.code == E.InvalidParams.code
+        assert not r.retry
+        ok = P.encode(P.ExistsReq(9, ["k"]))
+        forged = [
+            (11, P.encode(["put_start", 11, [1, 1, 0], ["k"], [64], "not a config"])),
+            (12, P.encode(["put_start", 12, [1, 1, 0], ["k"], [64], {"strategy": "bogus"}])),
+            (13, P.encode(["put_start", 13, [1, 1, 0], ["k"], [64], {"preferred_segment": 5}])),
+            (14, P.encode(["no_such_request", 14])),
+            (15, P.encode(["get_replicas", 15, "not a list"])),
+        ]
+        for rid, body in forged:
+            s.sendall(framing.encode_frame(body))
+            r = _answer(s)
+            assert type(r) is P.ErrorResp and r.rid == rid, r
+            assert r.code == E.InvalidParams.code and not r.retry
+            assert "undecodable" in r.message
+        s.sendall(framing.encode_frame(ok))  # the same connection still serves
+        r = _answer(s)
+        assert type(r) is P.CodesResp and r.rid == 9 and r.codes == [0]
+    finally:
+        s.close()
+    _still_serves(cl, client, "undecodable")
+
+
+def test_junk_after_auth(master):
+    cl, client = master
     s = _authed(cl)
     s.sendall(struct.pack("<I", 0x7FFFFFFF) + b"x" * 1000)  # far above the frame cap
     assert _closed_within(s, 5)

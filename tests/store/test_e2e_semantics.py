@@ -61,7 +61,7 @@ def test_concurrent_mounts_never_overshoot_the_segment_cap(master):
     NoSpace. (Disk durability: the fsync keeps the proposals in flight together.)"""
     cl, client = master
     n_peers, per_peer = 8, 4
-    peers = [Peer(cl, f"mounter-{i}") for i in range(n_peers)]
+    peers = [Peer(cl, f"mounter-{i}", role="replica") for i in range(n_peers)]
     go = threading.Barrier(n_peers)
     answers: list[list] = [[] for _ in peers]
 

@@ -33,7 +33,7 @@ def test_graceful_stop_snapshots_kill_does_not(tmp_path) -> None:
     d = str(tmp_path)
     with StoreCluster(d, 1, durability="disk", extra_args=["--node-ttl-s", "3600"]) as cl:
         cl.start_all()
-        rpc = MasterClient([cl.address], name="t-load", timeout=30)
+        rpc = MasterClient([cl.address], node_id="n", timeout=30)
         r = rpc.mutate(lambda rid, s: P.MountReq(rid, s, "n", "seg", "127.0.0.1:1", "h", 1 << 30))
         assert type(r) is P.CodesResp and r.codes == [0]
         keys = [f"k{i}" for i in range(3000)]
@@ -62,7 +62,7 @@ def test_snapshot_after_snapshot_keys_applied(tmp_path) -> None:
     args = ["--node-ttl-s", "3600", "--snapshot-keys", "2000"]
     with StoreCluster(d, 1, durability="disk", extra_args=args) as cl:
         cl.start_all()
-        rpc = MasterClient([cl.address], name="t-load", timeout=30)
+        rpc = MasterClient([cl.address], node_id="n", timeout=30)
         r = rpc.mutate(lambda rid, s: P.MountReq(rid, s, "n", "seg", "127.0.0.1:1", "h", 1 << 30))
         assert type(r) is P.CodesResp and r.codes == [0]
         assert _snapshots(d) == []

@@ -22,6 +22,7 @@ EXERCISED = (
     "drains",
     "snapshots_installed",
     "prefix_removes",
+    "grace_exempt",
 )
 DURATION = 15.0
 
@@ -85,6 +86,29 @@ def test_planted_remove_prefix_ignoring_leases_is_caught() -> None:
     assert r is not None, "a remove by prefix under a read lease went unnoticed"
     assert r.violation.startswith("lease:") or "foreign bytes" in r.violation, r.violation
     assert seed in CLEAN_SEEDS
+
+
+def test_planted_no_grace_period_is_caught() -> None:
+    """A new leader that ignores the leases an earlier leader granted (no grace period at
+    all) frees bytes readers are still copying: caught, on a seed that is clean with the
+    narrowed grace of TermStart (objects created or completed in the new term are exempt,
+    and the clean runs do free such objects inside a grace period: ``grace_exempt``)."""
+    seed, r = _first_caught("no_grace")
+    assert r is not None, "a new leader ignoring its predecessors' leases went unnoticed"
+    assert r.violation.startswith("lease:") or "foreign bytes" in r.violation, r.violation
+    assert seed in CLEAN_SEEDS
+
+
+def test_planted_over_narrow_grace_is_caught() -> None:
+    """An over-narrow grace: a key counts as "created under this leader" once a put of it
+    was proposed in the term, judged by name instead of by the version TermStart checks.
+    A put of a key that already exists (ObjectExists: the old object stays) then exempts the
+    old object, which an earlier leader leased, and its removal frees a reader's bytes."""
+    seed, r = _first_caught("fresh_by_key", max_seeds=40)
+    assert r is not None, "an over-narrow grace period went unnoticed"
+    assert r.violation.startswith("lease:") or "foreign bytes" in r.violation, r.violation
+    clean = run_seed(seed, duration=DURATION)
+    assert clean.ok, clean.violation
 
 
 SKEW = 6.0  # seconds: each replica's wall clock is off by up to this, and steps at faults

@@ -43,8 +43,10 @@ CLIENT_SERVICE = "replog-client"
 """Handshake service of the client port."""
 
 SESSION_TOKEN_BYTES = 16
-MAX_REQUEST = 64 << 20
-"""Default cap on one client request frame (per server: ``ServerLimits.max_request``)."""
+MAX_REQUEST = 4 << 20
+"""Default cap on one client request frame (per server: ``ServerLimits.max_request``,
+``--max-request-kb``); docs/replog.md. With the 64 MiB budget of incomplete requests across
+connections, at least 16 clients can each be midway through a largest frame."""
 MAX_RESPONSE = 256 << 20
 """Cap on one response frame a client accepts."""
 

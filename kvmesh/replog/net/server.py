@@ -32,7 +32,9 @@ import msgspec
 
 from ...launcher import ProcessCluster, free_ports
 from ...net import (
+    CLIENT,
     TURN_REQUESTS,
+    ConnectionLimiter,
     DeadlineWatch,
     FrameDecoder,
     FrameTooLarge,
@@ -46,7 +48,11 @@ from ...net import (
     encode_frame,
     read_frames,
     server_ssl_context,
+    source_of,
 )
+from ...net.addr import join_host_port
+from ...net.identity import issue
+from ...net.throttle import LogThrottle
 from ..errors import (
     BadRequest,
     NotLeaderError,
@@ -75,7 +81,7 @@ from .protocol import (
     decode_request,
     encode,
 )
-from .transport import Admission, TransportConfig, parse_addr
+from .transport import TransportConfig, parse_addr
 
 __all__ = [
     "LocalCluster",
@@ -96,7 +102,9 @@ class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
     """What the client port accepts: a connection is refused (closed at once) beyond
     ``max_connections`` (``max_unauthenticated`` of them in the handshake, which must end
     within ``handshake_timeout_s``; a newcomer evicts the oldest connection still in its
-    handshake, see :class:`~kvmesh.replog.net.transport.Admission`); a request frame is at most
+    handshake, ``max_unauthenticated_per_source`` of those from one address; a newcomer
+    evicts the oldest connection still in its handshake, its own source's first, see
+    :class:`kvmesh.net.ConnectionLimiter`); a request frame is at most
     ``max_request`` bytes, must be complete ``frame_timeout_s`` after its first byte, and all
     connections together hold at most ``max_buffered_bytes`` of incomplete requests (the one
     that would exceed it is closed); a connection with more than ``max_inflight`` unanswered
@@ -107,6 +115,7 @@ class ServerLimits(msgspec.Struct, kw_only=True, frozen=True):
     max_buffered_bytes: int = 64 << 20
     max_connections: int = 1024
     max_unauthenticated: int = 64
+    max_unauthenticated_per_source: int = 32
     max_inflight: int = 4096
     handshake_timeout_s: float = 5.0
     frame_timeout_s: float = 10.0
@@ -171,8 +180,12 @@ class ReplicaServer(Generic[SM]):
         self.security = security if security is not None else node.cfg.security
         self.limits = limits or ServerLimits()
         self.query = query
-        self._admission = Admission(self.limits.max_connections, self.limits.max_unauthenticated)
+        lim = self.limits
+        self._limiter = ConnectionLimiter(
+            lim.max_connections, lim.max_unauthenticated, lim.max_unauthenticated_per_source
+        )
         self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
+        self._throttle = LogThrottle(log, 5.0)
         self._buffered = 0
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task] = set()
@@ -184,7 +197,11 @@ class ReplicaServer(Generic[SM]):
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
         self._server = await asyncio.start_server(
-            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            ssl=server_ssl_context(self.security),
         )
 
     async def stop(self) -> None:
@@ -213,7 +230,9 @@ class ReplicaServer(Generic[SM]):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        slot = self._admission.admit(writer)
+        slot = self._limiter.try_acquire(
+            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
+        )
         if slot is None:
             self.stats["refused_conns"] += 1
             writer.close()
@@ -235,10 +254,13 @@ class ReplicaServer(Generic[SM]):
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
                 self.stats["auth_failures"] += 1
-                log.info("client connection refused: %s", clip(str(e)))
+                self._throttle.log(
+                    logging.INFO, "auth", "client connection refused: %s", clip(str(e))
+                )
                 return
-            self._admission.authenticated(slot)
-            authenticated = sec.token is not None or (
+            if not self._limiter.authenticated(slot):
+                return  # evicted for a newer connection while still in its handshake
+            authenticated = sec.authenticates or (
                 sec.mutual_tls and writer.get_extra_info("peercert") is not None
             )
             c = _Client(writer, authenticated, peer)
@@ -276,7 +298,7 @@ class ReplicaServer(Generic[SM]):
             if c is not None:
                 self._charge(c, 0)
                 self._clients.discard(c)
-            self._admission.release(slot)
+            self._limiter.release(slot)
             self._conns.discard(task)
             writer.close()
 
@@ -401,7 +423,7 @@ def client_addrs_for(peers: dict[int, str], offset: int) -> dict[int, str]:
     out = {}
     for i, a in peers.items():
         host, port = parse_addr(a)
-        out[i] = f"{host}:{port + offset}"
+        out[i] = join_host_port(host, port + offset)
     return out
 
 
@@ -631,8 +653,12 @@ class LocalCluster(ProcessCluster):
     ) -> None:
         super().__init__(base_dir, list(range(1, n + 1)))
         # With a token, replicas read it from a 0600 file (never from argv: ps shows argv);
-        # clients use ``self.security``.
+        # clients use ``self.security`` (the secret: an operator's) or ``client_security``
+        # (a client credential derived from it, what an application gets).
         self.security = SecurityConfig(token=token)
+        self.client_security = (
+            SecurityConfig(credential=issue(token, CLIENT)) if token is not None else self.security
+        )
         self.token_file: str | None = None
         if token is not None:
             self.token_file = os.path.join(base_dir, "token")
@@ -640,8 +666,8 @@ class LocalCluster(ProcessCluster):
             with os.fdopen(fd, "w") as f:
                 f.write(token)
         ports = free_ports(2 * n, host)
-        self.peers = {i: f"{host}:{ports[i - 1]}" for i in self.ids}
-        self.client_addrs = {i: f"{host}:{ports[n + i - 1]}" for i in self.ids}
+        self.peers = {i: join_host_port(host, ports[i - 1]) for i in self.ids}
+        self.client_addrs = {i: join_host_port(host, ports[n + i - 1]) for i in self.ids}
         self.tick_ms = tick_ms
         self.election_ticks = election_ticks
         self.extra_args = list(extra_args or [])

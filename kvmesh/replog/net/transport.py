@@ -3,9 +3,11 @@ msgpack frames of Raft messages.
 
 Each node listens on its own address and opens one outbound connection per peer; a
 message from A to B always travels on A's connection to B. A connection opens with the
-:mod:`kvmesh.net` handshake (service ``"replog-peer"``, peer ids = node ids): with the
-cluster token configured both sides prove they know it, and the listener learns the
-*authenticated* id of the connecting node. Then frames (:mod:`kvmesh.net.framing`: a u32 LE
+:mod:`kvmesh.net` handshake (service ``"replog-peer"``, role ``replica``, peer ids = node
+ids): with the cluster secret configured the connecting node proves it holds the key of
+*replica N* (derived from the secret; no client or storage-node credential yields it), and
+the listener refuses any other role and any id outside the current membership, so it learns
+the *authenticated* id of a member. Then frames (:mod:`kvmesh.net.framing`: a u32 LE
 length, then the body) whose body is::
 
     [kind u8][payload]
@@ -18,9 +20,10 @@ streams.
 What a listener accepts (everything else closes the connection or drops the message):
 
 * at most ``max_connections`` connections (``max_unauthenticated`` of them still in the
-  handshake, which must finish within ``handshake_timeout_s``; when a cap is reached a
-  newcomer evicts the oldest connection still in its handshake, :class:`Admission`),
-  ``max_conns_per_peer`` per authenticated node id;
+  handshake, which must finish within ``handshake_timeout_s``, at most
+  ``max_unauthenticated_per_source`` of those from one address; when a cap is reached a
+  newcomer evicts the oldest connection still in its handshake, its own source's first:
+  :class:`kvmesh.net.ConnectionLimiter`), ``max_conns_per_peer`` per authenticated node id;
 * frames up to ``max_frame`` bytes; a frame that has started must be complete within
   ``frame_timeout_s`` (a truncated frame does not hold the connection), and a connection
   with no frame for ``idle_timeout_s`` is closed;
@@ -48,13 +51,13 @@ from collections.abc import Callable
 import msgspec
 
 from ...net import (
+    REPLICA,
     ConnectionLimiter,
     DeadlineWatch,
     FrameDecoder,
     FrameTooLarge,
     NetError,
     SecurityConfig,
-    Slot,
     Watched,
     aclient_handshake,
     aserver_handshake,
@@ -63,13 +66,15 @@ from ...net import (
     clip,
     read_frames,
     server_ssl_context,
+    source_of,
 )
+from ...net.addr import split_host_port
+from ...net.throttle import LogThrottle
 from ..errors import FrameError
 from ..types import InstallSnapshot, decode_message, encode_message
 from .protocol import PEER_SERVICE
 
 __all__ = [
-    "Admission",
     "DeadlineWatch",
     "FrameError",
     "Transport",
@@ -85,11 +90,8 @@ MSG, FRAG, FRAG_END = 1, 2, 3
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``"host:port"`` -> (host, port)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"bad address {addr!r}, expected host:port")
-    return host, int(port)
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port) (:mod:`kvmesh.net.addr`)."""
+    return split_host_port(addr)
 
 
 class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -108,6 +110,7 @@ class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_buffered_bytes: int = 512 << 20
     max_connections: int = 64
     max_unauthenticated: int = 16
+    max_unauthenticated_per_source: int = 8
     max_conns_per_peer: int = 4
     idle_timeout_s: float = 60.0
     frame_timeout_s: float = 10.0
@@ -117,42 +120,6 @@ class TransportConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("max_frame must hold a whole fragment (fragment_bytes + 1)")
         if self.max_message_bytes > self.max_buffered_bytes:
             raise ValueError("max_message_bytes cannot exceed max_buffered_bytes")
-
-
-class Admission:
-    """Connection admission for one listener: :class:`kvmesh.net.ConnectionLimiter`, plus
-    eviction of the oldest connection still in its handshake when a cap is reached. A peer
-    that opens connections and never finishes the handshake then delays a real replica or
-    client by about one handshake round trip, instead of locking it out for the handshake
-    deadline (or for as long as the attacker keeps refilling the slots)."""
-
-    def __init__(self, max_total: int, max_unauthenticated: int) -> None:
-        self.limiter = ConnectionLimiter(max_total, max_unauthenticated)
-        self._handshaking: dict[Slot, asyncio.StreamWriter] = {}  # oldest first
-        self.refused = 0
-        self.evicted = 0
-
-    def admit(self, writer: asyncio.StreamWriter) -> Slot | None:
-        slot = self.limiter.try_acquire()
-        if slot is None and self._handshaking:
-            oldest, w = next(iter(self._handshaking.items()))
-            self.release(oldest)  # idempotent: the evicted connection's own release is a no-op
-            w.transport.abort()
-            self.evicted += 1
-            slot = self.limiter.try_acquire()
-        if slot is None:
-            self.refused += 1
-            return None
-        self._handshaking[slot] = writer
-        return slot
-
-    def authenticated(self, slot: Slot) -> None:
-        self._handshaking.pop(slot, None)
-        self.limiter.authenticated(slot)
-
-    def release(self, slot: Slot) -> None:
-        self._handshaking.pop(slot, None)
-        self.limiter.release(slot)
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
@@ -219,6 +186,7 @@ class _Peer:
                 PEER_SERVICE,
                 str(tr.node_id),
                 tr.cfg.handshake_timeout_s,
+                role=REPLICA,
             )
             if peer != str(self.id):
                 raise ConnectionError(f"{self.addr} is node {clip(peer, 40)}, expected {self.id}")
@@ -363,13 +331,17 @@ class Transport:
         self.cfg = cfg = config or TransportConfig()
         self.security = security or SecurityConfig()
         self._client_ssl = client_ssl_context(self.security)
-        self._admission = Admission(cfg.max_connections, cfg.max_unauthenticated)
+        self._limiter = ConnectionLimiter(
+            cfg.max_connections, cfg.max_unauthenticated, cfg.max_unauthenticated_per_source
+        )
         self._watch = DeadlineWatch(cfg.idle_timeout_s, cfg.frame_timeout_s)
+        self._throttle = LogThrottle(log, 5.0)
         self._per_peer_conns: dict[int, int] = {}
         self._per_peer_bytes: dict[int, int] = {}
         self._buffered = 0
         self.forged_msgs = 0
         self.refused_conns = 0
+        self.refused_handshakes = 0  # wrong key, role or id (or a broken handshake)
         self.on_message = on_message
         self.on_unreachable = on_unreachable
         self.on_snapshot_status = on_snapshot_status
@@ -386,7 +358,11 @@ class Transport:
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
         self._server = await asyncio.start_server(
-            self._serve, host, port, reuse_address=True, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            reuse_address=True,
+            ssl=server_ssl_context(self.security),
         )
         for p, a in self._initial.items():
             self.add_peer(p, a)
@@ -434,7 +410,12 @@ class Transport:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        slot = self._admission.admit(writer)
+        # A newcomer evicts the oldest stalled handshake (of its own source first), so a
+        # flood without the token delays a replica by about one handshake round trip, and
+        # one from another address not at all (docs/net.md, "Frames and limits").
+        slot = self._limiter.try_acquire(
+            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
+        )
         if slot is None:
             self.refused_conns += 1
             writer.close()
@@ -456,17 +437,18 @@ class Transport:
                     PEER_SERVICE,
                     str(self.node_id),
                     cfg.handshake_timeout_s,
+                    accept=self._accept,
                 )
             except (NetError, OSError, asyncio.IncompleteReadError) as e:
+                self.refused_handshakes += 1
                 raise FrameError(f"handshake failed: {clip(str(e))}") from None
-            if not who.isdigit() or not 0 < int(who) < 1 << 63 or int(who) == self.node_id:
-                raise FrameError(f"peer id {clip(who, 40)} is not a node id")
-            peer = int(who)
+            if not self._limiter.authenticated(slot):
+                return  # evicted for a newer connection while still in its handshake
+            peer = int(who)  # _accept admitted only a member's id
             n = self._per_peer_conns.get(peer, 0)
             if n >= cfg.max_conns_per_peer:
                 raise FrameError(f"node {peer} already has {n} connections")
             self._per_peer_conns[peer] = n + 1
-            self._admission.authenticated(slot)
             watched = self._watch.watch(writer, dec)
             while True:
                 bodies = await read_frames(reader, watched)
@@ -523,7 +505,11 @@ class Transport:
             pass
         except (TimeoutError, FrameError, FrameTooLarge) as e:
             self.bad_frames += 1
-            log.warning(
+            # Before authentication, one line per interval: a connect flood must not cost a
+            # log line (more CPU than the refusal) per connection.
+            self._throttle.log(
+                logging.WARNING,
+                "peer" if peer else "preauth",
                 "replog transport %d: closing connection from node %s: %s",
                 self.node_id,
                 peer or "?",
@@ -539,10 +525,22 @@ class Transport:
                     self._per_peer_conns[peer] = left
                 else:
                     self._per_peer_conns.pop(peer, None)
-            self._admission.release(slot)
+            self._limiter.release(slot)
             self._conns.discard(task)
             self._conn_writers.discard(writer)
             writer.close()
+
+    def _accept(self, role: str, who: str) -> str | None:
+        """The handshake's policy: only replicas of the current membership (the peers this
+        node sends to), never this node's own id."""
+        if role != REPLICA:
+            return "only replicas may connect to a raft port"
+        # Canonical decimal only: "01" must not pass as node 1 (its key is another's).
+        if not (who.isascii() and who.isdigit()) or str(int(who)) != who:
+            return "not a node id"
+        if int(who) == self.node_id or int(who) not in self._peers:
+            return f"not a member of node {self.node_id}'s group"
+        return None
 
     def _release(self, peer: int, n: int) -> None:
         if n:

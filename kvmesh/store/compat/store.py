@@ -30,6 +30,7 @@ from ...transfer import TransferError
 from .. import errors as E
 from ..client import StoreClient
 from ..node import StorageNode
+from ..rpc import MasterClient
 from ..types import ReplicateConfig as _Config
 from . import config as C
 from ._common import (
@@ -123,6 +124,7 @@ class MooncakeDistributedStore(TensorMethods):
     def __init__(self) -> None:
         self._c: StoreClient | None = None
         self._nodes: dict[str, StorageNode] = {}  # segment name -> this store's node
+        self._node_rpc: MasterClient | None = None  # mounts as storage node <engine id>
         self._hostname = ""
         self._segment = ""
         self._local_buffer = 0
@@ -178,6 +180,9 @@ class MooncakeDistributedStore(TensorMethods):
         rc = self._mount_own(host, port, s.global_segment_size)
         if rc != 0:
             self._c = None
+            if self._node_rpc is not None:
+                self._node_rpc.close()
+                self._node_rpc = None
             c.close()
         return rc
 
@@ -202,7 +207,13 @@ class MooncakeDistributedStore(TensorMethods):
 
     def _mount(self, name: str, size: int) -> int:
         c = self._live()
-        node = StorageNode(c.rpc, size, engine=c.engine, segment=name, node_id=self._node_id(name))
+        if self._node_rpc is None:
+            # The store's own connection speaks as a client; mounting needs storage node
+            # <engine id> (whose credential covers the per-segment sub-nodes, net/identity.py).
+            self._node_rpc = MasterClient(c.rpc.addrs, c.rpc.sec, node_id=c.engine.node_id)
+        node = StorageNode(
+            self._node_rpc, size, engine=c.engine, segment=name, node_id=self._node_id(name)
+        )
         try:
             node.start()
         except E.StoreError as e:
@@ -258,6 +269,7 @@ class MooncakeDistributedStore(TensorMethods):
         with self._lock:
             c, self._c = self._c, None
             nodes, self._nodes = list(self._nodes.values()), {}
+            node_rpc, self._node_rpc = self._node_rpc, None
             self._regs.clear()
             self._put_sessions.clear()
             self._get_sessions.clear()
@@ -269,6 +281,8 @@ class MooncakeDistributedStore(TensorMethods):
                 n.close()
             except Exception:  # noqa: BLE001 - the master expires it later
                 log.warning("kvmesh compat: unmounting %s failed", n.segment, exc_info=True)
+        if node_rpc is not None:
+            node_rpc.close()
         if c is not None:
             c.close()
         return 0

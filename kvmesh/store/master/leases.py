@@ -2,9 +2,11 @@
 
 None of this is replicated: it lives in the current leader only, is fed an explicit ``now``
 (the service's clock) and is rebuilt from scratch by a new leader. That is safe because a
-new leader starts pessimistic: :class:`LeaseTable` treats *every* key as leased for one lease
-period from its start (leases granted by the old leader end within that period), and
-:class:`HeartbeatTable.reset` gives every node a full TTL.
+new leader starts pessimistic: :class:`LeaseTable` treats every key an earlier leader may
+have leased as leased for one lease period from its start (leases granted by an old leader
+end within that period), and :class:`HeartbeatTable.reset` gives every node a full TTL.
+Which keys those are is :class:`TermStart`'s to say (docs/store.md, "The new leader's
+grace period").
 
 The service consults these tables before proposing anything that frees memory (Remove,
 Upsert of an existing key, Evict, Release): ``apply`` never sees a lease.
@@ -13,10 +15,17 @@ Upsert of an existing key, Evict, Release): ``apply`` never sees a lease.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat
 
-__all__ = ["DEFAULT_LEASE_TTL", "DEFAULT_NODE_TTL", "AccessStats", "HeartbeatTable", "LeaseTable"]
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "DEFAULT_NODE_TTL",
+    "AccessStats",
+    "HeartbeatTable",
+    "LeaseTable",
+    "TermStart",
+]
 
 DEFAULT_LEASE_TTL = 5.0
 """Seconds a read lease lasts (Mooncake's default_kv_lease_ttl is 5000 ms)."""
@@ -25,16 +34,66 @@ DEFAULT_NODE_TTL = 10.0
 """Seconds without a heartbeat after which the leader expires a storage node."""
 
 
+class TermStart:
+    """Which objects no earlier leader can have leased: the exceptions to a new leader's
+    grace period.
+
+    ``first_index``: an index from which on every log entry is this leader's own: its last
+    log index when it learned it leads, plus one (every entry an earlier leader committed,
+    and so every entry it applied and served reads from, is in the log by then, below it).
+    An earlier leader leased only COMPLETE objects of the state it had applied, a prefix of
+    the entries below ``first_index``; so an object that was not COMPLETE after all of them
+    -- allocated by an entry of this term (version >= ``first_index``), PROCESSING when the
+    last of them was applied (its PutEnd is this term's), or created after that -- never had
+    an earlier leader's lease. Its memory cannot be under one either: it was free (freed
+    memory is never leased: leased bytes are held, not freed) or, for an in-place upsert, the
+    old version's, which the upsert's own leader checked, blocking new leases until it
+    applied. :meth:`observe` records the PROCESSING puts at that point."""
+
+    def __init__(self, first_index: int) -> None:
+        self.first_index = first_index
+        self._pending: dict[str, int] | None = None  # PROCESSING key -> version then
+
+    def observe(self, next_index: int, processing: Mapping[str, int]) -> None:
+        """Before entry ``next_index`` is applied (or with the applied index + 1 at any
+        time): once every entry below ``first_index`` is applied, remember what was
+        PROCESSING then (the state is the same until an entry of this term applies)."""
+        if self._pending is None and next_index >= self.first_index:
+            self._pending = dict(processing)
+
+    @property
+    def settled(self) -> bool:
+        """Whether every entry below ``first_index`` has been applied (:meth:`observe`)."""
+        return self._pending is not None
+
+    def fresh(self, key: str, version: int) -> bool:
+        """Whether the object ``version`` of ``key`` (0: no object) can have no earlier
+        leader's lease. Nothing is fresh before :attr:`settled`: an entry of an earlier
+        term still to be applied may complete (or create) the key."""
+        p = self._pending
+        if p is None:
+            return False
+        return not version or version >= self.first_index or p.get(key) == version
+
+
 class LeaseTable:
     """Read leases per key, plus removal blocks.
 
-    ``LeaseTable(start=now, grace=ttl)`` on becoming leader: until ``start + grace`` every
-    key counts as leased. ``grant`` records ``now + ttl`` (keeping the later of an existing
-    expiry); a key under :meth:`block` (a removal in flight) gets no lease.
+    ``LeaseTable(start=now, grace=ttl, fresh=...)`` on becoming leader: until ``start +
+    grace`` every key counts as leased, except those ``fresh(key)`` says no earlier leader
+    can have leased (:class:`TermStart`; without ``fresh``, none). ``grant`` records ``now +
+    ttl`` (keeping the later of an existing expiry); a key under :meth:`block` (a removal in
+    flight) gets no lease.
     """
 
-    def __init__(self, start: float = float("-inf"), grace: float = 0.0) -> None:
+    def __init__(
+        self,
+        start: float = float("-inf"),
+        grace: float = 0.0,
+        fresh: Callable[[str], bool] | None = None,
+    ) -> None:
         self.blanket_until = start + grace
+        self._fresh = fresh
         self._until: dict[str, float] = {}
         # Expiry queue, one entry per grant: (expiry, keys granted it), in expiry order.
         self._order: deque[tuple[float, list[str]]] = deque()
@@ -80,11 +139,19 @@ class LeaseTable:
 
     def leased(self, key: str, now: float) -> bool:
         """True if a reader may still be copying ``key`` at ``now``."""
-        return now < self.blanket_until or self._until.get(key, float("-inf")) > now
+        return self._until.get(key, float("-inf")) > now or self.in_grace(key, now)
+
+    def in_grace(self, key: str, now: float) -> bool:
+        """Whether ``key`` counts as leased by the grace period (an earlier leader may
+        have leased it)."""
+        return now < self.blanket_until and (self._fresh is None or not self._fresh(key))
 
     def expiry(self, key: str) -> float:
-        """When ``key``'s lease ends (``-inf`` if none; the blanket period counts)."""
-        return max(self.blanket_until, self._until.get(key, float("-inf")))
+        """When ``key``'s lease ends (``-inf`` if none; the grace period counts)."""
+        own = self._until.get(key, float("-inf"))
+        if self._fresh is not None and self._fresh(key):
+            return own
+        return max(self.blanket_until, own)
 
     def leased_keys(self, keys: Iterable[str], now: float) -> list[str]:
         return [k for k in keys if self.leased(k, now)]

@@ -109,7 +109,10 @@ def plan_upsert(leases: LeaseTable, exists: list[bool], cmd: Upsert, now: float)
     codes = []
     keys, sizes = [], []
     for k, size, ex in zip(cmd.keys, cmd.sizes, exists):
-        if ex and leases.leased(k, now):
+        # A key absent now may still be created by an earlier term's entry that the new
+        # leader has not applied yet (and leased by that term's leader): the grace
+        # period's judgement covers absent keys too.
+        if leases.leased(k, now) if ex else leases.in_grace(k, now):
             codes.append(int(Code.OBJECT_HAS_LEASE))
             continue
         codes.append(0)

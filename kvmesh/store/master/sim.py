@@ -39,7 +39,10 @@ leader releases it again), ``"lease_ignored"`` (eviction ignores read leases),
 ``"lost_put"`` (PutEnd acknowledges puts it does not publish) and ``"wall_reclaim"`` (stale
 puts reclaimed by the wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a
 leader whose clock runs ahead frees memory a writer is still writing) and
-``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases) must be caught.
+``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases), ``"no_grace"`` (a
+new leader ignores its predecessors' leases) and ``"fresh_by_key"`` (an over-narrow grace:
+"put under this leader" judged by key name, not by :class:`~.leases.TermStart`'s versions)
+must be caught.
 ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
@@ -54,6 +57,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from ...replog.errors import ReplogError
 from ...replog.sim.harness import Network
 from ...replog.sim.linearizability import UNKNOWN, History, Operation, check
 from ...replog.types import EntryKind, NotLeader, ProposalDropped, RaftConfig, Role
@@ -76,7 +80,7 @@ from .commands import (
 from .eviction import choose_victims
 from .invariants import check as check_state
 from .invariants import extents
-from .leases import AccessStats, HeartbeatTable, LeaseTable
+from .leases import AccessStats, HeartbeatTable, LeaseTable, TermStart
 from .policy import HoldTracker, PutAges, plan_remove, plan_remove_prefix, plan_upsert
 from .state import MasterConfig, StoreStateMachine
 
@@ -220,6 +224,8 @@ class SimResult(msgspec.Struct, kw_only=True):
     snapshots_installed: int = 0
     node_kills: int = 0
     prefix_removes: int = 0
+    transfers: int = 0  # leadership transfers
+    grace_exempt: int = 0  # removes/upserts/evictions in a grace period of fresh keys
     lin_outcome: str = ""
 
 
@@ -290,6 +296,8 @@ class StoreSim:
         self.lead = 0
         self.lead_term = 0
         self.leases = LeaseTable()
+        self.term_start = TermStart(1 << 62)
+        self.term_keys: set[str] = set()  # keys put under this leader (a planted rule)
         self.stats = AccessStats()
         self.hb = HeartbeatTable()
         self.holds = HoldTracker(self.cfg.lease_ttl)
@@ -372,6 +380,8 @@ class StoreSim:
                 if e.kind != _NORMAL or not e.data:
                     sm.applied = e.index
                     continue
+                if i == self.lead:
+                    self.term_start.observe(e.index, sm.processing)
                 try:
                     r = sm.apply(e.index, e.data)
                 except Exception as ex:  # apply must never raise: a replica would stop
@@ -420,7 +430,21 @@ class StoreSim:
         self.lead_term = self.net.nodes[new].core.term
         self.res.leader_changes += 1
         sm = self.sms[new]
-        self.leases = LeaseTable(start=self.now, grace=self.cfg.lease_ttl)
+        # As the service: an earlier leader's leases are unknown, every object one may have
+        # leased counts as leased for one lease period (TermStart: entries from the leader's
+        # last index + 1 on are its own term's).
+        ts = self.term_start = TermStart(self.net.nodes[new].core.log.last_index() + 1)
+        self.term_keys = set()
+
+        def fresh(key: str, ts: TermStart = ts, i: int = new) -> bool:
+            sm = self.sms[i]
+            ts.observe(sm.applied + 1, sm.processing)
+            if self.cfg.plant == "fresh_by_key" and key in self.term_keys:
+                return True  # planted: "a key put under this leader" judged by name
+            return ts.fresh(key, sm.version_of(key))
+
+        grace = 0.0 if self.cfg.plant == "no_grace" else self.cfg.lease_ttl
+        self.leases = LeaseTable(start=self.now, grace=grace, fresh=fresh)
         self.stats = AccessStats()
         self.stats.reset(sm.keys())
         self.hb = HeartbeatTable()
@@ -511,6 +535,7 @@ class StoreSim:
         )
         if not plan.keys:
             return
+        self._count_exempt(plan.keys)
         t0 = self.now
         keys = plan.keys
 
@@ -536,6 +561,13 @@ class StoreSim:
             self.evict_inflight = True
         else:
             leases.unblock(keys)
+
+    def _count_exempt(self, keys: list[str], unheld: bool = True) -> None:
+        """Count keys of an existing object freed or rewritten during the grace period
+        (the keys TermStart found fresh: before, every such request waited it out)."""
+        if self.now < self.leases.blanket_until and unheld and self.lead:
+            sm = self.sms[self.lead]
+            self.res.grace_exempt += sum(1 for k in keys if sm.version_of(k))
 
     # -------------------------------------------------------------------- storage nodes
 
@@ -602,12 +634,14 @@ class StoreSim:
             if plan.command is None:
                 self.history.ok(h, "leased")
                 return self._next(cid)
+            self._count_exempt([key])
             cmd: Any = plan.command
             blocked = self.leases
             blocked.block([key])  # no new lease while a rewrite of the key is in flight
         else:
             cmd = PutStart([key], [size], rcfg, self.wall(), 2.0)
             blocked = None
+        self.term_keys.add(key)
 
         def started_cb(r: Any) -> None:
             if blocked is not None:
@@ -812,6 +846,7 @@ class StoreSim:
         if plan.command is None:
             self.history.ok(h, "leased")
             return self._next(cid)
+        self._count_exempt([key], not plan.release_at)
         leases = self.leases
         leases.block([key])
         release_at = plan.release_at
@@ -1056,6 +1091,16 @@ class StoreSim:
                     Unmount(n, f"seg-{n}", self.wall(), self.cfg.lease_ttl * 2), lambda r: None
                 )
             return None
+        if self.lead:
+            # A leadership transfer: the new leader leads within a few ticks, while reads
+            # under the old leader's leases are still copying (an isolation takes longer
+            # than a lease to elect anyone, so only this tests the new leader's grace).
+            to = self.rng.choice([i for i in self.ids if i != self.lead])
+            try:
+                self.net.nodes[self.lead].core.transfer_leader(to)
+                self.res.transfers += 1
+            except ReplogError:
+                pass
         return None
 
 

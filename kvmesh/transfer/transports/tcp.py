@@ -21,6 +21,7 @@ not a Python object per piece.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ from .. import protocol as P
 from ..control import _expect
 from ..errors import (
     InvalidLength,
+    PeerDeadError,
     ProtocolError,
     RequestTooLarge,
     SegmentNotFound,
@@ -146,7 +148,7 @@ def client_write(
 ) -> None:
     """One WRITE request: ``send(sock, header)`` pushes header and payload; waits for the Ack."""
     req = P.WriteReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
-    with peer.connection(timeout) as conn:
+    with _segment_gone_explains(peer, desc), peer.connection(timeout) as conn:
         conn.sock.settimeout(timeout)
         try:
             send(conn.sock, P.encode(req))
@@ -166,7 +168,7 @@ def client_read(
 ) -> None:
     """One READ request: the owner answers ``ReadResp`` and pushes; ``receive(sock)`` lands it."""
     req = P.ReadReq(desc.name, desc.seg_id, _u64(ro), _u64(ln), total)
-    with peer.connection(timeout) as conn:
+    with _segment_gone_explains(peer, desc), peer.connection(timeout) as conn:
         resp = _expect(conn.request(req, timeout), P.ReadResp)
         if resp.total != total:
             raise ProtocolError(
@@ -176,6 +178,32 @@ def client_read(
             receive(conn.sock)
         except OSError as exc:
             raise P.io_error(exc, f"reading from {peer.address}") from None
+
+
+@contextlib.contextmanager
+def _segment_gone_explains(peer: PeerClient, desc: SegmentDescriptor) -> Iterator[None]:
+    """A live owner that cuts a request off mid-stream does so because ``unregister`` took
+    the segment away (``ControlServer.end_users_of``): answer that with SegmentNotFound, as
+    docs/transfer.md promises, instead of the broken pipe. One GetSegment, on the error
+    path only; a dead owner, or one that still has the segment, keeps the I/O error."""
+    try:
+        yield
+    except PeerDeadError as exc:
+        if peer.liveness.dead_reason is not None:
+            raise
+        try:
+            now = peer.get_segment(desc.name, timeout=2.0)
+        except SegmentNotFound:
+            raise SegmentNotFound(
+                f"segment {desc.name!r} of {peer.address} was removed during the transfer"
+            ) from exc
+        except TransferError:
+            raise exc from None
+        if now.seg_id != desc.seg_id:
+            raise SegmentNotFound(
+                f"segment {desc.name!r} of {peer.address} was replaced during the transfer"
+            ) from exc
+        raise
 
 
 def _refusal(conn: Any, pending: int, until: float) -> None:
@@ -232,7 +260,10 @@ class TcpTransport(Transport):
         "16 concurrent requests"). The owner serves them exactly as one by one."""
         peer = jobs[0].route
         pending = 0
-        with peer.connection(jobs[0].remaining()) as conn:
+        with (
+            _segment_gone_explains(peer, jobs[0].remote),
+            peer.connection(jobs[0].remaining()) as conn,
+        ):
             sock = conn.sock
             for job in jobs:
                 job.check()

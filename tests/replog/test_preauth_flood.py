@@ -1,0 +1,83 @@
+"""A connect flood without the token against a restarted replica (issue 16, part 3).
+
+About 9,000 connects/s at a restarted follower's raft port kept it from applying anything
+for 13 s: every newcomer evicted the oldest connection still in its handshake, whoever
+opened it, so the leader's reconnection never lived long enough to authenticate. With
+per-source limits a flood from one address only churns its own handshakes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmesh.replog.net.server import LocalCluster
+from kvmesh.replog.net.transport import parse_addr
+
+from ..net.flood import start_connect_flood
+from .test_hostile import TICK_MS, TOKEN, client, leader_status, put_many, run, statuses
+
+FLOOD_S = 25.0
+CATCH_UP_S = 10.0
+# Below this the flood proves little (the issue measured ~9,000/s; one flooding process
+# reaches 8-20 thousand here when it gets a CPU).
+MIN_RATE = 3000
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="not fixed: above ~8,000 connects/s the follower's full accept queue drops the "
+    "leader's SYNs (asyncio drains ~1,300 connections/s in batches of 100 per ~90 ms loop "
+    "iteration here), so the leader rarely reconnects; needs a cheaper accept path",
+)
+def test_a_restarted_follower_catches_up_under_a_connect_flood(tmp_path):
+    cluster = LocalCluster(str(tmp_path), 3, tick_ms=TICK_MS, election_ticks=10, token=TOKEN)
+    flood = None
+    try:
+        cluster.start_all()
+
+        async def main():
+            nonlocal flood
+            lid, _ = await leader_status(cluster)
+            f = next(i for i in cluster.ids if i != lid)
+            async with client(cluster) as c:
+                await put_many(c, "a", 50)
+                cluster.kill(f)
+                await put_many(c, "b", 300)
+            target = (await statuses(cluster))[lid]["commit"]
+            host, port = parse_addr(cluster.peers[f])
+            # The attacker is another host (127.0.0.2); the replicas are on 127.0.0.1.
+            flood = [start_connect_flood(host, port, FLOOD_S, source="127.0.0.2")]
+            time.sleep(1.0)  # let it ramp up (a flood that has not started proves nothing)
+            assert all(p.poll() is None for p in flood), "a flood process died"
+            cluster.start(f)
+            t0 = time.monotonic()
+            applied = -1
+            while time.monotonic() - t0 < CATCH_UP_S:
+                st = (await statuses(cluster)).get(f)
+                applied = st["applied"] if st else -1
+                if applied >= target:
+                    break
+                time.sleep(0.1)
+            took = time.monotonic() - t0
+            assert all(p.poll() is None for p in flood), "the flood ended too early"
+            return f, applied, target, took
+
+        f, applied, target, took = run(main(), timeout=120)
+        opened = 0
+        for p in flood:
+            p.wait(FLOOD_S + 10)
+            opened += int(p.stdout.read().strip() or 0)
+        print(f"flood: {opened / FLOOD_S:.0f} connects/s; follower caught up in {took:.2f} s")
+        if opened < MIN_RATE * FLOOD_S:
+            pytest.skip(f"the flood reached only {opened / FLOOD_S:.0f} connects/s here")
+        assert applied >= target, (
+            f"replica {f} applied {applied} of {target} within {CATCH_UP_S} s under the flood"
+        )
+    finally:
+        for p in flood or ():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        cluster.close()
