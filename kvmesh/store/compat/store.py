@@ -687,14 +687,15 @@ class MooncakeDistributedStore(TensorMethods):
 
     # ================================================================== get
 
-    def _get_values(self, keys: list[str]) -> list[bytes | int]:
-        """Per key the object's bytes, or a negative code."""
+    def _get_values(self, keys: list[str], into: Any = None) -> list[Any]:
+        """Per key the object's bytes (``into(view)`` of them with ``into``, see
+        :meth:`StoreClient.get`), or a negative code."""
         if not keys:
             return []
-        res = self._live().get(keys)
-        out: list[bytes | int] = []
+        res = self._live().get(keys, into=into)
+        out: list[Any] = []
         for r in res:
-            if isinstance(r, bytes):
+            if isinstance(r, (bytes, bytearray)):
                 out.append(r if self._staged(len(r)) == 0 else BUFFER_OVERFLOW)
             else:
                 out.append(_res(r) or INVALID_PARAMS)
@@ -712,14 +713,16 @@ class MooncakeDistributedStore(TensorMethods):
 
     @_guard(_none)
     def get_buffer(self, key: str) -> BufferHandle | None:
-        """A :class:`BufferHandle` holding the object's bytes; None when it is missing."""
-        r = self._get_values([_key(key)])[0]
-        return BufferHandle(r) if isinstance(r, bytes) else None
+        """A :class:`BufferHandle` holding the object's bytes; None when it is missing. The
+        bytes are copied once, out of the staging buffer into the handle."""
+        r = self._get_values([_key(key)], BufferHandle)[0]
+        return r if isinstance(r, BufferHandle) else None
 
     @_guard(_each_none)
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
         return [
-            BufferHandle(r) if isinstance(r, bytes) else None for r in self._get_values(_keys(keys))
+            r if isinstance(r, BufferHandle) else None
+            for r in self._get_values(_keys(keys), BufferHandle)
         ]
 
     def _get_ptrs(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
