@@ -8,7 +8,7 @@ One job per module: :mod:`.config` (``setup``'s arguments and Mooncake's size sy
 :mod:`.constants` (enums, codes), :mod:`.types` (value classes), :mod:`.tensors` (Mooncake's
 tensor object format), :mod:`.store` (the class: setup and lifecycle) with a mixin per method
 group (:mod:`.put_methods`, :mod:`.get_methods`, :mod:`.query_methods`,
-:mod:`.tensor_methods`). What differs from Mooncake, method by
+:mod:`.tensor_methods`, :mod:`.tensor_sharded`). What differs from Mooncake, method by
 method: the compatibility table of docs/store.md.
 """
 

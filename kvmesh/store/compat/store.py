@@ -11,7 +11,7 @@ docs/store.md.
 
 The class is this module's setup, lifecycle, segments and buffers, plus one mixin per method
 group: :mod:`.put_methods`, :mod:`.get_methods`, :mod:`.query_methods`,
-:mod:`.tensor_methods`.
+:mod:`.tensor_methods`, :mod:`.tensor_sharded`.
 
 Each store is one Mooncake client: its own master connection and, with a
 ``global_segment_size``, its own storage node and segment named by :meth:`get_hostname`
@@ -54,6 +54,7 @@ from .get_methods import GetMethods
 from .put_methods import PutMethods
 from .query_methods import QueryMethods
 from .tensor_methods import TensorMethods
+from .tensor_sharded import ShardedTensorMethods
 from .types import (
     ReplicateConfig,
 )
@@ -71,7 +72,9 @@ _SEGMENTS: dict[str, str] = {}
 _SEG_LOCK = threading.Lock()
 
 
-class MooncakeDistributedStore(PutMethods, GetMethods, QueryMethods, TensorMethods):
+class MooncakeDistributedStore(
+    PutMethods, GetMethods, QueryMethods, TensorMethods, ShardedTensorMethods
+):
     """The Mooncake client API. Create, ``setup(...)``, use, ``close()``."""
 
     def __init__(self) -> None:
