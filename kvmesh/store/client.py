@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -1186,8 +1186,10 @@ class StoreClient:
             return None
         return _OneRegion(region, at, caps)
 
-    def get(self, keys: Any) -> Any:
-        """Objects as ``bytes`` (one copy out of a staging buffer)."""
+    def get(self, keys: Any, *, into: Callable[[memoryview], Any] | None = None) -> Any:
+        """Objects as ``bytes`` (one copy out of a staging buffer). ``into``: each object
+        is ``into(view)`` instead, ``view`` its bytes in the staging buffer, valid during the
+        call only (``bytearray`` or a subclass: the one copy lands in that object)."""
         ks, batch = self._listify(keys)
         n = len(ks)
         out: list[Any] = [None] * n
@@ -1209,7 +1211,13 @@ class StoreClient:
             pos = at.tolist()
             results = BatchResults(
                 [
-                    arr[pos[i] : pos[i] + r].tobytes() if isinstance(r, int) else r
+                    (
+                        r
+                        if not isinstance(r, int)
+                        else arr[pos[i] : pos[i] + r].tobytes()
+                        if into is None
+                        else into(arr[pos[i] : pos[i] + r].data)
+                    )
                     for i, r in enumerate(res)
                 ],
                 res.transports,
