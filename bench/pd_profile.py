@@ -92,9 +92,7 @@ def main() -> None:
         )
         ap.add_argument("--concurrent", type=int, metavar="TOKENS", help="see the docstring")
         ap.add_argument("--threads", type=int, default=4, help="--concurrent: sending threads")
-        ap.add_argument(
-            "--cprofile", action="store_true", help="--concurrent: profile 10 rounds from one thread"
-        )
+        ap.add_argument("--cprofile", action="store_true", help="--concurrent: cProfile 10 rounds")
 
     args = C.bench_args(__doc__.split("\n\n")[0], extra=options)
     if args.concurrent:
