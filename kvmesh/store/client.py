@@ -25,6 +25,7 @@ helpers on unregistered tensors) go through internal registered staging buffers 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import struct
 import sys
@@ -621,8 +622,11 @@ class StoreClient:
             failed = set(bad_owners.tolist())
         else:
             failed, transports = self._move(Op.WRITE, reqs, left) if reqs else (set(), [])
-        ok = [j for j in started if j not in failed]
-        bad = [j for j in started if j in failed]
+        if failed:
+            ok = [j for j in started if j not in failed]
+            bad = [j for j in started if j in failed]
+        else:
+            ok, bad = started, []
         if bad:
             bkeys = [pkeys[j] for j in bad]
             bvers = [versions[j] for j in bad]
@@ -633,11 +637,12 @@ class StoreClient:
             for j in bad:
                 out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
         if ok:
-            okeys = [pkeys[j] for j in ok]
-            overs = [versions[j] for j in ok]
+            whole = len(ok) == len(pkeys)  # every key started and written, in order
+            okeys = pkeys if whole else [pkeys[j] for j in ok]
+            overs = versions if whole else [versions[j] for j in ok]
             r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
             if type(r2) is P.CodesResp and len(r2.codes) == len(ok):
-                for j, code in zip(ok, r2.codes):
+                for j, code in zip(ok, r2.codes) if any(r2.codes) else ():  # else all None
                     out[part[j]] = (
                         None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
                     )
@@ -683,6 +688,9 @@ class StoreClient:
             raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         where = self._resolver()
+        one = None if buffer is bufl else self._one_buffer(where, buffer, offs, szs)
+        if one is not None:  # every key's range inside the one buffer: no check per key
+            bufs, n = one, 0
         for i in range(n):
             try:
                 sz = szs[i]
@@ -702,6 +710,25 @@ class StoreClient:
             self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config),
             batch,
         )
+
+    @staticmethod
+    def _one_buffer(
+        where: Any, buffer: Any, offs: list[Any], szs: list[Any]
+    ) -> list[tuple[MemoryRegion, int]] | None:
+        """``(region, offset)`` per key of a put from one buffer when every size and offset
+        is an int and every range lies inside the buffer's registration (checked for the
+        batch at once); None: some key is refused, its error found by the per-key loop."""
+        if not offs or set(map(type, szs)) != {int} or set(map(type, offs)) != {int}:
+            return None
+        if min(szs) <= 0 or min(offs) < 0:
+            return None
+        try:
+            region, base = where(buffer, 1)
+        except E.StoreError:
+            return None
+        if base + max(map(operator.add, offs, szs)) > region.size:
+            return None
+        return [(region, base + o) for o in offs]
 
     def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
         """``[(region, offset, length)]`` of one object's buffers (registered objects at

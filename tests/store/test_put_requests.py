@@ -120,3 +120,33 @@ def test_rpc_parts_split_as_the_key_by_key_count(keys):
     assert C._rpc_parts(idx, keys) == _split_key_by_key(idx, keys)
     odd = idx[::2]
     assert C._rpc_parts(odd, keys) == _split_key_by_key(odd, keys)
+
+
+class _Sized:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def test_one_buffer_vouches_only_for_ranges_inside_the_registration():
+    region = _Sized(1000)
+
+    def where(buffer, length):
+        if buffer == "unregistered":
+            raise C.E.NotRegistered("no")
+        return region, 100  # the buffer starts 100 bytes into its registration
+
+    one = C.StoreClient._one_buffer
+    assert one(where, "buf", [0, 400, 890], [10, 20, 10]) == [
+        (region, 100),
+        (region, 500),
+        (region, 990),
+    ]
+    # each of these leaves the batch to the per-key loop, which names the refused key
+    assert one(where, "buf", [0, 891], [10, 10]) is None  # ends 1 byte past the registration
+    assert one(where, "buf", [0, -1], [10, 10]) is None
+    assert one(where, "buf", [0, 10], [10, 0]) is None
+    assert one(where, "buf", [0, 10], [10, None]) is None
+    assert one(where, "buf", [0, 10], [10, True]) is None
+    assert one(where, "buf", [0, 1.0], [10, 10]) is None
+    assert one(where, "unregistered", [0], [10]) is None
+    assert one(where, "buf", [], []) is None
