@@ -27,6 +27,7 @@ import collections
 import concurrent.futures as concurrent_futures
 import os
 import pathlib
+import resource
 import sys
 import threading
 import time
@@ -90,10 +91,12 @@ def main() -> None:
             help="pages 0..63 on both sides (one run per layer buffer)",
         )
         ap.add_argument("--concurrent", type=int, metavar="TOKENS", help="see the docstring")
+        ap.add_argument("--threads", type=int, default=4, help="--concurrent: sending threads")
+        ap.add_argument("--cprofile", action="store_true", help="--concurrent: cProfile 10 rounds")
 
     args = C.bench_args(__doc__.split("\n\n")[0], extra=options)
     if args.concurrent:
-        concurrent(args.concurrent, args.requests)
+        concurrent(args.concurrent, args.requests, threads=args.threads, cprofile=args.cprofile)
         return
     for cls, name in (
         (nixl_agent.NixlAgent, "make_xfer"),
@@ -163,7 +166,9 @@ def main() -> None:
         child.close()
 
 
-def concurrent(tokens: int, rounds: int, nreq: int = 16, threads: int = 4) -> None:
+def concurrent(
+    tokens: int, rounds: int, nreq: int = 16, threads: int = 4, cprofile: bool = False
+) -> None:
     from kvmesh.transfer import fastcopy
 
     pages = max(1, tokens // PAGE)
@@ -222,18 +227,33 @@ def concurrent(tokens: int, rounds: int, nreq: int = 16, threads: int = 4) -> No
                 list(ex.map(fn, range(nreq)))  # warm-up
             for _ in range(rounds):
                 for name, fn in (("engine", engine_one), ("raw", raw_one)):
+                    g0, r0 = fastcopy.gate_stats(), resource.getrusage(resource.RUSAGE_SELF)
                     c0, t0 = time.process_time(), time.perf_counter()
                     list(ex.map(fn, range(nreq)))
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    g1, r1 = fastcopy.gate_stats(), resource.getrusage(resource.RUSAGE_SELF)
                     print(
                         f"  {name:6s} {threads} threads: {total / wall / 1e9:5.2f} GB/s, "
-                        f"process CPU {cpu / nreq * 1e3:5.2f} ms per request, "
-                        f"load {os.getloadavg()[0]:.1f}",
+                        f"process CPU {cpu / nreq * 1e3:5.2f} ms per request, switches "
+                        f"{r1.ru_nvcsw - r0.ru_nvcsw} voluntary / {r1.ru_nivcsw - r0.ru_nivcsw}"
+                        f" forced, slots taken {g1['taken'] - g0['taken']} (waited "
+                        f"{g1['waited'] - g0['waited']}), load {os.getloadavg()[0]:.1f}",
                         flush=True,
                     )
         for sp, dp, _ in reqs:
             if child.call("digest", pages=dp.tolist())["digest"] != pool.page_digest(sp):
                 raise RuntimeError("decode pages differ from the prefill pages")
+        if cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                for i in range(nreq):
+                    engine_one(i)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         for _ in range(rounds):
             per = {}
             for name, fn in (("engine", engine_one), ("raw", raw_one)):

@@ -48,9 +48,12 @@ def peer_main(master: str, segment: int) -> None:
     """The storage-node helper: contributes a segment until told to exit."""
     from kvmesh.store.node import StorageNode
     from kvmesh.store.rpc import MasterClient
+    from kvmesh.transfer import get_engine
 
-    rpc = MasterClient([master], name="bench-node")
-    node = StorageNode(rpc, segment).start()
+    engine = get_engine()
+    # A storage node mounts as itself (net/identity.py): its master connection names it.
+    rpc = MasterClient([master], name="bench-node", node_id=engine.node_id)
+    node = StorageNode(rpc, segment, engine=engine).start()
 
     def on_exit() -> None:
         node.close()
@@ -238,7 +241,7 @@ def metadata(limits: dict, a: Any) -> list[dict[str, Any]]:
         StoreCluster(d, 3, durability="disk", tick_ms=50, extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
-        node_rpc = MasterClient(list(cl.addrs.values()), name="bench-meta-node")
+        node_rpc = MasterClient(list(cl.addrs.values()), node_id="meta-node")
         # A segment is needed for allocation; no bytes move in this case.
         r = node_rpc.mutate(
             lambda rid, s: P.MountReq(rid, s, "meta-node", "meta-seg", "127.0.0.1:1", "h", 1 << 40)
@@ -332,7 +335,7 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
         StoreCluster(d, 1, durability="disk", extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
-        rpc = MasterClient([cl.address], name="bench-million", timeout=60)
+        rpc = MasterClient([cl.address], node_id="big-node", timeout=60)
         r = rpc.mutate(
             lambda rid, s: P.MountReq(rid, s, "big-node", "big-seg", "127.0.0.1:1", "h", 1 << 40)
         )
@@ -390,12 +393,58 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
     ]
 
 
+def failover(limits: dict, a: Any) -> list[dict[str, Any]]:
+    """Kill -9 / restart rounds on 3 durable replicas (``bench/_failover.py``), once per event
+    loop: the write pause a store client sees per leader kill (p50/p99 in the standard
+    fields) and the restarted replicas' catch-up time, every acknowledged put verified."""
+    from bench._failover import VALUE_BYTES, run_rounds, summary
+    from kvmesh.net import eventloop
+
+    rounds = a.failover_rounds or (6 if a.quick else 20)
+    rows = []
+    old = os.environ.get(eventloop.ENV)
+    try:
+        for loop in ("uvloop", "asyncio"):
+            os.environ[eventloop.ENV] = loop
+            try:
+                eventloop.loop_name()
+            except ValueError:
+                continue  # uvloop not installed
+            with tempfile.TemporaryDirectory() as d:
+                sm = summary(run_rounds(d, rounds))
+            rows.append(
+                record(
+                    limits, "failover", None, "put", VALUE_BYTES, 8,
+                    p50_us=None if sm["pause_p50_s"] is None else sm["pause_p50_s"] * 1e6,
+                    p99_us=None if sm["pause_p99_s"] is None else sm["pause_p99_s"] * 1e6,
+                    event_loop=loop, rounds=sm["rounds"], kills=sm["kills"],
+                    pause_max_s=sm["pause_max_s"], catchup_p50_s=sm["catchup_p50_s"],
+                    catchup_p99_s=sm["catchup_p99_s"], catchup_max_s=sm["catchup_max_s"],
+                    missed=sm["missed"], acked_keys=sm["acked"], lost_keys=sm["lost"],
+                    tick_ms=50, fsync=True,
+                )
+            )  # fmt: skip
+    finally:
+        if old is None:
+            os.environ.pop(eventloop.ENV, None)
+        else:
+            os.environ[eventloop.ENV] = old
+    return rows
+
+
 def _options(ap: Any) -> None:
     ap.add_argument("--shapes", default="", help="PAGExBATCH,... (default: the matrix)")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per case")
     ap.add_argument("--latency-samples", type=int, default=0)
     ap.add_argument("--meta-seconds", type=float, default=0.0, help="metadata case duration")
     ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
+    ap.add_argument(
+        "--failover-rounds",
+        type=int,
+        default=0,
+        help="kill/restart rounds per event loop of the failover case (default 20, --quick 6)",
+    )
+    ap.add_argument("--only-failover", action="store_true", help="run only the failover case")
     ap.add_argument(
         "--objects",
         type=int,
@@ -418,11 +467,14 @@ def main(argv: list[str] | None = None) -> int:
         "copy_all_cores_gbps": copy_all_cores_gbps(),
         "tcp_gbps": tcp_gbps(total=a.tcp_mib * MiB),
     }
-    rows = data_path(limits, a, "cross-process", None)
-    rows += data_path(limits, a, "network", "bench-other-host")
-    rows += metadata(limits, a)
-    if not a.quick or a.objects:
-        rows += million(limits, a)
+    rows: list[dict[str, Any]] = []
+    if not a.only_failover:
+        rows += data_path(limits, a, "cross-process", None)
+        rows += data_path(limits, a, "network", "bench-other-host")
+        rows += metadata(limits, a)
+        if not a.quick or a.objects:
+            rows += million(limits, a)
+    rows += failover(limits, a)
     print(f"limits: {copy_limits_text(limits)}, loopback TCP {limits['tcp_gbps']:.2f} GB/s")
     for r in rows:
         if r["op"] == "restart":
@@ -431,6 +483,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['rss_after_restart_mib']:.0f} MiB after restart), restart "
                 f"{r['restart_s']:.2f} s ({r['restart_after_crash_s']:.2f} s after kill -9), "
                 f"loaded at {r['ops_per_s']:,.0f} keys/s"
+            )
+        if r["case"] == "failover":
+            sec = lambda v, k=1.0: "-" if v is None else f"{v / k:.2f}"  # noqa: E731
+            print(
+                f"failover ({r['event_loop']}, {r['rounds']} rounds, {r['kills']} leader kills): "
+                f"write pause p50 {sec(r['p50_us'], 1e6)} s p99 {sec(r['p99_us'], 1e6)} s; "
+                f"restarted replica catch-up p50 {sec(r['catchup_p50_s'])} s max "
+                f"{sec(r['catchup_max_s'])} s; {r['missed']} rounds missed; "
+                f"{r['lost_keys']} of {r['acked_keys']} acknowledged keys lost"
             )
     print_table(rows, [f for f in FIELDS if f != "ratio_tcp"])
     print(f"done in {time.monotonic() - t_start:.0f} s")

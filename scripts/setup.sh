@@ -7,6 +7,7 @@
 # its imports need, constrained to the CPU torch. Skipped when already installed (a few
 # hundred ms), or entirely with KVMESH_SKIP_SGLANG=1 (the plugin tests then skip).
 # Never install torchvision: the PyPI wheel drags in a CUDA torch; the tests stub it in memory.
+# LMCache the same way, for its Mooncake connector's test (KVMESH_SKIP_LMCACHE=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,39 +17,53 @@ TORCH_VERSION=${KVMESH_TORCH_VERSION:-2.13.0}
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
 .venv/bin/python -m pip install -q -e ".[cu12,test]"
 
-[ "${KVMESH_SKIP_SGLANG:-0}" = 1 ] && exit 0
-SGLANG_VERSION=0.5.23
-SGLANG_DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec
-    pydantic pyzmq tqdm ipython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11"
-    "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf
-    openai partial_json_parser einops prometheus-client)
-# Installed = every distribution present at the pinned versions (names as pip spells them).
-if ! .venv/bin/python - "$SGLANG_VERSION" "${SGLANG_DEPS[@]}" <<'PY'
+# have_pins SPEC...: every distribution named is installed, at the version where a spec says
+# name==version (names as pip spells them).
+have_pins() {
+    .venv/bin/python - "$@" <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-want = {"sglang": sys.argv[1]}
-for spec in sys.argv[2:]:
+for spec in sys.argv[1:]:
     name, _, ver = spec.partition("==")
-    want[name] = ver or None
-ok = True
-for name, ver in want.items():
     try:
         got = version(name)
     except PackageNotFoundError:
-        ok = False
-        break
-    if ver is not None and got != ver:
-        ok = False
-        break
-sys.exit(0 if ok else 1)
+        sys.exit(1)
+    if ver and got != ver:
+        sys.exit(1)
 PY
-then
+}
+# Pin whatever torch is installed, so that no dependency below swaps it for a CUDA build.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+.venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' \
+    >"$constraints"
+TRANSFORMERS_PIN="transformers==5.19.0"
+
+# LMCache 0.5.6 for tests/plugins/test_lmcache_connector.py (its Mooncake connector on
+# kvmesh.store.compat): the wheel without its dependency tree (cupy, cuda-python, cufile and
+# nvtx among it) plus what its storage path imports; the test stands in for numba (imported
+# by its cachegen kernels only). Skipped when installed, or with KVMESH_SKIP_LMCACHE=1 (the
+# test then skips).
+LMCACHE_VERSION=0.5.6
+LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers py-cpuinfo psutil aiohttp aiofile
+    aiofiles pyzmq cryptography prometheus-client "$TRANSFORMERS_PIN")
+if [ "${KVMESH_SKIP_LMCACHE:-0}" != 1 ] &&
+    ! have_pins "lmcache==${LMCACHE_VERSION}" "${LMCACHE_DEPS[@]}"; then
+    echo "setup: installing lmcache==${LMCACHE_VERSION} (CPU test recipe)" >&2
+    .venv/bin/python -m pip install -q --no-deps "lmcache==${LMCACHE_VERSION}"
+    .venv/bin/python -m pip install -q -c "$constraints" "${LMCACHE_DEPS[@]}"
+fi
+
+[ "${KVMESH_SKIP_SGLANG:-0}" = 1 ] && exit 0
+SGLANG_VERSION=0.5.23
+SGLANG_DEPS=(numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec
+    pydantic pyzmq tqdm ipython aiohttp "$TRANSFORMERS_PIN" dill "apache-tvm-ffi==0.1.11"
+    "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf
+    openai partial_json_parser einops prometheus-client)
+if ! have_pins "sglang==${SGLANG_VERSION}" "${SGLANG_DEPS[@]}"; then
     echo "setup: installing sglang==${SGLANG_VERSION} (CPU test recipe)" >&2
-    constraints=$(mktemp)
-    trap 'rm -f "$constraints"' EXIT
-    # Pin whatever torch is installed, so that no dependency swaps it for a CUDA build.
-    .venv/bin/python -c 'import torch; print("torch==" + torch.__version__)' >"$constraints"
     .venv/bin/python -m pip install -q --no-deps "sglang==${SGLANG_VERSION}"
     .venv/bin/python -m pip install -q -c "$constraints" "${SGLANG_DEPS[@]}"
 fi

@@ -22,7 +22,10 @@ messages and bound their work with this package; none keeps its own copy.
   listen with); :func:`~.addr.parse_peers` (``ID=HOST:PORT,...`` peer lists).
 * :mod:`.deadlines` -- :class:`DeadlineWatch` (idle and frame deadlines of a listener's
   asyncio connections by one sweeper task) and :func:`read_frames`.
-* :mod:`.errors` -- :class:`NetError` and its subclasses.
+* :mod:`.errors` -- :class:`NetError` and its subclasses; :data:`TRANSPORT_ERRORS`, what a
+  failing asyncio connection raises on either event loop.
+* :mod:`.eventloop` -- the event loop a server process runs (uvloop or the standard
+  library's, ``KVMESH_EVENT_LOOP``).
 
 Details of the API worth knowing:
 
@@ -54,6 +57,7 @@ from __future__ import annotations
 from .addr import family_of, join_host_port, split_host_port
 from .deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from .errors import (
+    TRANSPORT_ERRORS,
     AuthFailed,
     DeadlineExceeded,
     FrameTooLarge,
@@ -116,6 +120,7 @@ __all__ = [
     "InsecureBind",
     "NetError",
     "PeerClosed",
+    "TRANSPORT_ERRORS",
     "SecurityConfig",
     "ServerHandshake",
     "Slot",

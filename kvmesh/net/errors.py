@@ -21,6 +21,16 @@ class NetError(Exception):
     """Base class of every kvmesh.net error."""
 
 
+#: What reading or writing an asyncio stream can raise when the connection fails, on the
+#: standard library's loop and on uvloop: ``OSError`` (``ConnectionError``, ``TimeoutError``,
+#: ``ssl.SSLError``), ``EOFError`` (``asyncio.IncompleteReadError``), :class:`NetError`, and
+#: ``RuntimeError``: uvloop raises it ("unable to perform operation on <TCPTransport
+#: closed=True ...>; the handler is closed") for a write to a connection the peer reset,
+#: where the standard library raises ``ConnectionResetError`` from ``drain``. A loop that
+#: names fewer ends on one event loop and not the other.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, RuntimeError, NetError)
+
+
 class HandshakeError(NetError):
     """The peer broke the handshake protocol (undecodable frame, wrong service or version).
 

@@ -26,13 +26,14 @@ helpers on unregistered tensors) go through internal registered staging buffers 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import struct
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -67,6 +68,8 @@ at most 1 MiB (keys may be 1 KiB, so 4096 of them would not fit)."""
 def _rpc_parts(idx: list[int], keys: Sequence[Any]) -> list[list[int]]:
     """``idx`` in consecutive parts of at most MAX_KEYS_PER_RPC keys and (a part of one key
     excepted) MAX_KEY_BYTES_PER_RPC bytes of keys."""
+    if len(idx) <= MAX_KEYS_PER_RPC and 4 * sum(len(keys[i]) for i in idx) <= MAX_KEY_BYTES_PER_RPC:
+        return [idx] if idx else []  # fits even at 4 UTF-8 bytes per code point: no encoding
     parts: list[list[int]] = []
     cur: list[int] = []
     size = 0
@@ -562,7 +565,12 @@ class StoreClient:
         n = len(keys)
         out: list[Any] = [None] * n
         todo: list[int] = []
-        for i, k in enumerate(keys):
+        usual = (  # every key checked at once, no buffer or size refused: nothing per key
+            keys_valid(keys)
+            and not any(isinstance(b, E.StoreError) for b in bufs)
+            and all(type(z) is int and z > 0 for z in sizes)
+        )
+        for i, k in enumerate(() if usual else keys):
             err = _key_error(k)
             if err is None and isinstance(bufs[i], E.StoreError):
                 err = bufs[i]  # type: ignore[assignment]
@@ -572,6 +580,8 @@ class StoreClient:
                 out[i] = err
             else:
                 todo.append(i)
+        if usual:
+            todo = list(range(n))
         transports: list[str] = []
         for part in _rpc_parts(todo, keys):
             transports = self._put_part(keys, bufs, sizes, part, out, upsert, config)
@@ -589,11 +599,15 @@ class StoreClient:
                 out[i] = err
             return []
         versions = resp.versions
-        copies = resp.copies()
-        malformed = _malformed_copies(resp.codes, copies, resp.run, psizes)
-        reqs = []
-        started: list[int] = []
-        for j, i in enumerate(part):
+        arrays = _run_requests(resp, [bufs[i] for i in part], psizes)
+        if arrays is not None:  # the usual batch: every key one slice, the engine's arrays
+            copies, malformed, reqs = [], set(), []
+            started = list(range(len(part)))
+        else:
+            copies = resp.copies()
+            malformed = _malformed_copies(resp.codes, copies, resp.run, psizes)
+            reqs, started = [], []
+        for j, i in enumerate(part if arrays is None else ()):
             code = resp.codes[j]
             if code != 0:
                 out[i] = E.error_for(code, f"put of {keys[i]!r}")
@@ -611,11 +625,17 @@ class StoreClient:
         if resp.hold_ms:
             left = min(left, t0 + 0.8 * resp.hold_ms / 1000.0 - time.monotonic())
         if left <= 0:
-            failed, transports = {j for j, *_ in reqs}, []
+            failed, transports = set(started if arrays is not None else (j for j, *_ in reqs)), []
+        elif arrays is not None:
+            bad_owners, transports = self._move_arrays(Op.WRITE, *arrays, left)
+            failed = set(bad_owners.tolist())
         else:
             failed, transports = self._move(Op.WRITE, reqs, left) if reqs else (set(), [])
-        ok = [j for j in started if j not in failed]
-        bad = [j for j in started if j in failed]
+        if failed:
+            ok = [j for j in started if j not in failed]
+            bad = [j for j in started if j in failed]
+        else:
+            ok, bad = started, []
         if bad:
             bkeys = [pkeys[j] for j in bad]
             bvers = [versions[j] for j in bad]
@@ -626,11 +646,12 @@ class StoreClient:
             for j in bad:
                 out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
         if ok:
-            okeys = [pkeys[j] for j in ok]
-            overs = [versions[j] for j in ok]
+            whole = len(ok) == len(pkeys)  # every key started and written, in order
+            okeys = pkeys if whole else [pkeys[j] for j in ok]
+            overs = versions if whole else [versions[j] for j in ok]
             r2 = self.rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, okeys, overs))
             if type(r2) is P.CodesResp and len(r2.codes) == len(ok):
-                for j, code in zip(ok, r2.codes):
+                for j, code in zip(ok, r2.codes) if any(r2.codes) else ():  # else all None
                     out[part[j]] = (
                         None if code == 0 else E.error_for(code, f"put_end of {pkeys[j]!r}")
                     )
@@ -676,6 +697,9 @@ class StoreClient:
             raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         where = self._resolver()
+        one = None if buffer is bufl else self._one_buffer(where, buffer, offs, szs)
+        if one is not None:  # every key's range inside the one buffer: no check per key
+            bufs, n = one, 0
         for i in range(n):
             try:
                 sz = szs[i]
@@ -695,6 +719,25 @@ class StoreClient:
             self._put_regions(ks, bufs, [s if s is not None else 0 for s in szs], upsert, config),
             batch,
         )
+
+    @staticmethod
+    def _one_buffer(
+        where: Any, buffer: Any, offs: list[Any], szs: list[Any]
+    ) -> list[tuple[MemoryRegion, int]] | None:
+        """``(region, offset)`` per key of a put from one buffer when every size and offset
+        is an int and every range lies inside the buffer's registration (checked for the
+        batch at once); None: some key is refused, its error found by the per-key loop."""
+        if not offs or set(map(type, szs)) != {int} or set(map(type, offs)) != {int}:
+            return None
+        if min(szs) <= 0 or min(offs) < 0:
+            return None
+        try:
+            region, base = where(buffer, 1)
+        except E.StoreError:
+            return None
+        if base + max(map(operator.add, offs, szs)) > region.size:
+            return None
+        return [(region, base + o) for o in offs]
 
     def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
         """``[(region, offset, length)]`` of one object's buffers (registered objects at
@@ -1186,8 +1229,10 @@ class StoreClient:
             return None
         return _OneRegion(region, at, caps)
 
-    def get(self, keys: Any) -> Any:
-        """Objects as ``bytes`` (one copy out of a staging buffer)."""
+    def get(self, keys: Any, *, into: Callable[[memoryview], Any] | None = None) -> Any:
+        """Objects as ``bytes`` (one copy out of a staging buffer). ``into``: each object
+        is ``into(view)`` instead, ``view`` its bytes in the staging buffer, valid during the
+        call only (``bytearray`` or a subclass: the one copy lands in that object)."""
         ks, batch = self._listify(keys)
         n = len(ks)
         out: list[Any] = [None] * n
@@ -1209,7 +1254,13 @@ class StoreClient:
             pos = at.tolist()
             results = BatchResults(
                 [
-                    arr[pos[i] : pos[i] + r].tobytes() if isinstance(r, int) else r
+                    (
+                        r
+                        if not isinstance(r, int)
+                        else arr[pos[i] : pos[i] + r].tobytes()
+                        if into is None
+                        else into(arr[pos[i] : pos[i] + r].data)
+                    )
                     for i, r in enumerate(res)
                 ],
                 res.transports,
@@ -1475,6 +1526,45 @@ def _malformed_copies(codes: list[int], copies: list[Any], run: Any, sizes: list
             elif not sl or sum(x.length for x in sl) != size or min(x.length for x in sl) <= 0:
                 bad.add(j)
     return bad
+
+
+def _run_requests(resp: P.PutStartResp, bufs: list[Any], sizes: list[int]) -> tuple | None:
+    """The engine requests of a put answered in the compact form (``resp.run``) where every
+    key was started with one slice of exactly its size and comes from one contiguous buffer,
+    as :meth:`StoreClient._move_arrays` takes them (owner, regions, region index, local
+    offset, segments, segment index, remote offset, length): built from the reply's columns
+    without expanding a copy object per key. ``None``: any other answer (a code, no copy, a
+    forged size, pieces) goes through the per-key loop and its checks."""
+    run = resp.run
+    if run is None or any(resp.codes) or run.lengths != sizes or min(run.where, default=-1) < 0:
+        return None
+    regions: list[MemoryRegion] = []
+    first = bufs[0]
+    if type(first) is not tuple:
+        return None
+    if all(type(b) is tuple and b[0] is first[0] for b in bufs):
+        regions.append(first[0])
+        reg = np.zeros(len(bufs), np.int64)
+    else:
+        if not all(type(b) is tuple for b in bufs):
+            return None
+        idx: dict[int, int] = {}
+        for b in bufs:
+            if id(b[0]) not in idx:
+                idx[id(b[0])] = len(regions)
+                regions.append(b[0])
+        reg = np.array([idx[id(b[0])] for b in bufs], np.int64)
+    n = len(bufs)
+    return (
+        np.arange(n, dtype=np.int64),
+        regions,
+        reg,
+        np.array([b[1] for b in bufs], np.int64),
+        list(run.segs),
+        np.array(run.where, np.int64),
+        np.array(run.offsets, np.int64),
+        np.array(sizes, np.int64),
+    )
 
 
 def _copy_reqs(owner: int, buf: Any, replica: ObjectReplica) -> list[tuple]:

@@ -19,6 +19,7 @@ import asyncio
 import secrets
 import threading
 
+from ..net import eventloop
 from ..net.security import SecurityConfig
 from .service import MasterService, ServiceConfig
 
@@ -26,11 +27,7 @@ __all__ = ["EmbeddedMaster", "acquire_embedded", "release_embedded"]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop  # type: ignore[import-not-found]
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    return eventloop.new_event_loop()
 
 
 class EmbeddedMaster:

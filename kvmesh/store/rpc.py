@@ -80,7 +80,13 @@ class MasterClient(LeaderFinderViews):
             split_host_port(a)  # a bad one is refused here, not at the first call's connect
         if security is not None and not isinstance(security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got {security!r}")
-        self._finder = LeaderFinder(list(dict.fromkeys(addrs)), learn_redirects=True)
+        # Pauses between rounds over the replicas (no leader known: an election) grow to at
+        # most 0.1 s, not the finder's default 0.5 s: a round is one small RPC per replica,
+        # answered at once, and after a leader kill the walk's pause was the part of the
+        # store's write pause beyond the election (up to 0.45 s, docs/replog.md failover).
+        self._finder = LeaderFinder(
+            list(dict.fromkeys(addrs)), learn_redirects=True, max_backoff=0.1
+        )
         self.sec = security if security is not None else SecurityConfig.from_env()
         self._ssl = client_ssl_context(self.sec)
         # Unique per client: the master binds our session to this authenticated name. A

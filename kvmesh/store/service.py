@@ -44,10 +44,11 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from ..net import eventloop
 from ..net import framing as _framing
 from ..net.addr import parse_peers, split_host_port
 from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
-from ..net.errors import NetError
+from ..net.errors import TRANSPORT_ERRORS
 from ..net.handshake import ServerHandshake, arun_server
 from ..net.identity import speaks_for_node
 from ..net.limits import ConnectionLimiter, source_of
@@ -617,7 +618,7 @@ class MasterService:
                 # Sessions and storage nodes bind to the authenticated role and id: a
                 # client's connection is never the same peer as node X's (_admit).
                 peer = f"{hs.peer_role}:{who}"
-            except (TimeoutError, NetError, OSError, asyncio.IncompleteReadError) as e:
+            except TRANSPORT_ERRORS as e:
                 self._throttle.log(
                     logging.INFO,
                     "auth",
@@ -678,10 +679,12 @@ class MasterService:
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
                     t.add_done_callback(lambda _t: slots.release())
-        except (NetError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
-            log.debug("store master: connection ended: %s", str(e)[:200])
+        except TRANSPORT_ERRORS as e:  # incl. uvloop's RuntimeError on a reset connection
+            log.debug("store master: connection ended: %s: %s", type(e).__name__, str(e)[:200])
         except asyncio.CancelledError:
             pass
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("store master: connection failed")
         finally:
             if watched is not None:
                 self._watch.unwatch(watched)
@@ -1336,7 +1339,7 @@ class _Replies:
                 w.transport.get_write_buffer_size(),
             )
             w.transport.abort()
-        except (ConnectionError, OSError):
+        except TRANSPORT_ERRORS:
             w.transport.abort()
 
     async def wait_writable(self) -> None:
@@ -1351,7 +1354,7 @@ class _Replies:
                 return
             try:
                 self.writer.write(frame)
-            except (ConnectionError, OSError):
+            except TRANSPORT_ERRORS:
                 return
             await self._drain()
 
@@ -1369,7 +1372,7 @@ class _Replies:
             return
         try:
             self.writer.write(frame)
-        except (ConnectionError, OSError):
+        except TRANSPORT_ERRORS:
             pass
 
 
@@ -1387,14 +1390,6 @@ def _free_addr(host: str) -> str:
 
 
 # --------------------------------------------------------------------------- process
-
-
-def _install_uvloop() -> None:
-    try:
-        import uvloop  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> int:
@@ -1538,7 +1533,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
-    _install_uvloop()
     # The cyclic GC's young generation every 20,000 container allocations, not 700: a
     # 512-key batch allocates hundreds of lists, structs and futures that live across the
     # log round trip, and at 700 the GC rescans them several times per batch (~3-4 % of a
@@ -1547,7 +1541,7 @@ def main(argv: list[str] | None = None) -> int:
     # what is still alive (~0.9 ms measured if all 20,000 were, under load).
     gc.set_threshold(20_000, 10, 10)
     try:
-        return asyncio.run(run_master(cfg))
+        return eventloop.run(run_master(cfg))  # uvloop unless KVMESH_EVENT_LOOP says
     except OSError as e:
         print(f"error: master {cfg.node_id} cannot start: {e}", file=sys.stderr)
         return 5

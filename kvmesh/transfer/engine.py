@@ -108,6 +108,13 @@ def _one(local_offset: int, remote_offset: int, length: int) -> tuple[np.ndarray
     )
 
 
+def _one_pass(handles: list[RouteHandle]) -> bool:
+    """Whether every job of a call goes through one transport that runs a call's jobs in one
+    pass (``execute_many``)."""
+    t = handles[0].transport
+    return getattr(t, "execute_many", None) is not None and all(h.transport is t for h in handles)
+
+
 def _failed(h: RouteHandle, what: str, exc: Exception) -> TransferError:
     """A transport's unexpected exception as the call's error."""
     return TransferError(f"{h.transport.kind.value} transport failed {what}: {exc!r}")
@@ -741,7 +748,8 @@ class TransferEngine:
 
         Every route and region is held before the first byte moves (a route closed meanwhile
         fails the call with nothing copied) and each is let go as soon as its job ended, as a
-        Batch does; the first failure ends the call (it fails as a whole anyway).
+        Batch does (in one pass, ``execute_many``: all at the end); the first failure ends
+        the call (it fails as a whole anyway).
         """
         held: list[tuple[MemoryRegion, RouteHandle]] = []
         try:
@@ -785,6 +793,18 @@ class TransferEngine:
                         raise
                     except Exception as exc:
                         raise _failed(h, f"writing to {h.route.address}", exc) from exc
+                    served.append(h.transport.kind)
+                elif len(jobs) > 1 and _one_pass(handles):
+                    # One job per pair of registered buffers, a few pages each (a PD request:
+                    # 64 pairs): one fence entry per region and one copy loop for the call,
+                    # not a job's set-up each (ShmTransport.execute_many).
+                    h = handles[0]
+                    try:
+                        h.transport.execute_many(jobs)
+                    except TransferError:
+                        raise
+                    except Exception as exc:
+                        raise _failed(h, f"on segment {jobs[0].remote.name!r}", exc) from exc
                     served.append(h.transport.kind)
                 else:
                     for i, (job, h) in enumerate(zip(jobs, handles)):

@@ -175,6 +175,45 @@ class FenceClient:
                     ) from None
             self._held[region_id] = n + 1
 
+    def enter_many(self, regions: list[tuple[int, str]]) -> None:
+        """:meth:`enter` for ``(region id, segment name)`` pairs of one call, under one lock;
+        on a refusal the ones entered so far are left and ``SegmentNotFound`` names it."""
+        done: list[int] = []
+        with self._lock:
+            held = self._held
+            try:
+                for rid, segment in regions:
+                    n = held.get(rid, 0)
+                    if n == 0:
+                        try:
+                            fcntl.fcntl(self._fd, shmfile.F_OFD_SETLK, self._requests(rid)[0])
+                        except OSError as exc:
+                            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                                raise
+                            raise SegmentNotFound(
+                                f"segment {segment!r} was unregistered by its owner"
+                            ) from None
+                    held[rid] = n + 1
+                    done.append(rid)
+            except BaseException:
+                self._leave_locked(done)
+                raise
+
+    def leave_many(self, region_ids: list[int]) -> None:
+        """:meth:`leave` for every region of an :meth:`enter_many`, under one lock."""
+        with self._lock:
+            self._leave_locked(region_ids)
+
+    def _leave_locked(self, region_ids: list[int]) -> None:
+        held = self._held
+        for rid in region_ids:
+            n = held[rid] - 1
+            if n:
+                held[rid] = n
+                continue
+            del held[rid]
+            fcntl.fcntl(self._fd, shmfile.F_OFD_SETLK, self._requests(rid)[1])
+
     def check(self, region_id: int, segment: str) -> None:
         """Raise ``SegmentNotFound`` once the owner started removing ``region_id``."""
         res = fcntl.fcntl(self._fd, shmfile.F_OFD_GETLK, self._requests(region_id)[2])

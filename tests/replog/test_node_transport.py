@@ -2,13 +2,18 @@
 ones, bounded queues and unreachable reports, reconnection, malformed frames."""
 
 import asyncio
+import socket
 import struct
 
-from kvmesh.net import SecurityConfig, aclient_handshake
+import pytest
+
+from kvmesh.net import SecurityConfig, aclient_handshake, aserver_handshake, eventloop
 from kvmesh.replog.net.protocol import PEER_SERVICE
 from kvmesh.replog.net.server import free_ports
-from kvmesh.replog.net.transport import FRAG, Transport, TransportConfig
+from kvmesh.replog.net.transport import FRAG, Transport, TransportConfig, _Peer
 from kvmesh.replog.types import ConfState, Heartbeat, InstallSnapshot, Snapshot, SnapshotMeta
+
+from ..event_loops import loop_name  # noqa: F401 - a fixture (usefixtures)
 
 
 class Box:
@@ -200,3 +205,113 @@ def test_malformed_frames_close_only_that_connection():
             await b.stop()
 
     run(main())
+
+
+class ResettingPeer:
+    """Node 2 as a raw listener: authenticates node 1's connections and counts the frames
+    on each; the first connection is reset (RST, as from a killed process with unread
+    data) after its first frame."""
+
+    def __init__(self):
+        self.frames: list[int] = []  # connection number per frame received
+        self.conns = 0
+        self.server = None
+
+    async def start(self, port):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+
+    async def _serve(self, r, w):
+        self.conns += 1
+        n = self.conns
+        try:
+            await aserver_handshake(r, w, SecurityConfig(), PEER_SERVICE, "2", 5.0)
+            while True:
+                (size,) = struct.unpack("<I", await r.readexactly(4))
+                await r.readexactly(size)
+                self.frames.append(n)
+                if n == 1:
+                    sock = w.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    w.transport.abort()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def stop(self):
+        self.server.close()
+
+
+@pytest.mark.usefixtures("loop_name")
+def test_sender_survives_a_reset_connection():
+    """uvloop raises RuntimeError (not ConnectionResetError) on a write to a connection the
+    peer reset; the sender must reconnect on both event loops, not end (issue 16)."""
+
+    async def main():
+        p = free_ports(2)
+        peers = {1: f"127.0.0.1:{p[0]}", 2: f"127.0.0.1:{p[1]}"}
+        fake = ResettingPeer()
+        await fake.start(p[1])
+        a = make(1, peers, Box(), min_backoff_s=0.01, max_backoff_s=0.05)
+        await a.start()
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            k = 0
+            while 2 not in fake.frames and loop.time() < end:
+                k += 1
+                a.send([Heartbeat(1, 2, 1, commit=0, ctx=k)])
+                await asyncio.sleep(0.01)
+            assert 2 in fake.frames, (
+                f"no frame on a new connection after the reset ({fake.conns} connections, "
+                f"sender {a.stats()[2]})"
+            )
+            assert a.stats()[2]["errors"] >= 1
+            assert a._peers[2].task is not None and not a._peers[2].task.done()
+        finally:
+            await a.stop()
+            await fake.stop()
+
+    eventloop.run(asyncio.wait_for(main(), 60))
+
+
+class Boom(BaseException):
+    """Not an Exception: what no ``except Exception`` catches (a stand-in for a bug)."""
+
+
+@pytest.mark.usefixtures("loop_name")
+def test_a_sender_that_ends_is_restarted(monkeypatch):
+    """Whatever ends a sender task, its supervisor restarts it (no silent death)."""
+    calls = []
+    real = _Peer._connect
+
+    async def connect_once_boom(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Boom("planted")
+        return await real(self)
+
+    monkeypatch.setattr(_Peer, "_connect", connect_once_boom)
+
+    async def main():
+        p = free_ports(2)
+        peers = {1: f"127.0.0.1:{p[0]}", 2: f"127.0.0.1:{p[1]}"}
+        b_box = Box()
+        a = make(1, peers, Box(), min_backoff_s=0.01, max_backoff_s=0.05)
+        b = make(2, peers, b_box)
+        await a.start()
+        await b.start()
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            k = 0
+            while not b_box.msgs and loop.time() < end:
+                k += 1
+                a.send([Heartbeat(1, 2, 1, commit=0, ctx=k)])
+                await asyncio.sleep(0.01)
+            assert b_box.msgs, f"the sender never came back: {a.stats()[2]}"
+            assert a.stats()[2]["restarts"] == 1
+        finally:
+            await a.stop()
+            await b.stop()
+
+    eventloop.run(asyncio.wait_for(main(), 60))

@@ -6,6 +6,7 @@ b"" / None / a code as Mooncake returns it), sessions, ranges, query/remove, ten
 from __future__ import annotations
 
 import ctypes
+import tracemalloc
 
 import pytest
 
@@ -155,6 +156,35 @@ def test_get_forms(store):
     assert store.get_into_ranges([ptr], [["g"]], [[[0]]], [[[0, 1]]], [[[1]]])[0][0][0] < 0
     with pytest.raises(TypeError):
         store.get_batch("g")
+
+
+def test_get_buffer_copies_once(store):
+    """get_buffer / batch_get_buffer copy the object once, from the staging buffer into the
+    handle (no bytes object on the way): the call's peak of traced allocations holds the
+    handles and little else. Memory accounting, not timing."""
+    n = 4 << 20
+    value = bytes(range(256)) * (n // 256)
+    assert store.put("big", value) == 0 and store.put("big2", value[::-1]) == 0
+    # Warm: the staging buffers of both calls made (and kept for reuse).
+    assert bytes(store.get_buffer("big")) == value
+    assert len(store.batch_get_buffer(["big", "big2"])) == 2
+    tracemalloc.start()
+    try:
+        for call, handles in (
+            (lambda: [store.get_buffer("big")], 1),
+            (lambda: store.batch_get_buffer(["big", "big2", "missing"]), 2),
+        ):
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            got = call()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            assert handles * n <= peak < handles * n + n // 2, (handles, peak)
+            assert [None if h is None else bytes(h) for h in got][:2] == [value, value[::-1]][
+                :handles
+            ]
+            del got
+    finally:
+        tracemalloc.stop()
 
 
 def test_sessions(store):

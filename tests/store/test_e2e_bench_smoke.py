@@ -19,6 +19,8 @@ def test_store_bench_tiny(tmp_path):
         "0.5",
         "--tcp-mib",
         "16",
+        "--failover-rounds",
+        "2",
     ]
     _, data = run_bench("store", args, tmp_path)
     assert data["limits"]["memcpy_gbps"] > 0
@@ -32,7 +34,10 @@ def test_store_bench_tiny(tmp_path):
         ("network", "put"),
         ("network", "get"),
         ("metadata", "put"),
+        ("failover", "put"),
     } <= got
+    fo = [r for r in recs if r["case"] == "failover"]
+    assert all(r["lost_keys"] == 0 and r["missed"] == 0 for r in fo), fo
     net = [r for r in recs if r["case"] == "network"]
     assert all(r["transport"] == "tcp" for r in net)  # the forced network path
     assert all(r["gbps"] > 0 for r in recs if r["gbps"] is not None)

@@ -12,6 +12,7 @@ from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store.cluster import StoreCluster
 
+from ..event_loops import loop_name  # noqa: F401 - a fixture (usefixtures)
 from .e2e_util import TOKEN, Peer
 from .store_peer import value_of
 
@@ -140,3 +141,47 @@ def test_a_new_leader_does_not_wait_out_its_grace_for_its_own_keys(tmp_path):
         finally:
             c.close()
             peer.close()
+
+
+# Restarted replicas and repeated leader kills on both event loops (issue 16): under uvloop a
+# write to a connection the peer reset raised RuntimeError, which ended the raft sender
+# towards that peer for good, so a restarted replica stayed cut off (PRE_CANDIDATE) and the
+# next leader kill left no quorum that could elect (writes stalled for 60 s and more).
+CATCHUP_S = 2.0  # a restarted replica's commit reaches the leader's within this (issue 16)
+# The longest write pause after a leader kill that still counts as a failover: the election
+# timeout here is 0.5-1.0 s (50 ms ticks), so this is several elections long; the stuck
+# cluster of issue 16 never resumes at all.
+FAILOVER_BOUND_S = 10.0
+
+
+def _check_rounds(res, rounds):
+    from bench._failover import summary
+
+    rows = res["rounds"]
+    info = f"{summary(res)}; rounds {rows}; logs {res['logs']}"
+    assert len(rows) == rounds, f"stopped after {len(rows)} of {rounds} rounds: {info}"
+    for r in rows:
+        if r["kind"] == "leader":
+            assert r["pause_s"] is not None and r["pause_s"] < FAILOVER_BOUND_S, info
+        assert r["catchup_s"] is not None and r["catchup_s"] < CATCHUP_S, info
+    assert res["lost"] == 0, info  # every acknowledged put is still there, byte-exact
+    assert res["acked"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("loop_name")
+def test_replicas_restart_and_leaders_fail_over_on_both_event_loops(tmp_path):
+    """Kill -9 a follower, then the leader, three times, restarting each: every restarted replica
+    catches up, every leader kill is followed by a commit, no acknowledged put is lost."""
+    from bench._failover import run_rounds
+
+    _check_rounds(run_rounds(str(tmp_path), 6, catchup_limit_s=CATCHUP_S + 1), 6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("loop_name")
+def test_failover_soak_20_rounds(tmp_path):
+    from bench._failover import run_rounds
+
+    _check_rounds(run_rounds(str(tmp_path), 20, catchup_limit_s=CATCHUP_S + 1), 20)

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from ...net import (
+    TRANSPORT_ERRORS,
     NetError,
     SecurityConfig,
     aclient_handshake,
@@ -120,22 +121,23 @@ class _Conn:
                 f = self.waiters.pop(resp.rid, None)
                 if f is not None and not f.done():
                     f.set_result(resp)
-        except (
-            ConnectionError,
-            OSError,
-            NetError,
-            msgspec.DecodeError,
-            msgspec.ValidationError,
-        ) as e:
-            self._fail(ConnectionError(f"connection to {self.addr} lost: {e or type(e).__name__}"))
         except asyncio.CancelledError:
             self._fail(ConnectionError(f"connection to {self.addr} closed"))
             raise
+        except Exception as e:  # noqa: BLE001 - any end fails the waiters at once
+            # TRANSPORT_ERRORS and undecodable replies are expected; anything else is a bug,
+            # but either way the callers learn now instead of at their attempt timeout.
+            if not isinstance(e, TRANSPORT_ERRORS + (msgspec.DecodeError,)):
+                log.exception("replog client: reading from %s failed", self.addr)
+            self._fail(ConnectionError(f"connection to {self.addr} lost: {e or type(e).__name__}"))
 
     def _flush(self) -> None:
         buf, self.outbuf = self.outbuf, None
         if buf and self.writer is not None and not self.writer.is_closing():
-            self.writer.write(b"".join(buf))
+            try:
+                self.writer.write(b"".join(buf))
+            except TRANSPORT_ERRORS:  # uvloop: RuntimeError on a reset connection
+                self.writer.transport.abort()  # the read loop ends and fails the waiters
 
     def _fail(self, exc: BaseException) -> None:
         self.outbuf = None
@@ -248,7 +250,7 @@ class ReplogClient(LeaderFinderViews):
                 resp = await conn.call(
                     make_req(next(self._rid)), max(0.0, step.deadline - time.monotonic())
                 )
-            except (TimeoutError, OSError, ConnectionError) as e:
+            except TRANSPORT_ERRORS as e:
                 tries.failed(addr, f"{type(e).__name__} {e}")
                 continue
             if resp.ok:

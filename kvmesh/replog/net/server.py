@@ -33,6 +33,7 @@ import msgspec
 from ...launcher import ProcessCluster, free_ports
 from ...net import (
     CLIENT,
+    TRANSPORT_ERRORS,
     TURN_REQUESTS,
     ConnectionLimiter,
     DeadlineWatch,
@@ -46,6 +47,7 @@ from ...net import (
     check_bind,
     clip,
     encode_frame,
+    eventloop,
     read_frames,
     server_ssl_context,
     source_of,
@@ -252,7 +254,7 @@ class ReplicaServer(Generic[SM]):
                     f"replica-{self.node.id}",
                     lim.handshake_timeout_s,
                 )
-            except (NetError, OSError, asyncio.IncompleteReadError) as e:
+            except TRANSPORT_ERRORS as e:
                 self.stats["auth_failures"] += 1
                 self._throttle.log(
                     logging.INFO, "auth", "client connection refused: %s", clip(str(e))
@@ -292,6 +294,10 @@ class ReplicaServer(Generic[SM]):
         except (TimeoutError, FrameTooLarge, NetError) as e:
             self.stats["closed_bad_frames"] += 1
             log.info("closing client connection: %s", clip(str(e)))
+        except TRANSPORT_ERRORS as e:  # e.g. uvloop's RuntimeError on a reset connection
+            log.info("client connection failed: %s: %s", type(e).__name__, clip(str(e)))
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("client connection failed")
         finally:
             if watched is not None:
                 self._watch.unwatch(watched)
@@ -373,7 +379,10 @@ class ReplicaServer(Generic[SM]):
     def _flush(self, writer: asyncio.StreamWriter) -> None:
         buf = self._out.pop(writer, None)
         if buf and not writer.is_closing():
-            writer.write(b"".join(buf))
+            try:
+                writer.write(b"".join(buf))
+            except TRANSPORT_ERRORS:  # the connection died; its read loop ends it
+                writer.transport.abort()
 
     async def _handle(self, req: Any, c: _Client) -> None:
         node = self.node
@@ -606,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data_dir:
         os.makedirs(cfg.data_dir, exist_ok=True)
     try:
-        return asyncio.run(run_replica(cfg, limits=limits))
+        return eventloop.run(run_replica(cfg, limits=limits))  # KVMESH_EVENT_LOOP
     except InsecureBind as e:
         print(f"error: replica {cfg.node_id}: {e}", file=sys.stderr)
         return 2

@@ -52,11 +52,11 @@ import msgspec
 
 from ...net import (
     REPLICA,
+    TRANSPORT_ERRORS,
     ConnectionLimiter,
     DeadlineWatch,
     FrameDecoder,
     FrameTooLarge,
-    NetError,
     SecurityConfig,
     Watched,
     aclient_handshake,
@@ -141,11 +141,37 @@ class _Peer:
         self.connected = False
         self.sent_msgs = 0
         self.dropped_msgs = 0
+        self.errors = 0  # connections that failed (any exception class)
+        self.restarts = 0  # senders that ended and were restarted by the supervisor
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(
+        self.task = t = asyncio.get_running_loop().create_task(
             self._run(), name=f"replog-peer-{self.id}"
         )
+        t.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The sender's supervisor: a sender that ends while its peer is still wanted (a
+        bug, an exception class :meth:`_run` does not expect) would cut this replica off
+        from the peer for good, silently. Log it, count it and start another after a
+        pause, so the loss is one backoff, not the cluster's availability."""
+        if task.cancelled() or self.tr._closing or self.tr._peers.get(self.id) is not self:
+            return
+        exc = task.exception()
+        self.restarts += 1
+        log.error(
+            "replog transport %d -> %d: sender ended (%s); restarting it (%d restarts)",
+            self.tr.node_id, self.id, repr(exc) if exc else "returned", self.restarts,
+            exc_info=exc,
+        )  # fmt: skip
+        self._close_writer()
+        self._drop_all()
+        loop = task.get_loop()
+        loop.call_later(self.tr.cfg.max_backoff_s, self._restart)
+
+    def _restart(self) -> None:
+        if not self.tr._closing and self.tr._peers.get(self.id) is self:
+            self.start()
 
     def enqueue(self, data: bytes, is_snapshot: bool) -> None:
         cfg = self.tr.cfg
@@ -211,14 +237,21 @@ class _Peer:
                     self.connected = True
                     backoff = cfg.min_backoff_s
                 await self._drain_queue(self.writer)
-            except (TimeoutError, OSError, ConnectionError, NetError) as e:
-                if self.connected or backoff == cfg.min_backoff_s:
-                    log.info(
-                        "replog transport %d -> %d (%s): %s",
+            except Exception as e:  # noqa: BLE001 - any failure costs a reconnect, not the sender
+                # TRANSPORT_ERRORS is what a failing connection raises on either event loop;
+                # anything else is a bug, logged as one, and still only a reconnect.
+                self.errors += 1
+                expected = isinstance(e, TRANSPORT_ERRORS)
+                if not expected or self.connected or backoff == cfg.min_backoff_s:
+                    log.log(
+                        logging.INFO if expected else logging.ERROR,
+                        "replog transport %d -> %d (%s): %s: %s",
                         self.tr.node_id,
                         self.id,
                         self.addr,
-                        e or type(e).__name__,
+                        type(e).__name__,
+                        clip(str(e)),
+                        exc_info=None if expected else e,
                     )
                 self._close_writer()
                 self._drop_all()
@@ -439,7 +472,7 @@ class Transport:
                     cfg.handshake_timeout_s,
                     accept=self._accept,
                 )
-            except (NetError, OSError, asyncio.IncompleteReadError) as e:
+            except TRANSPORT_ERRORS as e:
                 self.refused_handshakes += 1
                 raise FrameError(f"handshake failed: {clip(str(e))}") from None
             if not self._limiter.authenticated(slot):
@@ -515,6 +548,15 @@ class Transport:
                 peer or "?",
                 e,
             )
+        except TRANSPORT_ERRORS as e:  # e.g. uvloop's RuntimeError on a reset connection
+            log.info(
+                "replog transport %d: connection from node %s failed: %s: %s",
+                self.node_id, peer or "?", type(e).__name__, clip(str(e)),
+            )  # fmt: skip
+        except Exception:  # a bug must cost one connection, never the listener
+            log.exception(
+                "replog transport %d: connection from node %s failed", self.node_id, peer or "?"
+            )
         finally:
             if watched is not None:
                 self._watch.unwatch(watched)
@@ -558,6 +600,8 @@ class Transport:
                 "queued": len(p.queue),
                 "sent": p.sent_msgs,
                 "dropped": p.dropped_msgs,
+                "errors": p.errors,
+                "restarts": p.restarts,
             }
             for p in self._peers.values()
         }

@@ -6,7 +6,9 @@ by swapping the import::
 
 One job per module: :mod:`.config` (``setup``'s arguments and Mooncake's size syntax),
 :mod:`.constants` (enums, codes), :mod:`.types` (value classes), :mod:`.tensors` (Mooncake's
-tensor object format), :mod:`.store` (the class). What differs from Mooncake, method by
+tensor object format), :mod:`.store` (the class: setup and lifecycle) with a mixin per method
+group (:mod:`.put_methods`, :mod:`.get_methods`, :mod:`.query_methods`,
+:mod:`.tensor_methods`, :mod:`.tensor_sharded`). What differs from Mooncake, method by
 method: the compatibility table of docs/store.md.
 """
 
@@ -20,7 +22,8 @@ from .constants import (
     TaskStatus,
     TaskType,
 )
-from .store import MooncakeDistributedStore, bind_to_numa_node, literal_prefix
+from .query_methods import literal_prefix
+from .store import MooncakeDistributedStore, bind_to_numa_node
 from .types import (
     BufferHandle,
     Descriptor,
