@@ -71,7 +71,7 @@ from . import protocol as P
 from .master import commands as C
 from .master.eviction import choose_victims
 from .master.leases import AccessStats, LeaseTable
-from .master.liveness import LivenessJudge, node_capacity
+from .master.liveness import LivenessJudge, default_max_gap, node_capacity
 from .master.objects import State
 from .master.policy import (
     HoldTracker,
@@ -1339,7 +1339,7 @@ def _judge(cfg: ServiceConfig, now: float) -> LivenessJudge:
     return LivenessJudge(
         ttl,
         cfg.node_suspect_s or ttl / 2,
-        cfg.liveness_max_gap_s or min(ttl / 4, max(1.0, 4 * cfg.ticker_s)),
+        cfg.liveness_max_gap_s or default_max_gap(ttl, cfg.ticker_s),
         cfg.expire_max_fraction,
         now,
     )

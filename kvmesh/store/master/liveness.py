@@ -32,7 +32,13 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-__all__ = ["LivenessJudge", "Verdict", "node_capacity"]
+__all__ = ["LivenessJudge", "Verdict", "default_max_gap", "node_capacity"]
+
+
+def default_max_gap(ttl: float, period: float) -> float:
+    """The stall threshold for a leader that observes every ``period`` seconds: four
+    periods (at least 1 s: a loaded event loop runs timers late), at most a quarter TTL."""
+    return min(ttl / 4, max(1.0, 4 * period))
 
 
 def node_capacity(segments: Iterable[object]) -> dict[str, int]:
