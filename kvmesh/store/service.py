@@ -140,6 +140,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     ticker_s: float = 0.25
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
+    # objects in the master at most (PROCESSING included; 0: no cap): eviction starts at
+    # high_watermark of it as for bytes, and new keys of a put beyond it answer NoSpace
+    max_objects: int = 0
     # server limits
     max_frame: int = 8 << 20
     max_batch_keys: int = 8192
@@ -160,6 +163,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
+        if self.max_objects < 0:
+            raise ValueError("max_objects must not be negative (0: no cap)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
             raise ValueError("node_suspect_s and liveness_max_gap_s must not be negative")
         if not 0.0 < self.expire_max_fraction <= 1.0:
@@ -353,6 +358,7 @@ class MasterService:
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
         self.counters: dict[str, int] = {}
         self._suspects: list[str] = []
+        self._objects_pending = 0  # new keys of PutStart proposals not applied yet
         self._last_expiry = 0.0  # heard time of this leader's last expiry round
         self.metrics: Any = None
         self.status_cache: dict[str, Any] = {}
@@ -580,14 +586,30 @@ class MasterService:
             await self._propose_plain(rel)
             self.holds.forget(rel.tags)
 
-    async def _evict(self, mono: float, need: int = 0) -> int:
+    def _object_excess(self) -> int:
+        """Objects to evict for the object cap: none below its high watermark, else down
+        to ``high_watermark - evict_ratio`` of it (as for bytes)."""
+        cap = self.cfg.max_objects
+        n = self.sm.object_count()
+        if not cap or n < self.cfg.high_watermark * cap:
+            return 0
+        return max(1, n - int((self.cfg.high_watermark - self.cfg.evict_ratio) * cap))
+
+    async def _evict(self, mono: float, need: int = 0, objects: int = 0) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
         cfg = self.cfg
         plan = choose_victims(
-            self.sm, self.leases, self.stats, mono, cfg.high_watermark, cfg.evict_ratio, need=need
+            self.sm,
+            self.leases,
+            self.stats,
+            mono,
+            cfg.high_watermark,
+            cfg.evict_ratio,
+            need=need,
+            objects=max(objects, self._object_excess()),
         )
         if not plan.keys:
             return 0
@@ -1082,15 +1104,20 @@ class MasterService:
         free = usage.capacity - usage.used
         if need > free and copies <= len(self.sm.nodes()):
             await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
+        if self.cfg.max_objects and not req.upsert:
+            tk, ts, planned = await self._object_cap(req, tk, ts, planned)
         cls = C.Upsert if req.upsert else C.PutStart
         cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
             self.leases.block(tk)
+        pending = len(tk) if self.cfg.max_objects else 0  # counted by the object cap
+        self._objects_pending += pending
         try:
             res = await self._propose_echo(
                 node, req.session, _Echoed(C.encode_command(cmd), planned)
             )
         finally:
+            self._objects_pending -= pending
             if req.upsert:
                 self.leases.unblock(tk)
         planned, r = res.codes or [0] * n, res.result
@@ -1119,6 +1146,39 @@ class MasterService:
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
+
+    async def _object_cap(
+        self, req: P.PutStartReq, tk: list[str], ts: list[int], planned: list[int]
+    ) -> tuple[list[str], list[int], list[int]]:
+        """The object-count cap (``max_objects``): new keys beyond it answer NoSpace per
+        key (decided once per request, so a retry gets the same answer), after an eviction
+        of as many objects as the put lacks. Judged on this leader before proposing, the
+        keys of its puts still in the log counted too; upserts replace, never add."""
+        cap = self.cfg.max_objects
+        room = cap - self.sm.object_count() - self._objects_pending
+        if len(tk) <= room:
+            return tk, ts, planned
+        new = [i for i, k in enumerate(tk) if self.sm.state_of(k) == State.GONE]
+        if len(new) > room:
+            await self._evict(time.monotonic(), objects=len(new) - max(room, 0))
+            room = cap - self.sm.object_count() - self._objects_pending
+        if len(new) <= room:
+            return tk, ts, planned
+
+        def make() -> tuple[list[int], float]:
+            over = set(new[max(room, 0) :])  # positions in tk: the keys not refused yet
+            codes, j = list(planned), 0
+            for i, c in enumerate(planned):
+                if not c:
+                    if j in over:
+                        codes[i] = int(E.NoSpace.code)
+                    j += 1
+            return codes, 0.0
+
+        planned, _ = self._planned(req.session, make)
+        keep = [i for i, c in enumerate(planned) if not c]
+        keys, sizes = req.keys, req.sizes
+        return [keys[i] for i in keep], [sizes[i] for i in keep], planned
 
     def _bind_writer(self, version: int, client_id: int) -> None:
         """Remember that ``client_id`` started the put of entry ``version`` (and forget the
@@ -1308,6 +1368,7 @@ class MasterService:
         st["objects"] = n_obj = self.sm.object_count()
         st["rss_bytes"] = rss = _rss_bytes()
         st["rss_per_object"] = rss // n_obj if n_obj else 0
+        st["max_objects"] = self.cfg.max_objects
         lv = self.liveness
         st["liveness"] = {
             "heard_s": round(lv.heard, 3),
@@ -1505,6 +1566,13 @@ def build_arg_parser() -> Any:
     )
     p.add_argument("--high-watermark", type=float, default=0.90)
     p.add_argument("--evict-ratio", type=float, default=0.05)
+    p.add_argument(
+        "--max-objects",
+        type=int,
+        default=0,
+        help="objects in the master at most (0: no cap); eviction starts at the high"
+        " watermark of it, new keys beyond it answer NoSpace",
+    )
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
@@ -1572,6 +1640,7 @@ def config_from_args(a: Any) -> ServiceConfig:
         expire_max_fraction=a.expire_max_fraction,
         high_watermark=a.high_watermark,
         evict_ratio=a.evict_ratio,
+        max_objects=a.max_objects,
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,
