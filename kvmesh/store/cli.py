@@ -171,6 +171,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{u.get('used', 0)}/{cap} bytes used ({ratio:.1%}), {ld['leases']} live leases, "
         f"hit rate {ld['hits'] / reads if reads else 0.0:.1%} of {reads} reads"
     )
+    n_obj, cap_obj = ld["objects"], ld.get("max_objects", 0)
+    rss = ld.get("rss_bytes", 0)
+    print(
+        f"objects {n_obj}"
+        + (f" of at most {cap_obj} ({n_obj / cap_obj:.1%})" if cap_obj else " (no cap)")
+        + f", {u.get('used', 0) // n_obj if n_obj else 0} bytes of data per object;"
+        f" master RSS {rss / (1 << 20):.1f} MiB"
+        + (f" ({rss // n_obj} bytes per object)" if n_obj else "")
+    )
+    lv = ld.get("liveness") or {}
+    if lv.get("suspect") or lv.get("stalls"):
+        print(
+            f"liveness: suspect nodes {lv.get('suspect', [])}, {lv.get('stalls', 0)} stalls"
+            f" of this leader, {lv.get('expired', 0)} nodes expired"
+        )
     print(f"\n{'segment':<40}{'node':<28}{'size':>14}{'used':>14}{'slices':>8}  state")
     for s in ld["segments"]:
         print(

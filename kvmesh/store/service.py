@@ -74,7 +74,8 @@ from . import errors as E
 from . import protocol as P
 from .master import commands as C
 from .master.eviction import choose_victims
-from .master.leases import AccessStats, HeartbeatTable, LeaseTable, TermStart
+from .master.leases import AccessStats, LeaseTable, TermStart
+from .master.liveness import LivenessJudge, default_max_gap, node_capacity
 from .master.objects import State
 from .master.policy import (
     HoldTracker,
@@ -132,9 +133,20 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl_s: float = 5.0
     put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
     node_ttl_s: float = 10.0  # storage nodes silent for this long are unmounted
+    # Node liveness is judged over time the leader could hear (master/liveness.py): a node
+    # silent for node_ttl_s is suspect, and expired after node_suspect_s more (0: half the
+    # TTL) with the leader running throughout; a gap over liveness_max_gap_s between two of
+    # the leader's own observations is a stall (0: min(TTL/4, max(1 s, 4 ticker turns)));
+    # one expiry round drops at most expire_max_fraction of the nodes and of their bytes.
+    node_suspect_s: float = 0.0
+    liveness_max_gap_s: float = 0.0
+    expire_max_fraction: float = 0.5
     ticker_s: float = 0.25
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
+    # objects in the master at most (PROCESSING included; 0: no cap): eviction starts at
+    # high_watermark of it as for bytes, and new keys of a put beyond it answer NoSpace
+    max_objects: int = 0
     # server limits
     max_frame: int = 8 << 20
     max_batch_keys: int = 8192
@@ -156,6 +168,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
+        if self.max_objects < 0:
+            raise ValueError("max_objects must not be negative (0: no cap)")
+        if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
+            raise ValueError("node_suspect_s and liveness_max_gap_s must not be negative")
+        if not 0.0 < self.expire_max_fraction <= 1.0:
+            raise ValueError("expire_max_fraction must be in (0, 1]")
         if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
             raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
         if not 0 < self.prefix_round_keys <= MAX_BATCH_KEYS:
@@ -322,13 +340,14 @@ class MasterService:
             config.idle_timeout_s, min(config.request_timeout_s, config.idle_timeout_s)
         )
         self._ticker: asyncio.Task | None = None
+        self._observer: asyncio.Task | None = None
         self._snap_task: asyncio.Task | None = None
         self._keys_at_snapshot = 0
         # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
         # this process's monotonic clock; commands carry wall time (_now).
         self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
         self.term_start = TermStart(1 << 62)  # nothing is fresh before we lead
-        self.heartbeats = HeartbeatTable()
+        self.liveness = _judge(config, time.monotonic())
         self.stats = AccessStats()
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self.put_ages = PutAges()
@@ -353,6 +372,9 @@ class MasterService:
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
         self.counters: dict[str, int] = {}
+        self._suspects: list[str] = []
+        self._objects_pending = 0  # new keys of PutStart proposals not applied yet
+        self._last_expiry = 0.0  # heard time of this leader's last expiry round
         self.metrics: Any = None
         self.status_cache: dict[str, Any] = {}
         self.hits = 0
@@ -407,6 +429,9 @@ class MasterService:
         self._ticker = asyncio.get_running_loop().create_task(
             self._tick_loop(), name="store-ticker"
         )
+        self._observer = asyncio.get_running_loop().create_task(
+            self._observe_loop(), name="store-liveness-clock"
+        )
         if cfg.metrics_port:
             from .metrics import MasterMetrics, available
 
@@ -428,10 +453,11 @@ class MasterService:
         if self._server is not None:
             self._server.close()
         self._watch.stop()
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(BaseException):
-                await self._ticker
+        for t in (self._ticker, self._observer):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
         if self._snap_task is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(self._snap_task, 30.0)
@@ -472,8 +498,8 @@ class MasterService:
         self.leases = LeaseTable(
             start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=fresh
         )
-        self.heartbeats = HeartbeatTable()
-        self.heartbeats.reset(self.sm.nodes(), now)
+        self.liveness = _judge(self.cfg, now)
+        self.liveness.reset(self.sm.nodes(), now)
         self.stats = AccessStats()
         self.stats.reset(self.sm.keys())
         # Holds noted by an earlier leadership are judged by the blanket period instead.
@@ -507,13 +533,7 @@ class MasterService:
                 continue
             try:
                 mono = time.monotonic()
-                dead = self.heartbeats.expired(mono, cfg.node_ttl_s)
-                if dead:
-                    log.warning(
-                        "store master: storage nodes %s missed heartbeats; expiring them", dead
-                    )
-                    await self._propose_plain(C.ExpireNodes(node_ids=dead, now=_now()))
-                    self.heartbeats.forget(dead)
+                await self._expire_nodes(mono)
                 if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
                     last_reclaim = mono
                     # Stale puts are judged on this leader's monotonic clock (PutAges) and
@@ -536,6 +556,34 @@ class MasterService:
                 log.debug("store ticker: %s", e)
             except Exception:
                 log.exception("store ticker failed")
+
+    async def _observe_loop(self) -> None:
+        """The liveness judge's own sense of time: an observation every ticker turn, apart
+        from the ticker (whose turns wait for proposals), so a gap between two of them means
+        this process did not run -- and could not hear heartbeats -- for that long."""
+        period = min(self.cfg.ticker_s, self.liveness.max_gap / 4)
+        while True:
+            await asyncio.sleep(period)
+            t0 = time.monotonic()
+            if self.liveness.observe(t0) and self.node is not None and self.node.is_leader:
+                log.warning(
+                    "store master: this leader did not run for over %.1f s (a stall); node"
+                    " silence during it is not counted against the nodes",
+                    self.liveness.max_gap,
+                )
+
+    async def _expire_nodes(self, mono: float) -> None:
+        """One liveness judgement (master/liveness.py) and the expiry it decides."""
+        v = self.liveness.tick(mono, node_capacity(self.sm.segments()))
+        if v.suspect and v.suspect != self._suspects:
+            log.info("store master: storage nodes %s are suspect (no heartbeat)", v.suspect)
+        self._suspects = v.suspect
+        if v.expire:
+            log.warning("store master: storage nodes %s missed heartbeats; expiring them", v.expire)
+            await self._propose_plain(C.ExpireNodes(node_ids=v.expire, now=_now()))
+            self.liveness.expired(v.expire)
+            self._last_expiry = self.liveness.heard
+            self.counters["nodes_expired"] = self.counters.get("nodes_expired", 0) + len(v.expire)
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
         """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
@@ -566,14 +614,30 @@ class MasterService:
             await self._propose_plain(rel)
             self.holds.forget(rel.tags)
 
-    async def _evict(self, mono: float, need: int = 0) -> int:
+    def _object_excess(self) -> int:
+        """Objects to evict for the object cap: none below its high watermark, else down
+        to ``high_watermark - evict_ratio`` of it (as for bytes)."""
+        cap = self.cfg.max_objects
+        n = self.sm.object_count()
+        if not cap or n < self.cfg.high_watermark * cap:
+            return 0
+        return max(1, n - int((self.cfg.high_watermark - self.cfg.evict_ratio) * cap))
+
+    async def _evict(self, mono: float, need: int = 0, objects: int = 0) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
         cfg = self.cfg
         plan = choose_victims(
-            self.sm, self.leases, self.stats, mono, cfg.high_watermark, cfg.evict_ratio, need=need
+            self.sm,
+            self.leases,
+            self.stats,
+            mono,
+            cfg.high_watermark,
+            cfg.evict_ratio,
+            need=need,
+            objects=max(objects, self._object_excess()),
         )
         if not plan.keys:
             return 0
@@ -662,6 +726,11 @@ class MasterService:
                         log.info("store master: undecodable request: %s", str(e)[:200])
                         await out.send(_framing.encode_frame(P.encode(P.undecodable(body, e))))
                         continue
+                    if type(req) is P.HeartbeatReq and out.ready():
+                        # Heartbeats never wait for a task, a slot or the requests queued
+                        # before them: liveness must not depend on the request load.
+                        self._reply_inline(req, out, peer)
+                        continue
                     if type(req) in _LEASE_READS and self._reply_now(req, out, peer):
                         continue  # answered inline from the leader lease
                     if slots.locked():
@@ -708,15 +777,22 @@ class MasterService:
                 return False
         except ReplogError:  # stopped: the task path answers with the right error
             return False
+        self._reply_inline(req, out, peer)
+        return True
+
+    def _reply_inline(self, req: Any, out: _Replies, peer: str) -> None:
+        """Answer a request that needs no suspension (a lease read, a heartbeat) at once."""
         started = time.perf_counter()
         try:
-            self._admit(req, peer)
-            resp = self._read_now(req)
+            node = self._admit(req, peer)
+            if type(req) is P.HeartbeatReq:
+                resp: Any = self._heartbeat(node, req)
+            else:
+                resp = self._read_now(req)
         except Exception as e:  # noqa: BLE001 - mapped to a reply as in _handle
             resp = self._error_reply(req, e)
         self._observe(req, resp, started)
         out.send_now(_framing.encode_frame(P.encode(resp)))
-        return True
 
     async def _handle(self, req: Any, out: _Replies, peer: str = "") -> None:
         # A GetReplicas reply is the one large reply (up to max_reply_bytes): one at a time
@@ -902,10 +978,7 @@ class MasterService:
             self._leader()
             return self._read_now(req)
         if t is P.HeartbeatReq:
-            known = req.node_id in self.sm.nodes()
-            if known:
-                self.heartbeats.beat(req.node_id, time.monotonic())
-            return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
+            return self._heartbeat(node, req)
         if t is P.RegisterReq:
             cid = await node.register_session()
             self._owners[cid] = peer
@@ -940,7 +1013,7 @@ class MasterService:
             )
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
-                self.heartbeats.beat(req.node_id, time.monotonic())
+                self.liveness.beat(req.node_id, time.monotonic())
                 self._node_owners[req.node_id] = peer
                 self._node_owners.move_to_end(req.node_id)
                 while len(self._node_owners) > _MAX_OWNERS:
@@ -952,6 +1025,12 @@ class MasterService:
             cmd = C.Unmount(node_id=req.node_id, segment=req.segment, now=_now(), grace=req.grace)
             return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
         raise E.InvalidParams(f"unsupported request {t.__name__}")
+
+    def _heartbeat(self, node: RaftNode, req: P.HeartbeatReq) -> P.CodesResp:
+        known = req.node_id in self.sm.nodes()
+        if known:
+            self.liveness.beat(req.node_id, time.monotonic())
+        return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
         return (await self._propose_echo(node, sess, _Echoed(C.encode_command(cmd)))).result
@@ -1070,15 +1149,20 @@ class MasterService:
         free = usage.capacity - usage.used
         if need > free and copies <= len(self.sm.nodes()):
             await self._evict(time.monotonic(), need=min(need, usage.capacity) - free)
+        if self.cfg.max_objects and not req.upsert:
+            tk, ts, planned = await self._object_cap(req, tk, ts, planned)
         cls = C.Upsert if req.upsert else C.PutStart
         cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
             self.leases.block(tk)
+        pending = len(tk) if self.cfg.max_objects else 0  # counted by the object cap
+        self._objects_pending += pending
         try:
             res = await self._propose_echo(
                 node, req.session, _Echoed(C.encode_command(cmd), planned)
             )
         finally:
+            self._objects_pending -= pending
             if req.upsert:
                 self.leases.unblock(tk)
         planned, r = res.codes or [0] * n, res.result
@@ -1107,6 +1191,39 @@ class MasterService:
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
+
+    async def _object_cap(
+        self, req: P.PutStartReq, tk: list[str], ts: list[int], planned: list[int]
+    ) -> tuple[list[str], list[int], list[int]]:
+        """The object-count cap (``max_objects``): new keys beyond it answer NoSpace per
+        key (decided once per request, so a retry gets the same answer), after an eviction
+        of as many objects as the put lacks. Judged on this leader before proposing, the
+        keys of its puts still in the log counted too; upserts replace, never add."""
+        cap = self.cfg.max_objects
+        room = cap - self.sm.object_count() - self._objects_pending
+        if len(tk) <= room:
+            return tk, ts, planned
+        new = [i for i, k in enumerate(tk) if self.sm.state_of(k) == State.GONE]
+        if len(new) > room:
+            await self._evict(time.monotonic(), objects=len(new) - max(room, 0))
+            room = cap - self.sm.object_count() - self._objects_pending
+        if len(new) <= room:
+            return tk, ts, planned
+
+        def make() -> tuple[list[int], float]:
+            over = set(new[max(room, 0) :])  # positions in tk: the keys not refused yet
+            codes, j = list(planned), 0
+            for i, c in enumerate(planned):
+                if not c:
+                    if j in over:
+                        codes[i] = int(E.NoSpace.code)
+                    j += 1
+            return codes, 0.0
+
+        planned, _ = self._planned(req.session, make)
+        keep = [i for i, c in enumerate(planned) if not c]
+        keys, sizes = req.keys, req.sizes
+        return [keys[i] for i in keep], [sizes[i] for i in keep], planned
 
     def _bind_writer(self, version: int, client_id: int) -> None:
         """Remember that ``client_id`` started the put of entry ``version`` (and forget the
@@ -1297,12 +1414,45 @@ class MasterService:
         }
         st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
         st["usage"] = msgspec.to_builtins(self.sm.usage())
-        st["objects"] = self.sm.object_count()
+        st["objects"] = n_obj = self.sm.object_count()
+        st["rss_bytes"] = rss = _rss_bytes()
+        st["rss_per_object"] = rss // n_obj if n_obj else 0
+        st["max_objects"] = self.cfg.max_objects
+        lv = self.liveness
+        st["liveness"] = {
+            "heard_s": round(lv.heard, 3),
+            "stalls": lv.stalls,
+            "suspect": list(self._suspects),
+            "expired": self.counters.get("nodes_expired", 0),
+            "last_expiry_heard_s": round(self._last_expiry, 3),
+        }
         st["leases"] = len(self.leases.all_leased(time.monotonic()))
         st["hits"] = self.hits
         st["misses"] = self.misses
         st["requests"] = dict(self.counters)
         return st
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (Linux /proc; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _judge(cfg: ServiceConfig, now: float) -> LivenessJudge:
+    ttl = cfg.node_ttl_s
+    return LivenessJudge(
+        ttl,
+        cfg.node_suspect_s or ttl / 2,
+        cfg.liveness_max_gap_s or default_max_gap(ttl, cfg.ticker_s),
+        cfg.expire_max_fraction,
+        now,
+    )
 
 
 def _durable(cfg: ServiceConfig) -> bool:
@@ -1436,8 +1586,34 @@ def build_arg_parser() -> Any:
     p.add_argument("--lease-ttl-s", type=float, default=5.0)
     p.add_argument("--put-timeout-s", type=float, default=60.0)
     p.add_argument("--node-ttl-s", type=float, default=10.0)
+    p.add_argument(
+        "--node-suspect-s",
+        type=float,
+        default=0.0,
+        help="a node silent for the TTL is expired after this much more heard time (0: TTL/2)",
+    )
+    p.add_argument(
+        "--liveness-max-gap-s",
+        type=float,
+        default=0.0,
+        help="a longer gap between the leader's own observations is a stall, not silence"
+        " (0: min(TTL/4, 1 s))",
+    )
+    p.add_argument(
+        "--expire-max-fraction",
+        type=float,
+        default=0.5,
+        help="fraction of the nodes and of their bytes one expiry round may drop",
+    )
     p.add_argument("--high-watermark", type=float, default=0.90)
     p.add_argument("--evict-ratio", type=float, default=0.05)
+    p.add_argument(
+        "--max-objects",
+        type=int,
+        default=0,
+        help="objects in the master at most (0: no cap); eviction starts at the high"
+        " watermark of it, new keys beyond it answer NoSpace",
+    )
     p.add_argument("--handshake-timeout-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=600.0)
     p.add_argument("--max-unauthenticated", type=int, default=64)
@@ -1498,8 +1674,12 @@ def config_from_args(a: Any) -> ServiceConfig:
         lease_ttl_s=a.lease_ttl_s,
         put_timeout_s=a.put_timeout_s,
         node_ttl_s=a.node_ttl_s,
+        node_suspect_s=a.node_suspect_s,
+        liveness_max_gap_s=a.liveness_max_gap_s,
+        expire_max_fraction=a.expire_max_fraction,
         high_watermark=a.high_watermark,
         evict_ratio=a.evict_ratio,
+        max_objects=a.max_objects,
         handshake_timeout_s=a.handshake_timeout_s,
         idle_timeout_s=a.idle_timeout_s,
         max_unauthenticated=a.max_unauthenticated,

@@ -30,7 +30,12 @@ def main() -> int:
     from kvmesh.store import StoreClient
 
     master, seg = sys.argv[1], int(sys.argv[2])
-    client = StoreClient(master, segment_size=seg or None, token=os.environ.get("E2E_STORE_TOKEN"))
+    client = StoreClient(
+        master,
+        segment_size=seg or None,
+        token=os.environ.get("E2E_STORE_TOKEN"),
+        heartbeat_s=float(os.environ.get("E2E_HEARTBEAT_S", "2.0")),
+    )
     print(json.dumps({"ready": client.engine.address, "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -185,3 +185,40 @@ def test_soak() -> None:
     for seed in range(100, 160):
         r = run_seed(seed, duration=30.0)
         assert r.ok, f"seed {seed}: {r.violation}"
+
+
+PAUSE_SEEDS = range(8)
+
+
+def test_host_wide_pauses_of_two_ttls_expire_no_live_node() -> None:
+    """Every replica stopped for 2x the node TTL, again and again: the nodes that kept
+    heartbeating are never expired, the dead ones still are (the sim checks both)."""
+    totals = {"pauses": 0, "node_kills": 0, "expiries": 0}
+    for seed in PAUSE_SEEDS:
+        r = run_seed(seed, duration=20.0, pause=3.0)  # node_ttl 1.5
+        assert r.ok, f"seed {seed}: {r.violation}"
+        for f in totals:
+            totals[f] += getattr(r, f)
+    assert all(v > 0 for v in totals.values()), totals
+
+
+def test_planted_raw_gap_liveness_is_caught() -> None:
+    """Liveness judged on the raw clock gap (the old rule): after a pause every node looks
+    silent for the whole pause and live nodes are expired."""
+    r = run_seed(0, duration=20.0, pause=3.0, plant="raw_gap")
+    assert not r.ok and "which heartbeats" in r.violation, r.violation
+
+
+def test_a_judge_that_never_expires_is_caught(monkeypatch) -> None:
+    """The other promise: a dead node is expired in bounded time."""
+    from kvmesh.store.master.liveness import LivenessJudge, Verdict
+
+    real = LivenessJudge.tick
+
+    def never(self, now, capacity):
+        v = real(self, now, capacity)
+        return Verdict([], v.suspect + v.expire, v.stalled)
+
+    monkeypatch.setattr(LivenessJudge, "tick", never)
+    caught = [r for r in (run_seed(s, duration=DURATION) for s in range(6)) if not r.ok]
+    assert caught and "still mounted" in caught[0].violation, [r.violation for r in caught]

@@ -14,7 +14,9 @@ The service blocks new leases on the victims (``LeaseTable.block``) from the mom
 chooses them until the Evict entry applied, or a reader could take a lease in between.
 
 A put that found no space asks for ``need`` bytes: victims are then chosen even below the
-watermark, until at least that much would be freed.
+watermark, until at least that much would be freed. ``objects``: the leader's object-count
+cap asks for at least that many victims too (whatever bytes they hold), so eviction
+triggers on either the byte watermark or the object count.
 """
 
 from __future__ import annotations
@@ -55,24 +57,28 @@ def choose_victims(
     evict_ratio: float = EVICT_RATIO,
     need: int = 0,
     max_keys: int = 65536,
+    objects: int = 0,
 ) -> EvictPlan:
     """Choose victims to free ``max(evict_ratio * capacity, need)`` bytes when usage is at or
     above ``high_watermark`` (or ``need > 0``); an empty plan otherwise or when nothing is
     evictable. Keys the access table does not know (objects that appeared since the table
-    was reset) count as the oldest."""
+    was reset) count as the oldest. ``objects``: also at least this many victims."""
     usage = sm.usage()
-    if usage.capacity <= 0:
+    if usage.capacity <= 0 and objects <= 0:
         return EvictPlan([], [], False, 0)
     if need <= 0 and usage.used < high_watermark * usage.capacity:
-        return EvictPlan([], [], False, 0)
-    target = max(int(evict_ratio * usage.capacity), need)
+        if objects <= 0:
+            return EvictPlan([], [], False, 0)
+        target = 0  # the object count alone asked
+    else:
+        target = max(int(evict_ratio * usage.capacity), need)
     keys: list[str] = []
     versions: list[int] = []
     soft: list[tuple[str, int, int]] = []
     got = 0
     leased = pinned = 0
     for key in _candidates(sm, stats):
-        if got >= target or len(keys) >= max_keys:
+        if (got >= target and len(keys) >= objects) or len(keys) >= max_keys:
             break
         info = sm.evict_info(key)
         if info is None:  # gone, or not COMPLETE
@@ -91,10 +97,10 @@ def choose_victims(
         versions.append(version)
         got += nbytes
     allow_soft = False
-    if got < target and soft:
+    if (got < target or len(keys) < objects) and soft:
         allow_soft = True
         for key, version, nbytes in soft:
-            if got >= target or len(keys) >= max_keys:
+            if (got >= target and len(keys) >= objects) or len(keys) >= max_keys:
                 break
             keys.append(key)
             versions.append(version)

@@ -5,7 +5,7 @@ Three master replicas (``kvmesh.replog`` cores on the hand-driven
 :class:`~.state.StoreStateMachine`. A virtual clock drives:
 
 * a leader-side service using the real soft state (:class:`~.leases.LeaseTable`,
-  :class:`~.leases.AccessStats`, :class:`~.leases.HeartbeatTable`, :class:`~.policy.HoldTracker`,
+  :class:`~.leases.AccessStats`, :class:`~.liveness.LivenessJudge`, :class:`~.policy.HoldTracker`,
   :func:`~.eviction.choose_victims`): it mounts segments, expires silent storage nodes,
   reclaims stale puts, releases holds and evicts above the watermark;
 * storage nodes whose segment bytes are modelled as one tag per slice (a checksum of key,
@@ -40,9 +40,12 @@ leader releases it again), ``"lease_ignored"`` (eviction ignores read leases),
 puts reclaimed by the wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a
 leader whose clock runs ahead frees memory a writer is still writing) and
 ``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases), ``"no_grace"`` (a
-new leader ignores its predecessors' leases) and ``"fresh_by_key"`` (an over-narrow grace:
+new leader ignores its predecessors' leases), ``"fresh_by_key"`` (an over-narrow grace:
 "put under this leader" judged by key name, not by :class:`~.leases.TermStart`'s versions)
-must be caught.
+and ``"raw_gap"`` (node liveness judged on the raw clock gap, with ``pause``: a paused
+leader expires the nodes that kept heartbeating) must be caught. Node liveness: a serving
+node (it heartbeats) is never expired; a dead one is expired within TTL + two stages + 1 s
+of a calm leader.
 ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
@@ -89,7 +92,8 @@ from .commands import (
 from .eviction import choose_victims
 from .invariants import check as check_state
 from .invariants import extents
-from .leases import AccessStats, HeartbeatTable, LeaseTable, TermStart
+from .leases import AccessStats, LeaseTable, TermStart
+from .liveness import LivenessJudge, default_max_gap, node_capacity
 from .policy import HoldTracker, PutAges, plan_remove, plan_remove_prefix, plan_upsert
 from .state import MasterConfig, StoreStateMachine
 
@@ -208,6 +212,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
     lease_ttl: float = 0.5
     put_timeout: float = 2.0
     node_ttl: float = 1.5
+    node_stage: float = 0.5  # the liveness judge's suspect stage (master/liveness.py)
+    # host-wide pauses (every replica stopped at once, the storage nodes not) of this many
+    # seconds among the faults; 0: none
+    pause: float = 0.0
     faults: bool = True
     snapshot_every: int = 15
     clock_skew: float = 0.0  # max wall-clock offset of a replica, seconds (either way)
@@ -235,6 +243,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     prefix_removes: int = 0
     transfers: int = 0  # leadership transfers
     grace_exempt: int = 0  # removes/upserts/evictions in a grace period of fresh keys
+    pauses: int = 0
     lin_outcome: str = ""
 
 
@@ -308,9 +317,14 @@ class StoreSim:
         self.term_start = TermStart(1 << 62)
         self.term_keys: set[str] = set()  # keys put under this leader (a planted rule)
         self.stats = AccessStats()
-        self.hb = HeartbeatTable()
+        self.hb = self._judge()
         self.holds = HoldTracker(self.cfg.lease_ttl)
         self.evict_inflight = False
+        # storage node -> when it died; the last time the leader's view was reset or it
+        # could not commit (a dead node's expiry deadline counts from the later of the two)
+        self.dead_since: dict[str, float] = {}
+        self.calm_since = 0.0
+        self.quiet_until = 0.0  # no heartbeat reaches the leader before (after a pause)
         self.keys = [f"k{i}" for i in range(cfg.n_keys)]
         self.tokens: dict[tuple[str, int], Any] = {}  # (key, version) -> the put's token
         self.incarn = dict.fromkeys(self.nodes, 0)  # storage node restarts
@@ -321,6 +335,10 @@ class StoreSim:
             i: self.rng.uniform(-cfg.clock_skew, cfg.clock_skew) if cfg.clock_skew else 0.0
             for i in self.ids
         }
+
+    def _judge(self) -> LivenessJudge:
+        ttl = self.cfg.node_ttl
+        return LivenessJudge(ttl, self.cfg.node_stage, default_max_gap(ttl, 0.25), 0.5, self.now)
 
     def wall(self) -> float:
         """The current leader's wall clock (what it writes into commands as ``now``)."""
@@ -456,8 +474,9 @@ class StoreSim:
         self.leases = LeaseTable(start=self.now, grace=grace, fresh=fresh)
         self.stats = AccessStats()
         self.stats.reset(sm.keys())
-        self.hb = HeartbeatTable()
+        self.hb = self._judge()
         self.hb.reset(sm.nodes(), self.now)
+        self.calm_since = self.now
         self.holds = HoldTracker(self.cfg.lease_ttl)
         self.put_ages = PutAges()
         self.evict_inflight = False
@@ -484,7 +503,9 @@ class StoreSim:
                     done,
                 ):
                     self.mounted[n] = False
-        expired = [n for n in self.hb.expired(self.now, self.cfg.node_ttl) if n in sm.nodes()]
+        verdict = self.hb.tick(self.now, node_capacity(sm.segments()))
+        expired = [n for n in verdict.expire if n in sm.nodes()]
+        self._check_liveness(sm, expired)
         if expired:
             t0 = self.now
 
@@ -492,7 +513,7 @@ class StoreSim:
                 if r is None:
                     return
                 self.res.expiries += 1
-                self.hb.forget(n for n, c in zip(expired, r.codes) if c == 0)
+                self.hb.expired(n for n, c in zip(expired, r.codes) if c == 0)
                 for k in r.lost:
                     h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
                     self.history.ok(h, "ok")
@@ -533,6 +554,23 @@ class StoreSim:
 
             self.propose(rel, rel_done)
         self._maybe_evict(0)
+
+    def _check_liveness(self, sm: StoreStateMachine, expiring: list[str]) -> None:
+        """The liveness judge's two promises: never expire a node that heartbeats (every
+        serving node does, whenever there is a leader), and expire a dead one within TTL +
+        one stage per earlier bounded round (two nodes at most die together here) + slack
+        for ticks and the commit, counted from its death or the last time the leader's
+        view was reset or it could not commit, whichever is later."""
+        for n in expiring:
+            if self._serving(n):
+                raise SimViolation(f"the leader expires storage node {n}, which heartbeats")
+        bound = self.cfg.node_ttl + 2 * self.cfg.node_stage + 1.0
+        for n, t in self.dead_since.items():
+            seg = f"seg-{n}"
+            if seg in sm.by_name and self.now - max(t, self.calm_since) > bound:
+                raise SimViolation(
+                    f"storage node {n} died at {t:.2f} and is still mounted at {self.now:.2f}"
+                )
 
     def _maybe_evict(self, need: int) -> None:
         if not self.lead or self.evict_inflight:
@@ -584,13 +622,16 @@ class StoreSim:
         """Only a node serving its current segment heartbeats: a restarted node stays
         silent until the leader expired its old segment and it mounted a new one."""
         for n, alive in self.nodes.items():
-            if alive and self.lead and self._serving(n):
+            if alive and self.lead and self._serving(n) and self.now >= self.quiet_until:
                 self.hb.beat(n, self.now)
+                self.dead_since.pop(n, None)
 
     def _serving(self, n: str) -> bool:
         return self.nodes[n] and self.seg_incarn.get(f"seg-{n}") == self.incarn[n]
 
     def _kill_node(self, n: str) -> None:
+        if self._serving(n):
+            self.dead_since.setdefault(n, self.now)
         self.nodes[n] = False
         self.mounted[n] = False
         self.incarn[n] += 1
@@ -974,6 +1015,7 @@ class StoreSim:
         for c in range(cfg.n_clients):
             self.at(0.5 + 0.05 * c, lambda c=c: self._client(c))
         next_fault = 3.0
+        next_pause = 2.5 if cfg.pause else float("inf")
         healed_at = None
         with _planted(cfg.plant):
             try:
@@ -1005,8 +1047,12 @@ class StoreSim:
                     if cfg.faults and self.now >= next_fault:
                         next_fault = self.now + self.rng.uniform(2.0, 5.0)
                         healed_at = self._fault()
+                    if self.now >= next_pause:
+                        self._pause()
+                        next_pause = self.now + self.rng.uniform(2.0, 4.0)
                     if healed_at is not None and self.now >= healed_at:
                         self.net.recover()
+                        self.calm_since = self.now
                         healed_at = None
                     self._check()
                 self._final_audit()
@@ -1082,6 +1128,7 @@ class StoreSim:
         if r < 0.3 and self.lead:
             self.net.isolate(self.lead)
             self.res.isolations += 1
+            self.calm_since = self.now
             return self.now + self.rng.uniform(1.0, 4.0)
         if r < 0.45:
             self._restart(self.rng.choice(self.ids))
@@ -1112,6 +1159,17 @@ class StoreSim:
                 pass
         return None
 
+    def _pause(self) -> None:
+        """A host-wide pause (VM migration, memory pressure): every replica stops at
+        once and resumes with its clocks moved on; nothing it would have heard (the
+        nodes' heartbeats meanwhile) arrives, and nobody was elected meanwhile. The
+        nodes' calls timed out: their next heartbeats come a little after the resume
+        (reconnect, next interval), while the leader's ticker runs at once."""
+        self.now += self.cfg.pause
+        self.quiet_until = self.now + self.rng.uniform(0.3, 0.6)
+        self.res.pauses += 1
+        self.calm_since = self.now
+
 
 @contextmanager
 def _planted(plant: str | None):
@@ -1130,6 +1188,23 @@ def _planted(plant: str | None):
             yield
         finally:
             state_mod.StoreStateMachine._put_end = orig_end  # type: ignore[method-assign]
+        return
+    if plant == "raw_gap":
+        # the old rule: liveness judged on the raw clock gap, a stopped leader's own pause
+        # counted as the nodes' silence
+        orig_adv = LivenessJudge._advance
+
+        def raw_advance(self: LivenessJudge, now: float) -> bool:
+            if now > self._seen:
+                self.heard += now - self._seen
+                self._seen = now
+            return False
+
+        LivenessJudge._advance = raw_advance  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            LivenessJudge._advance = orig_adv  # type: ignore[method-assign]
         return
     if plant != "double_free":
         yield
@@ -1175,10 +1250,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--plant", default=None)
     p.add_argument("--clock-skew", type=float, default=0.0)
+    p.add_argument("--pause", type=float, default=0.0, help="host-wide pauses of this long")
     a = p.parse_args(argv)
     bad = 0
     for s in range(a.first, a.first + a.seeds):
-        r = run_seed(s, duration=a.duration, plant=a.plant, clock_skew=a.clock_skew)
+        r = run_seed(s, duration=a.duration, plant=a.plant, clock_skew=a.clock_skew, pause=a.pause)
         print(
             f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} "
             f"reads={r.reads_checked} evictions={r.evictions} expiries={r.expiries} "
