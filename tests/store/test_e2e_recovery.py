@@ -179,27 +179,39 @@ def test_stalled_writer_never_writes_after_its_allocation_may_be_reclaimed(tmp_p
         c = StoreClient(cl.address, token=TOKEN, segment_size=8 << 20, timeout=10)
         try:
             seen: list[float] = []
-            real_move = c._move
+            # Both write paths: per-request (_move) and the usual batch's arrays (_move_arrays,
+            # its timeout the last argument); the stall goes where each builds its requests.
+            real_move, real_arrays = c._move, c._move_arrays
 
             def spy(op, reqs, timeout=None):
                 seen.append(timeout)
                 return real_move(op, reqs, timeout)
 
+            def spy_arrays(*a):
+                seen.append(a[-1])
+                return real_arrays(*a)
+
             monkeypatch.setattr(c, "_move", spy)
+            monkeypatch.setattr(c, "_move_arrays", spy_arrays)
             c.put("timely", b"t" * 1000)
             assert seen and 0 < seen[0] <= 0.8  # writes bounded by the allocation's lifetime
-            real_copy = client_mod._copy_reqs
+            real_copy, real_run = client_mod._copy_reqs, client_mod._run_requests
 
-            def stalled(*a):
-                time.sleep(1.0)  # the writer stalls after put_start
-                return real_copy(*a)
+            def stalled(real):
+                def f(*a):
+                    time.sleep(1.0)  # the writer stalls after put_start
+                    return real(*a)
 
-            monkeypatch.setattr(client_mod, "_copy_reqs", stalled)
+                return f
+
+            monkeypatch.setattr(client_mod, "_copy_reqs", stalled(real_copy))
+            monkeypatch.setattr(client_mod, "_run_requests", stalled(real_run))
             seen.clear()
             with pytest.raises(E.TransferFailed):
                 c.put("stalled", b"s" * 1000)
             assert not seen  # nothing was written
             monkeypatch.setattr(client_mod, "_copy_reqs", real_copy)
+            monkeypatch.setattr(client_mod, "_run_requests", real_run)
             assert c.exists("stalled") is False
             _wait(lambda: c.status()["usage"]["processing"] == 0, 10, "revoke or reclaim")
         finally:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvmesh.transfer import InvalidLength, OutOfBounds
+from kvmesh.transfer.transports import tcp
 
 from .util import pattern, sha
 
@@ -41,9 +42,9 @@ def test_owner_refuses_bad_ranges(make_engine, make_peer, offsets, lengths, exc)
     n = min(int(lengths.sum()) if len(lengths) and int(lengths.max()) < SIZE else 64, 4096)
     payload = np.full(n, 0xEE, np.uint8)
     with pytest.raises(exc):
-        client.write(seg.desc, offsets, lengths, [memoryview(payload)], n, 10.0)
+        tcp.write_views(client, seg.desc, offsets, lengths, [memoryview(payload)], n, 10.0)
     with pytest.raises(exc):
-        client.read(seg.desc, offsets, lengths, [memoryview(payload)], n, 10.0)
+        tcp.read_views(client, seg.desc, offsets, lengths, [memoryview(payload)], n, 10.0)
     assert peer.cmd("sha", offset=0, length=SIZE)["sha"] == before  # not a byte landed
     # The same peer still serves good requests (the refused ones kept the stream in sync).
     local = eng.register(np.zeros(4096, np.uint8))
