@@ -324,6 +324,7 @@ class StoreSim:
         # could not commit (a dead node's expiry deadline counts from the later of the two)
         self.dead_since: dict[str, float] = {}
         self.calm_since = 0.0
+        self._mount_seen: dict[str, tuple[int, float]] = {}  # segment -> (id, first seen)
         self.quiet_until = 0.0  # no heartbeat reaches the leader before (after a pause)
         self.keys = [f"k{i}" for i in range(cfg.n_keys)]
         self.tokens: dict[tuple[str, int], Any] = {}  # (key, version) -> the put's token
@@ -567,7 +568,15 @@ class StoreSim:
         bound = self.cfg.node_ttl + 2 * self.cfg.node_stage + 1.0
         for n, t in self.dead_since.items():
             seg = f"seg-{n}"
-            if seg in sm.by_name and self.now - max(t, self.calm_since) > bound:
+            sid = sm.by_name.get(seg)
+            if sid is None:
+                continue
+            # A Mount the node proposed before it died can commit after its death (or after
+            # its expiry): the judge then first hears of it, so its TTL runs from there.
+            seen = self._mount_seen.get(seg)
+            if seen is None or seen[0] != sid:
+                seen = self._mount_seen[seg] = (sid, self.now)
+            if self.now - max(t, self.calm_since, seen[1]) > bound:
                 raise SimViolation(
                     f"storage node {n} died at {t:.2f} and is still mounted at {self.now:.2f}"
                 )
