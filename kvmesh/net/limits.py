@@ -92,6 +92,13 @@ class ConnectionLimiter:
     has to open connections faster than a legitimate handshake completes, and with the
     per-source rule even that only delays peers of its own address: a peer on another address
     is never the victim while the flooding source holds more handshakes than it.
+
+    Eviction alone lets a connect flood buy a handshake (a transport, a task, a Challenge) per
+    connection, far more than an asyncio server can build (docs/net.md, "Connect floods"), so
+    a source that already holds an unauthenticated slot gets another only at
+    ``handshake_rate_per_source`` a second (bursts of ``handshake_burst_per_source``); past it
+    the newcomer is refused (``refused_rate``) before anything is built for it. A source with
+    no handshake in progress is never rate-refused. ``None``: no rate.
     """
 
     def __init__(
@@ -99,6 +106,10 @@ class ConnectionLimiter:
         max_total: int,
         max_unauthenticated: int,
         max_unauthenticated_per_source: int | None = None,
+        *,
+        handshake_rate_per_source: float | None = 256.0,
+        handshake_burst_per_source: int = 64,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_total < 1 or max_unauthenticated < 1:
             raise ValueError("connection limits must be >= 1")
@@ -110,12 +121,24 @@ class ConnectionLimiter:
         if per_source < 1:
             raise ValueError("connection limits must be >= 1")
         self.max_unauthenticated_per_source = min(per_source, self.max_unauthenticated)
+        if handshake_rate_per_source is not None and (
+            handshake_rate_per_source <= 0 or handshake_burst_per_source < 1
+        ):
+            raise ValueError("handshake rate and burst must be positive")
+        self._rate = handshake_rate_per_source
+        self._burst = float(handshake_burst_per_source)
+        self._clock = clock
+        # source -> [tokens, when]: only sources that had a handshake in progress when they
+        # connected; pruned to those still holding one (the others start full anyway)
+        self._buckets: dict[str, list[float]] = {}
+        self._max_buckets = 2 * self.max_unauthenticated + 16
         self._lock = threading.Lock()
         self._total = 0
         self._unauth = 0
         # source -> its unauthenticated slots (evictable or not), oldest first
         self._sources: dict[str, dict[Slot, None]] = {}
         self.refused = 0  # connections turned away (for stats and tests)
+        self.refused_rate = 0  # of those, for the per-source handshake rate
         self.evicted = 0  # unauthenticated connections closed to make room
 
     def try_acquire(
@@ -129,6 +152,10 @@ class ConnectionLimiter:
         with self._lock:
             victim = None
             mine = self._sources.get(source) if source else None
+            if mine is not None and self._rate is not None and not self._take_token(source):
+                self.refused += 1
+                self.refused_rate += 1
+                return None
             if mine is not None and len(mine) >= self.max_unauthenticated_per_source:
                 victim = self._oldest_evictable(mine)
                 if victim is None:
@@ -150,6 +177,21 @@ class ConnectionLimiter:
         if victim is not None and victim.on_evict is not None:
             victim.on_evict()
         return slot
+
+    def _take_token(self, source: str) -> bool:
+        now = self._clock()
+        b = self._buckets.get(source)
+        tokens = self._burst if b is None else min(self._burst, b[0] + (now - b[1]) * self._rate)
+        if tokens < 1.0:
+            return False
+        if b is None:
+            if len(self._buckets) >= self._max_buckets:
+                for src in [s for s in self._buckets if s not in self._sources]:
+                    del self._buckets[src]
+            self._buckets[source] = [tokens - 1.0, now]
+        else:
+            b[0], b[1] = tokens - 1.0, now
+        return True
 
     @staticmethod
     def _oldest_evictable(slots: dict[Slot, None]) -> Slot | None:
