@@ -6,7 +6,7 @@ connect flood it drains ~1,300 connections a second, the kernel's accept queue s
 and the SYNs of real peers are dropped before any admission policy sees them
 (docs/net.md, "Connect floods"). :func:`start_listener` accepts on the listening socket
 itself, in a tight loop on the event loop, and applies the server's
-:class:`~kvmesh.net.limits.ConnectionLimiter` (per-source caps, eviction, handshake rate) to
+:class:`~kvmesh.net.limits.ConnectionLimiter` (per-source caps, eviction, minimum age) to
 the bare socket: a refused connection costs an ``accept`` and a reset, a few microseconds,
 and only an admitted one becomes a transport and a handler task. It runs on the loop thread
 (not an accept thread) so that it never waits for the GIL behind a busy loop and the
@@ -20,16 +20,19 @@ import contextlib
 import errno
 import functools
 import logging
+import random
 import socket
 import ssl as _ssl
 import struct
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from .addr import family_of
 from .limits import ConnectionLimiter, Slot, source_of
 from .throttle import LogThrottle
 
-__all__ = ["ACCEPT_BATCH", "Listener", "start_listener"]
+__all__ = ["ACCEPT_BATCH", "Listener", "Tarpit", "start_listener"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,42 @@ def _reset(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
     sock.close()
+
+
+class Tarpit:
+    """Refused connections, held unread (no transport, one descriptor each) for up to
+    ``hold_s`` and at most ``max_held`` of them (the oldest is reset first).
+
+    Most floods reconnect the moment they are refused: reset at once, a flood from an honest
+    peer's own address would spin on refusals and take every handshake that address gets
+    (docs/net.md, "Connect floods"). Held, the flood waits as if its handshake were in
+    progress, and the peer finds a slot. Not thread-safe: one
+    accept loop owns it."""
+
+    def __init__(self, max_held: int = 256, hold_s: float = 1.0) -> None:
+        self.max_held = max_held
+        self.hold_s = hold_s
+        self._held: deque[tuple[float, socket.socket]] = deque()
+
+    def hold(self, sock: socket.socket, now: float) -> None:
+        # Jittered (0.5-1.5 x hold_s): connections refused together must not come back
+        # together and take their source's next handshakes in one burst.
+        self._held.append((now + self.hold_s * (0.5 + random.random()), sock))
+        while len(self._held) > self.max_held:
+            _reset(self._held.popleft()[1])
+
+    def expire(self, now: float) -> None:
+        # Oldest first; a later one whose jitter ran out waits for those held before it.
+        held = self._held
+        while held and held[0][0] <= now:
+            _reset(held.popleft()[1])
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        while self._held:
+            _reset(self._held.popleft()[1])
 
 
 class _Accepted:
@@ -95,6 +134,8 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._throttle = LogThrottle(log, 5.0)
         self._pending: set[asyncio.Task] = set()
+        self._tarpit = Tarpit()
+        self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
         self.accepted = 0
         self.refused = 0  # closed at accept by the limiter
@@ -111,10 +152,27 @@ class Listener:
         self._closed = True
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+        self._tarpit.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
         for t in list(self._pending):
             t.cancel()
 
     def _on_readable(self) -> None:
+        try:
+            self._accept_batch()
+        finally:
+            self._tarpit.expire(time.monotonic())
+            if len(self._tarpit) and self._sweep is None and not self._closed:
+                self._sweep = self._loop.call_later(self._tarpit.hold_s / 2, self._expire)
+
+    def _expire(self) -> None:
+        self._sweep = None
+        self._tarpit.expire(time.monotonic())
+        if len(self._tarpit) and not self._closed:
+            self._sweep = self._loop.call_later(self._tarpit.hold_s / 2, self._expire)
+
+    def _accept_batch(self) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
                 sock, addr = self._sock.accept()
@@ -147,7 +205,7 @@ class Listener:
         slot = self.limiter.try_acquire(on_evict=conn.evict, source=source_of(addr))
         if slot is None:
             self.refused += 1
-            _reset(sock)
+            self._tarpit.hold(sock, time.monotonic())
             return
         sock.setblocking(False)
         t = self._loop.create_task(self._connect(conn, slot))

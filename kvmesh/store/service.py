@@ -49,7 +49,7 @@ from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import NetError
 from ..net.handshake import ServerHandshake, arun_server
 from ..net.identity import speaks_for_node
-from ..net.limits import ConnectionLimiter, Slot
+from ..net.limits import MIN_HANDSHAKE_AGE_S, ConnectionLimiter, Slot
 from ..net.listener import Listener, start_listener
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
 from ..net.throttle import LogThrottle
@@ -308,6 +308,7 @@ class MasterService:
             config.max_connections,
             config.max_unauthenticated,
             config.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._conns: set[asyncio.Task] = set()
         self._throttle = LogThrottle(log, 5.0)  # refused handshakes: a line per interval
@@ -581,7 +582,7 @@ class MasterService:
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: Slot
     ) -> None:
-        # ``token``: the listener's admission (per-source caps, eviction, handshake rate)
+        # ``token``: the listener's admission (per-source caps, eviction, minimum age)
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)

@@ -52,6 +52,7 @@ from ...net import (
 )
 from ...net.addr import join_host_port
 from ...net.identity import issue
+from ...net.limits import MIN_HANDSHAKE_AGE_S
 from ...net.listener import Listener, start_listener
 from ...net.throttle import LogThrottle
 from ..errors import (
@@ -183,7 +184,10 @@ class ReplicaServer(Generic[SM]):
         self.query = query
         lim = self.limits
         self._limiter = ConnectionLimiter(
-            lim.max_connections, lim.max_unauthenticated, lim.max_unauthenticated_per_source
+            lim.max_connections,
+            lim.max_unauthenticated,
+            lim.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
         self._throttle = LogThrottle(log, 5.0)

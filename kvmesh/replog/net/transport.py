@@ -69,6 +69,7 @@ from ...net import (
     server_ssl_context,
 )
 from ...net.addr import split_host_port
+from ...net.limits import MIN_HANDSHAKE_AGE_S
 from ...net.listener import Listener, start_listener
 from ...net.throttle import LogThrottle
 from ..errors import FrameError
@@ -333,7 +334,10 @@ class Transport:
         self.security = security or SecurityConfig()
         self._client_ssl = client_ssl_context(self.security)
         self._limiter = ConnectionLimiter(
-            cfg.max_connections, cfg.max_unauthenticated, cfg.max_unauthenticated_per_source
+            cfg.max_connections,
+            cfg.max_unauthenticated,
+            cfg.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._watch = DeadlineWatch(cfg.idle_timeout_s, cfg.frame_timeout_s)
         self._throttle = LogThrottle(log, 5.0)
