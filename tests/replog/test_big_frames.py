@@ -20,9 +20,11 @@ from .test_hostile import TICK_MS, TOKEN, client, run
 
 PHASE_S = 3.0
 ROUNDS = 2
-# Generous: a small read queued behind one big frame waits for the rest of that frame's
-# read and decode (milliseconds); starving means waiting behind all of them.
-MAX_RATIO = 15.0
+# A small read queued behind one big frame waits for the rest of that frame's read and
+# decode (milliseconds, so the tail grows: p90 ~10x measured); starving means most small
+# reads wait behind big ones (p50 1.1x measured; 3.4x with reads planted in one queue).
+MAX_P50_RATIO = 2.5
+MAX_P90_RATIO = 25.0
 
 
 async def _small_reads(c, seconds: float) -> list[float]:
@@ -76,7 +78,7 @@ def test_big_frames_do_not_starve_small_requests(tmp_path):
             f"with {big} big frames p50 {l50 * 1e3:.2f} ms p90 {l90 * 1e3:.2f} ms ({len(loaded)})"
         )
         assert big >= 4 * ROUNDS, f"the big-frame client got only {big} answers"
-        assert l50 <= MAX_RATIO * q50 and l90 <= MAX_RATIO * q90, (
+        assert l50 <= MAX_P50_RATIO * q50 and l90 <= MAX_P90_RATIO * q90, (
             f"small reads slowed from p50 {q50 * 1e3:.2f} / p90 {q90 * 1e3:.2f} ms to "
             f"{l50 * 1e3:.2f} / {l90 * 1e3:.2f} ms by another client's 4 MiB frames"
         )
