@@ -61,14 +61,23 @@ def source_of(peername: object) -> str:
 class Slot:
     """A connection's place in a :class:`ConnectionLimiter` (returned by ``try_acquire``)."""
 
-    __slots__ = ("authed", "evicted", "on_evict", "released", "source")
+    __slots__ = ("authed", "born", "evicted", "on_evict", "released", "source")
 
-    def __init__(self, on_evict: Callable[[], None] | None = None, source: str = "") -> None:
+    def __init__(
+        self, on_evict: Callable[[], None] | None = None, source: str = "", born: float = 0.0
+    ) -> None:
+        self.born = born  # when it was taken (the limiter's clock)
         self.authed = False
         self.released = False
         self.evicted = False
         self.on_evict = on_evict
         self.source = source
+
+
+MIN_HANDSHAKE_AGE_S = 0.25
+"""What servers pass as ``min_handshake_age_s``: a handshake takes a round trip and a few
+HMACs (milliseconds); a quarter second covers a slow path and still evicts a stalled one
+long before its deadline (5 s)."""
 
 
 class ConnectionLimiter:
@@ -92,6 +101,13 @@ class ConnectionLimiter:
     has to open connections faster than a legitimate handshake completes, and with the
     per-source rule even that only delays peers of its own address: a peer on another address
     is never the victim while the flooding source holds more handshakes than it.
+
+    Eviction alone lets a connect flood buy a handshake (a transport, a task, a Challenge) per
+    connection, far more than an asyncio server can build (docs/net.md, "Connect floods"), so
+    a slot younger than ``min_handshake_age_s`` is never evicted: a newcomer that could only
+    take such a slot's place is refused (``refused_young``). A source at its cap therefore
+    gets at most ``max_unauthenticated_per_source / min_handshake_age_s`` handshakes a
+    second, and every admitted handshake has at least that long to finish, whoever floods.
     """
 
     def __init__(
@@ -99,6 +115,9 @@ class ConnectionLimiter:
         max_total: int,
         max_unauthenticated: int,
         max_unauthenticated_per_source: int | None = None,
+        *,
+        min_handshake_age_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_total < 1 or max_unauthenticated < 1:
             raise ValueError("connection limits must be >= 1")
@@ -110,12 +129,17 @@ class ConnectionLimiter:
         if per_source < 1:
             raise ValueError("connection limits must be >= 1")
         self.max_unauthenticated_per_source = min(per_source, self.max_unauthenticated)
+        if min_handshake_age_s < 0:
+            raise ValueError("min_handshake_age_s must be >= 0")
+        self.min_handshake_age_s = min_handshake_age_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._total = 0
         self._unauth = 0
         # source -> its unauthenticated slots (evictable or not), oldest first
         self._sources: dict[str, dict[Slot, None]] = {}
         self.refused = 0  # connections turned away (for stats and tests)
+        self.refused_young = 0  # of those, because every victim was too young
         self.evicted = 0  # unauthenticated connections closed to make room
 
     def try_acquire(
@@ -129,13 +153,16 @@ class ConnectionLimiter:
         with self._lock:
             victim = None
             mine = self._sources.get(source) if source else None
+            now = self._clock()
+            born = now - self.min_handshake_age_s  # a victim must be this old
             if mine is not None and len(mine) >= self.max_unauthenticated_per_source:
                 victim = self._oldest_evictable(mine)
-                if victim is None:
+                if victim is None or victim.born > born:
                     self.refused += 1
+                    self.refused_young += victim is not None
                     return None
             elif self._total >= self.max_total or self._unauth >= self.max_unauthenticated:
-                victim = self._heaviest_victim()
+                victim = self._heaviest_victim(born)
                 if victim is None:
                     self.refused += 1
                     return None
@@ -145,7 +172,7 @@ class ConnectionLimiter:
                 self.evicted += 1
             self._total += 1
             self._unauth += 1
-            slot = Slot(on_evict, source)
+            slot = Slot(on_evict, source, now)
             self._sources.setdefault(source, {})[slot] = None
         if victim is not None and victim.on_evict is not None:
             victim.on_evict()
@@ -158,15 +185,17 @@ class ConnectionLimiter:
                 return s
         return None
 
-    def _heaviest_victim(self) -> Slot | None:
+    def _heaviest_victim(self, born: float) -> Slot | None:
         # Only at a cap: one pass over the sources with handshakes in progress.
         best = None
         best_n = 0
         for slots in self._sources.values():
             if len(slots) > best_n:
                 s = self._oldest_evictable(slots)
-                if s is not None:
+                if s is not None and s.born <= born:
                     best, best_n = s, len(slots)
+        if best is None and self.min_handshake_age_s:
+            self.refused_young += 1
         return best
 
     def authenticated(self, slot: Slot) -> bool:

@@ -51,7 +51,8 @@ from ..net.deadlines import TURN_REQUESTS, DeadlineWatch, Watched, read_frames
 from ..net.errors import TRANSPORT_ERRORS
 from ..net.handshake import ServerHandshake, arun_server
 from ..net.identity import speaks_for_node
-from ..net.limits import ConnectionLimiter, source_of
+from ..net.limits import MIN_HANDSHAKE_AGE_S, ConnectionLimiter, Slot
+from ..net.listener import Listener, start_listener
 from ..net.security import SecurityConfig, check_bind, server_ssl_context
 from ..net.throttle import LogThrottle
 from ..replog import (
@@ -326,11 +327,12 @@ class MasterService:
         self.node: RaftNode | None = None
         self.address = ""
         self.server_id = f"store-master-{config.node_id}-{secrets.token_hex(4)}"
-        self._server: asyncio.base_events.Server | None = None
+        self._server: Listener | None = None
         self._limiter = ConnectionLimiter(
             config.max_connections,
             config.max_unauthenticated,
             config.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._conns: set[asyncio.Task] = set()
         self._throttle = LogThrottle(log, 5.0)  # refused handshakes: a line per interval
@@ -386,13 +388,12 @@ class MasterService:
         cfg = self.cfg
         host, port = split_host_port(self._listen)
         tls = server_ssl_context(self.sec)  # optional mutual TLS under the handshake
-        self._server = await asyncio.start_server(
+        self._server = await start_listener(
             self._serve,
             host,
             port,
-            reuse_address=True,
+            self._limiter,
             limit=1 << 16,
-            backlog=256,
             ssl=tls,
             ssl_handshake_timeout=cfg.handshake_timeout_s if tls is not None else None,
         )
@@ -662,13 +663,10 @@ class MasterService:
 
     # ------------------------------------------------------------------------- server
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        token = self._limiter.try_acquire(
-            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
-        )
-        if token is None:
-            writer.close()
-            return
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: Slot
+    ) -> None:
+        # ``token``: the listener's admission (per-source caps, eviction, minimum age)
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)

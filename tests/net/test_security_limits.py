@@ -300,3 +300,26 @@ def test_address_helpers_take_bracketed_ipv6():
         with pytest.raises(ValueError):
             split_host_port(bad)
     assert family_of("::1") == socket.AF_INET6 and family_of("127.0.0.1") == socket.AF_INET
+
+
+def test_connection_limiter_never_evicts_a_handshake_younger_than_the_minimum_age():
+    now = [100.0]
+    lim = ConnectionLimiter(8, 4, 2, min_handshake_age_s=0.25, clock=lambda: now[0])
+    closed: list[str] = []
+
+    def slot(name: str, src: str):
+        return lim.try_acquire(on_evict=lambda: closed.append(name), source=src)
+
+    a1, a2 = slot("a1", "10.0.0.9"), slot("a2", "10.0.0.9")
+    # A flood churning faster than a handshake can finish is refused, not admitted in place
+    # of its own young handshakes (each of which still gets its quarter second).
+    assert slot("a3", "10.0.0.9") is None and closed == [] and lim.refused_young == 1
+    now[0] += 0.3
+    assert slot("a4", "10.0.0.9") is not None and closed == ["a1"] and a1.evicted
+    assert not a2.evicted
+    # The total cap: only a victim old enough, whichever source holds the most.
+    b, c = slot("b", "10.0.0.2"), slot("c", "10.0.0.3")
+    assert lim.unauthenticated == 4 and closed == ["a1"]
+    assert slot("d", "10.0.0.4") is not None and closed == ["a1", "a2"]  # a2 is 0.3 s old
+    assert slot("e", "10.0.0.5") is None and lim.refused_young == 2  # all of them are young
+    assert not (b.evicted or c.evicted)

@@ -42,6 +42,7 @@ from ...net import (
     InsecureBind,
     NetError,
     SecurityConfig,
+    Slot,
     Watched,
     aserver_handshake,
     check_bind,
@@ -50,10 +51,11 @@ from ...net import (
     eventloop,
     read_frames,
     server_ssl_context,
-    source_of,
 )
 from ...net.addr import join_host_port
 from ...net.identity import issue
+from ...net.limits import MIN_HANDSHAKE_AGE_S
+from ...net.listener import Listener, start_listener
 from ...net.throttle import LogThrottle
 from ..errors import (
     BadRequest,
@@ -184,26 +186,26 @@ class ReplicaServer(Generic[SM]):
         self.query = query
         lim = self.limits
         self._limiter = ConnectionLimiter(
-            lim.max_connections, lim.max_unauthenticated, lim.max_unauthenticated_per_source
+            lim.max_connections,
+            lim.max_unauthenticated,
+            lim.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._watch = DeadlineWatch(self.limits.idle_timeout_s, self.limits.frame_timeout_s)
         self._throttle = LogThrottle(log, 5.0)
         self._buffered = 0
-        self._server: asyncio.base_events.Server | None = None
+        self._server: Listener | None = None
         self._conns: set[asyncio.Task] = set()
         self._clients: set[_Client] = set()
         self._out: dict[asyncio.StreamWriter, list[bytes]] = {}
-        self.stats = {"refused_conns": 0, "auth_failures": 0, "closed_bad_frames": 0, "denied": 0}
+        # connections refused at accept: self._limiter.refused
+        self.stats = {"auth_failures": 0, "closed_bad_frames": 0, "denied": 0}
 
     async def start(self) -> None:
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
-        self._server = await asyncio.start_server(
-            self._serve,
-            host,
-            port,
-            reuse_address=True,
-            ssl=server_ssl_context(self.security),
+        self._server = await start_listener(
+            self._serve, host, port, self._limiter, ssl=server_ssl_context(self.security)
         )
 
     async def stop(self) -> None:
@@ -229,16 +231,11 @@ class ReplicaServer(Generic[SM]):
         self._buffered += delta
         c.held = buffered
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
-        slot = self._limiter.try_acquire(
-            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
-        )
-        if slot is None:
-            self.stats["refused_conns"] += 1
-            writer.close()
-            return
         self._conns.add(task)
         lim = self.limits
         sec = self.security

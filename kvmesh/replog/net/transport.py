@@ -58,6 +58,7 @@ from ...net import (
     FrameDecoder,
     FrameTooLarge,
     SecurityConfig,
+    Slot,
     Watched,
     aclient_handshake,
     aserver_handshake,
@@ -66,9 +67,10 @@ from ...net import (
     clip,
     read_frames,
     server_ssl_context,
-    source_of,
 )
 from ...net.addr import split_host_port
+from ...net.limits import MIN_HANDSHAKE_AGE_S
+from ...net.listener import Listener, start_listener
 from ...net.throttle import LogThrottle
 from ..errors import FrameError
 from ..types import InstallSnapshot, decode_message, encode_message
@@ -365,7 +367,10 @@ class Transport:
         self.security = security or SecurityConfig()
         self._client_ssl = client_ssl_context(self.security)
         self._limiter = ConnectionLimiter(
-            cfg.max_connections, cfg.max_unauthenticated, cfg.max_unauthenticated_per_source
+            cfg.max_connections,
+            cfg.max_unauthenticated,
+            cfg.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._watch = DeadlineWatch(cfg.idle_timeout_s, cfg.frame_timeout_s)
         self._throttle = LogThrottle(log, 5.0)
@@ -373,14 +378,13 @@ class Transport:
         self._per_peer_bytes: dict[int, int] = {}
         self._buffered = 0
         self.forged_msgs = 0
-        self.refused_conns = 0
         self.refused_handshakes = 0  # wrong key, role or id (or a broken handshake)
         self.on_message = on_message
         self.on_unreachable = on_unreachable
         self.on_snapshot_status = on_snapshot_status
         self._peers: dict[int, _Peer] = {}
         self._initial = {p: a for p, a in peers.items() if p != node_id}
-        self._server: asyncio.base_events.Server | None = None
+        self._server: Listener | None = None
         self._conns: set[asyncio.Task] = set()
         self._conn_writers: set[asyncio.StreamWriter] = set()
         self._closing = False
@@ -390,12 +394,10 @@ class Transport:
     async def start(self) -> None:
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
-        self._server = await asyncio.start_server(
-            self._serve,
-            host,
-            port,
-            reuse_address=True,
-            ssl=server_ssl_context(self.security),
+        # The shared accept path: a connect flood is refused at accept cost, before it can
+        # fill the accept queue and drop the leader's SYNs (docs/net.md, "Connect floods").
+        self._server = await start_listener(
+            self._serve, host, port, self._limiter, ssl=server_ssl_context(self.security)
         )
         for p, a in self._initial.items():
             self.add_peer(p, a)
@@ -440,19 +442,15 @@ class Transport:
         if self.on_snapshot_status is not None:
             self.on_snapshot_status(peer, ok)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot
+    ) -> None:
+        # ``slot``: the listener's admission (kvmesh.net.listener): a newcomer evicts the
+        # oldest stalled handshake (of its own source first), so a flood without the token
+        # delays a replica by about one handshake round trip, and one from another address
+        # not at all (docs/net.md, "Frames and limits").
         task = asyncio.current_task()
         assert task is not None
-        # A newcomer evicts the oldest stalled handshake (of its own source first), so a
-        # flood without the token delays a replica by about one handshake round trip, and
-        # one from another address not at all (docs/net.md, "Frames and limits").
-        slot = self._limiter.try_acquire(
-            on_evict=writer.transport.abort, source=source_of(writer.get_extra_info("peername"))
-        )
-        if slot is None:
-            self.refused_conns += 1
-            writer.close()
-            return
         self._conns.add(task)
         self._conn_writers.add(writer)
         cfg = self.cfg
@@ -621,9 +619,4 @@ class Transport:
             try:
                 await t
             except BaseException:  # noqa: BLE001
-                pass
-        if self._server is not None:
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            except TimeoutError:
                 pass
