@@ -6,6 +6,7 @@ keys or objects (that is kvmesh.store). See docs/transfer.md.
 
 from .batch import Batch, BatchResult
 from .cuda import memory_kind
+from .disk import ChecksumMismatch, DiskSegment
 from .engine import TransferEngine, detect_host_id, get_engine, init_engine, shutdown_engine
 from .errors import (
     AuthError,
@@ -45,6 +46,8 @@ __all__ = [
     "BatchState",
     "BatchStateError",
     "Cancelled",
+    "ChecksumMismatch",
+    "DiskSegment",
     "EngineClosed",
     "EngineConfig",
     "InvalidArgument",

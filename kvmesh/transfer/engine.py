@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from . import disk as _disk
 from . import fastcopy, fence
 from . import protocol as P
 from . import select as _select
@@ -53,7 +54,7 @@ from .memory import (
     shared_buffer_at,
     sweep_dead_shared,
 )
-from .ranges import as_int64, as_op, as_requests
+from .ranges import as_int64, as_op, as_requests, check_ranges
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import TransferJob, Transport, TransportContext
 from .transports.tcp import TcpServer, TcpTransport
@@ -147,6 +148,7 @@ class TransferEngine:
         self._closed = False
         self._regions = RegionIndex()
         self._owned_buffers: dict[int, SharedBuffer] = {}  # region id -> buffer we allocated
+        self._disks: dict[int, _disk.DiskSegment] = {}  # region id -> registered disk segment
         self._table = SegmentTable()
         self._peers: dict[str, PeerClient] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
@@ -355,6 +357,8 @@ class TransferEngine:
         still may: the region stays registered (closed to new jobs) and its memory must not
         be reused; calling again waits again.
         """
+        if isinstance(region, _disk.DiskSegment):
+            return self._unregister_disk(region, timeout)
         if region not in self._regions:
             raise NotRegistered(f"{region!r} is not registered with this engine")
         for name in self._table.names_of(region):
@@ -372,6 +376,87 @@ class TransferEngine:
         buf = self._owned_buffers.pop(region.region_id, None)
         if buf is not None:
             buf.close()
+
+    # --- disk segments (disk.py) ------------------------------------------------------------
+    def register_disk(
+        self,
+        path: str | os.PathLike[str],
+        size: int,
+        *,
+        name: str,
+        direct: bool | None = None,
+        durable: bool = False,
+        file_bytes: int | None = None,
+    ) -> _disk.DiskSegment:
+        """Open (or create, keeping existing bytes) a disk segment and publish it as ``name``.
+
+        ``path`` is a file or an existing directory (files of ``file_bytes`` in it); its space
+        is reserved now. ``direct``: O_DIRECT where the filesystem allows (``None``), required
+        (``True``) or never (``False``). ``durable``: every write is fdatasync-ed before it is
+        acknowledged (else call :meth:`sync_segment`). ``InvalidArgument`` says why a path is
+        unusable (not writable, too little space, in use by another process).
+        """
+        self._check_open()
+        seg = _disk.open_disk(path, size, direct=direct, durable=durable, file_bytes=file_bytes)
+        try:
+            desc = self._new_descriptor(
+                name, region_id=seg.region_id, kind=MemoryKind.DISK, base=0, size=seg.size
+            )
+            seg.name, seg.seg_id = name, desc.seg_id
+            self._table.add(desc, seg)  # type: ignore[arg-type]
+        except BaseException:
+            seg.close(0)
+            raise
+        self._disks[seg.region_id] = seg
+        return seg
+
+    def _unregister_disk(self, seg: _disk.DiskSegment, timeout: float) -> None:
+        if self._disks.get(seg.region_id) is not seg:
+            raise NotRegistered(f"{seg!r} is not registered with this engine")
+        for name in self._table.names_of(seg):  # type: ignore[arg-type]
+            self.unpublish(name)
+        self._server.end_users_of(seg)  # a stalled peer's request must not pin it
+        seg.close(timeout)
+        del self._disks[seg.region_id]
+
+    def sync_segment(self, remote: RemoteSegment, *, timeout: float | None = None) -> None:
+        """Make every acknowledged write to disk segment ``remote`` durable (fdatasync), here
+        or through its owner."""
+        self._disk_call(
+            remote, _disk.DiskCall("sync", remote.desc.region_id, remote.desc.seg_id), 0, timeout
+        )
+
+    def checksum_segment(
+        self, remote: RemoteSegment, offsets: Any, lengths: Any, *, timeout: float | None = None
+    ) -> np.ndarray:
+        """crc32c (``uint32``) of each range of disk segment ``remote``, computed where the
+        bytes are (no bytes move)."""
+        offs, _, lens = as_requests(offsets, offsets, lengths, names=("offsets", "offsets"))
+        d = remote.desc
+        check_ranges(f"checksum on segment {d.name!r}", lens, (offs, d.size, d.name))
+        call = _disk.DiskCall(
+            "checksum",
+            d.region_id,
+            d.seg_id,
+            offs.astype("<u8").tobytes(),
+            lens.astype("<u8").tobytes(),
+        )
+        return self._disk_call(remote, call, len(lens), timeout)
+
+    def _disk_call(
+        self, remote: RemoteSegment, call: _disk.DiskCall, n: int, timeout: float | None
+    ) -> np.ndarray:
+        self._check_open()
+        if not isinstance(remote, RemoteSegment) or remote.kind is not MemoryKind.DISK:
+            raise InvalidArgument(f"{remote!r} is not a disk segment")
+        if remote.stale_reason is not None:
+            raise SegmentNotFound(f"segment {remote.name!r} is gone: {remote.stale_reason}")
+        payload = _disk.encode_call(call)
+        if remote.desc.engine_id == self.engine_id:
+            reply = _disk.handle_call(payload, self.config)
+        else:
+            reply = remote.peer.call(TransportKind.DISK.value, payload, timeout)
+        return _disk.decode_reply(reply, n)
 
     def regions(self) -> list[MemoryRegion]:
         return self._regions.all()
@@ -394,22 +479,14 @@ class TransferEngine:
         self._check_open()
         if region not in self._regions:
             raise NotRegistered(f"{region!r} is not registered with this engine")
-        if not name:
-            raise InvalidArgument("segment names must be non-empty")
         shm = region.shm
-        desc = SegmentDescriptor(
-            name=name,
-            seg_id=secrets.randbits(63),
-            node_id=self.node_id,
-            host_id=self.host_id,
-            engine_id=self.engine_id,
-            pid=self.pid,
+        desc = self._new_descriptor(
+            name,
             region_id=region.region_id,
             kind=region.kind,
             device=region.device,
             base=region.ptr,
             size=region.size,
-            control=self.address,
             shm_name=shm.name if shm is not None else None,
             shm_offset=region.shm_offset,
             shm_size=shm.size if shm is not None else 0,
@@ -424,6 +501,21 @@ class TransferEngine:
         self._table.add(desc, region)
         region.name = name
         return desc
+
+    def _new_descriptor(self, name: str, **fields: Any) -> SegmentDescriptor:
+        """A descriptor of a new segment ``name`` of this engine (a fresh ``seg_id``)."""
+        if not name:
+            raise InvalidArgument("segment names must be non-empty")
+        return SegmentDescriptor(
+            name=name,
+            seg_id=secrets.randbits(63),
+            node_id=self.node_id,
+            host_id=self.host_id,
+            engine_id=self.engine_id,
+            pid=self.pid,
+            control=self.address,
+            **fields,
+        )
 
     def unpublish(self, name: str) -> None:
         """Stop publishing ``name``; peers that opened it are told (their handles go stale)."""
@@ -916,6 +1008,8 @@ class TransferEngine:
         return self.peer(address).call(TransportKind(kind).value, payload, timeout)
 
     def _handle_call(self, kind: str, payload: bytes) -> bytes:
+        if kind == TransportKind.DISK.value:  # sync/checksum of our disk segments (disk.py)
+            return _disk.handle_call(payload, self.config)
         try:
             t = self.transport(kind)
         except ValueError:
@@ -974,6 +1068,7 @@ class TransferEngine:
                 k: ("enabled" if v is None else v) for k, v in self.transport_status.items()
             },
             "regions": len(self._regions.all()),
+            "disk_segments": [repr(d) for d in self._disks.values()],
             "segments": [d.name for d in self._table.list()],
             "peers": sorted(self._peers),
             "batches": self._stats["batches"],
@@ -1005,7 +1100,7 @@ class TransferEngine:
         for s in remote:
             s.stale_reason = s.stale_reason or "local engine closed"
             s.close_routes()
-        for region in self._regions.all():
+        for region in [*self._regions.all(), *self._disks.values()]:
             try:
                 self.unregister(region, timeout=2.0)
             except TransferTimeout:

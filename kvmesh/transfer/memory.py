@@ -201,7 +201,56 @@ def find_live_region(region_id: int) -> MemoryRegion | None:
     return _live_regions.get(region_id)
 
 
-class MemoryRegion:
+class Users:
+    """Something jobs use and ``unregister`` gives back: a region id, a count of the jobs
+    using it, and a close that refuses new users and waits (bounded) for the running ones.
+    Memory regions and disk segments (``disk.py``) share it, so both are given back alike.
+    """
+
+    __slots__ = ("region_id", "_users", "_closed", "_cond")
+
+    def __init__(self) -> None:
+        self.region_id = next(_region_ids)  # unique per process, never reused (fence.py)
+        self._users = 0
+        self._closed = False
+        self._cond = threading.Condition(threading.Lock())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def acquire(self) -> None:
+        """Mark one more job as using it; refused once unregistering started."""
+        with self._cond:
+            if self._closed:
+                raise NotRegistered(f"{self._what()} was unregistered")
+            self._users += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._users -= 1
+            if self._users == 0 and self._closed:
+                self._cond.notify_all()
+
+    def wait_unused(self, timeout: float) -> None:
+        """Refuse new users, then wait (bounded) until running jobs are done."""
+        with self._cond:
+            self._closed = True
+            end = time.monotonic() + timeout
+            while self._users > 0:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(
+                        f"{self._what()} is still used by {self._users} "
+                        f"transfer(s) after {timeout:.1f}s"
+                    )
+                self._cond.wait(left)
+
+    def _what(self) -> str:
+        return f"memory region {self.region_id}"
+
+
+class MemoryRegion(Users):
     """A registered, contiguous range of this process's memory.
 
     Handles are returned by ``TransferEngine.register*``; offsets in requests are relative to
@@ -209,7 +258,6 @@ class MemoryRegion:
     """
 
     __slots__ = (
-        "region_id",
         "ptr",
         "size",
         "kind",
@@ -219,9 +267,6 @@ class MemoryRegion:
         "shm_offset",
         "name",
         "transport_data",
-        "_users",
-        "_closed",
-        "_cond",
         "_array",
         "__weakref__",
     )
@@ -235,7 +280,7 @@ class MemoryRegion:
         owner: Any = None,
         shm: SharedBuffer | None = None,
     ) -> None:
-        self.region_id = next(_region_ids)
+        super().__init__()
         self.ptr = ptr
         self.size = size
         self.kind = kind
@@ -245,9 +290,6 @@ class MemoryRegion:
         self.shm_offset = ptr - shm.addr if shm is not None else 0
         self.name: str | None = None  # segment name when published
         self.transport_data: dict[str, Any] = {}  # per-transport state (NIXL descriptors...)
-        self._users = 0
-        self._closed = False
-        self._cond = threading.Condition(threading.Lock())
         self._array: np.ndarray | None = None
         with _live_lock:
             _live_regions[self.region_id] = self
@@ -255,10 +297,6 @@ class MemoryRegion:
     @property
     def is_host(self) -> bool:
         return self.kind is not MemoryKind.VRAM
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def array(self) -> np.ndarray:
         """A ``uint8`` numpy view of the region (host memory only)."""
@@ -269,32 +307,9 @@ class MemoryRegion:
             arr = self._array = host_array(self.ptr, self.size)
         return arr
 
-    def acquire(self) -> None:
-        """Mark one more job as using the region; refused once unregistering started."""
-        with self._cond:
-            if self._closed:
-                raise NotRegistered(f"memory region {self.region_id} was unregistered")
-            self._users += 1
-
-    def release(self) -> None:
-        with self._cond:
-            self._users -= 1
-            if self._users == 0 and self._closed:
-                self._cond.notify_all()
-
     def close(self, timeout: float) -> None:
         """Refuse new users, then wait (bounded) until running jobs are done with the region."""
-        with self._cond:
-            self._closed = True
-            end = time.monotonic() + timeout
-            while self._users > 0:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(
-                        f"memory region {self.region_id} is still used by {self._users} "
-                        f"transfer(s) after {timeout:.1f}s"
-                    )
-                self._cond.wait(left)
+        self.wait_unused(timeout)
         with _live_lock:
             _live_regions.pop(self.region_id, None)
         self._array = None

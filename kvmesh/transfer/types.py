@@ -21,9 +21,12 @@ class MemoryKind(str, enum.Enum):
     DRAM = "dram"  # private host memory of the owner process
     SHM = "shm"  # host memory in a named shared-memory file peers on the same host can map
     VRAM = "vram"  # GPU memory (``device`` is the CUDA device index)
+    DISK = "disk"  # a file on a local filesystem of the owner (a disk segment: disk.py)
 
     @property
     def is_host(self) -> bool:
+        # Disk segments count as host-side: the owner moves their bytes through host memory
+        # (the TCP path serves them like host memory; transfer/disk.py).
         return self is not MemoryKind.VRAM
 
 
@@ -36,6 +39,7 @@ class TransportKind(str, enum.Enum):
     TCP = "tcp"  # plain sockets through the owner's control server (push both ways)
     CUDA_IPC = "cuda_ipc"  # same host GPU memory via CUDA IPC handles
     NVLINK = "nvlink"  # CUDA IPC between peer-capable GPUs (NVLink / P2P)
+    DISK = "disk"  # a disk segment of this process: pread/pwrite into local memory
 
 
 class Op(str, enum.Enum):

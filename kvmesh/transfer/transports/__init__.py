@@ -1,8 +1,8 @@
 """Transports: the ways bytes move. See ``base.py`` for the interface.
 
 ``REGISTRY`` lists every transport the engine knows, in selection order (docs/transfer.md,
-"Transport selection"): same process first, then GPU paths, then same-host shared memory, then
-NIXL, then plain TCP.
+"Transport selection"): a disk segment of this process first, then same process, then GPU
+paths, then same-host shared memory, then NIXL, then plain TCP.
 Entries are imported lazily so that a missing optional dependency (NIXL, CUDA) only disables
 that transport.
 """
@@ -16,6 +16,7 @@ from .base import TransferJob, Transport, TransportContext, coalesce
 
 # kind -> "module:Class", in preference order.
 REGISTRY: dict[TransportKind, str] = {
+    TransportKind.DISK: "kvmesh.transfer.transports.disk:DiskTransport",
     TransportKind.LOCAL: "kvmesh.transfer.transports.local:LocalTransport",
     TransportKind.NVLINK: "kvmesh.transfer.transports.cuda_ipc:NvlinkTransport",
     TransportKind.CUDA_IPC: "kvmesh.transfer.transports.cuda_ipc:CudaIpcTransport",

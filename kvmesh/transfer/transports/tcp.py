@@ -32,6 +32,7 @@ import numpy as np
 from kvmesh.net import Deadline
 
 from .. import protocol as P
+from ..disk import DiskSegment
 from ..errors import (
     InvalidLength,
     PeerDeadError,
@@ -421,7 +422,13 @@ class TcpServer:
             P.send_msg(sock, P.error_reply(exc))
             return
         try:
-            recv_ranges(sock, memoryview(region.array()), offsets, lengths, conn.deadline)
+            if isinstance(region, DiskSegment):  # the owner writes the file (disk.py)
+                failed = region.serve_write(sock, offsets, lengths, conn.deadline)
+                if failed is not None:
+                    P.send_msg(sock, P.error_reply(failed))
+                    return
+            else:
+                recv_ranges(sock, memoryview(region.array()), offsets, lengths, conn.deadline)
         finally:
             conn.unhold(region)
         P.send_msg(sock, P.Ack(req.total))
@@ -434,6 +441,12 @@ class TcpServer:
             P.send_msg(sock, P.error_reply(exc))
             return
         try:
+            if isinstance(region, DiskSegment):  # the owner reads the file (disk.py)
+                head = P.encode(P.ReadResp(req.total))
+                failed = region.serve_read(sock, offsets, lengths, head, conn.deadline)
+                if failed is not None:
+                    P.send_msg(sock, P.error_reply(failed))
+                return
             send_ranges(
                 sock,
                 memoryview(region.array()),
