@@ -387,17 +387,21 @@ class TransferEngine:
         direct: bool | None = None,
         durable: bool = False,
         file_bytes: int | None = None,
+        depth: int = _disk.DEPTH,
     ) -> _disk.DiskSegment:
         """Open (or create, keeping existing bytes) a disk segment and publish it as ``name``.
 
         ``path`` is a file or an existing directory (files of ``file_bytes`` in it); its space
         is reserved now. ``direct``: O_DIRECT where the filesystem allows (``None``), required
         (``True``) or never (``False``). ``durable``: every write is fdatasync-ed before it is
-        acknowledged (else call :meth:`sync_segment`). ``InvalidArgument`` says why a path is
+        acknowledged (else call :meth:`sync_segment`). ``depth``: requests one call keeps in
+        flight on the device (4). ``InvalidArgument`` says why a path is
         unusable (not writable, too little space, in use by another process).
         """
         self._check_open()
-        seg = _disk.open_disk(path, size, direct=direct, durable=durable, file_bytes=file_bytes)
+        seg = _disk.open_disk(
+            path, size, direct=direct, durable=durable, file_bytes=file_bytes, depth=depth
+        )
         try:
             desc = self._new_descriptor(
                 name, region_id=seg.region_id, kind=MemoryKind.DISK, base=0, size=seg.size

@@ -1,0 +1,482 @@
+"""Disk tier: kvmesh disk-segment put/get next to the raw bandwidth of the same disk path.
+
+Same run, same directory (``--dir``, default a temporary directory under /tmp):
+
+* the ceiling: raw sequential and 4 KiB-aligned random read/write of a file there, with the
+  syscalls the engine uses (``preadv``/``pwritev``; ``O_DIRECT`` where the filesystem takes
+  it), from 1, ``KVMESH_WORKERS`` and 4 x that many threads (the engine runs a big batch's
+  parts on its workers, each with ``DiskSegment.depth`` requests in flight), the best being
+  the ceiling of that op and pattern (``disk_read_gbps``/``disk_write_gbps``: the best of all);
+* kvmesh: batches of 256 KiB and 4 MiB objects at random object slots of a disk segment,
+  WRITE (put) and READ (get), in this process (``disk`` transport) and from another process
+  through the owner (``tcp``: the owner reads or writes its file), each verified once.
+
+The page cache: with ``O_DIRECT`` (``path`` "direct") both raw and kvmesh bypass it, so every
+read comes from the device. ``--buffered`` adds the same cases without ``O_DIRECT``, read
+twice: "cached" (pages in memory: a memory-speed figure) and "cold-ish" (the file's pages
+dropped with ``POSIX_FADV_DONTNEED`` before each repetition; the device's own cache and the
+host's below a VM are out of reach). Ratios ``ratio_disk`` are to the raw figure of the
+same op, pattern and cache state.
+
+    python bench/tier.py [--quick] [--json PATH] [--dir DIR] [--file-mib N] [--buffered]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import _common as C
+from kvmesh.transfer import EngineConfig, Op, TransferEngine
+from kvmesh.transfer.disk import ALIGN
+
+MiB = C.MiB
+KiB = 1 << 10
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _options(ap: Any) -> None:
+    ap.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--file-mib", type=int, help="size of the raw file and the disk segment")
+    ap.add_argument("--objects", default="262144,4194304", help="object sizes in bytes")
+    ap.add_argument("--batch-mib", type=int, help="bytes per batch, in MiB")
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--buffered", action="store_true", help="also without O_DIRECT")
+    ap.add_argument("--no-owner", action="store_true", help="skip the through-the-owner cases")
+    ap.add_argument("--tcp-mib", type=int)
+    ap.add_argument("--peer", action="store_true", help=argparse_hidden())
+    ap.add_argument("--direct", default="auto")
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def _aligned(n: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
+
+
+def _drop_cache(path: str) -> None:
+    """Write back and drop the file's cached pages (cold-ish reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _direct_ok(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | _O_DIRECT)
+    except OSError:
+        return False
+    try:
+        os.preadv(fd, [_aligned(ALIGN)], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# --- the owner process ---------------------------------------------------------------------
+
+
+def peer_main(path: str, size: int, direct: bool | None) -> None:
+    eng = TransferEngine(config=EngineConfig.from_env(node_id=f"tier-owner-{os.getpid()}"))
+    seg = eng.register_disk(path, size, name="disk", direct=direct)
+    C.serve_json_lines(
+        {"exit": eng.close},
+        {"address": eng.address, "pid": os.getpid(), "direct": seg.direct},
+    )
+
+
+# --- raw ceiling ---------------------------------------------------------------------------
+
+
+def _raw_pass(fd: int, buf: np.ndarray, offsets: list[int], block: int, write: bool, threads: int):
+    def run(part: list[int], base: int) -> None:
+        for i, off in enumerate(part):
+            view = buf[(base + i) * block : (base + i + 1) * block]
+            done = 0
+            while done < block:
+                v = view[done:] if done else view
+                got = os.pwritev(fd, [v], off + done) if write else os.preadv(fd, [v], off + done)
+                done += got
+
+    if threads <= 1:
+        run(offsets, 0)
+        return
+    per = -(-len(offsets) // threads)
+    ts = [
+        threading.Thread(target=run, args=(offsets[i : i + per], i))
+        for i in range(0, len(offsets), per)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def raw_gbps(
+    path: str,
+    direct: bool,
+    write: bool,
+    block: int,
+    offsets_for: Any,
+    reps: int,
+    threads: int,
+    cold: bool,
+) -> float:
+    fd = os.open(path, os.O_RDWR | (_O_DIRECT if direct else 0))
+    try:
+        n = len(offsets_for(0))
+        buf = _aligned(block * n)
+        buf[:] = 0x5A
+        rates = []
+        for rep in range(reps + 1):  # one warm-up
+            offs = offsets_for(rep)
+            if cold:
+                _drop_cache(path)
+            t0 = time.perf_counter()
+            _raw_pass(fd, buf, offs, block, write, threads)
+            if write and not direct:
+                os.fdatasync(fd)  # buffered writes: count reaching the device, as O_DIRECT does
+            dt = time.perf_counter() - t0
+            if rep:
+                rates.append(block * n / dt / 1e9)
+        return float(np.median(rates))
+    finally:
+        os.close(fd)
+
+
+# --- the measuring process -----------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = C.bench_args(__doc__.split("\n\n")[0], argv, _options)
+    quick = args.quick
+    file_bytes = (args.file_mib or (256 if quick else 2048)) * MiB
+    if args.peer:
+        direct = {"auto": None, "off": False, "on": True}[args.direct]
+        peer_main(os.path.join(args.dir, "owner.seg"), file_bytes, direct)
+        return 0
+    t_start = time.monotonic()
+    reps = args.reps or (3 if quick else 5)
+    batch_bytes = (args.batch_mib or (32 if quick else 128)) * MiB
+    batch_bytes = min(batch_bytes, file_bytes // 2)
+    objects = [int(x) for x in args.objects.split(",") if x.strip()]
+    threads = EngineConfig.from_env().workers
+    own_dir = args.dir is None
+    work = tempfile.mkdtemp(prefix="kvmesh-tier-", dir="/tmp") if own_dir else args.dir
+    raw_path = os.path.join(work, "raw.dat")
+    seg_path = os.path.join(work, "local.seg")
+    rng = np.random.default_rng(7)
+    try:
+        with open(raw_path, "wb") as f:
+            f.truncate(file_bytes)
+        direct = _direct_ok(raw_path)
+        tcp_bytes = (args.tcp_mib or (128 if quick else 1024)) * MiB
+        mem = C.copy_limits()
+        limits: dict[str, Any] = dict(mem)
+        if not args.no_owner:
+            limits["tcp_gbps"] = round(C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5), 3)
+        print(
+            f"kvmesh tier bench ({'quick' if quick else 'full'}): {work} "
+            f"({'O_DIRECT' if direct else 'no O_DIRECT: the page cache is in the way'}), "
+            f"file {file_bytes // MiB} MiB, batches of {batch_bytes // MiB} MiB, {reps} reps, "
+            f"{os.cpu_count()} CPUs",
+            flush=True,
+        )
+        paths = (["direct"] if direct else []) + (
+            ["cached", "cold-ish"] if args.buffered or not direct else []
+        )
+        records: list[dict[str, Any]] = []
+        raw: dict[tuple[str, str, str, int], float] = {}
+
+        # Fill the raw file (unwritten extents read back as zeros without touching the device).
+        _fill(raw_path, file_bytes)
+        for path in paths:
+            use_direct = path == "direct"
+            cold = path == "cold-ish"
+            for block in objects:
+                n = max(1, batch_bytes // block)
+                slots = file_bytes // block
+
+                def seq(rep: int, n=n, block=block, slots=slots) -> list[int]:
+                    start = (rep * n) % max(1, slots - n)
+                    return [(start + i) * block for i in range(n)]
+
+                def rand(rep: int, n=n, block=block) -> list[int]:
+                    return (rng.integers(0, (file_bytes - block) // ALIGN, n) * ALIGN).tolist()
+
+                for pattern, offs in (("seq", seq), ("rand4k", rand)):
+                    for op in ("write", "read"):
+                        if op == "write" and path == "cached":
+                            continue  # writes are measured to the device: "cold-ish" has them
+                        best = 0.0
+                        for t in sorted({1, threads, 4 * threads}):
+                            g = raw_gbps(
+                                raw_path, use_direct, op == "write", block, offs, reps, t, cold
+                            )
+                            records.append(
+                                C.record(
+                                    limits,
+                                    "raw",
+                                    "pwritev" if op == "write" else "preadv",
+                                    op,
+                                    block,
+                                    n,
+                                    g,
+                                    g * 1e9 / block,
+                                    path=path,
+                                    pattern=pattern,
+                                    threads=t,
+                                )
+                            )
+                            best = max(best, g)
+                        raw[(path, op, pattern, block)] = best
+        read_keys = [v for k, v in raw.items() if k[1] == "read"]
+        write_keys = [v for k, v in raw.items() if k[1] == "write"]
+        limits["disk_read_gbps"] = round(max(read_keys), 3) if read_keys else None
+        limits["disk_write_gbps"] = round(max(write_keys), 3) if write_keys else None
+
+        # kvmesh: this process (disk transport), then through the owner (tcp).
+        eng = TransferEngine(config=EngineConfig.from_env(node_id="tier-bench"))
+        owner = None
+        try:
+            targets: list[tuple[str, Any, str]] = []
+            for path in paths:
+                seg_file = f"{seg_path}.{path}"
+                eng.register_disk(seg_file, file_bytes, name=path, direct=path == "direct")
+                targets.append(("same-process", eng.open_segment(eng.address, path), seg_file))
+            if not args.no_owner:
+                owner = C.Child(
+                    [
+                        sys.executable,
+                        str(pathlib.Path(__file__).resolve()),
+                        "--peer",
+                        "--dir",
+                        work,
+                        "--file-mib",
+                        str(file_bytes // MiB),
+                        "--direct",
+                        "auto" if direct else "off",
+                    ],
+                    env={"PYTHONPATH": C.ROOT},
+                )
+                rs = eng.open_segment(owner.info["address"], "disk")
+                targets.append(("through-owner", rs, os.path.join(work, "owner.seg")))
+            cap = max(batch_bytes, max(objects))
+            src, dst = _aligned(cap), _aligned(cap)
+            src[:] = rng.integers(0, 256, cap, dtype=np.uint8)
+            ls, ld = eng.register(src), eng.register(dst)
+            for case, rs, seg_file in targets:
+                seg_paths = (
+                    [rs.name]
+                    if case == "same-process"
+                    else (["direct"] if owner.info["direct"] else ["cached", "cold-ish"])
+                )
+                for path in seg_paths:
+                    for block in objects:
+                        records.extend(
+                            _kvmesh_case(
+                                eng,
+                                case,
+                                path,
+                                rs,
+                                seg_file,
+                                ls,
+                                ld,
+                                src,
+                                dst,
+                                block,
+                                batch_bytes,
+                                file_bytes,
+                                reps,
+                                rng,
+                                limits,
+                                raw,
+                            )
+                        )
+        finally:
+            if owner is not None:
+                owner.close()
+            eng.close()
+    finally:
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            for p in (raw_path, os.path.join(work, "owner.seg")):
+                if os.path.exists(p):
+                    os.unlink(p)
+            for path in ("direct", "cached", "cold-ish"):
+                if os.path.exists(f"{seg_path}.{path}"):
+                    os.unlink(f"{seg_path}.{path}")
+
+    C.apply_ratios(records, limits)
+    cols = (
+        "case",
+        "path",
+        "transport",
+        "op",
+        "pattern",
+        "page_bytes",
+        "batch",
+        "threads",
+        "gbps",
+        "ratio_disk",
+        "ratio_memcpy",
+        "ratio_tcp",
+    )
+    print(
+        f"limits: {C.copy_limits_text(limits)}, raw TCP {limits.get('tcp_gbps')} GB/s, "
+        f"disk read {limits['disk_read_gbps']} GB/s, write {limits['disk_write_gbps']} GB/s"
+    )
+    C.print_table(records, cols)
+    targets_met = _targets(records)
+    if targets_met:
+        print("\ntargets:")
+        for t in targets_met:
+            print(
+                f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}"
+            )
+    elapsed = time.monotonic() - t_start
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
+        f"{os.cpu_count()} CPUs; other jobs skew the figures)",
+        flush=True,
+    )
+    if args.json:
+        C.write_json(
+            args.json,
+            "tier",
+            limits,
+            records,
+            targets=targets_met,
+            quick=quick,
+            elapsed_s=round(elapsed, 1),
+            o_direct=direct,
+        )
+    return 0
+
+
+def _fill(path: str, size: int) -> None:
+    buf = _aligned(4 * MiB)
+    buf[:] = 0xA5
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for off in range(0, size, 4 * MiB):
+            os.pwritev(fd, [buf[: min(4 * MiB, size - off)]], off)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _kvmesh_case(
+    eng,
+    case,
+    path,
+    rs,
+    seg_file,
+    ls,
+    ld,
+    src,
+    dst,
+    block,
+    batch_bytes,
+    file_bytes,
+    reps,
+    rng,
+    limits,
+    raw,
+) -> list[dict[str, Any]]:
+    n = max(1, batch_bytes // block)
+    slots = file_bytes // block
+    lo = np.arange(n, dtype=np.int64) * block
+    out = []
+    # Write every slot once (gets must read written blocks, never unwritten extents).
+    for first in range(0, slots, n):
+        k = min(n, slots - first)
+        eng.transfer(Op.WRITE, ls, lo[:k], rs, (np.arange(k) + first) * block, block)
+    eng.sync_segment(rs)
+    for op in ("put", "get"):
+        if op == "put" and path == "cached":
+            continue
+        rates = []
+        transport = None
+        for rep in range(reps + 1):
+            ro = rng.choice(slots, n, replace=False).astype(np.int64) * block
+            if path == "cold-ish":
+                _drop_cache(seg_file)
+            t0 = time.perf_counter()
+            if op == "put":
+                res = eng.transfer(Op.WRITE, ls, lo, rs, ro, block)
+                if path != "direct":
+                    eng.sync_segment(rs)  # to the device, as raw buffered writes are timed
+            else:
+                res = eng.transfer(Op.READ, ld, lo, rs, ro, block)
+            dt = time.perf_counter() - t0
+            transport = res.transports[0].value
+            if rep:
+                rates.append(n * block / dt / 1e9)
+        # Verified once, outside the timed loop: put then get of the same slots.
+        ro = rng.choice(slots, n, replace=False).astype(np.int64) * block
+        eng.transfer(Op.WRITE, ls, lo, rs, ro, block)
+        dst[: n * block] = 0
+        eng.transfer(Op.READ, ld, lo, rs, ro, block)
+        verified = bool((dst[: n * block] == src[: n * block]).all())
+        g = float(np.median(rates))
+        ref = raw.get((path, "read" if op == "get" else "write", "rand4k", block))
+        out.append(
+            C.record(
+                limits,
+                case,
+                transport,
+                op,
+                block,
+                n,
+                g,
+                g * 1e9 / block,
+                path=path,
+                pattern="random slots",
+                verified=verified,
+                ratio_disk=None if not ref else round(g / ref, 3),
+            )
+        )
+    return out
+
+
+def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in records:
+        if r["op"] == "get" and r["page_bytes"] == 4 * MiB and r["path"] != "cached":
+            out.append(
+                {
+                    "target": "disk-segment get of 4 MiB objects >= 0.8 x raw read",
+                    "path": f"{r['case']} {r['path']}",
+                    "value": r["ratio_disk"],
+                    "met": r["ratio_disk"] is not None and r["ratio_disk"] >= 0.8,
+                }
+            )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
