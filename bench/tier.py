@@ -6,7 +6,8 @@ Same run, same directory (``--dir``, default a temporary directory under /tmp):
   syscalls the engine uses (``preadv``/``pwritev``; ``O_DIRECT`` where the filesystem takes
   it), from 1, ``KVMESH_WORKERS`` and 4 x that many threads (the engine runs a big batch's
   parts on its workers, each with ``DiskSegment.depth`` requests in flight), the best being
-  the ceiling of that op and pattern (``disk_read_gbps``/``disk_write_gbps``: the best of all);
+  the ceiling of that op and pattern (``disk_read_gbps``/``disk_write_gbps``: the best of all
+  but cached reads);
 * kvmesh: batches of 256 KiB and 4 MiB objects at random object slots of a disk segment,
   WRITE (put) and READ (get), in this process (``disk`` transport) and from another process
   through the owner (``tcp``: the owner reads or writes its file), each verified once.
@@ -18,7 +19,10 @@ dropped with ``POSIX_FADV_DONTNEED`` before each repetition; the device's own ca
 host's below a VM are out of reach). Ratios ``ratio_disk`` are to the raw figure of the
 same op, pattern and cache state.
 
-    python bench/tier.py [--quick] [--json PATH] [--dir DIR] [--file-mib N] [--buffered]
+With ``--nixl`` the same gets also go through NIXL's POSIX backend (file to memory of this
+process; it reaches no peer), for comparison.
+
+    python bench/tier.py [--quick] [--json PATH] [--dir DIR] [--file-mib N] [--buffered] [--nixl]
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def _options(ap: Any) -> None:
     ap.add_argument("--buffered", action="store_true", help="also without O_DIRECT")
     ap.add_argument("--no-owner", action="store_true", help="skip the through-the-owner cases")
     ap.add_argument("--tcp-mib", type=int)
+    ap.add_argument(
+        "--nixl", action="store_true", help="also NIXL's POSIX backend reading the same file"
+    )
     ap.add_argument("--peer", action="store_true", help=argparse_hidden())
     ap.add_argument("--direct", default="auto")
 
@@ -251,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                             )
                             best = max(best, g)
                         raw[(path, op, pattern, block)] = best
-        read_keys = [v for k, v in raw.items() if k[1] == "read"]
+        # The device's ceiling: cached reads are memory copies, not the disk.
+        read_keys = [v for k, v in raw.items() if k[1] == "read" and k[0] != "cached"]
         write_keys = [v for k, v in raw.items() if k[1] == "write"]
         limits["disk_read_gbps"] = round(max(read_keys), 3) if read_keys else None
         limits["disk_write_gbps"] = round(max(write_keys), 3) if write_keys else None
@@ -305,6 +313,22 @@ def main(argv: list[str] | None = None) -> int:
                                 ld,
                                 src,
                                 dst,
+                                block,
+                                batch_bytes,
+                                file_bytes,
+                                reps,
+                                rng,
+                                limits,
+                                raw,
+                            )
+                        )
+            if args.nixl:  # after the kvmesh cases: every slot of the files is written
+                for path in paths:
+                    for block in objects:
+                        records.extend(
+                            _nixl_posix(
+                                f"{seg_path}.{path}",
+                                path,
                                 block,
                                 batch_bytes,
                                 file_bytes,
@@ -463,10 +487,87 @@ def _kvmesh_case(
     return out
 
 
+def _nixl_posix(
+    seg_file, path, block, batch_bytes, file_bytes, reps, rng, limits, raw
+) -> list[dict[str, Any]]:
+    """READ of random slots of the same file through NIXL's POSIX backend (file -> DRAM in
+    this process: it serves no peers), for the comparison docs/transfer.md reports."""
+    from kvmesh.transfer.nixl import loader
+
+    nx = loader.load()
+    if nx is None:
+        print(f"NIXL is not available: {loader.unavailable_reason()}")
+        return []
+    api = nx.api
+    agent = api.nixl_agent(f"tier-posix-{os.getpid()}-{block}", api.nixl_agent_config(backends=[]))
+    agent.create_backend("POSIX")
+    n = max(1, batch_bytes // block)
+    buf = _aligned(n * block)
+    fd = os.open(seg_file, os.O_RDONLY | (_O_DIRECT if path == "direct" else 0))
+    mem = agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    files = agent.register_memory([(0, file_bytes, fd, "")], "FILE")
+    local = agent.get_xfer_descs(
+        [(buf.ctypes.data + i * block, block, 0) for i in range(n)], "DRAM"
+    )
+    try:
+        rates, slots = [], file_bytes // block
+        for rep in range(reps + 2):
+            ro = rng.choice(slots, n, replace=False) * block
+            fdescs = agent.get_xfer_descs([(int(o), block, fd) for o in ro], "FILE")
+            h = agent.initialize_xfer("READ", local, fdescs, agent.name)
+            if path == "cold-ish":
+                _drop_cache(seg_file)
+            t0 = time.perf_counter()
+            state = agent.transfer(h)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(h)
+            dt = time.perf_counter() - t0
+            agent.release_xfer_handle(h)
+            if state == "ERR":
+                raise RuntimeError("NIXL POSIX transfer failed")
+            if rep < reps + 1:
+                if rep:
+                    rates.append(n * block / dt / 1e9)
+                continue
+            with open(seg_file, "rb") as f:  # the last one, verified against the file
+                verified = all(
+                    f.seek(int(o)) >= 0
+                    and f.read(block) == buf[i * block : (i + 1) * block].tobytes()
+                    for i, o in enumerate(ro.tolist())
+                )
+        g = float(np.median(rates))
+        ref = raw.get((path, "read", "rand4k", block))
+        return [
+            C.record(
+                limits,
+                "same-process",
+                "nixl-posix",
+                "get",
+                block,
+                n,
+                g,
+                g * 1e9 / block,
+                path=path,
+                pattern="random slots",
+                verified=verified,
+                ratio_disk=None if not ref else round(g / ref, 3),
+            )
+        ]
+    finally:
+        agent.deregister_memory(files)
+        agent.deregister_memory(mem)
+        os.close(fd)
+
+
 def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in records:
-        if r["op"] == "get" and r["page_bytes"] == 4 * MiB and r["path"] != "cached":
+        if (
+            r["op"] == "get"
+            and r["page_bytes"] == 4 * MiB
+            and r["path"] != "cached"
+            and r["transport"] != "nixl-posix"
+        ):
             out.append(
                 {
                     "target": "disk-segment get of 4 MiB objects >= 0.8 x raw read",
