@@ -49,7 +49,7 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from ..net.security import SecurityConfig
-    from ..transfer import init_engine
+    from ..transfer import TransferError, init_engine
     from .node import StorageNode
     from .rpc import MasterClient
 
@@ -63,10 +63,32 @@ def cmd_node(args: argparse.Namespace) -> int:
     rpc = MasterClient(
         [a for a in args.master.split(",") if a], sec, name="store-node", node_id=engine.node_id
     )
-    node = StorageNode(rpc, args.size, engine=engine, heartbeat_s=args.heartbeat_s).start()
+    if (args.disk is None) != (args.disk_size is None):
+        print("kvmesh node: error: --disk and --disk-size go together", file=sys.stderr)
+        return 2
+    direct = {"auto": None, "on": True, "off": False}[args.disk_direct]
+    node = StorageNode(
+        rpc,
+        args.size,
+        engine=engine,
+        heartbeat_s=args.heartbeat_s,
+        disk=args.disk,
+        disk_size=args.disk_size,
+        disk_direct=direct,
+    )
+    try:
+        node.start()
+    except TransferError as exc:  # an unusable --disk path: the engine says why
+        print(f"kvmesh node: error: {exc}", file=sys.stderr)
+        rpc.close()
+        return 2
+    disk = ""
+    if node.disk is not None:
+        mode = "O_DIRECT" if node.disk.direct else "buffered"
+        disk = f" disk {node.disk_segment} ({args.disk_size} bytes, {mode})"
     print(
         f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
-        f"engine {node.engine.address}",
+        f"engine {node.engine.address}{disk}",
         flush=True,
     )
     try:
@@ -235,6 +257,16 @@ def register(sub: Any) -> None:
         "--size", type=parse_size, default=parse_size("1GiB"), help="segment size (default 1GiB)"
     )
     p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument(
+        "--disk", help="also a disk segment: a file or a directory on a local filesystem"
+    )
+    p.add_argument("--disk-size", type=parse_size, help="size of the disk segment (e.g. 64GiB)")
+    p.add_argument(
+        "--disk-direct",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="O_DIRECT for the disk segment: where the filesystem allows (auto), required, never",
+    )
     p.add_argument(
         "--grace-s", type=float, default=0.0, help="on stop: keep copies readable this long"
     )

@@ -9,6 +9,13 @@ expired us after a pause longer than its node TTL, dropping our replicas) the no
 again under a new segment name (see :meth:`StorageNode._remount`).
 :meth:`StorageNode.close` unmounts first, then keeps the memory for a grace period so that
 readers holding leases finish, then frees it.
+
+With ``disk``/``disk_size`` the node also registers a disk segment (a file or a directory on a
+local filesystem, ``kvmesh/transfer/disk.py``) on its engine, published as
+``<segment>.disk``, before it mounts anything: a path that is not writable, in use, or on a
+filesystem too small stops the node at start with the reason. The master does not place
+replicas on it yet (docs/store.md, "Disk tier"): for now it is reachable by segment name
+only. Its files outlive the node, and a node restarted on the same path finds their bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import time
 from typing import Any
 
 from ..net import speaks_for_node
-from ..transfer import MemoryRegion, TransferEngine, get_engine
+from ..transfer import DiskSegment, MemoryRegion, TransferEngine, get_engine
 from . import errors as E
 from . import protocol as P
 from .rpc import MasterClient
@@ -32,7 +39,8 @@ log = logging.getLogger(__name__)
 class StorageNode:
     """``master``: a :class:`MasterClient`; ``size``: bytes to contribute; ``heartbeat_s``:
     interval (keep it well under the master's node TTL, default 10 s); ``segment``/``node_id``:
-    the names it mounts under (default: from the engine's node id)."""
+    the names it mounts under (default: from the engine's node id); ``disk``/``disk_size``: a
+    disk segment to register too (``disk_direct``: O_DIRECT auto/required/never)."""
 
     def __init__(
         self,
@@ -43,9 +51,16 @@ class StorageNode:
         segment: str | None = None,
         node_id: str | None = None,
         heartbeat_s: float = 2.0,
+        disk: str | None = None,
+        disk_size: int | None = None,
+        disk_direct: bool | None = None,
     ) -> None:
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"segment size must be a positive int, got {size!r}")
+        if (disk is None) != (disk_size is None):
+            raise ValueError("a disk segment needs both disk (a path) and disk_size")
+        if disk_size is not None and (not isinstance(disk_size, int) or disk_size <= 0):
+            raise ValueError(f"disk size must be a positive int, got {disk_size!r}")
         self.master = master
         self.engine = engine if engine is not None else get_engine()
         # One process may run several storage nodes on its one engine (Mooncake's clients
@@ -66,18 +81,33 @@ class StorageNode:
         self.size = size
         self.heartbeat_s = heartbeat_s
         self.region: MemoryRegion | None = None
+        self.disk_path = disk
+        self.disk_size = disk_size
+        self.disk_direct = disk_direct
+        self.disk_segment = f"{self._base}.disk"
+        self.disk: DiskSegment | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.mounts = 0
         self.heartbeats = 0
 
     def start(self) -> StorageNode:
-        self.region = self.engine.alloc_shared(self.size, name=self.segment)
+        if self.disk_path is not None:
+            # First: an unusable disk path must stop the node before anything is mounted.
+            assert self.disk_size is not None
+            self.disk = self.engine.register_disk(
+                self.disk_path, self.disk_size, name=self.disk_segment, direct=self.disk_direct
+            )
         try:
-            self._mount()
+            self.region = self.engine.alloc_shared(self.size, name=self.segment)
+            try:
+                self._mount()
+            except BaseException:
+                self.engine.unregister(self.region)
+                self.region = None
+                raise
         except BaseException:
-            self.engine.unregister(self.region)
-            self.region = None
+            self._close_disk()
             raise
         self._thread = threading.Thread(
             target=self._beat_loop, name=f"store-node-{self.segment}", daemon=True
@@ -142,6 +172,7 @@ class StorageNode:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.region is None:
+            self._close_disk()
             return
         try:
             self.master.mutate(
@@ -159,6 +190,17 @@ class StorageNode:
             self.engine.unregister(region)
         except Exception:
             log.debug("store node %s: unregister failed", self.node_id, exc_info=True)
+        self._close_disk()
+
+    def _close_disk(self) -> None:
+        """Unregister the disk segment (its files stay: a restart on the path finds them)."""
+        seg, self.disk = self.disk, None
+        if seg is None:
+            return
+        try:
+            self.engine.unregister(seg)
+        except Exception:
+            log.debug("store node %s: disk unregister failed", self.node_id, exc_info=True)
 
 
 def _one_code(resp: Any) -> int:
