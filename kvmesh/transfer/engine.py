@@ -64,6 +64,7 @@ log = logging.getLogger("kvmesh.transfer")
 
 _swept = False
 _sweep_lock = threading.Lock()
+_DISK = MemoryKind.DISK
 
 
 def detect_host_id() -> str:
@@ -629,13 +630,14 @@ class TransferEngine:
                 return segs, safe, ptrs - starts[safe]
         for attempt in (0, 1):
             gen = self._remote_gen  # read before the table: a change meanwhile voids the entry
+            # Disk segments have no addresses (base 0): raw pointers never name them.
             segs = [
                 s
                 for (eid, _), s in list(self._remote.items())
-                if eid == peer.engine_id and s.stale_reason is None
+                if eid == peer.engine_id and s.stale_reason is None and s.kind is not _DISK
             ]
             if attempt == 1 or not segs:
-                segs = [self._adopt(peer, d) for d in peer.list_segments()]
+                segs = [self._adopt(peer, d) for d in peer.list_segments() if d.kind is not _DISK]
                 segs = [s for s in segs if s.stale_reason is None]
                 gen = -1  # adopted segments may be outside _remote (removed meanwhile)
             if not segs:

@@ -27,7 +27,7 @@ def test_info_reports_host_and_transports():
     ck = info["copy_kernel"]
     assert ck["kernel"] in ("memmove", "dcopy") and ck["reason"] in info["copy"]
     assert info["transports"]["local"] == "enabled" and info["transports"]["shm"] == "enabled"
-    assert set(info["transports"]) == {"local", "nvlink", "cuda_ipc", "shm", "nixl", "tcp"}
+    assert set(info["transports"]) == {"disk", "local", "nvlink", "cuda_ipc", "shm", "nixl", "tcp"}
     text = _run("info")
     assert text.returncode == 0 and "host id" in text.stdout and "tcp" in text.stdout
 

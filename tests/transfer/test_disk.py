@@ -12,6 +12,8 @@ import mmap
 import os
 import shutil
 import sys
+import threading
+import time
 
 import msgspec
 import numpy as np
@@ -23,7 +25,9 @@ from kvmesh.transfer import (
     InvalidArgument,
     Op,
     OutOfBounds,
+    PeerDeadError,
     SegmentNotFound,
+    TransferError,
     TransportKind,
 )
 from kvmesh.transfer import disk as D
@@ -322,3 +326,65 @@ def test_unregister_ends_the_segment_and_keeps_the_file(make_engine, tmp_path):
     dst = eng.register(np.zeros(8192, np.uint8))
     eng.read(dst, 0, eng.open_segment(eng.address, "d"), 100, 8192)
     assert (dst.array() == ls.array()).all()
+
+
+def test_a_truncated_file_is_an_error_never_other_bytes(make_engine, tmp_path):
+    owner = _disk_peer(tmp_path / "remote", 4 * MiB)
+    try:
+        eng = make_engine()
+        local = eng.register_disk(tmp_path / "local", 4 * MiB, name="local")
+        ls = eng.register(pattern(8, 0, 4 * MiB))
+        ld = eng.register(np.zeros(4 * MiB, np.uint8))
+        for path, rs in (
+            (tmp_path / "local", eng.open_segment(eng.address, "local")),
+            (tmp_path / "remote", eng.open_segment(owner.info["address"], "disk")),
+        ):
+            eng.write(ls, 0, rs, 0, 4 * MiB)
+            os.truncate(path, 1 * MiB)  # the file lost its tail under the segment
+            with pytest.raises(TransferError, match="short read"):
+                eng.read(ld, 0, rs, 2 * MiB, 1 * MiB)
+            with pytest.raises(TransferError, match="short read"):
+                eng.checksum_segment(rs, [2 * MiB], [4096])
+            # The owner answered in step: the same connection serves the next request.
+            eng.read(ld, 0, rs, 4096, 8192)
+            assert (ld.array()[:8192] == ls.array()[4096 : 4096 + 8192]).all()
+        assert local.size == 4 * MiB
+    finally:
+        owner.close()
+
+
+def test_address_lookups_never_land_in_a_disk_segment(make_engine, tmp_path):
+    owner, me = make_engine(), make_engine()
+    owner.register_disk(tmp_path / "seg", 64 * MiB, name="disk")  # [0, 64 MiB) by offset
+    pool = owner.register(np.zeros(1 * MiB, np.uint8), name="pool")
+    ls = me.register(pattern(9, 0, 4096))
+    with pytest.raises(SegmentNotFound):
+        me.transfer_by_address(Op.WRITE, owner.address, [ls.ptr], [4096], [4096])
+    me.transfer_by_address(Op.WRITE, owner.address, [ls.ptr], [pool.ptr + 8192], [4096])
+    assert (pool.array()[8192 : 8192 + 4096] == ls.array()).all()
+
+
+def test_owner_killed_mid_read_is_peer_dead(make_engine, tmp_path):
+    owner = _disk_peer(tmp_path / "seg", 64 * MiB)
+    try:
+        eng = make_engine()
+        rs = eng.open_segment(owner.info["address"], "disk")
+        ld = eng.register(np.zeros(64 * MiB, np.uint8))
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                while True:
+                    eng.read(ld, 0, rs, 0, 64 * MiB, timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.3)
+        owner.proc.kill()
+        t.join(20)
+        assert not t.is_alive()
+        assert isinstance(errors[0], (PeerDeadError, SegmentNotFound)), errors
+    finally:
+        owner.close()
