@@ -1,7 +1,8 @@
 """A disk-segment owner for multi-process tests: ``python -m tests.transfer.disk_peer PATH SIZE``.
 
 Registers a disk segment ``disk`` at PATH, prints one JSON line with its address, then
-answers JSON-line commands on stdin (``syncs``: how many fdatasync calls it made, ``exit``).
+answers JSON-line commands on stdin (``syncs``: how many fdatasync calls it made,
+``unregister``: give the segment back, ``exit``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def main() -> None:
         cmd = json.loads(line)["cmd"]
         if cmd == "syncs":
             say(syncs=syncs[0])
+        elif cmd == "unregister":  # while peers may be using it
+            eng.unregister(seg, timeout=10)
+            say(ok=True)
         elif cmd == "exit":
             eng.close()
             say(ok=True)

@@ -388,3 +388,73 @@ def test_owner_killed_mid_read_is_peer_dead(make_engine, tmp_path):
         assert isinstance(errors[0], (PeerDeadError, SegmentNotFound)), errors
     finally:
         owner.close()
+
+
+def test_unregister_waits_for_jobs_and_no_write_lands_after(make_engine, tmp_path):
+    """Once ``unregister`` returns, the files are closed and no job writes any more: a write
+    still running on a closed descriptor number could land in whatever file reuses it."""
+    eng = make_engine()
+    seg = eng.register_disk(tmp_path / "seg", 64 * MiB, name="d")
+    rs = eng.open_segment(eng.address, "d")
+    ls = eng.register(_aligned(np.full(32 * MiB, 0x77, np.uint8)))
+    ended: list[BaseException] = []
+
+    # Many separate pieces per job: descriptors are used again and again within one job.
+    lo = np.arange(2048, dtype=np.int64) * (16 << 10)
+    ro = lo * 2 + 4096
+
+    def writer() -> None:
+        try:
+            while True:
+                eng.transfer(Op.WRITE, ls, lo, rs, ro, 16 << 10)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            ended.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    eng.unregister(seg)
+    # Descriptors closed by unregister are reused at once by these files.
+    others = []
+    for i in range(8):
+        f = open(tmp_path / f"other{i}", "w+b")  # noqa: SIM115 - closed below
+        f.write(b"\0" * (40 * MiB))
+        f.flush()
+        others.append(f)
+    for t in threads:
+        t.join(20)
+    try:
+        for f in others:
+            f.seek(0)
+            assert f.read().count(0x77) == 0, f.name
+    finally:
+        for f in others:
+            f.close()
+    assert len(ended) == 2 and all(isinstance(e, SegmentNotFound) for e in ended), ended
+
+
+def test_owner_unregister_cuts_a_peer_mid_stream(make_engine, tmp_path):
+    owner = _disk_peer(tmp_path / "seg", 64 * MiB)
+    try:
+        eng = make_engine()
+        rs = eng.open_segment(owner.info["address"], "disk")
+        ls = eng.register(np.full(64 * MiB, 0x33, np.uint8))
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                while True:
+                    eng.write(ls, 0, rs, 0, 64 * MiB, timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(0.3)
+        assert owner.call("unregister", timeout=30) == {"ok": True}
+        t.join(20)
+        assert not t.is_alive()
+        assert isinstance(errors[0], SegmentNotFound), errors
+    finally:
+        owner.close()
