@@ -383,6 +383,7 @@ def test_owner_killed_mid_read_is_peer_dead(make_engine, tmp_path):
         t.start()
         time.sleep(0.3)
         owner.proc.kill()
+        owner.proc.wait(10)  # reaped: close() then sends it nothing
         t.join(20)
         assert not t.is_alive()
         assert isinstance(errors[0], (PeerDeadError, SegmentNotFound)), errors
