@@ -57,6 +57,9 @@ def _options(ap: Any) -> None:
     ap.add_argument("--objects", default="262144,4194304", help="object sizes in bytes")
     ap.add_argument("--batch-mib", type=int, help="bytes per batch, in MiB")
     ap.add_argument("--reps", type=int)
+    ap.add_argument(
+        "--threads", help="raw thread counts, comma-separated (default 1,W,4W: W the workers)"
+    )
     ap.add_argument("--buffered", action="store_true", help="also without O_DIRECT")
     ap.add_argument("--no-owner", action="store_true", help="skip the through-the-owner cases")
     ap.add_argument("--tcp-mib", type=int)
@@ -189,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     batch_bytes = min(batch_bytes, file_bytes // 2)
     objects = [int(x) for x in args.objects.split(",") if x.strip()]
     threads = EngineConfig.from_env().workers
+    raw_threads = (
+        sorted({int(x) for x in args.threads.split(",") if x.strip()})
+        if args.threads
+        else sorted({1, threads, 4 * threads})
+    )
     own_dir = args.dir is None
     work = tempfile.mkdtemp(prefix="kvmesh-tier-", dir="/tmp") if own_dir else args.dir
     raw_path = os.path.join(work, "raw.dat")
@@ -202,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         mem = C.copy_limits()
         limits: dict[str, Any] = dict(mem)
         if not args.no_owner:
-            limits["tcp_gbps"] = round(C.tcp_gbps(tcp_bytes, 4 * MiB, 3 if quick else 5), 3)
+            limits["tcp_gbps"] = round(
+                C.tcp_gbps(tcp_bytes, 4 * MiB, min(reps, 3 if quick else 5)), 3
+            )
         print(
             f"kvmesh tier bench ({'quick' if quick else 'full'}): {work} "
             f"({'O_DIRECT' if direct else 'no O_DIRECT: the page cache is in the way'}), "
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                         if op == "write" and path == "cached":
                             continue  # writes are measured to the device: "cold-ish" has them
                         best = 0.0
-                        for t in sorted({1, threads, 4 * threads}):
+                        for t in raw_threads:
                             g = raw_gbps(
                                 raw_path, use_direct, op == "write", block, offs, reps, t, cold
                             )

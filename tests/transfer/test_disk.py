@@ -420,7 +420,7 @@ def test_unregister_waits_for_jobs_and_no_write_lands_after(make_engine, tmp_pat
     others = []
     for i in range(8):
         f = open(tmp_path / f"other{i}", "w+b")  # noqa: SIM115 - closed below
-        f.write(b"\0" * (40 * MiB))
+        f.write(b"\0" * MiB)  # a write landing in it at any offset shows up below
         f.flush()
         others.append(f)
     for t in threads:

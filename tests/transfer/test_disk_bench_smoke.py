@@ -10,7 +10,7 @@ from tests.bench_format import run_bench
 
 def test_tier_bench_quick_tiny(tmp_path):
     args = ["--quick", "--dir", str(tmp_path), "--file-mib", "8", "--batch-mib", "4"]
-    args += ["--reps", "1", "--tcp-mib", "8"]
+    args += ["--reps", "1", "--tcp-mib", "8", "--threads", "1"]
     proc, data = run_bench("tier", args, tmp_path, timeout=120)
     assert "targets:" in proc.stdout and "ratio disk" in proc.stdout
     limits = data["limits"]
