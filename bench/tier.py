@@ -27,6 +27,7 @@ process; it reaches no peer), for comparison.
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import pathlib
@@ -66,14 +67,8 @@ def _options(ap: Any) -> None:
     ap.add_argument(
         "--nixl", action="store_true", help="also NIXL's POSIX backend reading the same file"
     )
-    ap.add_argument("--peer", action="store_true", help=argparse_hidden())
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--direct", default="auto")
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def _aligned(n: int) -> np.ndarray:
