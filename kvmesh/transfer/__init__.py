@@ -6,12 +6,14 @@ keys or objects (that is kvmesh.store). See docs/transfer.md.
 
 from .batch import Batch, BatchResult
 from .cuda import memory_kind
-from .disk import ChecksumMismatch, DiskSegment
+from .disk import DiskSegment
 from .engine import TransferEngine, detect_host_id, get_engine, init_engine, shutdown_engine
 from .errors import (
     AuthError,
     BatchStateError,
     Cancelled,
+    ChecksumMismatch,
+    DiskIOError,
     EngineClosed,
     InvalidArgument,
     InvalidLength,
@@ -47,6 +49,7 @@ __all__ = [
     "BatchStateError",
     "Cancelled",
     "ChecksumMismatch",
+    "DiskIOError",
     "DiskSegment",
     "EngineClosed",
     "EngineConfig",

@@ -53,6 +53,8 @@ import numpy as np
 
 from . import shmfile
 from .errors import (
+    ChecksumMismatch,
+    DiskIOError,
     InvalidArgument,
     InvalidLength,
     NotRegistered,
@@ -86,19 +88,6 @@ DEPTH_MIN_BYTES = 2 << 20  # smaller calls run in the calling thread alone
 _IO_THREADS = 16  # the process's disk I/O threads (idle ones block: no CPU)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _U64 = np.dtype("<u8")
-
-
-class ChecksumMismatch(TransferError):
-    """Bytes read back do not match the checksum recorded when they were written.
-
-    ``bad`` holds the indices of the ranges that differ.
-    """
-
-    code = "checksum"
-
-    def __init__(self, message: str, bad: np.ndarray | None = None) -> None:
-        super().__init__(message)
-        self.bad = np.empty(0, np.int64) if bad is None else bad
 
 
 # --- checksums ------------------------------------------------------------------------------
@@ -446,12 +435,6 @@ class DiskSegment(Users):
                 if fd >= 0:
                     os.close(fd)
             f.fd = f.dfd = -1
-
-
-class DiskIOError(TransferError):
-    """A read or write of a disk segment's file failed (EIO, a file truncated under us...)."""
-
-    code = "disk_io"
 
 
 def _pio(fd: int, view: np.ndarray, off: int, write: bool, path: str) -> None:

@@ -11,6 +11,10 @@ to classes on the receiving side, so a remote refusal raises the same class loca
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from kvmesh.errors import ErrorTable
 
 
@@ -116,6 +120,26 @@ class Cancelled(TransferError):
     code = "cancelled"
 
 
+class ChecksumMismatch(TransferError):
+    """Bytes read back do not match the checksum recorded when they were written.
+
+    ``bad`` holds the indices of the ranges that differ (empty when the error came over the
+    wire, which carries only the message).
+    """
+
+    code = "checksum"
+
+    def __init__(self, message: str = "", bad: Any = None) -> None:
+        super().__init__(message)
+        self.bad = np.empty(0, np.int64) if bad is None else bad
+
+
+class DiskIOError(TransferError):
+    """A read or write of a disk segment's file failed (EIO, a file truncated under us...)."""
+
+    code = "disk_io"
+
+
 _TABLE: ErrorTable[TransferError] = ErrorTable(
     TransferError,
     (
@@ -136,6 +160,8 @@ _TABLE: ErrorTable[TransferError] = ErrorTable(
         BatchStateError,
         EngineClosed,
         Cancelled,
+        ChecksumMismatch,
+        DiskIOError,
     ),
 )
 ERROR_CODES: dict[str, type[TransferError]] = _TABLE.by_code  # type: ignore[assignment]
