@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -73,18 +73,10 @@ from ..replog import (
 )
 from . import errors as E
 from . import protocol as P
+from .leader import Leader, LeaderConfig
 from .master import commands as C
-from .master.eviction import choose_victims
-from .master.leases import AccessStats, LeaseTable, TermStart
-from .master.liveness import LivenessJudge, default_max_gap, node_capacity
+from .master.leases import LeaseTable, TermStart
 from .master.objects import State
-from .master.policy import (
-    HoldTracker,
-    PutAges,
-    plan_remove,
-    plan_remove_prefix,
-    plan_upsert,
-)
 from .master.state import StoreStateMachine
 from .types import (
     MAX_BATCH_KEYS,
@@ -99,6 +91,9 @@ from .types import (
 __all__ = ["MasterService", "ServiceConfig", "main", "run_master"]
 
 log = logging.getLogger(__name__)
+
+
+_LD = LeaderConfig()  # the leader policy's defaults (each lives once, in leader.py)
 
 
 class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -130,27 +125,22 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # live client sessions (a registration beyond it ends the least recently used one) and
     # the bounds on their cached unacknowledged results (kvmesh.replog.session)
     session_limits: SessionLimits = SessionLimits()
-    # store policy (leader soft state and ticker)
-    lease_ttl_s: float = 5.0
-    put_timeout_s: float = 60.0  # PROCESSING objects older than this are reclaimed
-    node_ttl_s: float = 10.0  # storage nodes silent for this long are unmounted
-    # Node liveness is judged over time the leader could hear (master/liveness.py): a node
-    # silent for node_ttl_s is suspect, and expired after node_suspect_s more (0: half the
-    # TTL) with the leader running throughout; a gap over liveness_max_gap_s between two of
-    # the leader's own observations is a stall (0: min(TTL/4, max(1 s, 4 ticker turns)));
-    # one expiry round drops at most expire_max_fraction of the nodes and of their bytes.
-    node_suspect_s: float = 0.0
-    liveness_max_gap_s: float = 0.0
-    expire_max_fraction: float = 0.5
-    ticker_s: float = 0.25
-    high_watermark: float = 0.90
-    evict_ratio: float = 0.05
-    # objects in the master at most (PROCESSING included; 0: no cap): eviction starts at
-    # high_watermark of it as for bytes, and new keys of a put beyond it answer NoSpace
-    max_objects: int = 0
+    # store policy (leader soft state and ticker: leader.LeaderConfig says what each does)
+    lease_ttl_s: float = _LD.lease_ttl_s
+    put_timeout_s: float = _LD.put_timeout_s
+    node_ttl_s: float = _LD.node_ttl_s
+    # Node liveness is judged over time the leader could hear (master/liveness.py).
+    node_suspect_s: float = _LD.node_suspect_s
+    liveness_max_gap_s: float = _LD.liveness_max_gap_s
+    expire_max_fraction: float = _LD.expire_max_fraction
+    ticker_s: float = _LD.ticker_s
+    high_watermark: float = _LD.high_watermark
+    evict_ratio: float = _LD.evict_ratio
+    # new keys of a put beyond max_objects answer NoSpace
+    max_objects: int = _LD.max_objects
     # server limits
     max_frame: int = 8 << 20
-    max_batch_keys: int = 8192
+    max_batch_keys: int = _LD.max_batch_keys
     max_connections: int = 1024
     max_unauthenticated: int = 64
     max_unauthenticated_per_source: int = 32  # of those, from one address (IPv6: one /64)
@@ -167,22 +157,17 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     metrics_port: int = 0  # serve Prometheus metrics on 127.0.0.1:PORT (0: off)
 
     def __post_init__(self) -> None:
-        if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
-            raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
-        if self.max_objects < 0:
-            raise ValueError("max_objects must not be negative (0: no cap)")
-        if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
-            raise ValueError("node_suspect_s and liveness_max_gap_s must not be negative")
-        if not 0.0 < self.expire_max_fraction <= 1.0:
-            raise ValueError("expire_max_fraction must be in (0, 1]")
-        if not 0.0 < self.high_watermark <= 1.0 or not 0.0 < self.evict_ratio <= 1.0:
-            raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
+        self.leader_config()  # its checks
         if not 0 < self.prefix_round_keys <= MAX_BATCH_KEYS:
             raise ValueError(f"prefix_round_keys must be in 1..{MAX_BATCH_KEYS}")
         if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
             raise ValueError(
                 f"max_batch_keys must be in 1..{MAX_BATCH_KEYS} and max_frame at least 4096"
             )
+
+    def leader_config(self) -> LeaderConfig:
+        """The leader's policy: the fields of :class:`LeaderConfig`, by name."""
+        return LeaderConfig(**{f: getattr(self, f) for f in LeaderConfig.__struct_fields__})
 
 
 def _raft_config(cfg: ServiceConfig) -> RaftConfig:
@@ -265,7 +250,6 @@ _LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 _INLINE_KEYS = 512
 _MAX_NAME = 256  # node ids, segment names, endpoints, host ids
 _MAX_OWNERS = 65536  # session -> peer bindings kept by a leader
-_MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 _SCAN_SLICE = 4096  # keys a remove by prefix scans between yields to the event loop
 _ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
 # Remove-by-prefix scans queued or running on a master (one per connection at a time); past
@@ -275,9 +259,6 @@ MAX_SCANS = 16
 
 class _Busy(E.StoreUnavailable):
     """A bounded queue of this master is full: the request did nothing, retry it."""
-
-
-_NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
 
 
 class _Fields(frozenset):
@@ -345,16 +326,10 @@ class MasterService:
         self._observer: asyncio.Task | None = None
         self._snap_task: asyncio.Task | None = None
         self._keys_at_snapshot = 0
-        # Leader soft state (rebuilt by _on_leader_change). Leases and heartbeats run on
-        # this process's monotonic clock; commands carry wall time (_now).
-        self.leases = LeaseTable(start=time.monotonic(), grace=config.lease_ttl_s)
-        self.term_start = TermStart(1 << 62)  # nothing is fresh before we lead
-        self.liveness = _judge(config, time.monotonic())
-        self.stats = AccessStats()
-        self.holds = HoldTracker(self.cfg.lease_ttl_s)
-        self.put_ages = PutAges()
+        # Leader soft state and decisions (leader.py; rebuilt by _on_leader_change). Leases
+        # and heartbeats run on this process's monotonic clock; commands carry wall time.
+        self.leader = Leader(config.leader_config(), self.sm, time.monotonic())
         self._machine.on_hold = self._on_hold
-        self._removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         # One remove-by-prefix scan at a time: each holds a copy of the whole key list, so
         # concurrent requests (up to max_connections x max_inflight) would multiply it.
         self._scan_lock = asyncio.Lock()
@@ -364,19 +339,11 @@ class MasterService:
         self._owners: OrderedDict[int, str] = OrderedDict()
         # storage node id -> the peer that mounted it (same rules as _owners)
         self._node_owners: OrderedDict[str, str] = OrderedDict()
-        # version (log index) of a put this leader answered -> the session that started it.
-        # One entry per PutStart entry, not per key: every key an entry places has its
-        # index as version, so the version names the writer. Kept for two put timeouts
-        # (_writer_times, oldest first; the put is reclaimed by then), at most _MAX_WRITERS.
-        self._writers: dict[int, int] = {}
-        self._writer_times: deque[tuple[float, int]] = deque()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
         self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
         self.counters: dict[str, int] = {}
-        self._suspects: list[str] = []
         self._objects_pending = 0  # new keys of PutStart proposals not applied yet
-        self._last_expiry = 0.0  # heard time of this leader's last expiry round
         self.metrics: Any = None
         self.status_cache: dict[str, Any] = {}
         self.hits = 0
@@ -477,50 +444,36 @@ class MasterService:
 
     # ---------------------------------------------------------------- leader soft state
 
+    @property
+    def leases(self) -> LeaseTable:
+        return self.leader.leases
+
+    @leases.setter
+    def leases(self, table: LeaseTable) -> None:
+        self.leader.leases = table
+
     def _on_leader_change(self, ch: Any) -> None:
         if not ch.is_self:
             return
-        now = time.monotonic()
-        # The previous leaders' leases are unknown here: every object one of them may have
-        # leased counts as leased for one lease period (TermStart says which: not those
-        # created or completed in this term); nodes get a full heartbeat TTL from now. (A
-        # lone replica holding no object can have no earlier leases: it skips the period.)
-        alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
-        node, sm = self.node, self.sm
+        node = self.node
         assert node is not None  # the callback is the node's
-        ts = TermStart(node.status()["last_index"] + 1)
-        self._machine.term_start = ts
-
-        def fresh(key: str) -> bool:
-            ts.observe(node.applied_index + 1, sm.processing)  # every earlier entry applied?
-            return ts.fresh(key, sm.version_of(key))
-
-        self.term_start = ts
-        self.leases = LeaseTable(
-            start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=fresh
+        alone = len(self.cfg.peers) <= 1 and self.sm.object_count() == 0
+        self.leader.elected(
+            time.monotonic(), node.status()["last_index"] + 1, lambda: node.applied_index, alone
         )
-        self.liveness = _judge(self.cfg, now)
-        self.liveness.reset(self.sm.nodes(), now)
-        self.stats = AccessStats()
-        self.stats.reset(self.sm.keys())
-        # Holds noted by an earlier leadership are judged by the blanket period instead.
-        self.holds = HoldTracker(self.cfg.lease_ttl_s)
-        self.put_ages = PutAges()  # every put in flight gets a full timeout from now
+        self._machine.term_start = self.leader.term_start
         self._plans.clear()
         self._owners.clear()
         self._node_owners.clear()
-        self._writers.clear()
-        self._writer_times.clear()
 
     def _on_hold(self, index: int, release_at: float, proposer: str) -> None:
         # Called inside apply (before the proposer's future resolves, so the ticker can never
         # see the tag unnoted). Only this process's own proposals carry a time on its clock.
         if proposer == self.server_id:
-            self.holds.note(index, release_at)
+            self.leader.note_hold(index, release_at)
 
     async def _tick_loop(self) -> None:
         cfg = self.cfg
-        last_reclaim = 0.0
         while True:
             await asyncio.sleep(cfg.ticker_s)
             if self.metrics is not None:
@@ -535,24 +488,11 @@ class MasterService:
             try:
                 mono = time.monotonic()
                 await self._expire_nodes(mono)
-                if mono - last_reclaim >= min(cfg.put_timeout_s / 4, 2.0):
-                    last_reclaim = mono
-                    # Stale puts are judged on this leader's monotonic clock (PutAges) and
-                    # freed by version; Reclaim only finishes drains (its put cutoff is
-                    # never reached): a wall clock that jumps or runs ahead on a new leader
-                    # must not free memory a live writer is still writing.
-                    stale = self.put_ages.stale(
-                        self.sm.processing_puts(), mono, cfg.put_timeout_s, cfg.max_batch_keys
-                    )
-                    if stale:
-                        await self._propose_plain(
-                            C.PutRevoke([k for k, _ in stale], [v for _, v in stale])
-                        )
-                    if any(s.state != "mounted" for s in self.sm.segments()):
-                        await self._propose_plain(C.Reclaim(now=_now(), put_timeout=_NEVER))
+                for cmd in self.leader.reclaim(mono, _now()):
+                    await self._propose_plain(cmd)
                 await self._release_held(mono)
                 await self._evict(mono)
-                self.leases.purge(mono)
+                self.leader.purge(mono)
             except (TimeoutError, ReplogError) as e:
                 log.debug("store ticker: %s", e)
             except Exception:
@@ -562,29 +502,31 @@ class MasterService:
         """The liveness judge's own sense of time: an observation every ticker turn, apart
         from the ticker (whose turns wait for proposals), so a gap between two of them means
         this process did not run -- and could not hear heartbeats -- for that long."""
-        period = min(self.cfg.ticker_s, self.liveness.max_gap / 4)
+        period = min(self.cfg.ticker_s, self.leader.liveness.max_gap / 4)
         while True:
             await asyncio.sleep(period)
             t0 = time.monotonic()
-            if self.liveness.observe(t0) and self.node is not None and self.node.is_leader:
+            if self.leader.observe(t0) and self.node is not None and self.node.is_leader:
                 log.warning(
                     "store master: this leader did not run for over %.1f s (a stall); node"
                     " silence during it is not counted against the nodes",
-                    self.liveness.max_gap,
+                    self.leader.liveness.max_gap,
                 )
 
     async def _expire_nodes(self, mono: float) -> None:
         """One liveness judgement (master/liveness.py) and the expiry it decides."""
-        v = self.liveness.tick(mono, node_capacity(self.sm.segments()))
-        if v.suspect and v.suspect != self._suspects:
+        ld = self.leader
+        before = ld.suspects
+        cmd = ld.expiry(mono, _now())
+        v = ld.verdict
+        if v.suspect and v.suspect != before:
             log.info("store master: storage nodes %s are suspect (no heartbeat)", v.suspect)
-        self._suspects = v.suspect
-        if v.expire:
-            log.warning("store master: storage nodes %s missed heartbeats; expiring them", v.expire)
-            await self._propose_plain(C.ExpireNodes(node_ids=v.expire, now=_now()))
-            self.liveness.expired(v.expire)
-            self._last_expiry = self.liveness.heard
-            self.counters["nodes_expired"] = self.counters.get("nodes_expired", 0) + len(v.expire)
+        if cmd is not None:
+            log.warning(
+                "store master: storage nodes %s missed heartbeats; expiring them", cmd.node_ids
+            )
+            ld.expired(cmd, await self._propose_plain(cmd))
+            self.counters["nodes_expired"] = ld.expired_total
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
         """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
@@ -607,52 +549,23 @@ class MasterService:
     async def _release_held(self, mono: float) -> None:
         """Release the bytes of forced removes once every lease on them is over
         (:class:`~kvmesh.store.master.policy.HoldTracker` decides)."""
-        tags = self.sm.held_tags()
-        if not tags:
-            return
-        rel = self.holds.due(tags, self.leases, mono)
+        rel = self.leader.release(mono)
         if rel is not None:
-            await self._propose_plain(rel)
-            self.holds.forget(rel.tags)
-
-    def _object_excess(self) -> int:
-        """Objects to evict for the object cap: none below its high watermark, else down
-        to ``high_watermark - evict_ratio`` of it (as for bytes)."""
-        cap = self.cfg.max_objects
-        n = self.sm.object_count()
-        if not cap or n < self.cfg.high_watermark * cap:
-            return 0
-        return max(1, n - int((self.cfg.high_watermark - self.cfg.evict_ratio) * cap))
+            self.leader.released(rel, await self._propose_plain(rel))
 
     async def _evict(self, mono: float, need: int = 0, objects: int = 0) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
-        cfg = self.cfg
-        plan = choose_victims(
-            self.sm,
-            self.leases,
-            self.stats,
-            mono,
-            cfg.high_watermark,
-            cfg.evict_ratio,
-            need=need,
-            objects=max(objects, self._object_excess()),
-        )
-        if not plan.keys:
+        cmd = self.leader.eviction(mono, _now(), need, objects)
+        if cmd is None:
             return 0
-        self.leases.block(plan.keys)
+        res = None
         try:
-            res = await self._propose_plain(
-                C.Evict(
-                    keys=plan.keys, versions=plan.versions, now=_now(), allow_soft=plan.allow_soft
-                )
-            )
+            res = await self._propose_plain(cmd)
         finally:
-            self.leases.unblock(plan.keys)
-        gone = [k for k, c in zip(plan.keys, res.codes) if c == 0]
-        self.stats.forget(gone)
+            gone = self.leader.evicted(cmd, res)
         self.counters["evicted"] = self.counters.get("evicted", 0) + len(gone)
         return int(res.freed)
 
@@ -1011,7 +924,7 @@ class MasterService:
             )
             code = _code_of(await self._propose(node, req.session, cmd))
             if code == 0:
-                self.liveness.beat(req.node_id, time.monotonic())
+                self.leader.mounted(req.node_id, time.monotonic())
                 self._node_owners[req.node_id] = peer
                 self._node_owners.move_to_end(req.node_id)
                 while len(self._node_owners) > _MAX_OWNERS:
@@ -1025,9 +938,7 @@ class MasterService:
         raise E.InvalidParams(f"unsupported request {t.__name__}")
 
     def _heartbeat(self, node: RaftNode, req: P.HeartbeatReq) -> P.CodesResp:
-        known = req.node_id in self.sm.nodes()
-        if known:
-            self.liveness.beat(req.node_id, time.monotonic())
+        known = self.leader.heartbeat(req.node_id, time.monotonic())
         return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
@@ -1085,10 +996,7 @@ class MasterService:
         codes = t.codes
         every = codes.count(0) == len(codes)  # all found (the usual batch): no index lists
         ok: Any = range(len(keys)) if every else [i for i, c in enumerate(codes) if c == 0]
-        if self._removing_all:
-            until = [0.0] * len(ok)
-        else:
-            until = self.leases.grant(keys if every else [keys[i] for i in ok], mono, ttl)
+        until = self.leader.lease(keys if every else [keys[i] for i in ok], mono)
         if 0.0 in until:
             # A removal of these keys is in flight: no lease on memory about to be freed,
             # and no descriptor of it in the reply.
@@ -1101,7 +1009,7 @@ class MasterService:
             t = t._replace(codes=codes, rows=keep)
         else:
             granted = keys if every else [keys[i] for i in ok]
-        self.stats.touch(granted)
+        self.leader.touch(granted)
         self.hits += len(granted)
         self.misses += len(keys) - len(granted)
         sizes = t.sizes  # 0 for every key not found (lookup_table), blocked ones aside
@@ -1123,7 +1031,7 @@ class MasterService:
 
             def make() -> tuple[list[int], float]:
                 exists = [self.sm.state_of(k) != State.GONE for k in keys]
-                return plan_upsert(self.leases, exists, full, time.monotonic()).codes, 0.0
+                return self.leader.plan_upsert(exists, full, time.monotonic()).codes, 0.0
 
             planned, _ = self._planned(req.session, make)
         else:
@@ -1152,7 +1060,7 @@ class MasterService:
         cls = C.Upsert if req.upsert else C.PutStart
         cmd = cls(keys=tk, sizes=ts, config=req.config, now=now)
         if req.upsert:
-            self.leases.block(tk)
+            self.leader.block(tk)
         pending = len(tk) if self.cfg.max_objects else 0  # counted by the object cap
         self._objects_pending += pending
         try:
@@ -1162,7 +1070,7 @@ class MasterService:
         finally:
             self._objects_pending -= pending
             if req.upsert:
-                self.leases.unblock(tk)
+                self.leader.unblock(tk)
         planned, r = res.codes or [0] * n, res.result
         if len(planned) != n:
             raise E.InvalidParams("a retried put named different keys than the first attempt")
@@ -1185,7 +1093,9 @@ class MasterService:
                 codes[i], replicas[i], versions[i] = r.codes[j], rr[j], rv[j]
                 j += 1
         if 0 in codes:  # every key placed has the entry's index as version
-            self._bind_writer(versions[codes.index(0)], req.session.client_id)
+            self.leader.bind_writer(
+                versions[codes.index(0)], req.session.client_id, time.monotonic()
+            )
         return P.PutStartResp(
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
@@ -1223,17 +1133,6 @@ class MasterService:
         keys, sizes = req.keys, req.sizes
         return [keys[i] for i in keep], [sizes[i] for i in keep], planned
 
-    def _bind_writer(self, version: int, client_id: int) -> None:
-        """Remember that ``client_id`` started the put of entry ``version`` (and forget the
-        bindings older than two put timeouts: those puts are reclaimed by now)."""
-        w, times = self._writers, self._writer_times
-        mono = time.monotonic()
-        w[version] = client_id
-        times.append((mono, version))
-        old = mono - 2 * self.cfg.put_timeout_s - self.cfg.ticker_s
-        while times and (times[0][0] < old or len(times) > _MAX_WRITERS):
-            w.pop(times.popleft()[1], None)
-
     async def _finish_put(self, node: RaftNode, req: Any, end: bool) -> P.CodesResp:
         """PutEnd / PutRevoke. A put's version is its log index (easy to guess), so the
         leader also remembers which session started each put it answered and refuses
@@ -1247,9 +1146,8 @@ class MasterService:
             n = len(keys)
             if len(vers) != n:  # apply answers InvalidParams per key
                 return [0] * n, 0.0
-            w = self._writers
             # per distinct version (a batch names one or a few), not per key
-            foreign = {v for v in set(vers) if w.get(v, me) != me}
+            foreign = self.leader.foreign_versions(vers, me)
             if not foreign:
                 return [0] * n, 0.0
             bad = int(E.InvalidWrite.code)
@@ -1268,7 +1166,7 @@ class MasterService:
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
         if end:
-            self.stats.touch(keys if not any(out) else [k for k, c in zip(keys, out) if c == 0])
+            self.leader.touch(keys if not any(out) else [k for k, c in zip(keys, out) if c == 0])
         return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:
@@ -1279,7 +1177,7 @@ class MasterService:
 
         def make() -> tuple[list[int], float]:
             nonlocal plan
-            plan = plan_remove(self.leases, keys, time.monotonic(), req.force)
+            plan = self.leader.plan_remove(keys, time.monotonic(), req.force)
             return plan.codes, plan.release_at
 
         planned, release_at = self._planned(req.session, make)
@@ -1288,40 +1186,30 @@ class MasterService:
             plan_cmd = C.Remove(todo, force=req.force, hold=release_at > 0.0)
         else:
             plan_cmd = plan.command or C.Remove([], force=req.force)
-        self.leases.block(todo)
+        self.leader.block(todo)
         try:
             env = _Echoed(C.encode_command(plan_cmd), planned, release_at, self.server_id)
             res = await self._propose_echo(node, req.session, env)
         finally:
-            self.leases.unblock(todo)
+            self.leader.unblock(todo)
         out = self._merge(res.codes or [0] * len(keys), list(res.result.codes))
         if len(out) != len(keys):
             raise E.InvalidParams("a retried remove named different keys than the first attempt")
-        self.stats.forget(k for k, c in zip(keys, out) if c == 0)
+        self.leader.forget(k for k, c in zip(keys, out) if c == 0)
         return P.CodesResp(req.rid, out)
 
     async def _remove_all(self, node: RaftNode, req: P.RemoveAllReq) -> P.CountResp:
-        mono = time.monotonic()
-        self._removing_all += 1  # no new leases anywhere while it is in flight
+        ld = self.leader
+        ld.removing_all += 1  # no new leases anywhere while it is in flight
         try:
-            release_at = 0.0
-            if mono < self.leases.blanket_until:
-                if not self.term_start.settled:
-                    # An earlier term's entry still to apply may create a key this list
-                    # would miss (and RemoveAll then remove it under an old lease).
-                    raise _Busy("a new leader is still applying the earlier terms' entries")
-                leased = self.leases.leased_keys(self.sm.keys(), mono)
-            else:
-                leased = self.leases.all_leased(mono)
-            if req.force:
-                release_at = max((self.leases.expiry(k) for k in leased), default=0.0)
-                cmd = C.RemoveAll(force=True, hold=release_at > 0.0)
-            else:
-                cmd = C.RemoveAll(skip=leased)
+            plan = ld.plan_remove_all(time.monotonic(), req.force)
+            if plan is None:
+                raise _Busy("a new leader is still applying the earlier terms' entries")
+            cmd, release_at = plan
             env = _Echoed(C.encode_command(cmd), [], release_at, self.server_id)
             res = (await self._propose_echo(node, req.session, env)).result
         finally:
-            self._removing_all -= 1
+            ld.removing_all -= 1
         return P.CountResp(req.rid, int(res.removed))
 
     async def _remove_prefix(self, node: RaftNode, req: P.RemovePrefixReq) -> P.RemovePrefixResp:
@@ -1344,7 +1232,7 @@ class MasterService:
                 if lo:
                     await asyncio.sleep(0)
                 mono = time.monotonic()
-                leased = None if req.force else (lambda k, m=mono: self.leases.leased(k, m))
+                leased = self.leader.prefix_leased(mono, req.force)
                 f, n, more = self.sm.prefix_candidates(
                     req.prefix, table[lo : lo + _SCAN_SLICE], limit - len(found), leased
                 )
@@ -1356,18 +1244,18 @@ class MasterService:
                     more = True
                     break
             del table
-        cmd, release_at = plan_remove_prefix(
-            req.prefix, found, skipped, more, self.leases, time.monotonic(), req.force
+        cmd, release_at = self.leader.plan_remove_prefix(
+            req.prefix, found, skipped, more, time.monotonic(), req.force
         )
-        self.leases.block(cmd.keys)
+        self.leader.block(cmd.keys)
         try:
             env = _Echoed(C.encode_command(cmd), [], release_at, self.server_id)
             res = (await self._propose_echo(node, req.session, env)).result
         finally:
-            self.leases.unblock(cmd.keys)
+            self.leader.unblock(cmd.keys)
         if type(res) is not C.RemovePrefixResult:
             raise E.InvalidParams("a retried remove_prefix was another request the first time")
-        self.stats.forget(k for k in cmd.keys if self.sm.state_of(k) == State.GONE)
+        self.leader.forget(k for k in cmd.keys if self.sm.state_of(k) == State.GONE)
         return P.RemovePrefixResp(req.rid, int(res.removed), int(res.skipped), bool(res.more))
 
     @contextlib.asynccontextmanager
@@ -1416,13 +1304,14 @@ class MasterService:
         st["rss_bytes"] = rss = _rss_bytes()
         st["rss_per_object"] = rss // n_obj if n_obj else 0
         st["max_objects"] = self.cfg.max_objects
-        lv = self.liveness
+        ld = self.leader
+        lv = ld.liveness
         st["liveness"] = {
             "heard_s": round(lv.heard, 3),
             "stalls": lv.stalls,
-            "suspect": list(self._suspects),
+            "suspect": list(ld.suspects),
             "expired": self.counters.get("nodes_expired", 0),
-            "last_expiry_heard_s": round(self._last_expiry, 3),
+            "last_expiry_heard_s": round(ld.last_expiry, 3),
         }
         st["leases"] = len(self.leases.all_leased(time.monotonic()))
         st["hits"] = self.hits
@@ -1440,17 +1329,6 @@ def _rss_bytes() -> int:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _judge(cfg: ServiceConfig, now: float) -> LivenessJudge:
-    ttl = cfg.node_ttl_s
-    return LivenessJudge(
-        ttl,
-        cfg.node_suspect_s or ttl / 2,
-        cfg.liveness_max_gap_s or default_max_gap(ttl, cfg.ticker_s),
-        cfg.expire_max_fraction,
-        now,
-    )
 
 
 def _durable(cfg: ServiceConfig) -> bool:
