@@ -125,6 +125,7 @@ class Leader:
         self.last_expiry = 0.0  # heard time of the last expiry round
         self.evicted_total = 0
         self._last_reclaim = float("-inf")
+        self._applied: Callable[[], int] = lambda: 0
         # version (log index) of a put this leader answered -> the session that started it.
         # One entry per PutStart entry, not per key: every key an entry places has its
         # index as version, so the version names the writer. Kept for two put timeouts
@@ -156,15 +157,10 @@ class Leader:
         TTL from now. ``alone``: a lone replica holding no object can have no earlier leases
         and skips the period."""
         sm = self.sm
-        ts = TermStart(first_index)
-
-        def fresh(key: str) -> bool:
-            ts.observe(applied_index() + 1, sm.processing)  # every earlier entry applied?
-            return ts.fresh(key, sm.version_of(key))
-
-        self.term_start = ts
+        self.term_start = TermStart(first_index)
+        self._applied = applied_index
         self.leases = LeaseTable(
-            start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=fresh
+            start=now, grace=0.0 if alone else self.cfg.lease_ttl_s, fresh=self.fresh
         )
         self.liveness = self._judge(now)
         self.liveness.reset(sm.nodes(), now)
@@ -177,6 +173,13 @@ class Leader:
         self._last_reclaim = float("-inf")
         self._writers.clear()
         self._writer_times.clear()
+
+    def fresh(self, key: str) -> bool:
+        """Whether no earlier leader can have leased ``key``'s object: the exceptions to
+        the grace period (:class:`TermStart`)."""
+        ts, sm = self.term_start, self.sm
+        ts.observe(self._applied() + 1, sm.processing)  # every earlier entry applied?
+        return ts.fresh(key, sm.version_of(key))
 
     def before_apply(self, index: int) -> None:
         """Entry ``index`` is about to apply on this replica (the grace's exceptions are

@@ -4,10 +4,11 @@ Three master replicas (``kvmesh.replog`` cores on the hand-driven
 :class:`~kvmesh.replog.sim.harness.Network`) each apply the committed log to their own
 :class:`~.state.StoreStateMachine`. A virtual clock drives:
 
-* a leader-side service using the real soft state (:class:`~.leases.LeaseTable`,
-  :class:`~.leases.AccessStats`, :class:`~.liveness.LivenessJudge`, :class:`~.policy.HoldTracker`,
-  :func:`~.eviction.choose_victims`): it mounts segments, expires silent storage nodes,
-  reclaims stale puts, releases holds and evicts above the watermark;
+* the production leader (:class:`~kvmesh.store.leader.Leader`, the service's own soft state
+  and decisions: leases and the new leader's grace, access order, node liveness, what each
+  tick proposes, remove/upsert planning, eviction), driven as the service drives it: it
+  mounts segments, expires silent storage nodes, reclaims stale puts, releases holds and
+  evicts above the watermark;
 * storage nodes whose segment bytes are modelled as one tag per slice (a checksum of key,
   version and slice number); a node that dies loses its bytes and comes back later;
 * clients doing two-phase puts (write tags, then PutEnd; some soft- or hard-pinned), upserts,
@@ -34,18 +35,20 @@ At the end the network heals, every key is read through the leader (bytes checke
 put/get/exists/remove/evict history goes through :func:`kvmesh.replog.sim.linearizability.check`
 with :class:`StoreModel`.
 
-Negative controls (``plant``): ``"double_free"`` (Release frees a hold but keeps it, so the
-leader releases it again), ``"lease_ignored"`` (eviction ignores read leases),
-``"lost_put"`` (PutEnd acknowledges puts it does not publish) and ``"wall_reclaim"`` (stale
-puts reclaimed by the wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a
-leader whose clock runs ahead frees memory a writer is still writing) and
-``"prefix_lease_ignored"`` (a remove by prefix that ignores read leases), ``"no_grace"`` (a
-new leader ignores its predecessors' leases), ``"fresh_by_key"`` (an over-narrow grace:
-"put under this leader" judged by key name, not by :class:`~.leases.TermStart`'s versions)
-and ``"raw_gap"`` (node liveness judged on the raw clock gap, with ``pause``: a paused
-leader expires the nodes that kept heartbeating) must be caught. Node liveness: a serving
-node (it heartbeats) is never expired; a dead one is expired within TTL + two stages + 1 s
-of a calm leader.
+Negative controls (``plant``), each a bug planted in the real state machine or the real
+leader for the run, must be caught: in the state machine ``"double_free"`` (Release frees a
+hold but keeps it, so the leader releases it again) and ``"lost_put"`` (PutEnd acknowledges
+puts it does not publish); in the leader ``"lease_ignored"`` (eviction ignores read leases),
+``"prefix_lease_ignored"`` (a remove by prefix that ignores them), ``"no_grace"`` (a new
+leader skips the grace period for its predecessors' leases), ``"fresh_by_key"`` (an
+over-narrow grace: "put under this leader" judged by key name, not by
+:class:`~.leases.TermStart`'s versions), ``"wall_reclaim"`` (stale puts reclaimed by the
+wall-clock ``Reclaim`` cutoff, the old rule: with ``clock_skew`` a leader whose clock runs
+ahead frees memory a writer is still writing) and ``"stale_alive"`` (every node judged alive
+at each tick, whatever its last heartbeat); in the liveness judge ``"raw_gap"`` (liveness
+judged on the raw clock gap, with ``pause``: a paused leader expires the nodes that kept
+heartbeating). Node liveness: a serving node (it heartbeats) is never expired; a dead one
+is expired within TTL + two stages + 1 s of a calm leader.
 ``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
 """
 
@@ -74,10 +77,10 @@ from ...replog import (
 )
 from ...replog.sim.harness import Network
 from ..errors import Code
+from ..leader import Leader, LeaderConfig
 from ..types import ReplicateConfig
 from . import state as state_mod
 from .commands import (
-    Evict,
     ExpireNodes,
     Mount,
     PutEnd,
@@ -89,12 +92,11 @@ from .commands import (
     Upsert,
     encode_command,
 )
-from .eviction import choose_victims
 from .invariants import check as check_state
 from .invariants import extents
-from .leases import AccessStats, LeaseTable, TermStart
-from .liveness import LivenessJudge, default_max_gap, node_capacity
-from .policy import HoldTracker, PutAges, plan_remove, plan_remove_prefix, plan_upsert
+from .leases import LeaseTable
+from .liveness import LivenessJudge
+from .policy import plan_remove_prefix
 from .state import MasterConfig, StoreStateMachine
 
 __all__ = [
@@ -310,15 +312,20 @@ class StoreSim:
         self.mem: dict[tuple[str, int], int] = {}
         self.reads: list[_Read] = []
         self.read_ctx: dict[bytes, Callable[[int], None]] = {}
-        # leader soft state
+        # the leader's soft state and decisions: the production Leader (store/leader.py)
         self.lead = 0
         self.lead_term = 0
-        self.leases = LeaseTable()
-        self.term_start = TermStart(1 << 62)
+        self.lcfg = LeaderConfig(
+            lease_ttl_s=cfg.lease_ttl,
+            put_timeout_s=cfg.put_timeout,
+            node_ttl_s=cfg.node_ttl,
+            node_suspect_s=cfg.node_stage,
+            ticker_s=0.25,  # _service_tick's period
+            high_watermark=0.7,
+            evict_ratio=0.2,
+        )
+        self.ldr = Leader(self.lcfg, self.sms[1], self.now)
         self.term_keys: set[str] = set()  # keys put under this leader (a planted rule)
-        self.stats = AccessStats()
-        self.hb = self._judge()
-        self.holds = HoldTracker(self.cfg.lease_ttl)
         self.evict_inflight = False
         # storage node -> when it died; the last time the leader's view was reset or it
         # could not commit (a dead node's expiry deadline counts from the later of the two)
@@ -331,15 +338,10 @@ class StoreSim:
         self.incarn = dict.fromkeys(self.nodes, 0)  # storage node restarts
         self.seg_incarn: dict[str, int] = {}  # segment -> node incarnation that mounted it
         self.holds_pending = 0.0
-        self.put_ages = PutAges()
         self.wall_off = {
             i: self.rng.uniform(-cfg.clock_skew, cfg.clock_skew) if cfg.clock_skew else 0.0
             for i in self.ids
         }
-
-    def _judge(self) -> LivenessJudge:
-        ttl = self.cfg.node_ttl
-        return LivenessJudge(ttl, self.cfg.node_stage, default_max_gap(ttl, 0.25), 0.5, self.now)
 
     def wall(self) -> float:
         """The current leader's wall clock (what it writes into commands as ``now``)."""
@@ -409,7 +411,7 @@ class StoreSim:
                     sm.applied = e.index
                     continue
                 if i == self.lead:
-                    self.term_start.observe(e.index, sm.processing)
+                    self.ldr.before_apply(e.index)
                 try:
                     r = sm.apply(e.index, e.data)
                 except Exception as ex:  # apply must never raise: a replica would stop
@@ -457,29 +459,15 @@ class StoreSim:
             return
         self.lead_term = self.net.nodes[new].core.term
         self.res.leader_changes += 1
+        # As the service: the production Leader, elected with its last index + 1 as the
+        # first entry of its own term.
         sm = self.sms[new]
-        # As the service: an earlier leader's leases are unknown, every object one may have
-        # leased counts as leased for one lease period (TermStart: entries from the leader's
-        # last index + 1 on are its own term's).
-        ts = self.term_start = TermStart(self.net.nodes[new].core.log.last_index() + 1)
+        self.ldr = Leader(self.lcfg, sm, self.now)
+        self.ldr.elected(
+            self.now, self.net.nodes[new].core.log.last_index() + 1, lambda: sm.applied
+        )
         self.term_keys = set()
-
-        def fresh(key: str, ts: TermStart = ts, i: int = new) -> bool:
-            sm = self.sms[i]
-            ts.observe(sm.applied + 1, sm.processing)
-            if self.cfg.plant == "fresh_by_key" and key in self.term_keys:
-                return True  # planted: "a key put under this leader" judged by name
-            return ts.fresh(key, sm.version_of(key))
-
-        grace = 0.0 if self.cfg.plant == "no_grace" else self.cfg.lease_ttl
-        self.leases = LeaseTable(start=self.now, grace=grace, fresh=fresh)
-        self.stats = AccessStats()
-        self.stats.reset(sm.keys())
-        self.hb = self._judge()
-        self.hb.reset(sm.nodes(), self.now)
         self.calm_since = self.now
-        self.holds = HoldTracker(self.cfg.lease_ttl)
-        self.put_ages = PutAges()
         self.evict_inflight = False
 
     def _service_tick(self) -> None:
@@ -504,22 +492,22 @@ class StoreSim:
                     done,
                 ):
                     self.mounted[n] = False
-        verdict = self.hb.tick(self.now, node_capacity(sm.segments()))
-        expired = [n for n in verdict.expire if n in sm.nodes()]
-        self._check_liveness(sm, expired)
-        if expired:
+        ld = self.ldr
+        exp = ld.expiry(self.now, self.wall())
+        self._check_liveness(sm, exp.node_ids if exp is not None else [])
+        if exp is not None:
             t0 = self.now
 
-            def exp_done(r: Any, t0: float = t0) -> None:
+            def exp_done(r: Any, t0: float = t0, exp: ExpireNodes = exp) -> None:
+                ld.expired(exp, r)
                 if r is None:
                     return
                 self.res.expiries += 1
-                self.hb.expired(n for n, c in zip(expired, r.codes) if c == 0)
                 for k in r.lost:
                     h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
                     self.history.ok(h, "ok")
 
-            self.propose(ExpireNodes(expired, self.wall()), exp_done)
+            self.propose(exp, exp_done)
 
         t0 = self.now
 
@@ -536,25 +524,19 @@ class StoreSim:
                     self._kill_node(n)
                     self.res.drains += 1
 
-        if self.cfg.plant == "wall_reclaim":  # the old rule: wall-clock cutoff in apply
-            self.propose(Reclaim(self.wall(), self.cfg.put_timeout), reclaimed)
-        else:
-            stale = self.put_ages.stale(sm.processing_puts(), self.now, self.cfg.put_timeout)
-            if stale:
-                self.propose(PutRevoke([k for k, _ in stale], [v for _, v in stale]), lambda r: 0)
-            self.propose(Reclaim(self.wall(), float("inf")), reclaimed)
-        rel = self.holds.due(sm.held_tags(), self.leases, self.now)
+        for cmd in ld.reclaim(self.now, self.wall()):
+            self.propose(cmd, reclaimed if type(cmd) is Reclaim else lambda r: None)
+        rel = ld.release(self.now)
         if rel is not None:
-            tags = rel.tags
 
-            def rel_done(r: Any, tags: list[int] = tags) -> None:
+            def rel_done(r: Any, rel: Release = rel) -> None:
+                ld.released(rel, r)
                 if r is not None:
                     self.res.holds_released += sum(1 for c in r.codes if c == 0)
-                    if self.cfg.plant != "double_free":
-                        self.holds.forget(tags)
 
             self.propose(rel, rel_done)
         self._maybe_evict(0)
+        ld.purge(self.now)
 
     def _check_liveness(self, sm: StoreStateMachine, expiring: list[str]) -> None:
         """The liveness judge's two promises: never expire a node that heartbeats (every
@@ -584,22 +566,16 @@ class StoreSim:
     def _maybe_evict(self, need: int) -> None:
         if not self.lead or self.evict_inflight:
             return
-        sm = self.sms[self.lead]
-        leases = LeaseTable() if self.cfg.plant == "lease_ignored" else self.leases
-        plan = choose_victims(
-            sm, leases, self.stats, self.now, high_watermark=0.7, evict_ratio=0.2, need=need
-        )
-        if not plan.keys:
+        ld = self.ldr
+        cmd = ld.eviction(self.now, self.wall(), need)
+        if cmd is None:
             return
-        self._count_exempt(plan.keys)
+        self._count_exempt(cmd.keys)
         t0 = self.now
-        keys = plan.keys
-
-        leases = self.leases
-        leases.block(keys)  # no new lease on a victim while its eviction is in flight
+        keys = cmd.keys
 
         def done(r: Any) -> None:
-            leases.unblock(keys)
+            ld.evicted(cmd, r)
             self.evict_inflight = False
             if r is None:
                 for k in keys:
@@ -611,17 +587,16 @@ class StoreSim:
                 if c == 0:
                     h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
                     self.history.ok(h, "ok")
-            self.stats.forget(k for k, c in zip(keys, r.codes) if c == 0)
 
-        if self.propose(Evict(plan.keys, plan.versions, self.wall(), plan.allow_soft), done):
+        if self.propose(cmd, done):
             self.evict_inflight = True
         else:
-            leases.unblock(keys)
+            ld.evicted(cmd, None)
 
     def _count_exempt(self, keys: list[str], unheld: bool = True) -> None:
         """Count keys of an existing object freed or rewritten during the grace period
         (the keys TermStart found fresh: before, every such request waited it out)."""
-        if self.now < self.leases.blanket_until and unheld and self.lead:
+        if self.now < self.ldr.leases.blanket_until and unheld and self.lead:
             sm = self.sms[self.lead]
             self.res.grace_exempt += sum(1 for k in keys if sm.version_of(k))
 
@@ -632,7 +607,7 @@ class StoreSim:
         silent until the leader expired its old segment and it mounted a new one."""
         for n, alive in self.nodes.items():
             if alive and self.lead and self._serving(n) and self.now >= self.quiet_until:
-                self.hb.beat(n, self.now)
+                self.ldr.heartbeat(n, self.now)
                 self.dead_since.pop(n, None)
 
     def _serving(self, n: str) -> bool:
@@ -689,13 +664,13 @@ class StoreSim:
         if upsert:
             sm = self.sms[self.lead]
             up = Upsert([key], [size], rcfg, self.wall(), 2.0)
-            plan = plan_upsert(self.leases, [sm.state_of(key) != 0], up, self.now)
+            plan = self.ldr.plan_upsert([sm.state_of(key) != 0], up, self.now)
             if plan.command is None:
                 self.history.ok(h, "leased")
                 return self._next(cid)
             self._count_exempt([key])
             cmd: Any = plan.command
-            blocked = self.leases
+            blocked = self.ldr
             blocked.block([key])  # no new lease while a rewrite of the key is in flight
         else:
             cmd = PutStart([key], [size], rcfg, self.wall(), 2.0)
@@ -777,7 +752,7 @@ class StoreSim:
                 self.history.info(h)
             elif r.codes[0] == 0:
                 self.history.ok(h, "ok")
-                self.stats.touch([key])
+                self.ldr.touch([key])
             else:
                 self.history.fail(h)
             self._next(cid)
@@ -825,15 +800,15 @@ class StoreSim:
                 return
             state["done"] = True
             sm = self.sms[self.lead]
-            if self.leases.blocked(key):
+            if self.ldr.blocked(key):
                 self.history.fail(h)
                 return self._next(cid)
             lk = sm.lookup([key])[0]
             if lk.code:
                 self.history.ok(h, None)
                 return self._next(cid)
-            until = self.leases.grant([key], self.now, self.cfg.lease_ttl)[0]
-            self.stats.touch([key])
+            until = self.ldr.lease([key], self.now)[0]
+            self.ldr.touch([key])
             copy = lk.replicas[self.rng.randrange(len(lk.replicas))]
             slices = [(d.segment, d.offset, j) for j, d in enumerate(copy.slices)]
             rd = _Read(key, lk.version, slices, until, h)
@@ -901,24 +876,24 @@ class StoreSim:
         if not self.lead:
             self.history.fail(h)
             return self._next(cid)
-        plan = plan_remove(self.leases, [key], self.now, force=force)
+        ld = self.ldr
+        plan = ld.plan_remove([key], self.now, force=force)
         if plan.command is None:
             self.history.ok(h, "leased")
             return self._next(cid)
         self._count_exempt([key], not plan.release_at)
-        leases = self.leases
-        leases.block([key])
+        ld.block([key])
         release_at = plan.release_at
 
         def done(r: Any) -> None:
-            leases.unblock([key])
+            ld.unblock([key])
             if r is None:
                 self.history.info(h)
             else:
                 c = r.codes[0]
                 self.history.ok(h, {0: "ok", int(Code.OBJECT_NOT_FOUND): "notfound"}.get(c, "busy"))
                 if c == 0:
-                    self.stats.forget([key])
+                    ld.forget([key])
             self._next(cid)
 
         cmd = plan.command
@@ -926,11 +901,11 @@ class StoreSim:
             self.holds_pending = release_at
         idx = self.propose(cmd, done)
         if not idx:
-            leases.unblock([key])
+            ld.unblock([key])
             self.history.fail(h)
             return self._next(cid)
         if cmd.hold:
-            self.holds.note(idx, release_at)
+            ld.note_hold(idx, release_at)
 
     def _remove_prefix(self, cid: int, prefix: str, force: bool) -> None:
         """One round of a remove by prefix, as the service does it: scan the leader's table
@@ -939,17 +914,16 @@ class StoreSim:
         if not self.lead:
             return self._next(cid)
         sm = self.sms[self.lead]
-        judge = LeaseTable() if self.cfg.plant == "prefix_lease_ignored" else self.leases
-        leased = None if force else (lambda k: judge.leased(k, self.now))
+        ld = self.ldr
+        leased = ld.prefix_leased(self.now, force)
         found, skipped, more = sm.prefix_candidates(prefix, sm.keys(), 4, leased)
-        cmd, release_at = plan_remove_prefix(prefix, found, skipped, more, judge, self.now, force)
+        cmd, release_at = ld.plan_remove_prefix(prefix, found, skipped, more, self.now, force)
         t0 = self.now
         hs = [self.history.invoke(cid, StoreOp("prune", k), t=t0) for k in cmd.keys]
-        leases = self.leases
-        leases.block(cmd.keys)
+        ld.block(cmd.keys)
 
         def done(r: Any) -> None:
-            leases.unblock(cmd.keys)
+            ld.unblock(cmd.keys)
             for h in hs:
                 if r is None:
                     self.history.info(h)
@@ -957,17 +931,17 @@ class StoreSim:
                     self.history.ok(h, None)
             if r is not None:
                 self.res.prefix_removes += 1
-                self.stats.forget(cmd.keys)
+                ld.forget(cmd.keys)
             self._next(cid)
 
         idx = self.propose(cmd, done)
         if not idx:
-            leases.unblock(cmd.keys)
+            ld.unblock(cmd.keys)
             for h in hs:
                 self.history.fail(h)
             return self._next(cid)
         if cmd.hold:
-            self.holds.note(idx, release_at)
+            ld.note_hold(idx, release_at)
 
     # -------------------------------------------------------------------- checks
 
@@ -1026,7 +1000,7 @@ class StoreSim:
         next_fault = 3.0
         next_pause = 2.5 if cfg.pause else float("inf")
         healed_at = None
-        with _planted(cfg.plant):
+        with _planted(cfg.plant, self):
             try:
                 while self.now < cfg.duration:
                     self.steps += 1
@@ -1181,10 +1155,17 @@ class StoreSim:
 
 
 @contextmanager
-def _planted(plant: str | None):
-    """Negative controls: plant a bug in the real state machine for the run."""
+def _planted(plant: str | None, sim: StoreSim):
+    """Negative controls: plant a bug in the real state machine or the real leader
+    (store/leader.py) for the run."""
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, fn: Any) -> None:
+        patches.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fn)
+
     if plant == "lost_put":
-        orig_end = state_mod.StoreStateMachine._put_end
+        orig_end = getattr(state_mod.StoreStateMachine, "_put_end")  # noqa: B009 (the plant replaces it)
 
         def lossy_put_end(self: StoreStateMachine, index: int, c: PutEnd):
             # acknowledges every key but never publishes some of them
@@ -1192,58 +1173,98 @@ def _planted(plant: str | None):
             res = orig_end(self, index, PutEnd([k for k, _ in kept], [v for _, v in kept]))
             return type(res)([0] * len(c.keys))
 
-        state_mod.StoreStateMachine._put_end = lossy_put_end  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            state_mod.StoreStateMachine._put_end = orig_end  # type: ignore[method-assign]
-        return
-    if plant == "raw_gap":
+        patch(state_mod.StoreStateMachine, "_put_end", lossy_put_end)
+    elif plant == "raw_gap":
         # the old rule: liveness judged on the raw clock gap, a stopped leader's own pause
         # counted as the nodes' silence
-        orig_adv = LivenessJudge._advance
-
         def raw_advance(self: LivenessJudge, now: float) -> bool:
             if now > self._seen:
                 self.heard += now - self._seen
                 self._seen = now
             return False
 
-        LivenessJudge._advance = raw_advance  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            LivenessJudge._advance = orig_adv  # type: ignore[method-assign]
-        return
-    if plant != "double_free":
-        yield
-        return
-    orig = state_mod.StoreStateMachine._release
+        patch(LivenessJudge, "_advance", raw_advance)
+    elif plant == "double_free":
+        patch(state_mod.StoreStateMachine, "_release", _leaky_release)
+        patch(Leader, "released", lambda self, cmd, result: None)  # and released again
+    elif plant == "lease_ignored":
+        orig_evict = Leader.eviction
 
-    def leaky_release(self: StoreStateMachine, index: int, c: Release):  # frees, keeps the hold
-        from .commands import Codes
+        def evict_unleased(self: Leader, now: float, wall: float, need=0, objects=0):
+            real, self.leases = self.leases, LeaseTable()  # the choice sees no lease
+            try:
+                cmd = orig_evict(self, now, wall, need, objects)
+            finally:
+                self.leases = real
+            if cmd is not None:
+                real.block(cmd.keys)  # evicted() unblocks them there
+            return cmd
 
-        codes = []
-        for tag in c.tags:
-            ext = self.held.get(tag)
-            if ext is None:
-                codes.append(int(Code.OBJECT_NOT_FOUND))
-                continue
-            for sid, off, ln in ext:
-                seg = self.segs.get(sid)
-                if seg is not None:
-                    try:
-                        seg.alloc.free(off, ln)
-                    except Exception:
-                        pass
-            codes.append(0)
-        return Codes(codes)
+        patch(Leader, "eviction", evict_unleased)
+    elif plant == "prefix_lease_ignored":
+        patch(Leader, "prefix_leased", lambda self, now, force: None)
+        patch(
+            Leader,
+            "plan_remove_prefix",
+            lambda self, prefix, found, skipped, more, now, force: plan_remove_prefix(
+                prefix, found, skipped, more, LeaseTable(), now, force
+            ),
+        )
+    elif plant == "no_grace":  # a new leader skips the grace period (as if alone)
+        orig_elected = Leader.elected
+        patch(
+            Leader,
+            "elected",
+            lambda self, now, first, applied, alone=False: orig_elected(
+                self, now, first, applied, True
+            ),
+        )
+    elif plant == "fresh_by_key":  # "a key put under this leader" judged by name
+        orig_fresh = Leader.fresh
+        patch(Leader, "fresh", lambda self, key: key in sim.term_keys or orig_fresh(self, key))
+    elif plant == "wall_reclaim":  # the old rule: a wall-clock cutoff in apply
+        patch(
+            Leader,
+            "reclaim",
+            lambda self, now, wall: [Reclaim(wall, self.cfg.put_timeout_s)],
+        )
+    elif plant == "stale_alive":
+        # every node the table holds judged alive at each tick, whatever its last heartbeat
+        orig_expiry = Leader.expiry
 
-    state_mod.StoreStateMachine._release = leaky_release  # type: ignore[method-assign]
+        def expiry_fresh(self: Leader, now: float, wall: float):
+            self.liveness.reset(self.sm.nodes(), now)
+            return orig_expiry(self, now, wall)
+
+        patch(Leader, "expiry", expiry_fresh)
+    elif plant is not None:
+        raise ValueError(f"unknown plant {plant!r}")
     try:
         yield
     finally:
-        state_mod.StoreStateMachine._release = orig  # type: ignore[method-assign]
+        for owner, name, orig in reversed(patches):
+            setattr(owner, name, orig)
+
+
+def _leaky_release(self: StoreStateMachine, index: int, c: Release):
+    """Release that frees the held bytes but keeps the hold (the double_free plant)."""
+    from .commands import Codes
+
+    codes = []
+    for tag in c.tags:
+        ext = self.held.get(tag)
+        if ext is None:
+            codes.append(int(Code.OBJECT_NOT_FOUND))
+            continue
+        for sid, off, ln in ext:
+            seg = self.segs.get(sid)
+            if seg is not None:
+                try:
+                    seg.alloc.free(off, ln)
+                except Exception:
+                    pass
+        codes.append(0)
+    return Codes(codes)
 
 
 def run_seed(seed: int, **kw: Any) -> SimResult:
