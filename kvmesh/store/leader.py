@@ -17,7 +17,7 @@ out). What it holds is not replicated: a new leader builds it from scratch
 * **Access order** (:class:`~.master.leases.AccessStats`) for eviction.
 * **Node liveness** (:class:`~.master.liveness.LivenessJudge`), judged over time this leader
   could hear: :meth:`Leader.heartbeat`, :meth:`Leader.observe`, :meth:`Leader.expiry`.
-* **What each tick proposes**, in order: :meth:`Leader.expiry` (ExpireNodes),
+* **What each tick proposes** (:meth:`Leader.tick`), in order: :meth:`Leader.expiry` (ExpireNodes),
   :meth:`Leader.reclaim` (PutRevoke of stale puts judged on the monotonic clock, Reclaim to
   finish drains), :meth:`Leader.release` (Release of held bytes whose leases are over),
   :meth:`Leader.eviction` (Evict above the watermark or the object cap), then
@@ -33,7 +33,7 @@ and :meth:`evicted` do it themselves.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -314,6 +314,27 @@ class Leader:
         self.expired_total += len(gone)
 
     # ------------------------------------------------------------------ the tick
+
+    def tick(
+        self, now: float, wall: float, evict: bool = True
+    ) -> Iterator[tuple[Any, Callable[[Any], Any] | None]]:
+        """What one ticker turn proposes, in order: ``(command, done)`` pairs, each
+        decided once the one before was handled (a generator: the driver proposes a
+        command, then calls ``done(result)`` -- ``None``: failed or unknown -- before asking
+        for the next; one that proposes without waiting calls ``done`` when the result
+        comes). ``evict``: False while the driver has an eviction in flight of its own."""
+        exp = self.expiry(now, wall)
+        if exp is not None:
+            yield exp, lambda r: self.expired(exp, r)
+        for cmd in self.reclaim(now, wall):
+            yield cmd, None
+        rel = self.release(now)
+        if rel is not None:
+            yield rel, lambda r: self.released(rel, r)
+        ev = self.eviction(now, wall) if evict else None
+        if ev is not None:
+            yield ev, lambda r: self.evicted(ev, r)
+        self.purge(now)
 
     def reclaim(self, now: float, wall: float) -> list[Any]:
         """Every :attr:`LeaderConfig.reclaim_every_s`: a PutRevoke of the puts stale on this

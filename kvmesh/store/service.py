@@ -486,13 +486,7 @@ class MasterService:
             if not node.is_leader:
                 continue
             try:
-                mono = time.monotonic()
-                await self._expire_nodes(mono)
-                for cmd in self.leader.reclaim(mono, _now()):
-                    await self._propose_plain(cmd)
-                await self._release_held(mono)
-                await self._evict(mono)
-                self.leader.purge(mono)
+                await self._tick(time.monotonic())
             except (TimeoutError, ReplogError) as e:
                 log.debug("store ticker: %s", e)
             except Exception:
@@ -513,20 +507,28 @@ class MasterService:
                     self.leader.liveness.max_gap,
                 )
 
-    async def _expire_nodes(self, mono: float) -> None:
-        """One liveness judgement (master/liveness.py) and the expiry it decides."""
+    async def _tick(self, mono: float) -> None:
+        """One ticker turn: the leader's proposals (Leader.tick), one after the other."""
         ld = self.leader
         before = ld.suspects
-        cmd = ld.expiry(mono, _now())
-        v = ld.verdict
-        if v.suspect and v.suspect != before:
-            log.info("store master: storage nodes %s are suspect (no heartbeat)", v.suspect)
-        if cmd is not None:
-            log.warning(
-                "store master: storage nodes %s missed heartbeats; expiring them", cmd.node_ids
-            )
-            ld.expired(cmd, await self._propose_plain(cmd))
+        try:
+            for cmd, done in ld.tick(mono, _now()):
+                if type(cmd) is C.ExpireNodes:
+                    log.warning(
+                        "store master: storage nodes %s missed heartbeats; expiring them",
+                        cmd.node_ids,
+                    )
+                res = None
+                try:
+                    res = await self._propose_plain(cmd)
+                finally:
+                    if done is not None:
+                        done(res)
+        finally:
+            if ld.suspects and ld.suspects != before:
+                log.info("store master: storage nodes %s are suspect (no heartbeat)", ld.suspects)
             self.counters["nodes_expired"] = ld.expired_total
+            self.counters["evicted"] = ld.evicted_total
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
         """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
@@ -546,13 +548,6 @@ class MasterService:
 
         self._snap_task = asyncio.get_running_loop().create_task(snap(), name="store-snapshot")
 
-    async def _release_held(self, mono: float) -> None:
-        """Release the bytes of forced removes once every lease on them is over
-        (:class:`~kvmesh.store.master.policy.HoldTracker` decides)."""
-        rel = self.leader.release(mono)
-        if rel is not None:
-            self.leader.released(rel, await self._propose_plain(rel))
-
     async def _evict(self, mono: float, need: int = 0, objects: int = 0) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
@@ -565,8 +560,8 @@ class MasterService:
         try:
             res = await self._propose_plain(cmd)
         finally:
-            gone = self.leader.evicted(cmd, res)
-        self.counters["evicted"] = self.counters.get("evicted", 0) + len(gone)
+            self.leader.evicted(cmd, res)
+            self.counters["evicted"] = self.leader.evicted_total
         return int(res.freed)
 
     async def _propose_plain(self, cmd: Any) -> Any:

@@ -81,6 +81,7 @@ from ..leader import Leader, LeaderConfig
 from ..types import ReplicateConfig
 from . import state as state_mod
 from .commands import (
+    Evict,
     ExpireNodes,
     Mount,
     PutEnd,
@@ -493,50 +494,56 @@ class StoreSim:
                 ):
                     self.mounted[n] = False
         ld = self.ldr
-        exp = ld.expiry(self.now, self.wall())
-        self._check_liveness(sm, exp.node_ids if exp is not None else [])
-        if exp is not None:
-            t0 = self.now
-
-            def exp_done(r: Any, t0: float = t0, exp: ExpireNodes = exp) -> None:
-                ld.expired(exp, r)
-                if r is None:
-                    return
-                self.res.expiries += 1
-                for k in r.lost:
-                    h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
-                    self.history.ok(h, "ok")
-
-            self.propose(exp, exp_done)
-
         t0 = self.now
+        self._check_liveness(sm, [])
+        # The leader's proposals (Leader.tick), each proposed as it is decided; the results
+        # come later (done then), so one tick may have several in flight, as in the service
+        # when the log is slow.
+        for cmd, done in ld.tick(self.now, self.wall(), evict=not self.evict_inflight):
+            kind = type(cmd)
+            if kind is ExpireNodes:
+                self._check_liveness(sm, cmd.node_ids)
+                self.propose(cmd, self._after(done, self._expired, t0))
+            elif kind is Reclaim:
+                self.propose(cmd, self._after(done, self._reclaimed, t0))
+            elif kind is Release:
+                self.propose(cmd, self._after(done, self._released, t0))
+            elif kind is Evict:
+                self._propose_evict(cmd, done)
+            else:
+                self.propose(cmd, self._after(done, None, t0))
 
-        def reclaimed(r: Any) -> None:
-            if r is None:
-                return
-            for k in r.lost:
-                h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
-                self.history.ok(h, "ok")
-            # A node that left gracefully exits once its drained segment is dropped.
-            for seg in r.unmounted:
-                n = seg[4:]
-                if self.nodes.get(n) and self.seg_incarn.get(seg) == self.incarn[n]:
-                    self._kill_node(n)
-                    self.res.drains += 1
+    @staticmethod
+    def _after(
+        done: Callable[[Any], Any] | None, then: Callable[[Any, float], None] | None, t0: float
+    ) -> Callable[[Any], None]:
+        def cb(r: Any) -> None:
+            if done is not None:
+                done(r)
+            if then is not None and r is not None:
+                then(r, t0)
 
-        for cmd in ld.reclaim(self.now, self.wall()):
-            self.propose(cmd, reclaimed if type(cmd) is Reclaim else lambda r: None)
-        rel = ld.release(self.now)
-        if rel is not None:
+        return cb
 
-            def rel_done(r: Any, rel: Release = rel) -> None:
-                ld.released(rel, r)
-                if r is not None:
-                    self.res.holds_released += sum(1 for c in r.codes if c == 0)
+    def _expired(self, r: Any, t0: float) -> None:
+        self.res.expiries += 1
+        for k in r.lost:
+            h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
+            self.history.ok(h, "ok")
 
-            self.propose(rel, rel_done)
-        self._maybe_evict(0)
-        ld.purge(self.now)
+    def _reclaimed(self, r: Any, t0: float) -> None:
+        for k in r.lost:
+            h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
+            self.history.ok(h, "ok")
+        # A node that left gracefully exits once its drained segment is dropped.
+        for seg in r.unmounted:
+            n = seg[4:]
+            if self.nodes.get(n) and self.seg_incarn.get(seg) == self.incarn[n]:
+                self._kill_node(n)
+                self.res.drains += 1
+
+    def _released(self, r: Any, t0: float) -> None:
+        self.res.holds_released += sum(1 for c in r.codes if c == 0)
 
     def _check_liveness(self, sm: StoreStateMachine, expiring: list[str]) -> None:
         """The liveness judge's two promises: never expire a node that heartbeats (every
@@ -568,14 +575,16 @@ class StoreSim:
             return
         ld = self.ldr
         cmd = ld.eviction(self.now, self.wall(), need)
-        if cmd is None:
-            return
+        if cmd is not None:
+            self._propose_evict(cmd, lambda r: ld.evicted(cmd, r))
+
+    def _propose_evict(self, cmd: Evict, done: Callable[[Any], Any]) -> None:
         self._count_exempt(cmd.keys)
         t0 = self.now
         keys = cmd.keys
 
-        def done(r: Any) -> None:
-            ld.evicted(cmd, r)
+        def evicted(r: Any) -> None:
+            done(r)
             self.evict_inflight = False
             if r is None:
                 for k in keys:
@@ -588,10 +597,10 @@ class StoreSim:
                     h = self.history.invoke("sys", StoreOp("drop", k), t=t0)
                     self.history.ok(h, "ok")
 
-        if self.propose(cmd, done):
+        if self.propose(cmd, evicted):
             self.evict_inflight = True
         else:
-            ld.evicted(cmd, None)
+            done(None)
 
     def _count_exempt(self, keys: list[str], unheld: bool = True) -> None:
         """Count keys of an existing object freed or rewritten during the grace period
