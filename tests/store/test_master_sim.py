@@ -228,3 +228,25 @@ def test_a_judge_that_never_expires_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(LivenessJudge, "tick", never)
     caught = [r for r in (run_seed(s, duration=DURATION) for s in range(6)) if not r.ok]
     assert caught and "still mounted" in caught[0].violation, [r.violation for r in caught]
+
+
+def test_planted_stale_heartbeat_judged_alive_is_caught() -> None:
+    """The production leader (store/leader.py) judging every node alive at each tick,
+    whatever its last heartbeat: a dead node is never expired."""
+    seed, r = _first_caught("stale_alive", max_seeds=6)
+    assert r is not None, "a leader that judges stale heartbeats alive went unnoticed"
+    assert "still mounted" in r.violation, r.violation
+    assert seed in CLEAN_SEEDS
+
+
+def test_the_simulator_drives_the_production_leader() -> None:
+    """The decisions the simulator checks are the service's own: one Leader class."""
+    from kvmesh.store.leader import Leader
+    from kvmesh.store.master.sim import SimConfig, StoreSim
+    from kvmesh.store.service import MasterService, ServiceConfig
+
+    sim = StoreSim(SimConfig(seed=0, duration=2.0))
+    sim.run()
+    svc = MasterService(ServiceConfig(listen="127.0.0.1:0", durability="memory"))
+    assert type(sim.ldr) is Leader and type(svc.leader) is Leader
+    assert sim.res.leader_changes >= 1 and sim.ldr.sm is sim.sms[sim.lead]

@@ -11,7 +11,6 @@ import contextlib
 import threading
 
 from kvmesh.store import StoreClient
-from kvmesh.store import service as service_mod
 from kvmesh.store.embedded_master import EmbeddedMaster
 
 
@@ -22,7 +21,7 @@ def _drive(monkeypatch, *, unbounded: bool) -> int:
     active = [0]
     peak = [0]
     real_key_list = svc.sm.key_list
-    real_plan = service_mod.plan_remove_prefix
+    real_plan = svc.leader.plan_remove_prefix
 
     def key_list():
         active[0] += 1
@@ -35,7 +34,7 @@ def _drive(monkeypatch, *, unbounded: bool) -> int:
         return real_plan(*a, **kw)
 
     monkeypatch.setattr(svc.sm, "key_list", key_list)
-    monkeypatch.setattr(service_mod, "plan_remove_prefix", plan)
+    monkeypatch.setattr(svc.leader, "plan_remove_prefix", plan)
     if unbounded:
 
         class _NoLock:
