@@ -139,6 +139,8 @@ def data_path(limits: dict, a: Any, case: str, host_id: str | None) -> list[dict
                         ops_per_s=batch / t_put,
                     )
                 )
+                if a.put_stages:
+                    rows[-1]["put_stages_us"] = _put_stages(c, put_once, cleanup, a.put_stages, cl)
                 put_once()
                 keys = put_once.keys  # type: ignore[attr-defined]
                 got = c.get_into(keys, dst, offs, sizes)
@@ -169,6 +171,79 @@ def data_path(limits: dict, a: Any, case: str, host_id: str | None) -> list[dict
             c.close()
             peer.close()
     return rows
+
+
+# The stages of one batch put as the client sees them (bench/store.py --put-stages N):
+# entered put_from -> PutStart sent -> its reply -> engine write begins -> written ->
+# PutEnd sent -> its reply -> put_from returns, and the master's CPU per put (/proc).
+_PUT_STAGES = (
+    ("client_before_put_start", "put>", "rpc0>"),
+    ("put_start_round_trip", "rpc0>", "rpc0<"),
+    ("client_reply_to_write", "rpc0<", "move>"),
+    ("engine_write", "move>", "move<"),
+    ("client_write_to_put_end", "move<", "rpc1>"),
+    ("put_end_round_trip", "rpc1>", "rpc1<"),
+    ("client_after_put_end", "rpc1<", "put<"),
+    ("total", "put>", "put<"),
+)
+
+
+def _put_stages(c: Any, put_once: Any, cleanup: Any, n: int, cl: Any) -> dict[str, float]:
+    """Medians over ``n`` puts of each stage of :data:`_PUT_STAGES`, in us (timers on the
+    instance: ``MasterClient.mutate`` and ``StoreClient._move_arrays``, ~1 us each), plus
+    ``master_cpu``: the master process's CPU per put and its cleanup (``remove``: /proc
+    counts CPU in clock ticks, too coarse for one put)."""
+    ev: dict[str, float] = {}
+    clock = time.perf_counter
+    rpc, mutate, move = c.rpc, c.rpc.mutate, c._move_arrays
+
+    def timed_mutate(*args: Any, **kw: Any) -> Any:
+        k = f"rpc{sum(1 for e in ev if e.startswith('rpc') and e.endswith('>'))}"
+        ev[k + ">"] = clock()
+        try:
+            return mutate(*args, **kw)
+        finally:
+            ev[k + "<"] = clock()
+
+    def timed_move(*args: Any, **kw: Any) -> Any:
+        ev["move>"] = clock()
+        try:
+            return move(*args, **kw)
+        finally:
+            ev["move<"] = clock()
+
+    pid = cl.procs[cl.ids[0]].pid
+    got: dict[str, list[float]] = {name: [] for name, _, _ in _PUT_STAGES}
+    rpc.mutate, c._move_arrays = timed_mutate, timed_move
+    c0 = cpu_seconds(pid)
+    try:
+        for _ in range(n):
+            ev.clear()
+            ev["put>"] = clock()
+            put_once()
+            ev["put<"] = clock()
+            if {"rpc0>", "rpc1<", "move<"} <= ev.keys() and "rpc2>" not in ev:
+                for name, a0, a1 in _PUT_STAGES:  # one PutStart, one write, one PutEnd
+                    got[name].append((ev[a1] - ev[a0]) * 1e6)
+            cleanup()
+    finally:
+        del rpc.mutate, c._move_arrays  # back to the class's methods
+    cpu = cpu_seconds(pid) - c0
+    out = {k: round(float(np.median(v)), 1) for k, v in got.items() if v}
+    out["master_cpu"] = round(cpu / n * 1e6, 1)
+    return out
+
+
+def _print_put_stages(rows: list[dict[str, Any]]) -> None:
+    staged = [r for r in rows if "put_stages_us" in r]
+    if not staged:
+        return
+    names = [name for name, _, _ in _PUT_STAGES] + ["master_cpu"]
+    print("put stages, medians in us (" + ", ".join(names) + "):")
+    for r in staged:
+        st = r["put_stages_us"]
+        cols = " ".join(f"{st.get(k, float('nan')):8.1f}" for k in names)
+        print(f"  {r['case']:13s} {r['page_bytes'] >> 10:5d} KiB x {r['batch']:<4d} {cols}")
 
 
 def _exists_and_latency(
@@ -446,6 +521,14 @@ def _options(ap: Any) -> None:
     )
     ap.add_argument("--only-failover", action="store_true", help="run only the failover case")
     ap.add_argument(
+        "--put-stages",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the stages of N more puts per put row (client round trips, write, "
+        "master CPU per put): printed and in the JSON rows as put_stages_us",
+    )
+    ap.add_argument(
         "--objects",
         type=int,
         default=0,
@@ -494,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['lost_keys']} of {r['acked_keys']} acknowledged keys lost"
             )
     print_table(rows, [f for f in FIELDS if f != "ratio_tcp"])
+    _print_put_stages(rows)
     print(f"done in {time.monotonic() - t_start:.0f} s")
     if a.json:
         write_json(a.json, "store", limits, rows)

@@ -243,6 +243,11 @@ class RaftNode:
         self._snap_index = 0
         self._snapshotting = False
         self._running = False
+        # A Ready is being handled (by the Ready loop, or begun inline and handed to it):
+        # no other may start until it is advanced.
+        self._in_ready = False
+        self._inline = config.durability == "memory"  # see _proposed
+        self._handoff: tuple[Any, Any] | None = None  # (path generator, its pending effect)
         self._stopped = asyncio.Event()
         self.fatal_error: BaseException | None = None
         ttl, lim = config.session_ttl_s, config.session_limits
@@ -531,7 +536,7 @@ class RaftNode:
         futs = [
             self._track(idx, core.term, timeout) for idx in range(last - len(datas) + 1, last + 1)
         ]
-        self._wake.set()
+        self._proposed()
         return list(await asyncio.gather(*futs, return_exceptions=True))
 
     async def register_session(self, timeout: float | None = None) -> int:
@@ -570,8 +575,43 @@ class RaftNode:
             raise self._not_leader(e.leader_hint) from None
         self.metrics["proposals"] += 1
         fut = self._track(idx, core.term, timeout)
-        self._wake.set()
+        self._proposed()
         return fut
+
+    def _proposed(self) -> None:
+        """After a proposal was appended to the core (its future tracked). With a memory log
+        the Readies it makes are handled here and now, in the proposer's call: there is no
+        fsync to share with proposals still to come, so waiting for the Ready loop's turn
+        only costs two more event-loop wake-ups per request (the loop's, then the
+        proposer's on its resolved future). A single voter commits and applies the entry
+        before this returns (the proposer's ``await`` then does not suspend); with peers,
+        the appends go out now. The ordering is the one :class:`ReadyPath` path: a Ready
+        whose path needs I/O or a yield (a snapshot, a long apply) is handed to the Ready
+        loop where it stands, and none starts while another is unfinished."""
+        if self._inline and not self._in_ready and self._running:
+            self._drain_inline()
+        else:
+            self._wake.set()
+
+    def _drain_inline(self) -> None:
+        core = self.core
+        path = self._path
+        assert core is not None and path is not None
+        self._in_ready = True
+        try:
+            while self._running and core.has_ready():
+                gen = self._begin_ready(core.ready())
+                try:
+                    eff = gen.send(None)
+                except StopIteration:
+                    self._after_ready()
+                    continue
+                self._handoff = (gen, eff)  # the Ready loop performs it and finishes the path
+                self._wake.set()
+                return
+        except BaseException as e:  # noqa: BLE001 - storage/apply failures are fatal
+            self._fatal(e)
+        self._in_ready = False
 
     def _track(self, idx: int, term: int, timeout: float | None) -> asyncio.Future:
         """A future resolved when index ``idx`` is applied (or times out)."""
@@ -827,30 +867,51 @@ class RaftNode:
             while self._running:
                 await self._wake.wait()
                 self._wake.clear()
+                handoff, self._handoff = self._handoff, None
+                if handoff is not None:  # a Ready begun inline (_proposed) comes first
+                    await self._run_path(*handoff)
+                    self._in_ready = False
                 while self._running and core.has_ready():
+                    self._in_ready = True
                     await self._handle_ready(core.ready())
+                    self._in_ready = False
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - storage/apply failures are fatal
             self._fatal(e)
 
+    def _begin_ready(self, rd: Ready) -> Any:
+        self.metrics["readies"] += 1
+        self.metrics["entries_persisted"] += len(rd.entries_to_append)
+        assert self._path is not None
+        return self._path.run(rd)
+
+    def _after_ready(self) -> None:
+        if (
+            not self._snapshotting
+            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
+        ):
+            self._snapshotting = True
+            asyncio.get_running_loop().create_task(self._snapshot_task())
+
     async def _handle_ready(self, rd: Ready) -> None:
         """Run the shared Ready path, performing its effects with asyncio: the fsync and
         file writes in worker threads (the loop keeps stepping messages meanwhile)."""
-        path = self._path
+        gen = self._begin_ready(rd)
+        try:
+            eff = gen.send(None)
+        except StopIteration:
+            self._after_ready()
+            return
+        await self._run_path(gen, eff)
+
+    async def _run_path(self, gen: Any, eff: Any) -> None:
+        """Perform ``eff`` (the effect ``gen`` stands at) and every later one, to the end."""
         storage = self.storage
-        assert path is not None and storage is not None
-        self.metrics["readies"] += 1
-        self.metrics["entries_persisted"] += len(rd.entries_to_append)
-        gen = path.run(rd)
-        result: Any = None
+        assert storage is not None
         syncing: asyncio.Future | None = None
         while True:
-            try:
-                eff = gen.send(result)
-            except StopIteration:
-                break
-            result = None
+            result: Any = None
             if eff is SYNC_BEGIN:
                 # The fsync runs in a worker thread while the path applies on the loop.
                 syncing = asyncio.get_running_loop().run_in_executor(None, storage.sync)
@@ -865,12 +926,11 @@ class RaftNode:
                 await asyncio.sleep(0)
             else:
                 result = await asyncio.to_thread(eff)
-        if (
-            not self._snapshotting
-            and self._applied - self._snap_index >= self.cfg.snapshot_threshold
-        ):
-            self._snapshotting = True
-            asyncio.get_running_loop().create_task(self._snapshot_task())
+            try:
+                eff = gen.send(result)
+            except StopIteration:
+                break
+        self._after_ready()
 
     async def _sync_wait(self, fut: asyncio.Future) -> None:
         """Wait for a Ready's fsync. A leader meanwhile sends what new work (proposals,

@@ -68,7 +68,9 @@ at most 1 MiB (keys may be 1 KiB, so 4096 of them would not fit)."""
 def _rpc_parts(idx: list[int], keys: Sequence[Any]) -> list[list[int]]:
     """``idx`` in consecutive parts of at most MAX_KEYS_PER_RPC keys and (a part of one key
     excepted) MAX_KEY_BYTES_PER_RPC bytes of keys."""
-    if len(idx) <= MAX_KEYS_PER_RPC and 4 * sum(len(keys[i]) for i in idx) <= MAX_KEY_BYTES_PER_RPC:
+    # every key (the usual batch): one C-level pass over the lengths, no index per key
+    chars = sum(map(len, keys)) if len(idx) == len(keys) else sum(len(keys[i]) for i in idx)
+    if len(idx) <= MAX_KEYS_PER_RPC and 4 * chars <= MAX_KEY_BYTES_PER_RPC:
         return [idx] if idx else []  # fits even at 4 UTF-8 bytes per code point: no encoding
     parts: list[list[int]] = []
     cur: list[int] = []
@@ -567,8 +569,10 @@ class StoreClient:
         todo: list[int] = []
         usual = (  # every key checked at once, no buffer or size refused: nothing per key
             keys_valid(keys)
-            and not any(isinstance(b, E.StoreError) for b in bufs)
-            and all(type(z) is int and z > 0 for z in sizes)
+            # no buffer refused: a type test per distinct type, not per key
+            and not any(issubclass(t, E.StoreError) for t in set(map(type, bufs)))
+            and set(map(type, sizes)) == {int}
+            and min(sizes) > 0
         )
         for i, k in enumerate(() if usual else keys):
             err = _key_error(k)
@@ -589,8 +593,12 @@ class StoreClient:
         return BatchResults(out, transports)
 
     def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
-        pkeys = [keys[i] for i in part]
-        psizes = [sizes[i] for i in part]
+        if len(part) == len(keys):  # the whole batch in one RPC (part is 0..n-1)
+            pkeys, psizes, pbufs = keys, sizes, bufs
+        else:
+            pkeys = [keys[i] for i in part]
+            psizes = [sizes[i] for i in part]
+            pbufs = [bufs[i] for i in part]
         t0 = time.monotonic()
         resp = self.rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, pkeys, psizes, config, upsert))
         if type(resp) is not P.PutStartResp or not resp.fits(len(part)):
@@ -599,7 +607,7 @@ class StoreClient:
                 out[i] = err
             return []
         versions = resp.versions
-        arrays = _run_requests(resp, [bufs[i] for i in part], psizes)
+        arrays = _run_requests(resp, pbufs, psizes)
         if arrays is not None:  # the usual batch: every key one slice, the engine's arrays
             copies, malformed, reqs = [], set(), []
             started = list(range(len(part)))
@@ -1741,6 +1749,8 @@ def _per_key(value: Any, n: int, what: str, batch: bool) -> list[Any]:
         vals = list(value)
         if len(vals) != n:
             raise E.InvalidParams(f"{n} keys but {len(vals)} {what}")
+        if set(map(type, vals)) == {int}:  # plain ints (the usual batch): nothing per value
+            return vals
         return [None if v is None else _index(v, what) for v in vals]
     return [None if value is None else _index(value, what)] * n
 

@@ -341,7 +341,10 @@ class Handlers:
         if len(out) != len(keys):
             raise E.InvalidParams("a retried put_end named different keys than the first attempt")
         if end:
-            self.leader.touch(keys if not any(out) else [k for k, c in zip(keys, out) if c == 0])
+            # The LRU touch is a recency hint, not part of the answer: it runs right after
+            # the reply is handed to the socket (this turn of the loop), not before it.
+            done = keys if not any(out) else [k for k, c in zip(keys, out) if c == 0]
+            asyncio.get_running_loop().call_soon(self.leader.touch, done)
         return P.CodesResp(req.rid, out)
 
     async def _remove(self, node: RaftNode, req: P.RemoveReq) -> P.CodesResp:

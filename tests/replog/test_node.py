@@ -566,3 +566,30 @@ def test_snapshot_records_the_configuration_at_its_index(tmp_path, monkeypatch, 
             await c.stop_all()
 
     run(main())
+
+
+def test_memory_single_voter_applies_in_the_proposers_call_and_keeps_log_order(tmp_path):
+    # A memory log handles a proposal's Readies in the proposer's call (RaftNode._proposed):
+    # a single voter has applied it before propose_nowait returns. A Ready whose path must
+    # yield (a batch past the apply slice) is handed to the Ready loop where it stands, and
+    # nothing proposed meanwhile may be applied before it, nor inline around it.
+    async def main():
+        async with Cluster(tmp_path, n=1, durability="memory") as c:
+            node = await c.leader()
+            await node.propose(encode_command(KvPut("warm", b"")))
+            r0 = node.status()["readies"]
+            fut = node.propose_nowait(encode_command(KvBatch([KvPut("a", b"1"), KvGet("a")])))
+            assert fut.done() and fut.result() == [None, b"1"]
+            assert node.status()["readies"] - r0 == 2  # append, then commit + apply
+            n = 2500  # > the apply slice (1000): the path yields between slices
+            big = [(encode_command(KvPut("k", b"%d" % i)), None, None, 0) for i in range(n)]
+            many = asyncio.ensure_future(node.propose_many(big))
+            await asyncio.sleep(0)  # its first step: the first slice applied, then handed off
+            assert node.state_machine.get("k") not in (None, b"%d" % (n - 1))
+            after = node.propose_nowait(encode_command(KvBatch([KvGet("k"), KvPut("k", b"z")])))
+            assert not after.done()  # behind the unfinished Ready, not applied around it
+            assert await asyncio.wait_for(many, 20) == [None] * n
+            assert await asyncio.wait_for(after, 20) == [b"%d" % (n - 1), None]
+            assert node.state_machine.get("k") == b"z"
+
+    run(main())

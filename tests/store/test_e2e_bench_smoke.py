@@ -21,6 +21,8 @@ def test_store_bench_tiny(tmp_path):
         "16",
         "--failover-rounds",
         "2",
+        "--put-stages",
+        "3",
     ]
     _, data = run_bench("store", args, tmp_path)
     assert data["limits"]["memcpy_gbps"] > 0
@@ -41,3 +43,9 @@ def test_store_bench_tiny(tmp_path):
     net = [r for r in recs if r["case"] == "network"]
     assert all(r["transport"] == "tcp" for r in net)  # the forced network path
     assert all(r["gbps"] > 0 for r in recs if r["gbps"] is not None)
+    puts = [r for r in recs if r["op"] == "put" and r["case"] in ("cross-process", "network")]
+    for r in puts:  # --put-stages: every stage timed, each within the whole put
+        st = r["put_stages_us"]
+        assert st["put_start_round_trip"] > 0 and st["put_end_round_trip"] > 0, st
+        assert st["engine_write"] > 0 and st["master_cpu"] >= 0, st
+        assert max(v for k, v in st.items() if k not in ("total", "master_cpu")) <= st["total"]
