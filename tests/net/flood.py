@@ -100,11 +100,12 @@ class SilentFlood:
                     self._sel.unregister(s)
                     s.close()  # type: ignore[union-attr]
                     self.closed_by_server += 1
-            while len(self._sel.get_map()) < self.n and not self._stop.is_set():
-                self._add()
-                if len(self._sel.get_map()) < self.n:
-                    time.sleep(0.001)
+            # Refill at once: an attacker reopens each connection the moment it is closed.
+            missing = self.n - len(self._sel.get_map())
+            for _ in range(missing):
+                if self._stop.is_set():
                     break
+                self._add()
 
 
 def connect_flood(host: str, port: int, seconds: float, source: str | None = None) -> int:
