@@ -14,11 +14,13 @@ Why a line and not a refusal: a flood that reconnects the moment it is refused o
 to whoever asks first -- almost always the flood's own reconnect, so an honest peer on the
 flood's address got in 30-39 times of 40 (docs/net.md, "Connect floods"). In line, the
 flood's reconnects queue behind the peer, which waits at most (connections the source has
-waiting) / (per-source cap / minimum age) -- under a second for 100 silent connections at a
-32-handshake cap -- whatever the machine's speed. A waiting connection costs one descriptor
-and no transport, thread or buffer; at most ``max_waiting`` wait (the source with the most
-waiting gives up its newest when more come) for at most ``wait_s``, and one whose peer has
-gone already is dropped before it is admitted.
+waiting) / (per-source cap / minimum age) -- about 0.6 s for 100 silent connections at a
+32-handshake cap -- whatever the machine's speed; a server that greets waiting connections
+(:meth:`Gate.spoke`) lets one that answered go first, and then it waits at most about one
+minimum age. A waiting connection costs one descriptor and no transport, thread or buffer;
+at most ``max_waiting`` wait (the source with the most waiting gives up its oldest silent
+one when more come) for at most ``wait_s``, and one whose peer has gone already is dropped
+before it is admitted.
 
 :class:`Gate` does no I/O of its own beyond closing sockets it drops and reads no clock
 but the one it is given; it is not thread-safe (one accept loop or thread owns it).
@@ -125,10 +127,6 @@ class _Line:
         if self.spoke.pop(conn, None) is None:
             del self.silent[conn]
 
-    def newest(self) -> Pending:
-        d = self.silent or self.spoke
-        return next(reversed(d))
-
 
 class Gate:
     """A slot of ``limiter`` for each connection offered, now or in its turn (module
@@ -199,13 +197,15 @@ class Gate:
 
     def _enqueue(self, conn: Pending) -> None:
         if len(self._where) >= self.max_waiting:
+            # The source with the most waiting gives up its oldest silent one: it had the
+            # longest chance to answer a greeting (or, ungreeted, to be served), and under a
+            # connect flood the oldest are the ones whose peer has most likely gone.
             heavy = max(self._lines, key=lambda s: len(self._lines[s]))
-            mine = len(self._lines.get(conn.source, ()))
-            if heavy == conn.source or len(self._lines[heavy]) <= mine + 1:
+            line = self._lines[heavy]
+            if not line.silent:
                 self._drop(conn)
                 return
-            # The heaviest source gives up its newest: its older ones keep their turn.
-            victim = self._lines[heavy].newest()
+            victim = next(iter(line.silent))
             self._remove(victim)
             self._drop(victim)
         self._lines.setdefault(conn.source, _Line()).silent[conn] = self._clock()

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from .addr import family_of
 from .admission import ACCEPT_BATCH, POLL_S, Gate, accept_some, reset
+from .handshake import ServerHandshake
 from .limits import ConnectionLimiter, Slot, source_of
 from .throttle import LogThrottle
 
@@ -41,13 +42,15 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Slot], Awaitable
 class _Accepted:
     """One admitted connection on its way to becoming a transport."""
 
-    __slots__ = ("evicted", "sock", "source", "transport")
+    __slots__ = ("evicted", "hs", "sock", "source", "transport", "watching")
 
     def __init__(self, sock: socket.socket, source: str) -> None:
         self.sock = sock
         self.source = source
         self.transport: asyncio.BaseTransport | None = None
         self.evicted = False
+        self.hs: ServerHandshake | None = None  # greeted: its Challenge is sent
+        self.watching = False  # waiting, with a reader that tells the gate it spoke
 
     def evict(self) -> None:
         self.evicted = True
@@ -63,7 +66,13 @@ class _Accepted:
 class Listener:
     """A listening socket whose connections pass ``limiter`` before they cost a transport
     (module docstring). ``handler(reader, writer, slot)`` serves an admitted connection and
-    releases ``slot`` when it ends (``limiter.authenticated(slot)`` after its handshake)."""
+    releases ``slot`` when it ends (``limiter.authenticated(slot)`` after its handshake).
+
+    ``greet`` (without TLS only): a fresh :class:`ServerHandshake` for each accepted
+    connection, whose Challenge is sent at once, admitted or waiting; a waiting one that
+    answers goes ahead of its source's silent ones (``Gate.spoke``: a silent flood from a
+    peer's own address then never delays it), and the handler finds the begun handshake in
+    ``slot.handshake`` (drive it with ``arun_server``, which skips the Challenge)."""
 
     def __init__(
         self,
@@ -74,8 +83,10 @@ class Listener:
         ssl: _ssl.SSLContext | None = None,
         ssl_handshake_timeout: float | None = None,
         limit: int = 1 << 16,
+        greet: Callable[[], ServerHandshake] | None = None,
     ) -> None:
         self._sock = sock
+        self._greet = greet if ssl is None else None  # under TLS the Challenge waits for it
         self._handler = handler
         self.limiter = limiter
         self._ssl = ssl
@@ -84,7 +95,7 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._throttle = LogThrottle(log, 5.0)
         self._pending: set[asyncio.Task] = set()
-        self.gate = Gate(limiter, self._admitted)  # type: ignore[arg-type]
+        self.gate = Gate(limiter, self._admitted, on_drop=self._unwatch)  # type: ignore[arg-type]
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
         self.accepted = 0
@@ -131,14 +142,38 @@ class Listener:
 
     def _accepted(self, sock: socket.socket, addr: object) -> None:
         self.accepted += 1
+        conn = _Accepted(sock, source_of(addr))
         try:
             sock.setblocking(False)
-            self.gate.offer(_Accepted(sock, source_of(addr)))
+            if self._greet is not None:
+                conn.hs = self._greet()
+                frame = conn.hs.start()
+                # A fresh socket's send buffer takes it whole; short means the peer is gone.
+                if sock.send(frame) != len(frame):
+                    raise ConnectionError("challenge not sent whole")
+        except OSError:
+            reset(sock)
+            return
         except Exception as e:  # noqa: BLE001 - one connection, never the port
             reset(sock)
             self._throttle.log(logging.WARNING, "admit", "listener: dropped one: %r", e)
+            return
+        if not self.gate.offer(conn) and conn.hs is not None and self.gate.waiting(conn):
+            conn.watching = True
+            self._loop.add_reader(sock.fileno(), self._spoke, conn)
+
+    def _spoke(self, conn: _Accepted) -> None:
+        self._unwatch(conn)
+        self.gate.spoke(conn)
+
+    def _unwatch(self, conn: _Accepted) -> None:
+        if conn.watching:
+            conn.watching = False
+            self._loop.remove_reader(conn.sock.fileno())
 
     def _admitted(self, conn: _Accepted, slot: Slot) -> None:
+        self._unwatch(conn)
+        slot.handshake = conn.hs
         t = self._loop.create_task(self._connect(conn, slot))
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
@@ -195,6 +230,7 @@ async def start_listener(
     ssl_handshake_timeout: float | None = None,
     limit: int = 1 << 16,
     backlog: int = BACKLOG,
+    greet: Callable[[], ServerHandshake] | None = None,
 ) -> Listener:
     """Listen on ``host:port`` (the family :func:`~kvmesh.net.addr.family_of` picks;
     SO_REUSEADDR) and serve admitted connections with ``handler`` (:class:`Listener`)."""
@@ -207,6 +243,7 @@ async def start_listener(
             ssl=ssl,
             ssl_handshake_timeout=ssl_handshake_timeout,
             limit=limit,
+            greet=greet,
         )
     except BaseException:
         sock.close()
