@@ -116,7 +116,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     listen: str | None = None  # default: addrs[node_id]
     data_dir: str | None = None
     durability: Literal["disk", "memory"] = "disk"
-    tick_s: float = 0.1
+    tick_s: float = 0.05
     election_ticks: int = 10
     lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
     snapshot_threshold: int = 50_000
@@ -1579,7 +1579,7 @@ def build_arg_parser() -> Any:
     )
     p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
-    p.add_argument("--tick-ms", type=float, default=100.0)
+    p.add_argument("--tick-ms", type=float, default=50.0)
     p.add_argument("--election-ticks", type=int, default=10)
     p.add_argument("--lease-ttl-s", type=float, default=5.0)
     p.add_argument("--put-timeout-s", type=float, default=60.0)
