@@ -130,17 +130,35 @@ def run_rounds(
     *,
     catchup_limit_s: float = 10.0,
     pause_limit_s: float = 30.0,
-    tick_ms: float = 50.0,
+    tick_ms: float | None = None,
+    election_ticks: int | None = None,
     extra_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """``rounds`` kill/restart rounds (even: a follower, odd: the leader); see the module
     docstring. Returns ``{"loop", "rounds": [{kind, victim, pause_s, leader_s, catchup_s}],
-    "acked", "failed", "lost"}``; a round that missed a limit has None in that field."""
+    "acked", "failed", "lost"}``; a round that missed a limit has None in that field.
+    ``tick_ms``/``election_ticks``: the replicas' (default: ``ServiceConfig``'s defaults, what
+    a master started without those options runs with)."""
+    from kvmesh.store.service import ServiceConfig
     from tests.store.e2e_util import Peer
 
-    out: dict[str, Any] = {"loop": eventloop.loop_name(), "rounds": []}
+    dflt = ServiceConfig()
+    tick_ms = dflt.tick_s * 1000.0 if tick_ms is None else tick_ms
+    election_ticks = dflt.election_ticks if election_ticks is None else election_ticks
+    out: dict[str, Any] = {
+        "loop": eventloop.loop_name(),
+        "rounds": [],
+        "tick_ms": tick_ms,
+        "election_ticks": election_ticks,
+    }
     with StoreCluster(
-        base_dir, 3, token=TOKEN, durability="disk", tick_ms=tick_ms, extra_args=extra_args
+        base_dir,
+        3,
+        token=TOKEN,
+        durability="disk",
+        tick_ms=tick_ms,
+        election_ticks=election_ticks,
+        extra_args=extra_args,
     ) as cl:
         cl.start_all()
         peer = Peer(cl.address, 256 << 20, token=TOKEN)  # no eviction in 20 rounds
@@ -219,6 +237,8 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
     catch = [r["catchup_s"] for r in out["rounds"] if r.get("catchup_s") is not None]
     return {
         "loop": out["loop"],
+        "tick_ms": out.get("tick_ms"),
+        "election_ticks": out.get("election_ticks"),
         "kills": sum(1 for r in out["rounds"] if r["kind"] == "leader"),
         "rounds": len(out["rounds"]),
         "pause_p50_s": pct(pauses, 50),
@@ -237,13 +257,20 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":  # a quick look: python -m bench._failover [ROUNDS]
+if __name__ == "__main__":  # a quick look (arguments below)
     import json
     import sys
     import tempfile
 
+    # python -m bench._failover [ROUNDS [TICK_MS [ELECTION_TICKS]]]
+    args = sys.argv[1:]
     with tempfile.TemporaryDirectory() as d:
-        res = run_rounds(d, int(sys.argv[1]) if len(sys.argv) > 1 else 6)
+        res = run_rounds(
+            d,
+            int(args[0]) if args else 6,
+            tick_ms=float(args[1]) if len(args) > 1 else None,
+            election_ticks=int(args[2]) if len(args) > 2 else None,
+        )
     for row in res["rounds"]:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     print(json.dumps(summary(res)), os.environ.get(eventloop.ENV, ""))

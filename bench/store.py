@@ -496,7 +496,7 @@ def failover(limits: dict, a: Any) -> list[dict[str, Any]]:
                     pause_max_s=sm["pause_max_s"], catchup_p50_s=sm["catchup_p50_s"],
                     catchup_p99_s=sm["catchup_p99_s"], catchup_max_s=sm["catchup_max_s"],
                     missed=sm["missed"], acked_keys=sm["acked"], lost_keys=sm["lost"],
-                    tick_ms=50, fsync=True,
+                    tick_ms=sm["tick_ms"], election_ticks=sm["election_ticks"], fsync=True,
                 )
             )  # fmt: skip
     finally:

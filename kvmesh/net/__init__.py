@@ -17,6 +17,10 @@ messages and bound their work with this package; none keeps its own copy.
   :func:`read_frame` / :func:`send_frame` (blocking), :func:`aread_frame` (asyncio).
 * :mod:`.limits` -- :class:`ConnectionLimiter` (per-source caps, eviction), :func:`source_of`,
   :class:`Deadline`.
+* :mod:`.admission` -- the one admission path of every server: a limiter slot now or a
+  first-come line per source (``Gate``; a greeted peer that answered goes first); the accept
+  paths :mod:`.listener` (asyncio servers) and :mod:`.acceptor` (threaded servers: one
+  thread admits and handshakes, threads only for authenticated connections) use it.
 * :mod:`.addr` -- :func:`split_host_port` / :func:`join_host_port` (``[v6]:port``), the one
   parser and formatter of ``host:port`` addresses; :func:`family_of` (the socket family to
   listen with); :func:`~.addr.parse_peers` (``ID=HOST:PORT,...`` peer lists).

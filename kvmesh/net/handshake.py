@@ -190,6 +190,11 @@ class ServerHandshake:
         self.done = False
         self._started = False
 
+    @property
+    def started(self) -> bool:
+        """``start()`` was called (the Challenge is sent or on its way)."""
+        return self._started
+
     def start(self) -> bytes:
         """The Challenge frame (send it first)."""
         if self._started:
@@ -390,7 +395,8 @@ def run_server(sock: socket.socket, hs: ServerHandshake, deadline: Deadline) -> 
     if hs.peer_cert is None and isinstance(sock, ssl.SSLSocket):
         hs.peer_cert = sock.getpeercert() or None
     with _blocking_step(sock):
-        send_frame(sock, hs.start(), deadline)
+        if not hs.started:
+            send_frame(sock, hs.start(), deadline)
         body = read_frame(sock, PREAUTH_MAX_FRAME, deadline)
         try:
             reply = hs.receive(body)
@@ -461,13 +467,15 @@ async def arun_server(
     hs: ServerHandshake,
     deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> str:
-    """asyncio twin of :func:`run_server` (one deadline for the whole exchange)."""
+    """asyncio twin of :func:`run_server` (one deadline for the whole exchange). Both skip
+    the Challenge of an ``hs`` already started (its frame was sent by the accept path)."""
     if hs.peer_cert is None:
         hs.peer_cert = writer.get_extra_info("peercert") or None
 
     async def run() -> None:
-        writer.write(hs.start())
-        await writer.drain()
+        if not hs.started:  # else the accept path greeted (kvmesh.net.listener)
+            writer.write(hs.start())
+            await writer.drain()
         body = await aread_frame(reader, PREAUTH_MAX_FRAME)
         try:
             reply = hs.receive(body)

@@ -6,6 +6,7 @@ import ipaddress
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .errors import DeadlineExceeded
 
@@ -61,7 +62,7 @@ def source_of(peername: object) -> str:
 class Slot:
     """A connection's place in a :class:`ConnectionLimiter` (returned by ``try_acquire``)."""
 
-    __slots__ = ("authed", "born", "evicted", "on_evict", "released", "source")
+    __slots__ = ("authed", "born", "evicted", "handshake", "on_evict", "released", "source")
 
     def __init__(
         self, on_evict: Callable[[], None] | None = None, source: str = "", born: float = 0.0
@@ -72,6 +73,9 @@ class Slot:
         self.evicted = False
         self.on_evict = on_evict
         self.source = source
+        # The handshake the accept path already began (a greeting listener sent its
+        # Challenge while the connection waited; kvmesh.net.listener), else None.
+        self.handshake: Any = None
 
 
 MIN_HANDSHAKE_AGE_S = 0.25

@@ -5,10 +5,11 @@ connection it accepts, and accepts at most ``backlog`` (100) per loop iteration:
 connect flood it drains ~1,300 connections a second, the kernel's accept queue stays full
 and the SYNs of real peers are dropped before any admission policy sees them
 (docs/net.md, "Connect floods"). :func:`start_listener` accepts on the listening socket
-itself, in a tight loop on the event loop, and applies the server's
-:class:`~kvmesh.net.limits.ConnectionLimiter` (per-source caps, eviction, minimum age) to
-the bare socket: a refused connection costs an ``accept`` and a reset, a few microseconds,
-and only an admitted one becomes a transport and a handler task. It runs on the loop thread
+itself, in a tight loop on the event loop, and passes the bare socket through the
+admission every server shares (:class:`kvmesh.net.admission.Gate`: the server's
+:class:`~kvmesh.net.limits.ConnectionLimiter` -- per-source caps, eviction, minimum age --
+and a first-come line per source): a connection that must wait costs a descriptor, and
+only an admitted one becomes a transport and a handler task. It runs on the loop thread
 (not an accept thread) so that it never waits for the GIL behind a busy loop and the
 limiter's eviction can abort a transport directly.
 """
@@ -17,87 +18,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
-import random
 import socket
 import ssl as _ssl
-import struct
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 from .addr import family_of
+from .admission import ACCEPT_BATCH, POLL_S, Gate, accept_some, reset
+from .handshake import ServerHandshake
 from .limits import ConnectionLimiter, Slot, source_of
 from .throttle import LogThrottle
 
-__all__ = ["ACCEPT_BATCH", "Listener", "Tarpit", "start_listener"]
+__all__ = ["ACCEPT_BATCH", "Listener", "start_listener"]
 
 log = logging.getLogger(__name__)
 
-# Connections accepted per readiness callback: enough to keep up with a flood between two
-# loop iterations, few enough that the loop's other callbacks (raft, clients) keep their turn.
-ACCEPT_BATCH = 512
 BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
-_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with a reset, no TIME_WAIT
-# accept() errors that concern only the connection being accepted
-_TRANSIENT = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH}
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Slot], Awaitable[None]]
-
-
-def _reset(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
-    sock.close()
-
-
-class Tarpit:
-    """Refused connections, held unread (no transport, one descriptor each) for up to
-    ``hold_s`` and at most ``max_held`` of them (the oldest is reset first).
-
-    Most floods reconnect the moment they are refused: reset at once, a flood from an honest
-    peer's own address would spin on refusals and take every handshake that address gets
-    (docs/net.md, "Connect floods"). Held, the flood waits as if its handshake were in
-    progress, and the peer finds a slot. Not thread-safe: one
-    accept loop owns it."""
-
-    def __init__(self, max_held: int = 256, hold_s: float = 1.0) -> None:
-        self.max_held = max_held
-        self.hold_s = hold_s
-        self._held: deque[tuple[float, socket.socket]] = deque()
-
-    def hold(self, sock: socket.socket, now: float) -> None:
-        # Jittered (0.5-1.5 x hold_s): connections refused together must not come back
-        # together and take their source's next handshakes in one burst.
-        self._held.append((now + self.hold_s * (0.5 + random.random()), sock))
-        while len(self._held) > self.max_held:
-            _reset(self._held.popleft()[1])
-
-    def expire(self, now: float) -> None:
-        # Oldest first; a later one whose jitter ran out waits for those held before it.
-        held = self._held
-        while held and held[0][0] <= now:
-            _reset(held.popleft()[1])
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def close(self) -> None:
-        while self._held:
-            _reset(self._held.popleft()[1])
 
 
 class _Accepted:
     """One admitted connection on its way to becoming a transport."""
 
-    __slots__ = ("evicted", "sock", "transport")
+    __slots__ = ("evicted", "hs", "sock", "source", "transport", "watching")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, source: str) -> None:
         self.sock = sock
+        self.source = source
         self.transport: asyncio.BaseTransport | None = None
         self.evicted = False
+        self.hs: ServerHandshake | None = None  # greeted: its Challenge is sent
+        self.watching = False  # waiting, with a reader that tells the gate it spoke
 
     def evict(self) -> None:
         self.evicted = True
@@ -113,7 +66,13 @@ class _Accepted:
 class Listener:
     """A listening socket whose connections pass ``limiter`` before they cost a transport
     (module docstring). ``handler(reader, writer, slot)`` serves an admitted connection and
-    releases ``slot`` when it ends (``limiter.authenticated(slot)`` after its handshake)."""
+    releases ``slot`` when it ends (``limiter.authenticated(slot)`` after its handshake).
+
+    ``greet`` (without TLS only): a fresh :class:`ServerHandshake` for each accepted
+    connection, whose Challenge is sent at once, admitted or waiting; a waiting one that
+    answers goes ahead of its source's silent ones (``Gate.spoke``: a silent flood from a
+    peer's own address then never delays it), and the handler finds the begun handshake in
+    ``slot.handshake`` (drive it with ``arun_server``, which skips the Challenge)."""
 
     def __init__(
         self,
@@ -124,8 +83,10 @@ class Listener:
         ssl: _ssl.SSLContext | None = None,
         ssl_handshake_timeout: float | None = None,
         limit: int = 1 << 16,
+        greet: Callable[[], ServerHandshake] | None = None,
     ) -> None:
         self._sock = sock
+        self._greet = greet if ssl is None else None  # under TLS the Challenge waits for it
         self._handler = handler
         self.limiter = limiter
         self._ssl = ssl
@@ -134,11 +95,10 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._throttle = LogThrottle(log, 5.0)
         self._pending: set[asyncio.Task] = set()
-        self._tarpit = Tarpit()
+        self.gate = Gate(limiter, self._admitted, on_drop=self._unwatch)  # type: ignore[arg-type]
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
         self.accepted = 0
-        self.refused = 0  # closed at accept by the limiter
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -152,69 +112,75 @@ class Listener:
         self._closed = True
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
-        self._tarpit.close()
+        self.gate.close()
         if self._sweep is not None:
             self._sweep.cancel()
         for t in list(self._pending):
             t.cancel()
 
     def _on_readable(self) -> None:
-        try:
-            self._accept_batch()
-        finally:
-            self._tarpit.expire(time.monotonic())
-            if len(self._tarpit) and self._sweep is None and not self._closed:
-                self._sweep = self._loop.call_later(self._tarpit.hold_s / 2, self._expire)
+        err = accept_some(self._sock, self._accepted)
+        if err is not None and not self._closed:
+            self._throttle.log(logging.WARNING, "accept", "listener: accept failed: %r", err)
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.call_later(0.05, self._resume)
+        self._poll()
 
-    def _expire(self) -> None:
+    def _poll(self) -> None:
+        # Waiting connections are retried after every accept batch and, while any wait,
+        # every POLL_S (one timer at a time).
+        if self.gate.poll() and not self._closed and self._sweep is None:
+            self._sweep = self._loop.call_later(POLL_S, self._on_sweep)
+
+    def _on_sweep(self) -> None:
         self._sweep = None
-        self._tarpit.expire(time.monotonic())
-        if len(self._tarpit) and not self._closed:
-            self._sweep = self._loop.call_later(self._tarpit.hold_s / 2, self._expire)
-
-    def _accept_batch(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                if self._closed:
-                    return
-                if e.errno in _TRANSIENT:
-                    continue
-                # EMFILE/ENFILE/ENOBUFS: stop accepting a moment so closing connections free
-                # descriptors (a readiness callback would otherwise spin on the error).
-                self._throttle.log(logging.WARNING, "accept", "listener: accept failed: %r", e)
-                self._loop.remove_reader(self._sock.fileno())
-                self._loop.call_later(0.05, self._resume)
-                return
-            self.accepted += 1
-            try:
-                self._admit(sock, addr)
-            except Exception as e:  # noqa: BLE001 - one connection, never the port
-                _reset(sock)
-                self._throttle.log(logging.WARNING, "admit", "listener: dropped one: %r", e)
+        self._poll()
 
     def _resume(self) -> None:
         if not self._closed:
             self._loop.add_reader(self._sock.fileno(), self._on_readable)
 
-    def _admit(self, sock: socket.socket, addr: object) -> None:
-        conn = _Accepted(sock)
-        slot = self.limiter.try_acquire(on_evict=conn.evict, source=source_of(addr))
-        if slot is None:
-            self.refused += 1
-            self._tarpit.hold(sock, time.monotonic())
+    def _accepted(self, sock: socket.socket, addr: object) -> None:
+        self.accepted += 1
+        conn = _Accepted(sock, source_of(addr))
+        try:
+            sock.setblocking(False)
+            if self._greet is not None:
+                conn.hs = self._greet()
+                frame = conn.hs.start()
+                # A fresh socket's send buffer takes it whole; short means the peer is gone.
+                if sock.send(frame) != len(frame):
+                    raise ConnectionError("challenge not sent whole")
+        except OSError:
+            reset(sock)
             return
-        sock.setblocking(False)
+        except Exception as e:  # noqa: BLE001 - one connection, never the port
+            reset(sock)
+            self._throttle.log(logging.WARNING, "admit", "listener: dropped one: %r", e)
+            return
+        if not self.gate.offer(conn) and conn.hs is not None and self.gate.waiting(conn):
+            conn.watching = True
+            self._loop.add_reader(sock.fileno(), self._spoke, conn)
+
+    def _spoke(self, conn: _Accepted) -> None:
+        self._unwatch(conn)
+        self.gate.spoke(conn)
+
+    def _unwatch(self, conn: _Accepted) -> None:
+        if conn.watching:
+            conn.watching = False
+            self._loop.remove_reader(conn.sock.fileno())
+
+    def _admitted(self, conn: _Accepted, slot: Slot) -> None:
+        self._unwatch(conn)
+        slot.handshake = conn.hs
         t = self._loop.create_task(self._connect(conn, slot))
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
 
     async def _connect(self, conn: _Accepted, slot: Slot) -> None:
         if conn.evicted:
-            _reset(conn.sock)
+            reset(conn.sock)
             return
         loop = self._loop
 
@@ -264,6 +230,7 @@ async def start_listener(
     ssl_handshake_timeout: float | None = None,
     limit: int = 1 << 16,
     backlog: int = BACKLOG,
+    greet: Callable[[], ServerHandshake] | None = None,
 ) -> Listener:
     """Listen on ``host:port`` (the family :func:`~kvmesh.net.addr.family_of` picks;
     SO_REUSEADDR) and serve admitted connections with ``handler`` (:class:`Listener`)."""
@@ -276,6 +243,7 @@ async def start_listener(
             ssl=ssl,
             ssl_handshake_timeout=ssl_handshake_timeout,
             limit=limit,
+            greet=greet,
         )
     except BaseException:
         sock.close()

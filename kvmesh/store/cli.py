@@ -283,7 +283,7 @@ def register(sub: Any) -> None:
     p.add_argument("--segment", type=parse_size, default=parse_size("256MiB"))
     p.add_argument("--dir", default=None, help="data directory (default: a new temporary one)")
     p.add_argument("--durability", choices=["disk", "memory"], default="disk")
-    p.add_argument("--tick-ms", type=float, default=100.0)
+    p.add_argument("--tick-ms", type=float, default=50.0)
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="members, leader, segments, usage, objects, leases, hit rate")

@@ -46,7 +46,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     listen: str | None = None  # default: addrs[node_id]
     data_dir: str | None = None
     durability: Literal["disk", "memory"] = "disk"
-    tick_s: float = 0.1
+    tick_s: float = 0.05
     election_ticks: int = 10
     lease_reads: bool = True  # read barrier from the raft leader lease when it holds one
     snapshot_threshold: int = 50_000

@@ -54,6 +54,9 @@ _INLINE_KEYS = 512
 class Server:
     """The connection side (a part of :class:`~kvmesh.store.service.MasterService`)."""
 
+    def _new_handshake(self) -> ServerHandshake:
+        return ServerHandshake(self.sec, P.SERVICE, self.server_id)
+
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: Slot
     ) -> None:
@@ -66,7 +69,9 @@ class Server:
         watched: Watched | None = None
         try:
             try:
-                hs = ServerHandshake(self.sec, P.SERVICE, self.server_id)
+                # A greeted connection's handshake began in the listener (its Challenge
+                # is sent): go on with it.
+                hs = token.handshake or self._new_handshake()
                 who = await arun_server(reader, writer, hs, self.cfg.handshake_timeout_s)
                 # Sessions and storage nodes bind to the authenticated role and id: a
                 # client's connection is never the same peer as node X's (_admit).

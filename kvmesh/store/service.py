@@ -134,6 +134,7 @@ class MasterService(Server, Admission, Handlers):
             limit=1 << 16,
             ssl=tls,
             ssl_handshake_timeout=cfg.handshake_timeout_s if tls is not None else None,
+            greet=self._new_handshake,
         )
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"

@@ -7,13 +7,13 @@ Python, and a blocked thread costs no CPU (an idle engine stays near 0 %).
 * :class:`ControlServer` accepts connections, authenticates them with :mod:`kvmesh.net`
   (service ``"transfer"``) and answers requests: segment descriptors, pings, transport calls,
   and whatever the engine installs as handlers (the TCP transport's server half:
-  ``transports/tcp.py``). What one peer may cost is bounded: connections in total and in
-  their handshake, in total and per source address (:class:`~kvmesh.net.ConnectionLimiter`;
-  a newcomer evicts the oldest stalled handshake, its own source's first, so threads and
-  fds are bounded and silent connections cannot lock peers out), one absolute handshake
-  deadline with 4 KiB pre-auth frames, a frame limit after it, a deadline per request, an
-  idle timeout per connection.
-  The accept loop survives any failure (a failed ``Thread.start`` closes that one socket).
+  ``transports/tcp.py``). Connections are accepted, admitted and authenticated by one
+  thread (:class:`kvmesh.net.acceptor.Acceptor`: the one admission policy of every kvmesh
+  server -- caps in total, in the handshake and per source address, eviction of the oldest
+  stalled handshake, minimum handshake age, a first-come line per source, one absolute
+  handshake deadline, 4 KiB pre-auth frames), so an unauthenticated connection costs no
+  thread; each authenticated one gets a thread, with a frame limit, a deadline per request
+  and an idle timeout. A failure costs one connection, never the port.
 * :class:`PeerClient` is this engine's view of one remote engine: a pool of authenticated
   connections and a *watch* connection whose closing (process death, engine close) marks the
   peer dead at once, so in-flight transfers to it fail fast instead of hanging.
@@ -23,7 +23,6 @@ Python, and a blocked thread costs no CPU (an idle engine stays near 0 %).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import select
@@ -51,10 +50,10 @@ from kvmesh.net import (
     family_of,
     join_host_port,
     run_client,
-    run_server,
-    source_of,
 )
+from kvmesh.net.acceptor import Acceptor
 from kvmesh.net.framing import CHUNK
+from kvmesh.net.limits import MIN_HANDSHAKE_AGE_S
 from kvmesh.net.throttle import LogThrottle
 
 from . import protocol as P
@@ -74,6 +73,8 @@ from .transports.base import PeerLiveness
 from .types import EngineConfig, SegmentDescriptor
 
 log = logging.getLogger("kvmesh.transfer")
+
+BACKLOG = 1024  # a flood's connects wait in the kernel's queue behind at most this many
 
 
 class Identity:
@@ -196,10 +197,11 @@ class ControlServer:
             config.max_connections,
             config.max_unauthenticated,
             config.max_unauthenticated_per_source,
+            min_handshake_age_s=MIN_HANDSHAKE_AGE_S,
         )
         self._throttle = LogThrottle(log)
         self._info = P.encode_info(P.ServerInfo(identity.node_id, identity.host_id))
-        self._lsock = socket.create_server((host, port), family=family_of(host), backlog=128)
+        self._lsock = socket.create_server((host, port), family=family_of(host), backlog=BACKLOG)
         bound = self._lsock.getsockname()
         bhost = bound[0]
         if bhost in ("0.0.0.0", "::", ""):
@@ -210,57 +212,30 @@ class ControlServer:
         self._watchers: dict[socket.socket, threading.Lock] = {}
         self._closed = False
         self._threads: set[threading.Thread] = set()
-        self._accept = threading.Thread(target=self._accept_loop, name="kvmesh-accept", daemon=True)
-        self._accept.start()
+        self._accept = Acceptor(
+            self._lsock,
+            self._limiter,
+            self._new_handshake,
+            self._ready,
+            deadline_s=config.connect_timeout,
+        )
 
     @property
     def limiter(self) -> ConnectionLimiter:
         return self._limiter
 
-    # --- accept / connection threads ------------------------------------------------------
-    def _accept_loop(self) -> None:
-        # Never dies while the server is open: a failure costs one connection, never the port.
-        while True:
-            try:
-                sock, addr = self._lsock.accept()
-            except Exception as exc:
-                if self._closed:
-                    return
-                # EMFILE/ENFILE and the like: back off a moment so closing connections free fds.
-                self._throttle.log(
-                    logging.WARNING, "accept", "control server: accept failed: %r", exc
-                )
-                time.sleep(0.05)
-                continue
-            try:
-                self._admit(sock, source_of(addr))
-            except Exception as exc:
-                with contextlib.suppress(OSError):
-                    sock.close()
-                self._throttle.log(
-                    logging.WARNING,
-                    "admit",
-                    "control server: dropped a connection it could not serve: %r",
-                    exc,
-                )
+    # --- connection threads ---------------------------------------------------------------
+    def _new_handshake(self) -> ServerHandshake:
+        ident = self.identity
+        return ServerHandshake(self._sec, P.SERVICE, ident.engine_id, info=self._info)
 
-    def _admit(self, sock: socket.socket, source: str) -> None:
-        # A newcomer may take the place of the oldest stalled handshake (of its own source
-        # first): silent connections renewed at the handshake deadline then cannot lock
-        # peers out (docs/net.md, "Frames and limits"). Evicting shuts the socket down,
-        # which ends the blocked handshake read in that connection's thread.
-        slot = self._limiter.try_acquire(on_evict=functools.partial(_shut, sock), source=source)
-        if slot is None:
-            sock.close()
-            self._throttle.log(
-                logging.WARNING,
-                "limit",
-                "control server: connection limit reached (%r); closing new connections",
-                self._limiter,
-            )
-            return
+    def _ready(self, sock: socket.socket, hs: ServerHandshake, slot: Slot) -> None:
+        # In the acceptor thread, after the handshake: the connection's own thread from here.
         conn = Served(sock)
-        t = threading.Thread(target=self._serve, args=(conn, slot), name="kvmesh-conn", daemon=True)
+        conn.peer_id = hs.peer_id or ""
+        t = threading.Thread(
+            target=self._serve, args=(conn, slot, hs), name="kvmesh-conn", daemon=True
+        )
         with self._lock:
             if self._closed:
                 self._limiter.release(slot)
@@ -275,15 +250,18 @@ class ControlServer:
                 self._conns.pop(sock, None)
                 self._threads.discard(t)
             self._limiter.release(slot)
+            sock.close()
             raise
 
-    def _serve(self, conn: Served, slot: Slot) -> None:
+    def _serve(self, conn: Served, slot: Slot, hs: ServerHandshake) -> None:
         sock = conn.sock
         try:
             _tune(sock, self.config.tcp_keepalive)
-            info = self._handshake(conn)
-            if not self._limiter.authenticated(slot):
-                return  # evicted for a newer connection while still in its handshake
+            info = P.decode_info(hs.peer_info, P.ClientInfo)
+            if info.version != P.PROTOCOL_VERSION:
+                why = f"transfer protocol {info.version} != {P.PROTOCOL_VERSION}"
+                P.send_msg(sock, P.Error("protocol", why))
+                raise ProtocolError("peer speaks another transfer protocol version")
             if info.watch:
                 with self._lock:
                     self._watchers[sock] = threading.Lock()
@@ -306,27 +284,6 @@ class ControlServer:
             self._limiter.release(slot)
             with contextlib.suppress(OSError):
                 sock.close()
-
-    def _handshake(self, conn: Served) -> P.ClientInfo:
-        ident = self.identity
-        hs = ServerHandshake(self._sec, P.SERVICE, ident.engine_id, info=self._info)
-        try:
-            conn.peer_id = run_server(conn.sock, hs, Deadline(self.config.connect_timeout))
-        except AuthFailed as exc:
-            self._throttle.log(
-                logging.WARNING,
-                "auth",
-                "refused a connection from %s: %s",
-                _peer_name(conn.sock),
-                exc,
-            )
-            raise
-        info = P.decode_info(hs.peer_info, P.ClientInfo)
-        if info.version != P.PROTOCOL_VERSION:
-            why = f"transfer protocol {info.version} != {P.PROTOCOL_VERSION}"
-            P.send_msg(conn.sock, P.Error("protocol", why))
-            raise ProtocolError("peer speaks another transfer protocol version")
-        return info
 
     def _requests(self, conn: Served) -> None:
         sock = conn.sock
@@ -456,6 +413,7 @@ class ControlServer:
                 return
             self._closed = True
         self.notify(P.Bye(reason))
+        self._accept.close()
         with contextlib.suppress(OSError):
             self._lsock.shutdown(socket.SHUT_RDWR)
         self._lsock.close()
@@ -465,14 +423,8 @@ class ControlServer:
         for s in conns:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-        self._accept.join(2.0)
         for t in threads:
             t.join(2.0)
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _peer_name(sock: socket.socket) -> str:

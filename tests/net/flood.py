@@ -6,7 +6,8 @@
 * ``python -m tests.net.flood HOST PORT SECONDS [SOURCE]`` (a process, :func:`connect_flood`):
   opens connections as fast as it can for ``SECONDS``, keeping the newest 256 open (silent)
   and closing the oldest, so the server's handshake slots are both full and churned.
-  Prints the number of connections it opened.
+  Prints the number of connections it opened (also when stopped early with SIGINT:
+  :func:`stop_connect_flood`).
 
 Both are bounded in count and time and bind only loopback source addresses.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -100,11 +102,12 @@ class SilentFlood:
                     self._sel.unregister(s)
                     s.close()  # type: ignore[union-attr]
                     self.closed_by_server += 1
-            while len(self._sel.get_map()) < self.n and not self._stop.is_set():
-                self._add()
-                if len(self._sel.get_map()) < self.n:
-                    time.sleep(0.001)
+            # Refill at once: an attacker reopens each connection the moment it is closed.
+            missing = self.n - len(self._sel.get_map())
+            for _ in range(missing):
+                if self._stop.is_set():
                     break
+                self._add()
 
 
 def connect_flood(host: str, port: int, seconds: float, source: str | None = None) -> int:
@@ -128,6 +131,8 @@ def connect_flood(host: str, port: int, seconds: float, source: str | None = Non
                     with contextlib.suppress(OSError):
                         old.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
                     old.close()  # a reset: no TIME_WAIT to exhaust the source's ports
+    except KeyboardInterrupt:
+        pass  # stopped early (SIGINT, stop_connect_flood): report what was opened
     finally:
         for s in ring:
             s.close()
@@ -144,6 +149,22 @@ def start_connect_flood(
     if source is not None:
         args.append(source)
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+
+def stop_connect_flood(p: subprocess.Popen, timeout: float = 10.0) -> int:
+    """Stop a :func:`start_connect_flood` process (SIGINT) and return how many connections
+    it opened (0 if it printed nothing)."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    try:
+        return int((out or "").strip() or 0)
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":

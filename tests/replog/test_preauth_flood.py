@@ -78,16 +78,14 @@ def test_a_restarted_follower_catches_up_under_a_connect_flood(tmp_path):
         cluster.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="not reliable yet: a silent flood renewed from the honest client's own address "
-    "let it in 30-39 times of 40 (the pre-auth policy cannot tell same-address peers apart)",
-)
 def test_silent_connections_from_a_clients_own_address_do_not_lock_it_out(tmp_path):
     """100 silent connections from the clients' own address, each reopened the moment the
-    server closes it (evicted, refused or at its deadline): the handshake rate and the
-    listener's tarpit must not turn them into a spin that takes every handshake of that
-    address (kvmesh.net.listener.Tarpit)."""
+    server closes it (evicted, dropped or at its deadline). Before, a refused connection was
+    held, then reset, and each slot the source freed went to whoever asked first -- mostly
+    the flood's own reconnects: an honest client got in 30-39 times of 40 in its 1 s attempt.
+    Now the listener greets every connection and a waiting one that answered goes ahead of
+    its source's silent ones (kvmesh.net.admission.Gate.spoke): it waits at most about one
+    minimum handshake age (0.25 s), whatever the machine's speed."""
     cluster = LocalCluster(str(tmp_path), 3, tick_ms=TICK_MS, election_ticks=10, token=TOKEN)
     try:
         cluster.start_all()
@@ -110,6 +108,6 @@ def test_silent_connections_from_a_clients_own_address_do_not_lock_it_out(tmp_pa
         ok, opened, held = run(main(), timeout=120)
         print(f"honest clients in: {ok} of 40; flood opened {opened}, held {held}")
         assert opened >= 32 and held >= 16, (opened, held)  # it did fill the source's slots
-        assert ok >= 38, f"an honest client got in {ok} times of 40"
+        assert ok >= 39, f"an honest client got in {ok} times of 40"
     finally:
         cluster.close()

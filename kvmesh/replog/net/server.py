@@ -42,9 +42,10 @@ from ...net import (
     InsecureBind,
     NetError,
     SecurityConfig,
+    ServerHandshake,
     Slot,
     Watched,
-    aserver_handshake,
+    arun_server,
     check_bind,
     clip,
     encode_frame,
@@ -205,8 +206,16 @@ class ReplicaServer(Generic[SM]):
         host, port = parse_addr(self.listen_addr)
         check_bind(host, self.security)
         self._server = await start_listener(
-            self._serve, host, port, self._limiter, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            self._limiter,
+            ssl=server_ssl_context(self.security),
+            greet=self._new_handshake,
         )
+
+    def _new_handshake(self) -> ServerHandshake:
+        return ServerHandshake(self.security, CLIENT_SERVICE, f"replica-{self.node.id}")
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -243,14 +252,9 @@ class ReplicaServer(Generic[SM]):
         watched: Watched | None = None
         try:
             try:
-                peer = await aserver_handshake(
-                    reader,
-                    writer,
-                    sec,
-                    CLIENT_SERVICE,
-                    f"replica-{self.node.id}",
-                    lim.handshake_timeout_s,
-                )
+                # Begun by the listener when it greeted the connection (kvmesh.net.listener).
+                hs = slot.handshake or self._new_handshake()
+                peer = await arun_server(reader, writer, hs, lim.handshake_timeout_s)
             except TRANSPORT_ERRORS as e:
                 self.stats["auth_failures"] += 1
                 self._throttle.log(

@@ -58,10 +58,11 @@ from ...net import (
     FrameDecoder,
     FrameTooLarge,
     SecurityConfig,
+    ServerHandshake,
     Slot,
     Watched,
     aclient_handshake,
-    aserver_handshake,
+    arun_server,
     check_bind,
     client_ssl_context,
     clip,
@@ -397,10 +398,18 @@ class Transport:
         # The shared accept path: a connect flood is refused at accept cost, before it can
         # fill the accept queue and drop the leader's SYNs (docs/net.md, "Connect floods").
         self._server = await start_listener(
-            self._serve, host, port, self._limiter, ssl=server_ssl_context(self.security)
+            self._serve,
+            host,
+            port,
+            self._limiter,
+            ssl=server_ssl_context(self.security),
+            greet=self._new_handshake,
         )
         for p, a in self._initial.items():
             self.add_peer(p, a)
+
+    def _new_handshake(self) -> ServerHandshake:
+        return ServerHandshake(self.security, PEER_SERVICE, str(self.node_id), accept=self._accept)
 
     def add_peer(self, peer_id: int, addr: str) -> None:
         if peer_id == self.node_id:
@@ -461,15 +470,9 @@ class Transport:
         held = 0  # bytes this connection holds against the per-peer and total budgets
         try:
             try:
-                who = await aserver_handshake(
-                    reader,
-                    writer,
-                    self.security,
-                    PEER_SERVICE,
-                    str(self.node_id),
-                    cfg.handshake_timeout_s,
-                    accept=self._accept,
-                )
+                # Begun by the listener when it greeted the connection (kvmesh.net.listener).
+                hs = slot.handshake or self._new_handshake()
+                who = await arun_server(reader, writer, hs, cfg.handshake_timeout_s)
             except TRANSPORT_ERRORS as e:
                 self.refused_handshakes += 1
                 raise FrameError(f"handshake failed: {clip(str(e))}") from None
