@@ -142,7 +142,7 @@ def _leased_read_planted_without_lease_check(real):
     import inspect
     import textwrap
 
-    from kvmesh.store import client as client_mod
+    from kvmesh.store.client import reads as client_mod
 
     src = textwrap.dedent(inspect.getsource(real))
     assert src.count("time.monotonic() > looked.lease_deadline") == 1
