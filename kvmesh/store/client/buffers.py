@@ -4,15 +4,40 @@ or list of pieces lies (region, offset), checked against the registration."""
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ...transfer import MemoryRegion, TransferError
 from ...transfer.memory import describe_object
 from .. import errors as E
+from .args import int_array
 
-__all__ = ["Buffers", "split_pieces"]
+__all__ = ["Buffers", "Places", "split_pieces"]
+
+
+class Places(NamedTuple):
+    """A batch's places in registered memory, as columns: per key the offset and capacity
+    (numpy arrays, or lists for a single key) in ``region``, or -- ``reg`` given -- in
+    ``regions[reg[i]]`` (raw addresses over several registrations)."""
+
+    region: MemoryRegion
+    offs: Any
+    caps: Any
+    regions: list[MemoryRegion] | None = None
+    reg: Any = None
+
+    def at(self, i: int) -> tuple[MemoryRegion, int]:
+        """Key ``i``'s ``(region, offset)``."""
+        region = self.region if self.reg is None else self.regions[int(self.reg[i])]
+        return region, int(self.offs[i])
+
+    def take(self, idx: list[int]) -> Places:
+        """The places of keys ``idx``, in that order."""
+        ix = np.asarray(idx, np.int64)
+        reg = None if self.reg is None else np.asarray(self.reg)[ix]
+        offs, caps = np.asarray(self.offs)[ix], np.asarray(self.caps)[ix]
+        return Places(self.region, offs, caps, self.regions, reg)
 
 
 class Buffers:
@@ -76,6 +101,41 @@ class Buffers:
             return hit
 
         return where
+
+    def _raw_places(self, ptrs: Any, offsets: Any, sizes: Any, n: int) -> Places | None:
+        """The places of a batch named by raw addresses (``ptrs[i] + offsets[i]``, capacity
+        ``sizes[i]``, default: to the end of its registration) resolved in one vectorised
+        lookup -- numpy columns as they are, a list of ints converted once. None: some value
+        is not an int, a range is outside registered memory, or ``n`` keys do not match;
+        the per-key path then says which."""
+        p = int_array(ptrs)
+        o = int_array(offsets)
+        z = None if sizes is None else int_array(sizes)
+        if p is None or o is None or (sizes is not None and z is None) or p.shape != (n,) or not n:
+            return None
+        if o.ndim == 0:
+            o = np.full(n, int(o), np.int64)
+        if z is not None and z.ndim == 0:
+            z = np.full(n, int(z), np.int64)
+        if o.shape != (n,) or (z is not None and z.shape != (n,)):
+            return None
+        if int(p.min()) <= 0 or int(o.min()) < 0 or (z is not None and int(z.min()) <= 0):
+            return None
+        at = p + o
+        try:
+            probe = z if z is not None else np.ones(n, np.int64)
+            regs, ri, off = self.engine.find_regions(at.view(np.uint64), probe.view(np.uint64))
+        except (TransferError, LookupError, OverflowError):
+            return None
+        off = off.view(np.int64)
+        first = int(ri[0])
+        one = int(ri.min()) == int(ri.max())
+        if z is None:
+            size = regs[first].size if one else np.array([r.size for r in regs], np.int64)[ri]
+            z = size - off
+        if one:
+            return Places(regs[first], off, z)
+        return Places(regs[first], off, z, regs, ri)
 
     @staticmethod
     def _one_buffer(

@@ -4,7 +4,7 @@ memory, never past the lease; the single-key, usual-batch and general read paths
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,7 +16,7 @@ from ..types import (
     keys_valid,
 )
 from .args import int_array, listify, per_key
-from .buffers import split_pieces
+from .buffers import Places, split_pieces
 from .replies import (
     MAX_KEYS_PER_RPC,
     BatchResults,
@@ -100,7 +100,7 @@ class Reads:
     def _get_regions(self, keys: list[Any], bufs: Any, caps: Any) -> BatchResults:
         n = len(keys)
         out: list[Any] = [None] * n
-        one = isinstance(bufs, _OneRegion)
+        one = isinstance(bufs, Places)
         if one and keys_valid(keys):
             idx: list[int] = list(range(n))
         else:
@@ -127,17 +127,13 @@ class Reads:
         out: list[Any],
     ) -> BatchResults:
         """READ the looked-up objects ``keys[idx[j]]`` into their buffers: ``bufs`` is a
-        :class:`_OneRegion` (offsets per key of ``keys``) or per key ``(region, offset)``
+        :class:`Places` (offsets per key of ``keys``) or per key ``(region, offset)``
         or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
         _, _, rows, segs, lease_deadline = looked
         m = len(idx)
-        if (
-            m == 1
-            and len(rows) == 1
-            and (isinstance(bufs, _OneRegion) or type(bufs[idx[0]]) is tuple)
-        ):
+        if m == 1 and len(rows) == 1 and (isinstance(bufs, Places) or type(bufs[idx[0]]) is tuple):
             return self._read_one(keys, idx[0], bufs, caps, looked, out)
-        if m == len(keys) and len(segs) == 1 and isinstance(bufs, _OneRegion):
+        if m == len(keys) and len(segs) == 1 and isinstance(bufs, Places):
             done = self._read_simple(keys, bufs, caps, looked, out)
             if done is not None:
                 return done
@@ -165,9 +161,14 @@ class Reads:
                 out[i] = _refusal(keys[i], int(codes[j]), int(sizes[j]), int(cap[j]))
         # Where each key's bytes go: one region at an offset (numpy), or pieces (Python).
         pieces: dict[int, list[tuple]] = {}
-        if isinstance(bufs, _OneRegion):
-            regions = [bufs.region]
-            kreg = np.zeros(m, np.int64)
+        if isinstance(bufs, Places):
+            if bufs.reg is None:
+                regions = [bufs.region]
+                kreg = np.zeros(m, np.int64)
+            else:
+                regions = list(bufs.regions)
+                kreg = np.asarray(bufs.reg, np.int64)
+                kreg = kreg if whole else kreg[ix]
             koff = np.asarray(bufs.offs, np.int64)
             koff = koff if whole else koff[ix]
         else:
@@ -246,7 +247,7 @@ class Reads:
         return BatchResults(out, self.last_transports)
 
     def _read_simple(
-        self, keys: list[Any], bufs: _OneRegion, caps: Any, looked: _Looked, out: list[Any]
+        self, keys: list[Any], bufs: Places, caps: Any, looked: _Looked, out: list[Any]
     ) -> BatchResults | None:
         """:meth:`_read` of the usual batch -- every key looked up and found as one copy of
         one slice, all in the one segment named, each fitting its place in one registered
@@ -266,6 +267,8 @@ class Reads:
         # check_table checked that row j is key j, one slice of the object's full size, in the
         # one segment (index 0); its offsets and lengths go to the engine as they are.
         lo = np.asarray(bufs.offs, np.int64)
+        if bufs.reg is not None:  # raw addresses over several registrations
+            return self._read_places(keys, bufs, lo, looked, out)
         used, expired = self._read_leased(looked, 0, bufs.region, lo, rows[:, 3], rows[:, 4])
         if expired:
             out[:] = [_lease_expired(k) for k in keys]
@@ -276,6 +279,28 @@ class Reads:
         t = [] if used is None else sorted(used)
         self.last_transports = t
         return BatchResults(out, t)
+
+    def _read_places(
+        self, keys: list[Any], bufs: Places, lo: np.ndarray, looked: _Looked, out: list[Any]
+    ) -> BatchResults:
+        """:meth:`_read_simple` into several registered regions: one engine batch grouped
+        by region, the same lease rule and outcomes, per key (a group may fail alone)."""
+        rows = looked.rows
+        m = len(keys)
+        owner = np.arange(m, dtype=np.int64)
+        left = max(0.001, looked.lease_deadline - time.monotonic())
+        bad, used = self._move_arrays(
+            Op.READ, owner, bufs.regions, np.asarray(bufs.reg, np.int64), lo, looked.segs,
+            rows[:, 2], rows[:, 3], rows[:, 4], left,
+        )  # fmt: skip
+        if time.monotonic() > looked.lease_deadline:
+            out[:] = [_lease_expired(k) for k in keys]
+        else:
+            out[:] = looked.sizes.tolist()
+            for j in bad.tolist():
+                out[j] = _read_failed(keys[j])
+        self.last_transports = list(used)
+        return BatchResults(out, self.last_transports)
 
     def _read_leased(
         self, looked: _Looked, y: int, region: MemoryRegion, lo: Any, ro: Any, ln: Any
@@ -302,8 +327,8 @@ class Reads:
             out[i] = _refusal(keys[i], code, size, cap)
             self.last_transports = []
             return BatchResults(out, [])
-        if isinstance(bufs, _OneRegion):
-            region, at = bufs.region, int(bufs.offs[i])
+        if isinstance(bufs, Places):
+            region, at = bufs.at(i)
         else:
             region, at = bufs[i]
         _, _, y, ro, ln = looked.rows[0].tolist()
@@ -326,8 +351,10 @@ class Reads:
         n = len(ks)
         if not (batch and isinstance(buffer, list)):
             one = self._one_region(buffer, offsets, sizes, n, batch)
-            if one is not None:
-                return finish(self._get_regions(ks, one, one.caps), batch)
+        else:  # raw addresses, one per key: resolved at once
+            one = self._raw_places(buffer, offsets, sizes, n)
+        if one is not None:
+            return finish(self._get_regions(ks, one, one.caps), batch)
         offs = per_key(offsets, n, "offsets", batch)
         caps_in = per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
@@ -353,9 +380,22 @@ class Reads:
                 caps.append(0)
         return finish(self._get_regions(ks, bufs, caps), batch)
 
+    def get_into_raw(self, keys: Sequence[Any], ptrs: Any, sizes: Any = None) -> BatchResults:
+        """Batch :meth:`get_into` where key ``i``'s bytes go to the raw address ``ptrs[i]``
+        inside registered memory, capacity ``sizes[i]`` (default: to the end of its
+        registration): integer columns (numpy arrays as they are, or sequences), resolved
+        in one vectorised lookup. Per key the number of bytes read."""
+        ks = list(keys)
+        places = self._raw_places(ptrs, 0, sizes, len(ks))
+        if places is not None:
+            return self._get_regions(ks, places, places.caps)
+        # Some address or size is refused: the per-key path names which.
+        szs = sizes if sizes is None or np.ndim(sizes) == 0 else np.asarray(sizes).tolist()
+        return self.get_into(ks, np.asarray(ptrs).reshape(-1).tolist(), 0, szs)
+
     def _one_region(
         self, buffer: Any, offsets: Any, sizes: Any, n: int, batch: bool
-    ) -> _OneRegion | None:
+    ) -> Places | None:
         """The batch's destinations when every key reads into one registered buffer at valid
         offsets, worked out with numpy; None sends the call down the per-key path (which
         reports each bad key, or raises for a malformed call)."""
@@ -369,7 +409,7 @@ class Reads:
             cap = region.size - at if sizes is None else sizes
             if offsets < 0 or cap <= 0 or at + cap > region.size:
                 return None
-            return _OneRegion(region, [at], [cap])
+            return Places(region, [at], [cap])
         offs = int_array(offsets if batch else [offsets])
         caps = None if sizes is None else int_array(sizes if batch else [sizes])
         if offs is None or (caps is None and sizes is not None):
@@ -391,7 +431,7 @@ class Reads:
             int(offs.min()) < 0 or int(caps.min()) <= 0 or int((at + caps).max()) > region.size
         ):
             return None
-        return _OneRegion(region, at, caps)
+        return Places(region, at, caps)
 
     def get(self, keys: Any, *, into: Callable[[memoryview], Any] | None = None) -> Any:
         """Objects as ``bytes`` (one copy out of a staging buffer). ``into``: each object
@@ -414,7 +454,7 @@ class Reads:
             ix = np.asarray(idx, np.int64)
             at[ix] = np.cumsum(want) - want
             caps[ix] = sizes
-            res = self._read(ks, idx, _OneRegion(region, at, caps), caps, looked, out)
+            res = self._read(ks, idx, Places(region, at, caps), caps, looked, out)
             pos = at.tolist()
             results = BatchResults(
                 [
@@ -489,12 +529,3 @@ class _Looked(NamedTuple):
     rows: np.ndarray
     segs: list[tuple[str, str, str]]
     lease_deadline: float
-
-
-class _OneRegion(NamedTuple):
-    """A batch's destinations in one registered region: per key the offset and capacity
-    (numpy arrays, or lists for a single key)."""
-
-    region: MemoryRegion
-    offs: Any
-    caps: Any

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..types import (
     keys_valid,
 )
 from .args import listify, per_key
-from .buffers import split_pieces
+from .buffers import Places, split_pieces
 from .replies import (
     BatchResults,
     coded,
@@ -41,7 +42,7 @@ class Writes:
     def _put_regions(
         self,
         keys: list[Any],
-        bufs: list[tuple[MemoryRegion, int] | E.StoreError],
+        bufs: list[tuple[MemoryRegion, int] | E.StoreError] | Places,
         sizes: list[int],
         upsert: bool,
         config: ReplicateConfig | None,
@@ -54,14 +55,15 @@ class Writes:
         n = len(keys)
         out: list[Any] = [None] * n
         todo: list[int] = []
+        places = type(bufs) is Places  # columns: every place resolved and checked
         usual = (  # every key checked at once, no buffer or size refused: nothing per key
             keys_valid(keys)
-            and not any(isinstance(b, E.StoreError) for b in bufs)
+            and (places or not any(isinstance(b, E.StoreError) for b in bufs))
             and all(type(z) is int and z > 0 for z in sizes)
         )
         for i, k in enumerate(() if usual else keys):
             err = invalid_key(k)
-            if err is None and isinstance(bufs[i], E.StoreError):
+            if err is None and not places and isinstance(bufs[i], E.StoreError):
                 err = bufs[i]  # type: ignore[assignment]
             if err is None and (not isinstance(sizes[i], int) or sizes[i] <= 0):
                 err = E.InvalidParams(f"size of {k!r} must be a positive int, got {sizes[i]!r}")
@@ -86,7 +88,9 @@ class Writes:
             fail_all(out, part, whole_error(resp))
             return []
         versions = resp.versions
-        arrays = _run_requests(resp, [bufs[i] for i in part], psizes)
+        places = type(bufs) is Places
+        pbufs = bufs.take(part) if places else [bufs[i] for i in part]
+        arrays = _run_requests(resp, pbufs, psizes)
         if arrays is not None:  # the usual batch: every key one slice, the engine's arrays
             copies, malformed, reqs = [], set(), []
             started = list(range(len(part)))
@@ -104,7 +108,7 @@ class Writes:
                 continue
             started.append(j)
             for rep in copies[j] or []:
-                reqs.extend(_copy_reqs(j, bufs[i], rep))
+                reqs.extend(_copy_reqs(j, bufs.at(i) if places else bufs[i], rep))
         # The allocation is ours only until the master's put timeout: writes must be over
         # well before it (a reclaimed range may be handed to another put). Counted from
         # before PutStart left, with a fifth of it as margin; too late -> revoke, no write.
@@ -168,9 +172,34 @@ class Writes:
         """:meth:`put_from` that replaces existing objects instead of answering ObjectExists."""
         return self._put_api(keys, buffer, offsets, sizes, True, config)
 
+    def put_from_raw(
+        self,
+        keys: Sequence[Any],
+        ptrs: Any,
+        sizes: Any,
+        *,
+        upsert: bool = False,
+        config: ReplicateConfig | None = None,
+    ) -> BatchResults:
+        """Batch :meth:`put_from` of ``sizes[i]`` bytes at the raw address ``ptrs[i]`` inside
+        registered memory under ``keys[i]``: integer columns (numpy arrays as they are, or
+        sequences), resolved in one vectorised lookup and written from the master's replica
+        runs without a tuple per key."""
+        ks = list(keys)
+        places = self._raw_places(ptrs, 0, sizes, len(ks))
+        if places is not None:
+            return self._put_regions(ks, places, places.caps.tolist(), upsert, config)
+        # Some address or size is refused: the per-key path names which.
+        szs = sizes if np.ndim(sizes) == 0 else np.asarray(sizes).tolist()
+        return self._put_api(ks, np.asarray(ptrs).reshape(-1).tolist(), 0, szs, upsert, config)
+
     def _put_api(self, keys, buffer, offsets, sizes, upsert, config) -> Any:
         ks, batch = listify(keys)
         n = len(ks)
+        if batch and isinstance(buffer, list) and sizes is not None:
+            places = self._raw_places(buffer, offsets, sizes, n)  # raw addresses, at once
+            if places is not None:
+                return self._put_regions(ks, places, places.caps.tolist(), upsert, config)
         offs = per_key(offsets, n, "offsets", batch)
         szs = per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
@@ -299,6 +328,18 @@ def _run_requests(resp: P.PutStartResp, bufs: list[Any], sizes: list[int]) -> tu
     run = resp.run
     if run is None or any(resp.codes) or run.lengths != sizes or min(run.where, default=-1) < 0:
         return None
+    n = len(sizes)
+    if type(bufs) is Places:  # the caller's places as columns: no tuple per key
+        return (
+            np.arange(n, dtype=np.int64),
+            [bufs.region] if bufs.reg is None else bufs.regions,
+            np.zeros(n, np.int64) if bufs.reg is None else np.asarray(bufs.reg, np.int64),
+            np.asarray(bufs.offs, np.int64),
+            list(run.segs),
+            np.array(run.where, np.int64),
+            np.array(run.offsets, np.int64),
+            np.array(sizes, np.int64),
+        )
     regions: list[MemoryRegion] = []
     first = bufs[0]
     if type(first) is not tuple:
