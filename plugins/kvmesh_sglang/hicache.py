@@ -402,7 +402,8 @@ def _plan(
         if per == len(comps):  # one range per object, in name order: numpy columns as they are
             import numpy as np
 
-            sizes = np.tile(np.asarray(sz, np.int64), n)
+            one = len(set(sz)) == 1  # K and V (or the one KV range) of equal size
+            sizes = np.full(n * per, sz[0], np.int64) if one else np.tile(np.array(sz), n)
             return _Plan(names, grid.reshape(-1), sizes, sz * n, False, len(comps))
         if per % len(comps) == 0:
             step = len(comps)
