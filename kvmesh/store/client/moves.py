@@ -166,35 +166,19 @@ class Moves:
                 return _NO_OWNERS, list(used)
             transports.update(used)
             return _owners(failed), sorted(transports)
-        order = np.argsort(group, kind="stable")
-        group, owner = group[order], owner[order]
-        reg, lo, seg, ro, ln = reg[order], lo[order], seg[order], ro[order], ln[order]
-        cuts = [0, *(np.flatnonzero(group[1:] != group[:-1]) + 1).tolist(), len(group)]
-        b = self.engine.batch()
-        try:
-            for a, z in zip(cuts[:-1], cuts[1:]):
-                b.add_many(
-                    op, regions[int(reg[a])], lo[a:z], handles[int(seg[a])], ro[a:z], ln[a:z]
-                )
-            try:
-                b.submit(deadline)
-            except TransferError:
-                # One group was refused before anything moved: run the groups one by one.
-                b.free()
-                for a, z in zip(cuts[:-1], cuts[1:]):
-                    sl = slice(a, z)
-                    f, t = self._move_arrays(
-                        op, owner[sl], regions, reg[sl], lo[sl], segs, seg[sl], ro[sl], ln[sl],
-                        deadline,
-                    )  # fmt: skip
-                    failed.append(f)
-                    transports.update(t)
-                return _owners(failed), sorted(transports)
-            res = b.wait(raise_on_error=False)
+        handle = [handles.get(y) for y in range(len(segs))]
+        moved = self.engine.transfer_grouped(
+            op, regions, reg, lo, handle, seg, ro, ln, timeout=deadline
+        )
+        for res in moved.results:
             transports.update(self._count(op, res))
-            failed.append(owner[b.status() != 1])
-        finally:
-            b.free()
+        if not moved.ok.all():
+            failed.append(owner[~moved.ok])
+            if moved.one_by_one:  # a group refused alone: its segment is opened afresh
+                for y in np.unique(seg[~moved.ok]).tolist():
+                    name, _node, ep = segs[y]
+                    log.info("store: %s batch on %s failed", op.value, name)
+                    self._forget_segment(ep, name)
         return _owners(failed), sorted(transports)
 
 
