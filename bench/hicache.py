@@ -12,7 +12,10 @@ has another host id, so the engine takes its network path. Per case, in the same
   existing pages is the write-once shortcut, reported apart as ``set-existing``);
 * ``store-get``: the store's own zero-copy batch get (``StoreClient.get_into`` /
   ``get_into_multi``) of the same objects into the same addresses; ``ratio_store`` = backend
-  get / store get (target >= 0.85);
+  get / store get (target >= 0.95); ``ratio_one_buffer`` = backend get / the store's get of
+  the same bytes as one registered buffer plus offsets, where the plan allows it (target >=
+  0.91, i.e. within 1.1x); ``same-host-4k``: 256 MLA pages of 4 KiB, page_first, where the
+  per-call cost shows;
 * memcpy of 64 MiB, sampled at the start and again right before each case
   (``memcpy_gbps_near``, ``ratio_memcpy_near``); ``limits.memcpy_gbps`` and
   ``ratio_memcpy`` are the run's best sample (target: same-host backend get >= 0.6x);
@@ -60,6 +63,9 @@ from bench._common import (  # noqa: E402
 )
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "page_size": 64, "mla_dim": 576}
+# Small pages where the per-call cost shows (one 4 KiB MLA object per page, 256 a batch).
+SMALL = {"layers": 1, "heads": 1, "head_dim": 8, "page_size": 16, "mla_dim": 128}
+SMALL_BATCH = 256
 
 
 def peer_main(master: str, segment: int) -> None:
@@ -74,7 +80,7 @@ def _peer(master: str, segment: int, host_id: str | None) -> Child:
     return peer_child(__file__, master, str(segment), host_id=host_id)
 
 
-def _pools(kind: str, layout: str, pages: int, layers: int) -> Any:
+def _pools(kind: str, layout: str, pages: int, layers: int, shape: dict = MODEL) -> Any:
     import torch
 
     from tests.plugins.hicache_util import build_pool
@@ -84,12 +90,12 @@ def _pools(kind: str, layout: str, pages: int, layers: int) -> Any:
         kind,
         layout,
         layers=layers,
-        heads=MODEL["heads"],
-        head_dim=MODEL["head_dim"],
-        page_size=MODEL["page_size"],
-        device_tokens=pages * MODEL["page_size"],
+        heads=shape["heads"],
+        head_dim=shape["head_dim"],
+        page_size=shape["page_size"],
+        device_tokens=pages * shape["page_size"],
         dtype=torch.bfloat16,
-        mla_dim=MODEL["mla_dim"],
+        mla_dim=shape["mla_dim"],
     )
 
 
@@ -102,13 +108,14 @@ def one_case(
     batch: int,
     reps: int,
     layers: int,
+    shape: dict = MODEL,
 ) -> list[dict[str, Any]]:
     import torch
 
     from kvmesh_sglang import hicache as H
     from tests.plugins.hicache_util import fill_pages, page_digests, page_keys, storage_config
 
-    pool = _pools(kind, layout, 2 * batch + 2, layers)
+    pool = _pools(kind, layout, 2 * batch + 2, layers, shape)
     ps = pool.page_size
     b = H.KvmeshHiCacheStorage(
         storage_config(
@@ -163,14 +170,27 @@ def one_case(
         def store_get() -> Any:
             if plan.multi:
                 return b.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
-            return b.client.get_into(plan.names, plan.ptrs, 0, plan.sizes)
+            raw = getattr(b.client, "get_into_raw", None)  # the raw-address columns call
+            if raw is not None:
+                return raw(plan.names, plan.ptrs, plan.sizes)
+            return b.client.get_into(plan.names, list(plan.ptrs), 0, list(plan.sizes))
+
+        one_buffer = _one_buffer_get(b.client, plan)
 
         with torch.no_grad():
             pool.kv_buffer.zero_()
         fill_pages(pool, src, list(range(batch)))
         assert store_get().ok and page_digests(pool, dst, batch) == want
         # Interleaved, so that both see the same machine (a shared box drifts by +-30 %).
-        t_get, t_store = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps)
+        if one_buffer is not None:
+            assert one_buffer().ok and page_digests(pool, dst, batch) == want
+            t_get, t_store, t_one = _interleaved(
+                lambda: b.batch_get_v1(keys, dst), store_get, one_buffer, reps=reps
+            )
+            extra = {"ratio_one_buffer": round(t_one / t_get, 3)}
+        else:
+            t_get, t_store = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps=reps)
+            extra = {}
         common = {"kind": kind, "layout": layout}
         rows.append(
             record(
@@ -208,6 +228,7 @@ def one_case(
                 gbps=n / t_get / 1e9,
                 ops_per_s=batch / t_get,
                 ratio_store=round(t_store / t_get, 3),
+                **extra,
                 **common,
             )
         )
@@ -230,19 +251,32 @@ def one_case(
     return rows
 
 
-def _interleaved(f: Any, g: Any, reps: int) -> tuple[float, float]:
-    """Medians of ``f`` and ``g`` run alternately ``reps`` times each, after one warm-up."""
-    f()
-    g()
-    tf, tg = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _interleaved(*fs: Any, reps: int) -> tuple[float, ...]:
+    """Medians of each of ``fs`` run in turn ``reps`` times each, after one warm-up."""
+    for f in fs:
         f()
-        t1 = time.perf_counter()
-        g()
-        tf.append(t1 - t0)
-        tg.append(time.perf_counter() - t1)
-    return float(np.median(tf)), float(np.median(tg))
+    ts: list[list[float]] = [[] for _ in fs]
+    for _ in range(reps):
+        for f, t in zip(fs, ts):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return tuple(float(np.median(t)) for t in ts)
+
+
+def _one_buffer_get(client: Any, plan: Any) -> Any:
+    """The store's get of a plan's objects as one registered buffer plus offsets (the
+    client's leanest form), when every object is one range in one registration: the
+    reference of ``ratio_one_buffer``. None: a multi-range plan, or several registrations."""
+    if plan.multi:
+        return None
+    ptrs = np.asarray(plan.ptrs, np.int64)
+    sizes = np.asarray(plan.sizes, np.int64)
+    regs, ri, off = client.engine.find_regions(ptrs.view(np.uint64), sizes.view(np.uint64))
+    if int(ri.min()) != int(ri.max()):
+        return None
+    region, offs = regs[int(ri[0])], off.astype(np.int64)
+    return lambda: client.get_into(plan.names, region, offs, sizes)
 
 
 EXISTS_POOL = {"layers": 2, "heads": 1, "head_dim": 8, "page_size": 64, "mla_dim": 72, "pages": 256}
@@ -259,6 +293,7 @@ def segment_bytes(plan: list[tuple[str, int]], layouts: tuple[str, ...], layers:
     period after its removal, see the module docstring), one batch more being written, the
     ``batch_exists`` pages, and room for the allocator's rounding."""
     batches = [_page_nbytes(k, layers, MODEL) * n for k, n in plan]
+    batches.append(_page_nbytes("mla", SMALL["layers"], SMALL) * SMALL_BATCH)
     e = EXISTS_POOL
     exists = sum(_page_nbytes(k, e["layers"], e) * e["pages"] for k in ("mha", "mla"))
     return int(1.25 * (sum(batches) * len(layouts) + max(batches) + exists)) + MiB
@@ -354,6 +389,10 @@ def run(limits: dict, a: Any) -> list[dict[str, Any]]:
                                 r["ratio_memcpy_near"] = round(r["gbps"] / near, 3)
                         rows += got
                 if case == "same-host":
+                    rows += one_case(
+                        limits, cl.address, "same-host-4k", "mla", "page_first", SMALL_BATCH,
+                        4 * reps, SMALL["layers"], SMALL,
+                    )  # fmt: skip
                     rows += [exists_case(limits, cl.address, k, samples) for k in ("mha", "mla")]
             finally:
                 peer.close()
@@ -418,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_memcpy_near",
             "ratio_copy_limit",
             "ratio_store",
+            "ratio_one_buffer",
         ),
     )
     if a.json:

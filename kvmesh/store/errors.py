@@ -38,6 +38,7 @@ __all__ = [
     "ReplicaNotReady",
     "SegmentExists",
     "SegmentNotFound",
+    "SessionExpired",
     "StoreError",
     "StoreTimeout",
     "StoreUnavailable",
@@ -75,6 +76,7 @@ class Code(enum.IntEnum):
     NOT_REGISTERED = -2002  # a client buffer that was never registered
     TIMEOUT = -2003
     AUTH_FAILED = -2004
+    SESSION_EXPIRED = -2005  # the master forgot the client's session: not applied now
 
 
 class StoreError(Exception):
@@ -196,6 +198,15 @@ class AuthFailed(StoreError):
     code = Code.AUTH_FAILED
 
 
+class SessionExpired(StoreUnavailable):
+    """The master does not know the client's session (it expired, or a memory-mode master
+    restarted): the request was *not* applied now, and the client may open a new session
+    and send it again. Not sent for a seq whose result was evicted (that one may have been
+    applied once already; it stays a plain StoreUnavailable)."""
+
+    code = Code.SESSION_EXPIRED
+
+
 _TABLE: ErrorTable[StoreError] = ErrorTable(
     StoreError,
     (
@@ -221,6 +232,7 @@ _TABLE: ErrorTable[StoreError] = ErrorTable(
         NotRegistered,
         StoreTimeout,
         AuthFailed,
+        SessionExpired,
     ),
     # An unknown code still travels with the error (a newer peer's code is not lost).
     unknown=lambda code, msg: StoreError(msg, code),  # type: ignore[arg-type]

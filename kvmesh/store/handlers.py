@@ -20,6 +20,7 @@ import numpy as np
 
 from ..replog import (
     RaftNode,
+    ResultEvicted,
     SessionExpiredError,
     SessionRejected,
 )
@@ -140,7 +141,9 @@ class Handlers:
     async def _propose_echo(self, node: RaftNode, sess: P.Session, env: Echoed) -> Any:
         res = await node.propose(encode_envelope(env), sess.client_id, sess.seq, sess.ack)
         if isinstance(res, SessionRejected):
-            raise SessionExpiredError(f"session {res.client_id} seq {res.seq}: {res.reason}")
+            # result_evicted: the seq may have been applied once (never retried blindly)
+            err = ResultEvicted if res.reason == "result_evicted" else SessionExpiredError
+            raise err(f"session {res.client_id} seq {res.seq}: {res.reason}")
         return res
 
     def _planned(self, sess: P.Session, make: Any) -> tuple[list[int], float]:

@@ -31,7 +31,7 @@ from ..net.security import SecurityConfig, client_ssl_context
 from . import errors as E
 from . import protocol as P
 
-__all__ = ["MasterClient"]
+__all__ = ["MasterClient", "reply_error", "session_lost"]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class MasterClient(LeaderFinderViews):
             if self._client_id is None:
                 resp = self.call(lambda rid: P.RegisterReq(rid))
                 if type(resp) is not P.RegisterResp:
-                    raise _error(resp)
+                    raise reply_error(resp)
                 self._client_id = resp.client_id
             return self._client_id
 
@@ -256,11 +256,7 @@ class MasterClient(LeaderFinderViews):
             finally:
                 with self._lock:
                     self._outstanding.discard(seq)
-            if (
-                type(resp) is P.ErrorResp
-                and resp.message.startswith("session:")
-                and "result_evicted" not in resp.message
-            ):
+            if type(resp) is P.ErrorResp and session_lost(resp):
                 # The master forgot our session (e.g. a memory-mode master restarted). The
                 # command was not applied now; open a new session and send it again once.
                 # (Not after result_evicted: that seq may have been applied once already.)
@@ -275,7 +271,7 @@ class MasterClient(LeaderFinderViews):
     def status(self, addr: str, timeout: float = 5.0) -> dict[str, Any]:
         resp, _ = self._exchange(addr, P.StatusReq(next(self._rid)), time.monotonic() + timeout)
         if type(resp) is not P.StatusResp:
-            raise _error(resp)
+            raise reply_error(resp)
         return resp.info
 
     @property
@@ -283,7 +279,16 @@ class MasterClient(LeaderFinderViews):
         return self._finder.leader
 
 
-def _error(resp: Any) -> E.StoreError:
+def reply_error(resp: Any) -> E.StoreError:
+    """The error a reply stands for when it is not the answer asked for: an ErrorResp's
+    code as its class, any other reply (a broken or forged master) a StoreError."""
     if type(resp) is P.ErrorResp:
         return E.error_for(resp.code, resp.message)
     return E.StoreError(f"unexpected reply {type(resp).__name__}")
+
+
+def session_lost(resp: P.ErrorResp) -> bool:
+    """Whether the master answered that it forgot our session (the command was not applied:
+    a new session may send it again), by its code. An evicted result (the seq may have been
+    applied once) comes as StoreUnavailable and is never retried."""
+    return resp.code == E.Code.SESSION_EXPIRED

@@ -34,6 +34,7 @@ from ..replog import (
     ProposalTooLarge,
     ReadTimeout,
     ReplogError,
+    ResultEvicted,
     SessionExpiredError,
 )
 from . import errors as E
@@ -227,7 +228,11 @@ class Server:
                 req.rid, E.StoreTimeout.code, f"timeout (outcome unknown): {e}", retry=True
             )
         except SessionExpiredError as e:
-            return P.ErrorResp(req.rid, E.StoreUnavailable.code, f"session: {e}", retry=False)
+            # A forgotten session (not applied: a new session may send it again) has its own
+            # code; an evicted result (maybe applied once) is an outcome-unknown failure.
+            evicted = isinstance(e, ResultEvicted)
+            code = E.StoreUnavailable.code if evicted else E.SessionExpired.code
+            return P.ErrorResp(req.rid, code, f"session: {e}", retry=False)
         except CommandError as e:
             return P.ErrorResp(req.rid, E.InternalError.code, f"command failed: {e}", retry=False)
         except NodeStopped as e:

@@ -1,7 +1,7 @@
 """Value types shared by the store master core, the service, storage nodes and clients.
 
 These are the contract between ``kvmesh.store.master`` (pure, deterministic) and the drivers
-around it (``service.py``, ``node.py``, ``client.py``). Everything is a frozen msgspec Struct;
+around it (``service.py``, ``node.py``, ``client/``). Everything is a frozen msgspec Struct;
 the ones that travel in bulk (replica descriptors, lookups) are ``array_like`` so their
 msgpack form is a short array, not a map.
 

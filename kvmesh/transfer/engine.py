@@ -20,7 +20,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -57,7 +58,7 @@ from .memory import (
 from .ranges import as_int64, as_op, as_requests, check_ranges
 from .segment import RemoteSegment, RouteHandle, SegmentTable
 from .transports.base import TransferJob, Transport, TransportContext
-from .transports.tcp import TcpServer, TcpTransport
+from .transports.tcp import TcpServer
 from .types import BatchState, EngineConfig, MemoryKind, Op, SegmentDescriptor, TransportKind
 
 log = logging.getLogger("kvmesh.transfer")
@@ -683,6 +684,63 @@ class TransferEngine:
         lo, ro, ln = as_requests(local_offsets, remote_offsets, lengths)
         return self._sync(as_op(op), local, remote, lo, ro, ln, timeout)
 
+    def transfer_grouped(
+        self,
+        op: Op | str,
+        regions: Sequence[MemoryRegion],
+        reg: np.ndarray,
+        lo: np.ndarray,
+        segments: Sequence[RemoteSegment],
+        seg: np.ndarray,
+        ro: np.ndarray,
+        ln: np.ndarray,
+        *,
+        timeout: float | None = None,
+    ) -> GroupedResult:
+        """Requests as columns over several regions and segments: request ``r`` moves
+        ``ln[r]`` bytes between ``regions[reg[r]]`` at ``lo[r]`` and ``segments[seg[r]]`` at
+        ``ro[r]``. Grouped here per (region, segment) pair (one stable sort), moved as one
+        batch; never raises for a failed request. Returns per request whether it moved and
+        the batches' results. When the batch is refused before anything moved (a group whose
+        route cannot be used), the groups run one by one, each failing alone."""
+        op = as_op(op)
+        n = len(ln)
+        ok = np.zeros(n, bool)
+        if not n:
+            return GroupedResult(ok, [])
+        reg, seg = np.asarray(reg, np.int64), np.asarray(seg, np.int64)
+        order, cuts = pair_groups(reg, seg, len(segments))
+        reg, lo, seg = reg[order], lo[order], seg[order]
+        ro, ln = ro[order], ln[order]
+        spans = list(zip(cuts[:-1], cuts[1:]))
+        results: list[BatchResult] = []
+        b = self.batch()
+        try:
+            for a, z in spans:
+                local, remote = regions[int(reg[a])], segments[int(seg[a])]
+                b.add_many(op, local, lo[a:z], remote, ro[a:z], ln[a:z])
+            try:
+                b.submit(timeout)
+            except TransferError:
+                b.free()
+                for a, z in spans:
+                    try:
+                        res = self.transfer(
+                            op, regions[int(reg[a])], lo[a:z], segments[int(seg[a])],
+                            ro[a:z], ln[a:z], timeout=timeout,
+                        )  # fmt: skip
+                    except (TransferError, OSError, ValueError) as e:
+                        log.info("engine: a %s group failed: %s", op.value, e)
+                        continue
+                    ok[order[a:z]] = True
+                    results.append(res)
+                return GroupedResult(ok, results, True)
+            results.append(b.wait(raise_on_error=False))
+            ok[order] = b.status() == 1
+        finally:
+            b.free()
+        return GroupedResult(ok, results)
+
     def read(
         self,
         local: MemoryRegion,
@@ -748,7 +806,7 @@ class TransferEngine:
         requests = len(ln)
         if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
-        order = np.argsort(key, kind="stable")  # one sort, not one mask per group
+        order, _ = pair_groups(ri.astype(np.int64), si, len(segs))  # one sort for all groups
         key, lo, ro, ln = key[order], lo[order], ro[order], ln[order]
         # Merge requests adjacent on both sides within a pair once for the whole call (what each
         # job's coalesced() would do; the runs lie inside the ranges checked above).
@@ -778,12 +836,12 @@ class TransferEngine:
         if (
             op is Op.WRITE
             and len(groups) > 1
-            and isinstance(handles[0].transport, TcpTransport)
+            and handles[0].transport.pipelined_writes
             and all(h.route is handles[0].route for h in handles)
             and all(g[5] <= cfg.split_bytes for g in groups)
         ):
             # Many small WRITEs to one TCP peer (a PD request: one job per layer buffer): one
-            # connection carries them back to back from this thread (TcpTransport.execute_writes)
+            # connection carries them back to back from this thread (Transport.execute_writes)
             # instead of a worker hand-off and a round trip each.
             return self._run_inline(
                 op, groups, handles, requests, timeout, coalesced=True, pipelined=True
@@ -1181,3 +1239,24 @@ def shutdown_engine() -> None:
 
 
 atexit.register(shutdown_engine)
+
+
+class GroupedResult(NamedTuple):
+    """What :meth:`TransferEngine.transfer_grouped` moved: per request whether it moved
+    (``ok``, in the caller's order) and the results of the batches that ran."""
+
+    ok: np.ndarray
+    results: list[BatchResult]
+    one_by_one: bool = False  # the batch was refused: its groups ran (and failed) alone
+
+
+def pair_groups(reg: np.ndarray, seg: np.ndarray, nseg: int) -> tuple[np.ndarray, list[int]]:
+    """Requests grouped per (region ``reg[r]``, segment ``seg[r]``) pair: the stable order
+    that puts each pair's requests together, and the cuts between the groups in that order
+    (``[0, ..., len]``). One sort for the whole call, not one mask per group."""
+    key = reg * nseg + seg
+    if len(key) < 2 or int(key.min()) == int(key.max()):
+        return np.arange(len(key)), [0, len(key)]
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    return order, [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]

@@ -271,8 +271,8 @@ class _Plan(msgspec.Struct):
     addresses and lengths whose bytes the object holds in order); ``totals``: bytes each."""
 
     names: list[str]
-    ptrs: list[Any]
-    sizes: list[Any]
+    ptrs: Any  # one range per object: an int64 column (or a list); multi: lists per object
+    sizes: Any
     totals: list[int]
     multi: bool
     per_page: int  # objects per page (MHA: 2, MLA: 1)
@@ -281,7 +281,8 @@ class _Plan(msgspec.Struct):
     def join(plans: Sequence[_Plan]) -> _Plan:
         multi = any(p.multi for p in plans)
 
-        def lists(p: _Plan, xs: list[Any]) -> list[Any]:
+        def lists(p: _Plan, xs: Any) -> list[Any]:
+            xs = xs.tolist() if hasattr(xs, "tolist") else xs  # a plan's numpy columns
             return xs if p.multi or not multi else [[x] for x in xs]
 
         return _Plan(
@@ -398,8 +399,12 @@ def _plan(
             first = first.cpu().numpy()
         grid, sz = table.meta(first)  # [page, buffer]
         per = grid.shape[1]
-        if per == len(comps):  # one range per object, in name order
-            return _Plan(names, grid.reshape(-1).tolist(), sz * n, sz * n, False, len(comps))
+        if per == len(comps):  # one range per object, in name order: numpy columns as they are
+            import numpy as np
+
+            one = len(set(sz)) == 1  # K and V (or the one KV range) of equal size
+            sizes = np.full(n * per, sz[0], np.int64) if one else np.tile(np.array(sz), n)
+            return _Plan(names, grid.reshape(-1), sizes, sz * n, False, len(comps))
         if per % len(comps) == 0:
             step = len(comps)
             # [page, buffer] -> [page, comp, range]: MHA K takes the even buffers, V the odd.
@@ -739,7 +744,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         if plan.multi:
             res = self.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
         else:
-            res = self.client.get_into(plan.names, plan.ptrs, 0, plan.sizes)
+            res = self.client.get_into_raw(plan.names, plan.ptrs, plan.sizes)
         _whole(res)
         # Exactly the page's bytes, or a miss (a shorter object is not this page).
         return [type(r) is int and r == t for r, t in zip(res, plan.totals)]
@@ -763,7 +768,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                     res[i] = r
         else:
             # One range per object: the put itself answers ObjectExists (one RPC).
-            res = _whole(self.client.put_from(plan.names, plan.ptrs, 0, plan.sizes))
+            res = _whole(self.client.put_from_raw(plan.names, plan.ptrs, plan.sizes))
         ok = []
         existing = 0
         for r in res:

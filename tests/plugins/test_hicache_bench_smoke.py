@@ -38,8 +38,14 @@ def test_hicache_bench_tiny(tmp_path):
         for layout in ("page_first", "layer_first")
         for op in ops
     } | {("network", kind, "page_first", op) for kind in ("mha", "mla") for op in ops}
+    want |= {("same-host-4k", "mla", "page_first", op) for op in ops}
     io = [r for r in recs if r["op"] != "batch_exists"]
     assert {(r["case"], r["kind"], r["layout"], r["op"]) for r in io} == want
+    # The small-page case: 256 pages of 4 KiB, against the one-buffer form of the same get.
+    small = [r for r in io if r["case"] == "same-host-4k"]
+    assert all(r["page_bytes"] == 4096 and r["batch"] == 256 for r in small)
+    assert [r["ratio_one_buffer"] > 0 for r in small if r["op"] == "batch_get_v1"] == [True]
+    io = [r for r in io if r["case"] != "same-host-4k"]
     # Page bytes of the model shape at --layers (bf16): MHA K+V, MLA one 576-wide vector.
     page = {"mha": layers * 64 * 2 * 8 * 128 * 2, "mla": layers * 64 * 576 * 2}
     for r in io:

@@ -142,7 +142,7 @@ def _leased_read_planted_without_lease_check(real):
     import inspect
     import textwrap
 
-    from kvmesh.store import client as client_mod
+    from kvmesh.store.client import reads as client_mod
 
     src = textwrap.dedent(inspect.getsource(real))
     assert src.count("time.monotonic() > looked.lease_deadline") == 1
@@ -359,3 +359,18 @@ def test_one_client_shared_by_threads(env):
     for t in threads:
         t.join(60)
     assert not errors, errors[:5]
+
+
+def test_a_forgotten_session_is_told_by_its_code_and_the_client_starts_a_new_one(env):
+    """A live master answers a session it does not know with SESSION_EXPIRED (not a message
+    to match), and the client resends the command once in a new session."""
+    cl, peer, c = env
+    rpc = c.rpc
+    r = rpc.call(lambda rid: P.RemoveReq(rid, P.Session(987_654_321, 1, 0), ["nobody"]))
+    assert type(r) is P.ErrorResp and r.code == E.Code.SESSION_EXPIRED and not r.retry
+    c.put("forgotten-session", b"x" * 100)
+    before = rpc._session()
+    rpc._client_id = 987_654_321  # as if the master had expired our session
+    c.remove("forgotten-session")  # raises on an error
+    assert rpc._session() not in (before, 987_654_321)
+    assert c.exists("forgotten-session") is False

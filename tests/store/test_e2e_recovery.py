@@ -170,7 +170,7 @@ def test_paused_storage_node_is_expired_then_mounts_again(tmp_path):
 def test_stalled_writer_never_writes_after_its_allocation_may_be_reclaimed(tmp_path, monkeypatch):
     """A writer that stalls between put_start and its write past the master's put timeout
     revokes instead of writing into memory that may already belong to another put."""
-    import kvmesh.store.client as client_mod
+    import kvmesh.store.client.writes as client_mod
 
     with StoreCluster(
         str(tmp_path), 1, token=TOKEN, durability="memory", extra_args=["--put-timeout-s", "1"]

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from kvmesh.store import client as C
+from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
+from kvmesh.store.client import replies as R
+from kvmesh.store.client import writes as W
 from kvmesh.store.types import ReplicaRun
 
 
@@ -20,8 +23,8 @@ class _Region:
 def _loop_requests(resp: P.PutStartResp, bufs: list, sizes: list[int]) -> tuple:
     """What ``_put_part``'s per-key loop hands ``_move``, in ``_move_arrays``' form."""
     copies = resp.copies()
-    assert not C._malformed_copies(resp.codes, copies, resp.run, sizes)
-    reqs = [r for j, b in enumerate(bufs) for rep in copies[j] for r in C._copy_reqs(j, b, rep)]
+    assert not W._malformed_copies(resp.codes, copies, resp.run, sizes)
+    reqs = [r for j, b in enumerate(bufs) for rep in copies[j] for r in W._copy_reqs(j, b, rep)]
     regions: list = []
     segs: list = []
     cols = []
@@ -59,7 +62,7 @@ def test_run_requests_match_the_per_key_loop(nregions):
     resp = P.PutStartResp(7, [0] * n, [], list(range(n)), 60_000, run)
     regions = [_Region() for _ in range(nregions)]
     bufs = [(regions[i % nregions], int(o)) for i, o in enumerate(rng.integers(0, 1 << 30, n))]
-    arrays = C._run_requests(resp, bufs, sizes)
+    arrays = W._run_requests(resp, bufs, sizes)
     assert arrays is not None
     want_regions, want_segs, want = _loop_requests(resp, bufs, sizes)
     got_regions, got_segs, got = _fast_columns(arrays)
@@ -81,21 +84,21 @@ def _answer(sizes, codes=None, where=None, lengths=None):
 def test_run_requests_leave_every_other_answer_to_the_checked_loop():
     r = _Region()
     bufs, sizes = [(r, 0), (r, 100)], [10, 20]
-    assert C._run_requests(_answer(sizes), bufs, sizes) is not None
+    assert W._run_requests(_answer(sizes), bufs, sizes) is not None
     # a refused key, a key without a copy, a copy longer than its key, pieces, no run
-    assert C._run_requests(_answer(sizes, codes=[0, 5], where=[0, -1]), bufs, sizes) is None
-    assert C._run_requests(_answer(sizes, where=[0, -1]), bufs, sizes) is None
-    assert C._run_requests(_answer(sizes, lengths=[10, 40]), bufs, sizes) is None
-    assert C._run_requests(_answer(sizes), [(r, 0), [(r, 100, 20)]], sizes) is None
+    assert W._run_requests(_answer(sizes, codes=[0, 5], where=[0, -1]), bufs, sizes) is None
+    assert W._run_requests(_answer(sizes, where=[0, -1]), bufs, sizes) is None
+    assert W._run_requests(_answer(sizes, lengths=[10, 40]), bufs, sizes) is None
+    assert W._run_requests(_answer(sizes), [(r, 0), [(r, 100, 20)]], sizes) is None
     plain = P.PutStartResp(1, [0, 0], [None, None], [1, 1], 0, None)
-    assert C._run_requests(plain, bufs, sizes) is None
+    assert W._run_requests(plain, bufs, sizes) is None
 
 
 def _split_key_by_key(idx, keys):
     parts, cur, size = [], [], 0
     for i in idx:
         n = len(keys[i].encode())
-        if cur and (len(cur) >= C.MAX_KEYS_PER_RPC or size + n > C.MAX_KEY_BYTES_PER_RPC):
+        if cur and (len(cur) >= R.MAX_KEYS_PER_RPC or size + n > R.MAX_KEY_BYTES_PER_RPC):
             parts.append(cur)
             cur, size = [], 0
         cur.append(i)
@@ -117,9 +120,9 @@ def _split_key_by_key(idx, keys):
 )
 def test_rpc_parts_split_as_the_key_by_key_count(keys):
     idx = list(range(len(keys)))
-    assert C._rpc_parts(idx, keys) == _split_key_by_key(idx, keys)
+    assert R.rpc_parts(keys, idx, key_bytes=True) == _split_key_by_key(idx, keys)
     odd = idx[::2]
-    assert C._rpc_parts(odd, keys) == _split_key_by_key(odd, keys)
+    assert R.rpc_parts(keys, odd, key_bytes=True) == _split_key_by_key(odd, keys)
 
 
 class _Sized:
@@ -132,7 +135,7 @@ def test_one_buffer_vouches_only_for_ranges_inside_the_registration():
 
     def where(buffer, length):
         if buffer == "unregistered":
-            raise C.E.NotRegistered("no")
+            raise E.NotRegistered("no")
         return region, 100  # the buffer starts 100 bytes into its registration
 
     one = C.StoreClient._one_buffer

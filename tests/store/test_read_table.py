@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
-from kvmesh.store.client import _table
+from kvmesh.store.client.table import check_table as _table
 from kvmesh.store.master import state as state_mod
 from kvmesh.store.master.commands import Mount, PutEnd, PutStart, encode_command
 from kvmesh.store.master.leases import LeaseTable

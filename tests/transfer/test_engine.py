@@ -723,3 +723,37 @@ def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monke
         assert (d[10 * k : 11 * k] == s[5 * k : 6 * k]).all()
         assert (d[9 * k : 10 * k] == s[4 * k : 5 * k]).all()
         assert not d[3 * k : 8 * k].any() and not d[11 * k :].any()
+
+
+def test_transfer_grouped_moves_columns_over_pairs_and_fails_a_refused_group_alone(make_engine):
+    """``transfer_grouped``: requests as columns over two local regions and two segments,
+    in mixed order, land where each names (the grouping per pair keeps every request's own
+    offsets); a batch refused because one segment is gone runs group by group, and only
+    that segment's requests fail (``ok`` in the caller's order)."""
+    owner, client = make_engine(), make_engine()
+    x = np.zeros(64 * 1024, np.uint8)
+    y = np.zeros(64 * 1024, np.uint8)
+    owner.register(x, name="x")
+    owner.register(y, name="y")
+    a = np.random.default_rng(3).integers(0, 256, 32 * 1024, dtype=np.uint8)
+    b = np.random.default_rng(4).integers(0, 256, 32 * 1024, dtype=np.uint8)
+    ra, rb = client.register(a), client.register(b)
+    sx, sy = client.open_segment(owner.address, "x"), client.open_segment(owner.address, "y")
+    n = 16
+    reg = np.array([i % 2 for i in range(n)], np.int64)  # a, b, a, b ...
+    seg = np.array([(i // 3) % 2 for i in range(n)], np.int64)  # x x x y y y x ...
+    lo = np.arange(n, dtype=np.int64) * 2048
+    ro = (np.arange(n, dtype=np.int64)[::-1]) * 4096  # remote order reversed
+    ln = np.full(n, 1000, np.int64)
+    got = client.transfer_grouped(Op.WRITE, [ra, rb], reg, lo, [sx, sy], seg, ro, ln)
+    assert got.ok.all() and not got.one_by_one and sum(r.nbytes for r in got.results) == n * 1000
+    for i in range(n):
+        src = (a, b)[reg[i]][lo[i] : lo[i] + 1000]
+        dst = (x, y)[seg[i]][ro[i] : ro[i] + 1000]
+        assert (src == dst).all(), i
+    owner.unregister(owner.find_region(y.ctypes.data, 1)[0])  # segment y goes away
+    x[:] = 0
+    got = client.transfer_grouped(Op.WRITE, [ra, rb], reg, lo, [sx, sy], seg, ro, ln)
+    assert (got.ok == (seg == 0)).all(), got.ok
+    for i in np.flatnonzero(seg == 0).tolist():
+        assert (x[ro[i] : ro[i] + 1000] == (a, b)[reg[i]][lo[i] : lo[i] + 1000]).all()

@@ -242,6 +242,9 @@ class Transport(abc.ABC):
     # True when execute() is a pure CPU copy with nothing to wait for: small jobs then run in the
     # submitting thread (no thread hand-off: a 4 KiB same-host transfer stays in the µs range).
     inline_ok: ClassVar[bool] = False
+    # True when execute_writes() carries many WRITE jobs to one peer back to back from the
+    # calling thread (one connection, acks read behind): cheaper than a hand-off per job.
+    pipelined_writes: ClassVar[bool] = False
     # False when cutting a big job into parts for several worker threads does not pay (one
     # NIXL agent posts them one after the other and each extra handle costs 7-25 %).
     split_ok: ClassVar[bool] = True

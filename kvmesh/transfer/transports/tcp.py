@@ -265,6 +265,7 @@ class TcpTransport(Transport):
     """Pushes pages through the segment owner's control server."""
 
     kind = TransportKind.TCP
+    pipelined_writes = True  # execute_writes: one connection, acks read behind
 
     def can_serve(self, local: MemoryRegion, remote: SegmentDescriptor) -> bool:
         return local.is_host and remote.kind.is_host

@@ -1,0 +1,247 @@
+"""Registered memory of the client: registration, and where a caller's buffer, raw address
+or list of pieces lies (region, offset), checked against the registration."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ...transfer import MemoryRegion, TransferError
+from ...transfer.memory import describe_object
+from .. import errors as E
+from .args import int_array
+
+__all__ = ["Buffers", "Places", "split_pieces"]
+
+
+class Places(NamedTuple):
+    """A batch's places in registered memory, as columns: per key the offset and capacity
+    (numpy arrays, or lists for a single key) in ``region``, or -- ``reg`` given -- in
+    ``regions[reg[i]]`` (raw addresses over several registrations)."""
+
+    region: MemoryRegion
+    offs: Any
+    caps: Any
+    regions: list[MemoryRegion] | None = None
+    reg: Any = None
+
+    def at(self, i: int) -> tuple[MemoryRegion, int]:
+        """Key ``i``'s ``(region, offset)``."""
+        region = self.region if self.reg is None else self.regions[int(self.reg[i])]
+        return region, int(self.offs[i])
+
+    def take(self, idx: list[int]) -> Places:
+        """The places of keys ``idx``, in that order."""
+        ix = np.asarray(idx, np.int64)
+        reg = None if self.reg is None else np.asarray(self.reg)[ix]
+        offs, caps = np.asarray(self.offs)[ix], np.asarray(self.caps)[ix]
+        return Places(self.region, offs, caps, self.regions, reg)
+
+
+class Buffers:
+    """Buffer registration and address resolution of :class:`~kvmesh.store.client.StoreClient`."""
+
+    def register_buffer(self, buffer: Any, size: int | None = None) -> MemoryRegion:
+        """Register memory for zero-copy :meth:`put_from`/:meth:`get_into`: a numpy array,
+        torch tensor, bytearray, or a raw address with ``size``. Register once, reuse."""
+        if isinstance(buffer, int):
+            if size is None:
+                raise E.InvalidParams("a raw address needs a size")
+            region = self.engine.register_raw(buffer, size)
+        else:
+            region = self.engine.register(buffer)
+        with self._buf_lock:
+            self._buffers[region.ptr] = region
+        return region
+
+    def unregister_buffer(self, buffer: Any) -> None:
+        region = self._region_of(buffer, 1)[0]
+        with self._buf_lock:
+            self._buffers.pop(region.ptr, None)
+        self.engine.unregister(region)
+
+    def _region_of(self, buffer: Any, length: int) -> tuple[MemoryRegion, int]:
+        """(registered region, offset of the buffer inside it)."""
+        if isinstance(buffer, MemoryRegion):
+            if buffer.closed:
+                raise E.NotRegistered("the buffer was unregistered")
+            return buffer, 0
+        if isinstance(buffer, int):
+            ptr = buffer
+        else:
+            try:
+                ptr = describe_object(buffer, None)[0]
+            except (TransferError, TypeError, ValueError) as e:
+                raise E.NotRegistered(f"not a registrable buffer: {e}") from None
+        try:
+            return self.engine.find_region(ptr, max(1, length))
+        except (TransferError, LookupError) as e:
+            raise E.NotRegistered(
+                f"buffer at {ptr:#x} (+{length}) is not registered: {e}"
+            ) from None
+
+    def _resolver(self) -> Any:
+        """``_region_of`` memoised per buffer object for one call (a batch names the same
+        buffer for every key; raw addresses are looked up one by one)."""
+        cache: dict[int, Any] = {}
+
+        def where(buffer: Any, length: int) -> tuple[MemoryRegion, int]:
+            if isinstance(buffer, int):
+                return self._region_of(buffer, length)
+            hit = cache.get(id(buffer))
+            if hit is None:
+                try:
+                    hit = cache[id(buffer)] = self._region_of(buffer, 1)
+                except E.StoreError as e:
+                    hit = cache[id(buffer)] = e
+            if isinstance(hit, E.StoreError):
+                raise hit
+            return hit
+
+        return where
+
+    def _raw_places(self, ptrs: Any, offsets: Any, sizes: Any, n: int) -> Places | None:
+        """The places of a batch named by raw addresses (``ptrs[i] + offsets[i]``, capacity
+        ``sizes[i]``, default: to the end of its registration) resolved in one vectorised
+        lookup -- numpy columns as they are, a list of ints converted once. None: some value
+        is not an int, a range is outside registered memory, or ``n`` keys do not match;
+        the per-key path then says which."""
+        p = int_array(ptrs)
+        o = int_array(offsets)
+        z = None if sizes is None else int_array(sizes)
+        if p is None or o is None or (sizes is not None and z is None) or p.shape != (n,) or not n:
+            return None
+        if o.ndim == 0:
+            o = np.full(n, int(o), np.int64)
+        if z is not None and z.ndim == 0:
+            z = np.full(n, int(z), np.int64)
+        if o.shape != (n,) or (z is not None and z.shape != (n,)):
+            return None
+        if int(p.min()) <= 0 or int(o.min()) < 0 or (z is not None and int(z.min()) <= 0):
+            return None
+        at = p + o
+        try:
+            probe = z if z is not None else np.ones(n, np.int64)
+            regs, ri, off = self.engine.find_regions(at.view(np.uint64), probe.view(np.uint64))
+        except (TransferError, LookupError, OverflowError):
+            return None
+        off = off.view(np.int64)
+        first = int(ri[0])
+        one = int(ri.min()) == int(ri.max())
+        if z is None:
+            size = regs[first].size if one else np.array([r.size for r in regs], np.int64)[ri]
+            z = size - off
+        if one:
+            return Places(regs[first], off, z)
+        return Places(regs[first], off, z, regs, ri)
+
+    @staticmethod
+    def _one_buffer(
+        where: Any, buffer: Any, offs: list[Any], szs: list[Any]
+    ) -> list[tuple[MemoryRegion, int]] | None:
+        """``(region, offset)`` per key of a put from one buffer when every size and offset
+        is an int and every range lies inside the buffer's registration (checked for the
+        batch at once); None: some key is refused, its error found by the per-key loop."""
+        if not offs or set(map(type, szs)) != {int} or set(map(type, offs)) != {int}:
+            return None
+        if min(szs) <= 0 or min(offs) < 0:
+            return None
+        try:
+            region, base = where(buffer, 1)
+        except E.StoreError:
+            return None
+        if base + max(map(operator.add, offs, szs)) > region.size:
+            return None
+        return [(region, base + o) for o in offs]
+
+    def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
+        """``[(region, offset, length)]`` of one object's buffers (registered objects at
+        their start, or raw addresses inside registered memory)."""
+        if len(buffers) != len(sizes) or not buffers:
+            raise E.InvalidParams("one size per buffer, at least one buffer")
+        out = []
+        for b, sz in zip(buffers, sizes):
+            if not isinstance(sz, int) or sz <= 0:
+                raise E.InvalidParams(f"buffer sizes must be positive ints, got {sz!r}")
+            region, base = where(b, sz)
+            if base + sz > region.size:
+                raise E.InvalidParams(f"{sz} bytes at offset {base} exceed the registered buffer")
+            out.append((region, base, sz))
+        return out
+
+    def _multi_pieces(
+        self, keys: list[str], buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> tuple[list[Any], list[int]]:
+        """Per object, its registered pieces (or the error that refused them) and byte total."""
+        n = len(keys)
+        if len(buffers) != n or len(sizes) != n:
+            raise E.InvalidParams(
+                f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"
+            )
+        flat = self._flat_pieces(buffers, sizes)
+        if flat is not None:
+            return flat
+        where = self._resolver()
+        bufs: list[Any] = []
+        totals: list[int] = []
+        for i in range(n):
+            try:
+                bufs.append(self._pieces(list(buffers[i]), list(sizes[i]), where))
+                totals.append(sum(sizes[i]))
+            except E.StoreError as e:
+                bufs.append(e)
+                totals.append(0)
+        return bufs, totals
+
+    def _flat_pieces(
+        self, buffers: list[list[Any]], sizes: list[list[int]]
+    ) -> tuple[list[Any], list[int]] | None:
+        """:meth:`_multi_pieces` when every buffer is a raw address inside registered memory
+        and every size a positive int (HiCache's layer_first pages: 32-64 ranges per object,
+        thousands per batch): one vectorised region lookup for the whole batch instead of one
+        per range. ``None``: some range is not of that kind (or not registered); the caller
+        then resolves range by range, which names the bad one per object."""
+        counts = list(map(len, buffers))
+        if 0 in counts or counts != list(map(len, sizes)):
+            return None
+        ptrs = [p for b in buffers for p in b]
+        lens = [z for x in sizes for z in x]
+        if set(map(type, ptrs)) != {int} or set(map(type, lens)) != {int}:
+            return None  # bools, buffer objects, regions: the general path
+        try:
+            p = np.array(ptrs, np.int64)
+            ln = np.array(lens, np.int64)
+        except OverflowError:
+            return None
+        if int(ln.min()) <= 0 or int(p.min()) < 0:
+            return None
+        try:
+            regs, ri, off = self.engine.find_regions(p.view(np.uint64), ln.view(np.uint64))
+        except (TransferError, LookupError):
+            return None
+        pieces = list(zip(map(regs.__getitem__, ri.tolist()), off.tolist(), lens))
+        ends = np.cumsum(counts).tolist()
+        starts = [0, *ends[:-1]]
+        totals = np.add.reduceat(ln, starts).tolist()
+        return [pieces[a:z] for a, z in zip(starts, ends)], totals
+
+
+def split_pieces(pieces: list[tuple], slices: Any) -> list[tuple]:
+    """``(region, local_off, segment, remote_off, length)`` moving ``slices`` (``(segment,
+    remote_off, length)`` in byte order) to/from ``pieces`` (``(region, offset, length)``
+    that the object's bytes fill in order); ``segment`` is passed through as given."""
+    out = []
+    pi, used = 0, 0
+    for where, roff, left in slices:
+        while left > 0:
+            region, off, ln = pieces[pi]
+            take = min(left, ln - used)
+            out.append((region, off + used, where, roff, take))
+            used += take
+            roff += take
+            left -= take
+            if used == ln:
+                pi, used = pi + 1, 0
+    return out
