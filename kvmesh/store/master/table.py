@@ -305,22 +305,23 @@ class Table(Mapping[str, Obj]):
                 out[s] = out.get(s, 0) + 1
         return out
 
-    def nbytes(self) -> int:
-        """Bytes the table holds for its rows, as allocated (columns, free list, the row ->
-        key list, the key -> row dict and its row ints, the key strings, extra layouts)."""
+    def nbytes(self) -> dict[str, int]:
+        """Bytes the table holds, as allocated, by part: ``columns`` (and the free list),
+        ``names`` (row -> key list), ``index`` (the key -> row dict and its row ints),
+        ``keys`` (the key strings), ``extra`` (packed layouts of multi-slice objects).
+        From ``sys.getsizeof``: the same on every machine for one Python build."""
         import sys
 
-        cols = sum(getattr(self, name).nbytes for name in _NAMES) + self.free.nbytes
-        names = sys.getsizeof(self.names)
-        index = sys.getsizeof(self.index)
-        ints = 0
-        keys = 0
-        for k, r in self.index.items():
-            keys += sys.getsizeof(k)
-            if r > 256:
-                ints += sys.getsizeof(r)
-        extra = sys.getsizeof(self.extra) + sum(sys.getsizeof(v) + 28 for v in self.extra.values())
-        return cols + names + index + ints + keys + extra
+        index = self.index
+        big = max(0, len(index) - 257)  # rows above 256 are ints of their own
+        return {
+            "columns": sum(getattr(self, name).nbytes for name in _NAMES) + self.free.nbytes,
+            "names": sys.getsizeof(self.names),
+            "index": sys.getsizeof(index) + big * sys.getsizeof(1 << 20),
+            "keys": sum(map(sys.getsizeof, index)),
+            "extra": sys.getsizeof(self.extra)
+            + sum(sys.getsizeof(v) + sys.getsizeof(1 << 20) for v in self.extra.values()),
+        }
 
     # ------------------------------------------------------------------ snapshots
 
