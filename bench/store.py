@@ -371,9 +371,9 @@ def _big_master(limits: dict, n: int, key: str) -> list[dict[str, Any]]:
             if crash:
                 cl.kill(1)  # the log since the last snapshot is replayed
             else:
-                cl.stop(1)  # a graceful stop snapshots first
+                cl.stop(1, timeout=300)  # a graceful stop snapshots first
             t0 = time.perf_counter()
-            cl.start(1)
+            cl.start(1, timeout=600)  # a 10 M-object replay can pass the 60 s default
             c = MasterClient([cl.address], name="bench-million-r", timeout=60)
             try:
                 while True:

@@ -216,14 +216,6 @@ class Table(Mapping[str, Obj]):
 
     __setitem__ = put
 
-    def set_fields(self, key: str, **fields: Any) -> None:
-        """Change some columns of an existing row (pin, version, ...)."""
-        r = self.index[key]
-        if self._images:
-            self._save(r)
-        for name, v in fields.items():
-            getattr(self, name)[r] = v
-
     def put_run(
         self,
         keys: list[str],
@@ -295,11 +287,10 @@ class Table(Mapping[str, Obj]):
 
     def slice_counts(self) -> dict[int, int]:
         """Segment id -> slices placed there (every copy of every slice)."""
-        n = self.n
-        sids = self.sid[:n]
-        live = sids[sids != 0]
-        u, c = np.unique(live, return_counts=True)
-        out = dict(zip(u.tolist(), c.tolist()))
+        counts = np.bincount(self.sid[: self.n])  # segment ids are small: no sort
+        counts[:1] = 0  # sid 0: free rows and the rows in extra
+        u = np.flatnonzero(counts)
+        out = dict(zip(u.tolist(), counts[u].tolist()))
         for lay in self.extra.values():
             for s, _ in SLICE.iter_unpack(lay):
                 out[s] = out.get(s, 0) + 1
