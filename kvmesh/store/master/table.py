@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -372,8 +373,9 @@ class Table(Mapping[str, Obj]):
             raise ValueError(f"{len(names)} rows, image says {n}")
         self.names = names
         live = n - names.count(None)
-        index = dict(zip(names, range(n)))
-        index.pop(None, None)  # type: ignore[call-overload]
+        # live rows only (C-level passes): a None key, even popped again, would leave the
+        # dict in its general mode, slower to probe than a dict of str keys only
+        index = dict(compress(zip(names, range(n)), names))
         size, sid = self.size[:n], self.sid[:n]
         if (
             len(index) != live
