@@ -1,12 +1,12 @@
 """The store master's replicated state machine (kvmesh.replog ``StateMachine``).
 
-:class:`StoreStateMachine` holds the object table (key -> :class:`~.objects.Obj`), the mounted
-segments with one :class:`~.allocator.SegmentAllocator` each, and the bytes held for leases by
-forced removes. ``apply`` executes one :mod:`.commands` entry; it is deterministic (no clock,
-no global randomness: ``now`` and the log index come from the entry), so every replica
-computes the same offsets. Read-only queries (:meth:`lookup`, :meth:`exists`,
-:meth:`get_size`, :meth:`segments`, :meth:`usage`) serve the service without a log entry;
-the service must have confirmed leadership (read index or lease) first.
+:class:`StoreStateMachine` holds the object table (:class:`~.table.Table`, one row per
+object), the mounted segments with one :class:`~.allocator.SegmentAllocator` each, and the
+bytes held for leases by forced removes. ``apply`` executes one :mod:`.commands` entry; it
+is deterministic (no clock, no global randomness: ``now`` and the log index come from the
+entry), so every replica computes the same offsets. Read-only queries (:meth:`lookup`,
+:meth:`exists`, :meth:`get_size`, :meth:`segments`, :meth:`usage`) serve the service
+without a log entry; the service must have confirmed leadership (read index or lease) first.
 
 Placement of one object (``_place``): the size is cut into slices of at most
 ``MasterConfig.slice_limit`` bytes; for each copy and each slice a segment is chosen among
@@ -19,10 +19,9 @@ finds no segment, everything allocated for the object is returned and the key ge
 ``NoSpace`` (the service then evicts and retries).
 
 Snapshots are CRC-framed chunks (``kvmesh.replog.pack_chunk``): a header (config,
-segments with their free extents, held bytes) then the objects, ``CHUNK_ITEMS`` per chunk,
-encoded lazily from a shallow copy (:meth:`snapshot_chunks`). Object records are compact
-``gc=False`` array-like structs with the slices packed in 12 bytes each, so 1,000,000
-objects fit well under 1 GiB and restore in a few seconds.
+segments with their free extents, held bytes, the PROCESSING keys, the table's free rows)
+then the object table's rows, column by column, encoded lazily from the live table with
+copy-on-write of changed rows (:meth:`snapshot_chunks`, ``table.py``).
 """
 
 from __future__ import annotations
