@@ -397,12 +397,24 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
     and after a graceful stop (which snapshots first, so the image is restored). One durable
     replica: the replicas of a group each hold the same table, so one shows the per-process
     figures."""
+    return _big_master(limits, a.objects or 1_000_000, "sglang-page-{:016x}")
+
+
+TEN_M_KEY = "sglang-hicache-{:064x}-tp0-k"  # HiCache-shaped: a page hash, ~100 bytes
+
+
+def ten_million(limits: dict, a: Any) -> list[dict[str, Any]]:
+    """:func:`million` at 10,000,000 objects with HiCache-shaped keys (issue 21's targets:
+    RSS <= 300 bytes per object plus the key bytes, restarts <= 15 s); full run only."""
+    return _big_master(limits, 10_000_000, TEN_M_KEY)
+
+
+def _big_master(limits: dict, n: int, key: str) -> list[dict[str, Any]]:
     from kvmesh.store import protocol as P
     from kvmesh.store.cluster import StoreCluster
     from kvmesh.store.rpc import MasterClient
     from kvmesh.store.types import ReplicateConfig
 
-    n = a.objects or 1_000_000
     batch = 4096
     cfg = ReplicateConfig()
     with (
@@ -410,6 +422,7 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
         StoreCluster(d, 1, durability="disk", extra_args=_NO_NODE_EXPIRY) as cl,
     ):
         cl.start_all()
+        rss_empty = _rss_mib(cl.procs[1].pid)
         rpc = MasterClient([cl.address], node_id="big-node", timeout=60)
         r = rpc.mutate(
             lambda rid, s: P.MountReq(rid, s, "big-node", "big-seg", "127.0.0.1:1", "h", 1 << 40)
@@ -417,13 +430,13 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
         assert type(r) is P.CodesResp and r.codes == [0], r
         t0 = time.perf_counter()
         for lo in range(0, n, batch):
-            keys = [f"sglang-page-{i:016x}" for i in range(lo, min(n, lo + batch))]
+            keys = [key.format(i) for i in range(lo, min(n, lo + batch))]
             ps = rpc.mutate(lambda rid, s: P.PutStartReq(rid, s, keys, [16384] * len(keys), cfg))  # noqa: B023
             assert type(ps) is P.PutStartResp and not any(ps.codes), ps
             pe = rpc.mutate(lambda rid, s: P.PutEndReq(rid, s, keys, ps.versions))  # noqa: B023
             assert type(pe) is P.CodesResp and not any(pe.codes), pe
         load_s = time.perf_counter() - t0
-        probe = [f"sglang-page-{i:016x}" for i in (0, n // 2, n - 1)]
+        probe = [key.format(i) for i in (0, n // 2, n - 1)]
         ex = rpc.call(lambda rid: P.ExistsReq(rid, probe))
         assert type(ex) is P.CodesResp and ex.codes == [1, 1, 1], ex
         rss = _rss_mib(cl.procs[1].pid)
@@ -433,9 +446,9 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
             if crash:
                 cl.kill(1)  # the log since the last snapshot is replayed
             else:
-                cl.stop(1)  # a graceful stop snapshots first
+                cl.stop(1, timeout=300)  # a graceful stop snapshots first
             t0 = time.perf_counter()
-            cl.start(1)
+            cl.start(1, timeout=600)  # a 10 M-object replay can pass the 60 s default
             c = MasterClient([cl.address], name="bench-million-r", timeout=60)
             try:
                 while True:
@@ -459,7 +472,9 @@ def million(limits: dict, a: Any) -> list[dict[str, Any]]:
             batch,
             ops_per_s=n / load_s,
             objects=n,
+            key_bytes=len(key.format(0)),
             rss_mib=round(rss, 1),
+            rss_bytes_per_object=round((rss - rss_empty) * MiB / n, 1),
             rss_after_restart_mib=round(rss_after, 1),
             restart_s=round(restart_s, 3),
             restart_after_crash_s=round(crash_s, 3),
@@ -557,12 +572,15 @@ def main(argv: list[str] | None = None) -> int:
         rows += metadata(limits, a)
         if not a.quick or a.objects:
             rows += million(limits, a)
+        if not a.quick:
+            rows += ten_million(limits, a)
     rows += failover(limits, a)
     print(f"limits: {copy_limits_text(limits)}, loopback TCP {limits['tcp_gbps']:.2f} GB/s")
     for r in rows:
         if r["op"] == "restart":
             print(
                 f"master with {r['objects']:,} objects: RSS {r['rss_mib']:.0f} MiB "
+                f"({r['rss_bytes_per_object']:.0f} B/object, keys {r['key_bytes']} B) "
                 f"({r['rss_after_restart_mib']:.0f} MiB after restart), restart "
                 f"{r['restart_s']:.2f} s ({r['restart_after_crash_s']:.2f} s after kill -9), "
                 f"loaded at {r['ops_per_s']:,.0f} keys/s"

@@ -307,19 +307,21 @@ def test_snapshot_is_consistent_while_apply_continues() -> None:
 
 def test_put_end_publishes_without_rewriting_the_record() -> None:
     """A PutEnd of a PROCESSING key only drops it from the PROCESSING index (the state of a
-    key of the table is whether it is there): the record in the big table stays the very
-    object PutStart wrote, and every query sees the key COMPLETE; a repeated PutEnd of the
+    key of the table is whether it is there): the table's columns stay as PutStart wrote
+    them, and every query sees the key COMPLETE; a repeated PutEnd of the
     version is a no-op, another version InvalidWrite, before and after."""
     sm = _sm()
     sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 20, 0.0)))
     keys = [f"k{i}" for i in range(8)]
     sm.apply(2, encode_command(PutStart(keys, [100] * 8, ReplicateConfig(), 0.0)))
-    before = [sm.objects[k] for k in keys]
+    from kvmesh.store.master.table import COLUMNS
+
+    before = {name: getattr(sm.objects, name).copy() for name, _ in COLUMNS}
     assert sm.exists(keys) == [False] * 8 and sm.state_of("k0") == State.PROCESSING
     assert sm.apply(3, encode_command(PutEnd(keys[:4] + ["k5"], [2, 2, 2, 2, 9]))).codes == [
         0, 0, 0, 0, int(Code.INVALID_WRITE)
     ]  # fmt: skip
-    assert all(sm.objects[k] is o for k, o in zip(keys, before))
+    assert all((getattr(sm.objects, name) == col).all() for name, col in before.items())
     assert sm.exists(keys) == [True] * 4 + [False] * 4
     assert sm.get_size(keys[3:5]) == [100, int(Code.OBJECT_NOT_FOUND)]
     assert [c for c in sm.lookup_table(keys).codes] == [0] * 4 + [-704] * 4
@@ -468,11 +470,10 @@ def test_results_round_trip_on_the_wire() -> None:
         decode_result(b"\xc1")
 
 
-def test_segment_key_lists_stay_bounded_under_churn() -> None:
-    """A segment lists the keys placed in it by appending (removals leave them there); the
-    list is compacted once twice its live size, and dropping the segment still finds
-    exactly its live keys (a stale entry would drop a key re-placed elsewhere, a missing
-    one would leave a copy pointing into a dropped segment)."""
+def test_table_rows_stay_bounded_under_churn() -> None:
+    """Removed objects' rows are reused (the table does not grow under churn), and dropping
+    a segment finds exactly its live keys (a stale one would drop a key re-placed
+    elsewhere, a missing one would leave a copy pointing into a dropped segment)."""
     sm = StoreStateMachine(MasterConfig(remount_quarantine=3.0))
     idx = 0
 
@@ -498,9 +499,8 @@ def test_segment_key_lists_stay_bounded_under_churn() -> None:
         batch = ap(PutStart([f"b{rnd}-{i}" for i in range(50)], [100] * 50, ReplicateConfig(), 0.0))
         assert batch.codes == [0] * 50  # the batch path too
         assert not invariants.check(sm)
-    segs = {s.name: s for s in sm.segs.values()}
-    for s in segs.values():
-        assert len(s.keys) <= 2 * s.slices + 1024, (s.name, len(s.keys), s.slices)
+    t = sm.objects
+    assert t.n <= len(t) + len(keys), (t.n, len(t))  # at most one batch's rows free
     # keys k* now live in s2 only; s1 listed them 12 times
     res = ap(Unmount("n1", "s1", 0.0))
     assert res.codes == [0]

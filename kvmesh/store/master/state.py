@@ -1,12 +1,12 @@
 """The store master's replicated state machine (kvmesh.replog ``StateMachine``).
 
-:class:`StoreStateMachine` holds the object table (key -> :class:`~.objects.Obj`), the mounted
-segments with one :class:`~.allocator.SegmentAllocator` each, and the bytes held for leases by
-forced removes. ``apply`` executes one :mod:`.commands` entry; it is deterministic (no clock,
-no global randomness: ``now`` and the log index come from the entry), so every replica
-computes the same offsets. Read-only queries (:meth:`lookup`, :meth:`exists`,
-:meth:`get_size`, :meth:`segments`, :meth:`usage`) serve the service without a log entry;
-the service must have confirmed leadership (read index or lease) first.
+:class:`StoreStateMachine` holds the object table (:class:`~.table.Table`, one row per
+object), the mounted segments with one :class:`~.allocator.SegmentAllocator` each, and the
+bytes held for leases by forced removes. ``apply`` executes one :mod:`.commands` entry; it
+is deterministic (no clock, no global randomness: ``now`` and the log index come from the
+entry), so every replica computes the same offsets. Read-only queries (:meth:`lookup`,
+:meth:`exists`, :meth:`get_size`, :meth:`segments`, :meth:`usage`) serve the service
+without a log entry; the service must have confirmed leadership (read index or lease) first.
 
 Placement of one object (``_place``): the size is cut into slices of at most
 ``MasterConfig.slice_limit`` bytes; for each copy and each slice a segment is chosen among
@@ -19,10 +19,9 @@ finds no segment, everything allocated for the object is returned and the key ge
 ``NoSpace`` (the service then evicts and retries).
 
 Snapshots are CRC-framed chunks (``kvmesh.replog.pack_chunk``): a header (config,
-segments with their free extents, held bytes) then the objects, ``CHUNK_ITEMS`` per chunk,
-encoded lazily from a shallow copy (:meth:`snapshot_chunks`). Object records are compact
-``gc=False`` array-like structs with the slices packed in 12 bytes each, so 1,000,000
-objects fit well under 1 GiB and restore in a few seconds.
+segments with their free extents, held bytes, the PROCESSING keys, the table's free rows)
+then the object table's rows, column by column, encoded lazily from the live table with
+copy-on-write of changed rows (:meth:`snapshot_chunks`, ``table.py``).
 """
 
 from __future__ import annotations
@@ -101,12 +100,15 @@ from .objects import (
     slice_lengths,
     unpack_layout,
 )
+from .table import Rows, Table
 
 __all__ = ["CHUNK_ITEMS", "SNAPSHOT_FORMAT", "MasterConfig", "StoreStateMachine"]
 
 CHUNK_ITEMS = 50_000
-SNAPSHOT_FORMAT = 2
-_FORMATS = (1, 2)  # 1: no PROCESSING list in the header (states from the records)
+SNAPSHOT_FORMAT = 3
+# 1: no PROCESSING list in the header (states from the records); 2: one record per object
+# (key list, Obj list per chunk); 3: the table's rows column by column (table.Rows)
+_FORMATS = (1, 2, 3)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
 MOUNTED, DRAINING = "mounted", "draining"
@@ -136,7 +138,6 @@ class _Seg:
         "generation",
         "host_id",
         "id",
-        "keys",
         "name",
         "node_id",
         "size",
@@ -157,12 +158,7 @@ class _Seg:
         self.state = state
         self.deadline = deadline
         self.generation = generation
-        # keys placed here, one entry per slice placed (appended, never searched): keys
-        # whose slices left since stay until the list is compacted (StoreStateMachine.
-        # live_keys filters them). A list of strings costs the cyclic GC nothing and an
-        # append per key, where a set or dict is one more hash table insert per key and
-        # delete per removal, as large as the table.
-        self.keys: list[str] = []
+        # (the keys placed here are the table's rows with this segment id: Table.rows_of)
         self.slices = 0  # slices of live objects placed here
 
     def info(self) -> SegmentInfo:
@@ -198,6 +194,9 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     # format 2: the PROCESSING keys, oldest put first (every other key is COMPLETE; a
     # record's own ``state`` is the state it was written with, see ``objects.Obj``)
     processing: list[str] | None = None
+    # format 3: the table's rows (live and free) and its free rows, last freed last
+    rows: int = 0
+    free: bytes = b""
 
 
 _DESC_BYTES = 24  # msgpack framing and the two ints of one encoded ReplicaDesc (upper bound)
@@ -217,7 +216,8 @@ def _seg_cost(s: _Seg) -> int:
 
 _enc = msgspec.msgpack.Encoder()
 _hdr_dec = msgspec.msgpack.Decoder(_Header)
-_chunk_dec = msgspec.msgpack.Decoder(tuple[list[str], list[Obj]])
+_chunk_dec = msgspec.msgpack.Decoder(tuple[list[str], list[Obj]])  # formats 1 and 2
+_rows_dec = msgspec.msgpack.Decoder(Rows)
 
 
 def _mix(x: int) -> int:
@@ -257,7 +257,6 @@ class StoreStateMachine:
 
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
-        self.objects: dict[str, Obj] = {}
         self.segs: dict[int, _Seg] = {}  # by id, in mount order
         self.by_name: dict[str, int] = {}
         # PROCESSING key -> its version, oldest put first. THE state of an object: a key of
@@ -265,6 +264,7 @@ class StoreStateMachine:
         # never rewrites the record: one lookup in this small dict instead of a lookup and a
         # rewrite in the big table). ``Obj.state`` is the state a record was written with.
         self.processing: dict[str, int] = {}
+        self.objects = Table(self.processing)  # key -> record view; see table.py
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
         self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
@@ -388,40 +388,39 @@ class StoreStateMachine:
     def _lookup_one(self, k: str) -> LookupTable | None:
         """:meth:`lookup_table` of a single get of a COMPLETE object of one copy in one slice,
         without the loop's set-up; None for anything else (the loop answers it)."""
-        o = self.objects.get(k) if type(k) is str else None
-        if (
-            o is None
-            or k in self.processing
-            or len(o.layout) != 12
-            or o.size > self.config.slice_limit
-        ):
+        t = self.objects
+        r = t.index.get(k) if type(k) is str else None
+        if r is None or k in self.processing:
             return None
-        sid, off = SLICE.unpack(o.layout)
+        sid = t.sid.item(r)
+        size = t.size.item(r)
+        if not sid or size > self.config.slice_limit:
+            return None
         s = self.segs[sid]
         return LookupTable(
             [0],
-            [o.size],
-            [o.version],
+            [size],
+            [t.version.item(r)],
             [(s.name, s.node_id, s.endpoint)],
-            np.array([(0, 0, 0, off, o.size)], np.int64),
+            np.array([(0, 0, 0, t.off.item(r), size)], np.int64),
         )
 
     def _lookup_simple(self, keys: list[str], max_bytes: int | None) -> LookupTable | None:
         """:meth:`lookup_table` of the common batch -- every key a COMPLETE object of one
-        copy in one slice, within the reply budget -- with C-level passes instead of a
+        copy in one slice, within the reply budget -- with column gathers instead of a
         Python loop per key; None when the batch is anything else (the loop answers it)."""
         if not keys or set(map(type, keys)) != {str}:
             return None
-        got = list(map(self.objects.get, keys))
+        t = self.objects
+        got = list(map(t.index.get, keys))
         proc = self.processing
         if None in got or (proc and not proc.keys().isdisjoint(keys)):
             return None
-        sizes = [o.size for o in got]
-        lay = b"".join([o.layout for o in got])
-        if len(lay) != 12 * len(keys) or max(sizes) > self.config.slice_limit:
+        at = np.array(got, np.int64)
+        sid = t.sid[at]
+        size = t.size[at]
+        if not sid.all() or int(size.max()) > self.config.slice_limit:
             return None
-        slices = np.frombuffer(lay, _SLICE_DTYPE)
-        sid = slices["sid"]
         first = int(sid[0])
         if int(sid.min()) == first == int(sid.max()):  # one segment (usual): no sort
             uniq, xs = np.array([first]), np.zeros(len(sid), np.int64)
@@ -437,12 +436,12 @@ class StoreStateMachine:
         rows = np.zeros((n, ROW), np.int64)
         rows[:, 0] = np.arange(n)
         rows[:, 2] = xs
-        rows[:, 3] = slices["off"]
-        rows[:, 4] = sizes
+        rows[:, 3] = t.off[at]
+        rows[:, 4] = size
         return LookupTable(
             [0] * n,
-            sizes,
-            [o.version for o in got],
+            size.tolist(),
+            t.version[at].tolist(),
             [(s.name, s.node_id, s.endpoint) for s in named],
             rows,
         )
@@ -485,7 +484,7 @@ class StoreStateMachine:
     def exists(self, keys: Iterable[str]) -> list[bool]:
         """COMPLETE objects only."""
         ks = keys if type(keys) is list else list(keys)
-        objs, proc = self.objects, self.processing
+        objs, proc = self.objects.index, self.processing
         if set(map(type, ks)) <= {str}:  # what the service decodes: no per-key type test
             if not proc:
                 return [k in objs for k in ks]
@@ -496,7 +495,7 @@ class StoreStateMachine:
         """:meth:`exists` as the wire's 1 / 0 per key, for keys the caller checked are all
         ``str`` (the service's decoded requests): one pass, no type test per batch and no
         second pass from bools to ints."""
-        objs, proc = self.objects, self.processing
+        objs, proc = self.objects.index, self.processing
         if not proc:
             return [1 if k in objs else 0 for k in keys]
         return [1 if k in objs and k not in proc else 0 for k in keys]
@@ -505,7 +504,7 @@ class StoreStateMachine:
         """Per name ``prefix + key + suffix`` (key-major, every suffix): 1 for a COMPLETE
         object, else 0. The names are built and looked up in one pass (no list of names,
         no per-key type test: the service checked the parts, all ``str``)."""
-        objs, proc = self.objects, self.processing
+        objs, proc = self.objects.index, self.processing
         if len(suffixes) == 1:
             s = suffixes[0]
             return [1 if (n := f"{prefix}{k}{s}") in objs and n not in proc else 0 for k in keys]
@@ -520,7 +519,7 @@ class StoreStateMachine:
         COMPLETE object (:meth:`exists_codes` up to its first 0, divided by the suffixes).
         Stops at the first missing name; one flat loop (no list of codes), the parts
         checked by the service as for :meth:`exists_codes`."""
-        objs, proc = self.objects, self.processing
+        objs, proc = self.objects.index, self.processing
         if len(suffixes) == 1:
             s = suffixes[0]
             for i, k in enumerate(keys):
@@ -537,11 +536,13 @@ class StoreStateMachine:
 
     def get_size(self, keys: Iterable[str]) -> list[int]:
         """Per key: the size of a COMPLETE object, else ``Code.OBJECT_NOT_FOUND``."""
-        objs, proc = self.objects, self.processing
+        objs, proc = self.objects.index, self.processing
+        size = self.objects.size
+        nf = int(Code.OBJECT_NOT_FOUND)
         out = []
         for k in keys:
-            o = objs.get(k) if type(k) is str else None
-            out.append(o.size if o is not None and k not in proc else int(Code.OBJECT_NOT_FOUND))
+            r = objs.get(k) if type(k) is str else None
+            out.append(size.item(r) if r is not None and k not in proc else nf)
         return out
 
     def state_of(self, key: str) -> State:
@@ -550,8 +551,8 @@ class StoreStateMachine:
         return State.PROCESSING if key in self.processing else State.COMPLETE
 
     def version_of(self, key: str) -> int:
-        o = self.objects.get(key)
-        return 0 if o is None else o.version
+        r = self.objects.index.get(key) if type(key) is str else None
+        return 0 if r is None else self.objects.version.item(r)
 
     def segments(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segs.values()]
@@ -580,11 +581,11 @@ class StoreStateMachine:
 
     def keys(self) -> Iterator[str]:
         """All keys (PROCESSING included), in table order (a copy: safe across applies)."""
-        return iter(list(self.objects))
+        return iter(self.objects.key_list())
 
     def key_list(self) -> list[str]:
-        """All keys in table order, as a new list (one C-level copy)."""
-        return list(self.objects)
+        """All keys in table order (row order, see table.py), as a new list."""
+        return self.objects.key_list()
 
     def processing_puts(self) -> list[tuple[str, int]]:
         """``(key, version)`` of every PROCESSING put, oldest first."""
@@ -616,19 +617,17 @@ class StoreStateMachine:
     # ================================================================== snapshots
 
     def snapshot_chunks(self) -> Iterator[bytes]:
-        """Consistent image at the current applied index: the header is encoded now, the
-        object table is shallow-copied now and encoded lazily, one chunk per ``next()``.
-        Records are immutable (``apply`` replaces them), so the copy cannot change."""
-        header = pack_chunk(_enc.encode(self._header()))
-        keys = list(self.objects)
-        vals = list(self.objects.values())
+        """Consistent image at the current applied index: the header (segments, held bytes,
+        the PROCESSING list, the table's free rows) is encoded now; the table's rows are
+        encoded lazily, :data:`~.table.CHUNK_ROWS` rows per ``next()``, straight from the
+        columns, rows changed meanwhile as they were (copy-on-write, see table.py)."""
+        rows, free, body = self.objects.image()
+        header = pack_chunk(_enc.encode(self._header(rows, free)))
 
         def gen() -> Iterator[bytes]:
             yield header
-            for lo in range(0, len(keys), CHUNK_ITEMS):
-                yield pack_chunk(
-                    _enc.encode((keys[lo : lo + CHUNK_ITEMS], vals[lo : lo + CHUNK_ITEMS]))
-                )
+            for c in body:
+                yield pack_chunk(c)
 
         return gen()
 
@@ -637,7 +636,8 @@ class StoreStateMachine:
 
     def restore(self, data: bytes) -> None:
         """Replace the whole state with a snapshot image (``SnapshotCorruptionError`` if a
-        chunk fails its CRC or the image is incomplete)."""
+        chunk fails its CRC or the image is incomplete). Images of formats 1 and 2 (one
+        record per object) restore too, into the table in their key order."""
         chunks = iter_chunks(data)
         try:
             first = next(chunks)
@@ -651,16 +651,31 @@ class StoreStateMachine:
             raise SnapshotCorruptionError(
                 f"store snapshot: format {hdr.format}, expected one of {_FORMATS}"
             )
-        objects: dict[str, Obj] = {}
-        for chunk in chunks:
-            try:
-                ks, vs = _chunk_dec.decode(chunk)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise SnapshotCorruptionError(f"store snapshot: bad object chunk: {e}") from None
-            objects.update(zip(ks, vs))
-        if len(objects) != hdr.objects:
+        processing: dict[str, int] = {}
+        table = Table(processing)
+        pkeys = hdr.processing
+        try:
+            if hdr.format >= 3:
+                if len(hdr.free) % 8:
+                    raise ValueError("free rows not int64")
+                free = np.frombuffer(hdr.free, "<i8")
+                live = table.load_rows(hdr.rows, free, map(_rows_dec.decode, chunks))
+            else:
+                busy: list[tuple[int, str]] = []  # format 1: records carry their states
+                for chunk in chunks:
+                    ks, vs = _chunk_dec.decode(chunk)
+                    if len(ks) != len(vs) or any(len(o.layout) % 12 or not o.layout for o in vs):
+                        raise ValueError("bad records chunk")
+                    table.load_records(ks, vs)
+                    busy.extend((o.version, k) for k, o in zip(ks, vs) if o.state != _C)
+                # oldest put first is (version, key) order
+                pkeys = [k for _, k in sorted(busy)]
+                live = len(table)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            raise SnapshotCorruptionError(f"store snapshot: bad object chunk: {e}") from None
+        if live != hdr.objects:
             raise SnapshotCorruptionError(
-                f"store snapshot: {len(objects)} objects, header says {hdr.objects}"
+                f"store snapshot: {live} objects, header says {hdr.objects}"
             )
         self.config = hdr.config
         self.applied = hdr.applied
@@ -668,8 +683,8 @@ class StoreStateMachine:
         self.segs = {}
         self.by_name = {}
         for r in hdr.segments:
-            free = list(zip(r.free[0::2], r.free[1::2]))
-            alloc = SegmentAllocator(r.size, self.config.align, free=free)
+            free_ext = list(zip(r.free[0::2], r.free[1::2]))
+            alloc = SegmentAllocator(r.size, self.config.align, free=free_ext)
             seg = _Seg(
                 r.id,
                 r.name,
@@ -688,9 +703,9 @@ class StoreStateMachine:
         self.held = {
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
-        self.objects = objects
+        self.objects = table
         try:
-            self._rebuild_indexes(hdr.processing)
+            self._rebuild_indexes(pkeys or [], processing)
         except (KeyError, struct.error) as e:
             raise SnapshotCorruptionError(f"store snapshot: inconsistent image: {e!r}") from None
 
@@ -701,7 +716,7 @@ class StoreStateMachine:
             h = crc32c.crc32c(c, h)
         return h
 
-    def _header(self) -> _Header:
+    def _header(self, rows: int, free: np.ndarray) -> _Header:
         segs = []
         for s in self.segs.values():
             flat: list[int] = []
@@ -733,37 +748,27 @@ class StoreStateMachine:
             len(self.objects),
             dict(self.retired),
             list(self.processing),
+            rows,
+            free.astype("<i8").tobytes(),
         )
 
-    def _rebuild_indexes(self, pkeys: list[str] | None) -> None:
-        """Segment key lists, the PROCESSING index and the COMPLETE count of a restored
-        table; ``pkeys``: the image's PROCESSING keys in order (format 2), or None (format 1:
-        the records' states are current; oldest put first is (version, key) order)."""
+    def _rebuild_indexes(self, pkeys: list[str], processing: dict[str, int]) -> None:
+        """Segment slice counts, the PROCESSING index (filled into ``processing``, the
+        table's) and the COMPLETE count of a restored table; ``pkeys``: the image's
+        PROCESSING keys, oldest put first."""
         segs = self.segs
-        objs = self.objects
-        for s in segs.values():
-            s.keys = []
-            s.slices = 0
-        self.processing = {}
-        lim = self.config.slice_limit
-        if pkeys is None:
-            pkeys = [k for _, k in sorted((o.version, k) for k, o in objs.items() if o.state != _C)]
-        processing = {k: objs[k].version for k in pkeys}  # KeyError: an inconsistent image
+        t = self.objects
+        index, version = t.index, t.version
+        for k in pkeys:
+            processing[k] = version.item(index[k])  # KeyError: an inconsistent image
         if len(processing) != len(pkeys):
             raise KeyError("a PROCESSING key listed twice")
-        for k, o in objs.items():
-            lay = o.layout
-            if len(lay) == 12 and o.size <= lim:  # the common case: one copy, one slice
-                s = segs[int.from_bytes(lay[:4], "little")]
-                s.keys.append(k)
-                s.slices += 1
-                continue
-            for sid, _off in SLICE.iter_unpack(lay):
-                s = segs[sid]
-                s.keys.append(k)
-                s.slices += 1
+        for s in segs.values():
+            s.slices = 0
+        for sid, count in t.slice_counts().items():
+            segs[sid].slices = count  # KeyError: a slice in a segment the image lacks
         self.processing = processing
-        self.complete = len(objs) - len(processing)
+        self.complete = len(t) - len(processing)
 
     # ================================================================== internals
 
@@ -803,33 +808,12 @@ class StoreStateMachine:
         segs = self.segs
         for copy in copies:
             for sid, _ in copy:
-                s = segs[sid]
-                s.keys.append(key)
-                s.slices += 1
-                self._maybe_compact(s)
-
-    def _maybe_compact(self, s: _Seg) -> None:
-        # Entries of keys gone from the segment pile up under churn: drop them once the
-        # list is twice its live size (amortised O(1) per key placed).
-        if len(s.keys) > 2 * s.slices + 1024:
-            s.keys = self.live_keys(s)
+                segs[sid].slices += 1
 
     def live_keys(self, s: _Seg) -> list[str]:
-        """The keys with a slice in segment ``s``, each once, in placement order."""
-        objs = self.objects
-        sid = s.id
-        out = []
-        for k in dict.fromkeys(s.keys):
-            o = objs.get(k)
-            if o is None:
-                continue
-            lay = o.layout
-            if len(lay) == 12:
-                if int.from_bytes(lay[:4], "little") == sid:
-                    out.append(k)
-            elif any(x == sid for x, _ in SLICE.iter_unpack(lay)):
-                out.append(k)
-        return out
+        """The keys with a slice in segment ``s``, each once, in table order."""
+        names = self.objects.names
+        return [names[r] for r in self.objects.rows_of(s.id)]  # type: ignore[misc]
 
     def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
         """Free (or hold under ``hold_tag``) every slice of ``o`` and unregister ``key``."""
@@ -839,7 +823,7 @@ class StoreStateMachine:
         for copy in copies:
             for (sid, off), ln in zip(copy, lens):
                 s = segs[sid]
-                s.slices -= 1  # (the key stays in s.keys until a compaction)
+                s.slices -= 1
                 if held is not None:
                     held.append((sid, off, ln))
                 else:
@@ -1165,7 +1149,7 @@ class StoreStateMachine:
         ):
             # The batch a conforming client sends: every key valid and distinct, every size
             # one slice (checked with C-level passes); only the table decides per key.
-            olds = list(map(objs.get, keys))
+            olds = list(map(objs.index.get, keys))
             if olds.count(None) == n:
                 todo = list(range(n))
             else:
@@ -1195,7 +1179,7 @@ class StoreStateMachine:
                 elif size > lim or key in seen:
                     return None  # slices, or a key twice: the per-key path (nothing changed)
                 else:
-                    old = objs.get(key)
+                    old = objs.index.get(key)
                     if old is None:
                         todo.append(pos)
                         seen.add(key)
@@ -1215,7 +1199,6 @@ class StoreStateMachine:
         pin, until = _pin_of(cfg, c.now, c.pin_ttl)
         processing = self.processing
         no_space = int(Code.NO_AVAILABLE_HANDLE)
-        pack = SLICE.pack
         now = c.now
         everyone = len(todo) == n  # todo is then 0..n-1
         if everyone and n and (min(sizes) + a - 1) & -a == (max(sizes) + a - 1) & -a:
@@ -1283,30 +1266,13 @@ class StoreStateMachine:
                 else:
                     rkeys = [keys[pos] for pos in run]
                     rsizes = [sizes[pos] for pos in run]
-                # C-level passes (map over repeat), not a Python loop per key: ~8 % of the
-                # apply of a 512-key PutStart
-                objs.update(
-                    zip(
-                        rkeys,
-                        map(
-                            Obj,
-                            rsizes,
-                            repeat(_P, m),
-                            repeat(index, m),
-                            repeat(now, m),
-                            map(pack, repeat(sid, m), offs),
-                            repeat(pin, m),
-                            repeat(until, m),
-                        ),
-                    )
-                )
+                # column writes for the run, not a record per key
+                objs.put_run(rkeys, rsizes, index, now, sid, offs, pin, until)
                 # the PROCESSING index gets the batch's keys -> version (built above when
                 # they checked distinct, which a set would have cost as much)
                 processing.update(
                     fresh if m == n and len(fresh) == n else dict.fromkeys(rkeys, index)
                 )
-                s.keys.extend(rkeys)
-                self._maybe_compact(s)
                 if len(run) == n:  # the whole batch
                     where, offsets = [w] * n, offs
                     continue
@@ -1314,16 +1280,22 @@ class StoreStateMachine:
                     where[pos] = w
                     offsets[pos] = off
                 continue
-            for pos in run:
-                w = where[pos]
-                if w < 0:
-                    continue
-                s = used_segs[w]
-                key = keys[pos]
-                objs[key] = Obj(sizes[pos], _P, index, now, pack(s.id, offsets[pos]), pin, until)
-                processing[key] = index
-                s.keys.append(key)
-                self._maybe_compact(s)
+            # several segments: the placed keys of the run in key order (the table order
+            # of the per-key path), one column write for them all
+            placed = [pos for pos in run if where[pos] >= 0]
+            if placed:
+                pkeys = [keys[pos] for pos in placed]
+                objs.put_run(
+                    pkeys,
+                    [sizes[pos] for pos in placed],
+                    index,
+                    now,
+                    [used_segs[where[pos]].id for pos in placed],
+                    [offsets[pos] for pos in placed],
+                    pin,
+                    until,
+                )
+                processing.update(dict.fromkeys(pkeys, index))
         return PutStartRun(
             codes,
             index,
@@ -1351,6 +1323,14 @@ class StoreStateMachine:
         publish = next_state(_P, Event.PUT_END) is State.COMPLETE
         again = next_state(_C, Event.PUT_END) is State.COMPLETE
         get = processing.get
+        # The usual batch: every key PROCESSING at its version (keys are ``str``, as
+        # decoded). C-level passes: compare the versions as lists, pop them all (a key
+        # named twice pops once; its second mention is a repeated PutEnd of a COMPLETE
+        # version: 0 as well).
+        if publish and again and list(map(get, c.keys)) == c.versions:
+            popped = list(map(processing.pop, c.keys, repeat(None, len(c.keys))))
+            self.complete += len(popped) - popped.count(None)
+            return Codes([0] * len(c.keys))
         done = 0
         for key, version in zip(c.keys, c.versions):
             v = get(key) if type(key) is str else None
