@@ -137,6 +137,7 @@ def unpack_layout(layout: bytes, nslices: int) -> list[list[tuple[int, int]]]:
 
 
 def pin_of(cfg: ReplicateConfig, now: float, ttl: float) -> tuple[int, float]:
+    """``(pin, pin_until)`` of a record put with ``cfg`` at ``now`` (soft pins last ``ttl``)."""
     if cfg.hard_pin:
         return PIN_HARD, 0.0
     if cfg.soft_pin:
