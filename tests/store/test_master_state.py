@@ -368,7 +368,7 @@ def test_snapshot_header_processing_must_match_the_format() -> None:
     """A format-2 image names its PROCESSING keys; a PROCESSING key missing from the table,
     or a format-2 header without the list, is refused as corrupt."""
     from kvmesh.replog.storage.snapfile import iter_chunks, pack_chunk
-    from kvmesh.store.master import state as st
+    from kvmesh.store.master import snapshot as st
 
     sm = _sm()
     sm.apply(1, encode_command(Mount("n", "s", "e", "h", 1 << 20, 0.0)))

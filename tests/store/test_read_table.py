@@ -12,7 +12,7 @@ import pytest
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
 from kvmesh.store.client.table import check_table as _table
-from kvmesh.store.master import state as state_mod
+from kvmesh.store.master import queries as queries_mod
 from kvmesh.store.master.commands import Mount, PutEnd, PutStart, encode_command
 from kvmesh.store.master.leases import LeaseTable
 from kvmesh.store.master.state import MasterConfig, StoreStateMachine
@@ -33,7 +33,7 @@ def _filled(n: int) -> tuple[StoreStateMachine, list[str]]:
 
 def _both(sm, keys, monkeypatch, **kw):
     fast = sm.lookup_table(keys, **kw)
-    monkeypatch.setattr(state_mod, "_SIMPLE_MIN", 1 << 30)  # the per-key loop only
+    monkeypatch.setattr(queries_mod, "_SIMPLE_MIN", 1 << 30)  # the per-key loop only
     slow = sm.lookup_table(keys, **kw)
     monkeypatch.undo()
     return fast, slow

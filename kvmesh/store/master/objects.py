@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from ..types import ReplicateConfig
 
 __all__ = [
     "PIN_HARD",
@@ -42,6 +46,7 @@ __all__ = [
     "n_slices",
     "next_state",
     "pack_layout",
+    "pin_of",
     "slice_lengths",
     "unpack_layout",
 ]
@@ -129,3 +134,12 @@ def pack_layout(copies: list[list[tuple[int, int]]]) -> bytes:
 def unpack_layout(layout: bytes, nslices: int) -> list[list[tuple[int, int]]]:
     flat = list(SLICE.iter_unpack(layout))
     return [flat[i : i + nslices] for i in range(0, len(flat), nslices)]
+
+
+def pin_of(cfg: ReplicateConfig, now: float, ttl: float) -> tuple[int, float]:
+    """``(pin, pin_until)`` of a record put with ``cfg`` at ``now`` (soft pins last ``ttl``)."""
+    if cfg.hard_pin:
+        return PIN_HARD, 0.0
+    if cfg.soft_pin:
+        return PIN_SOFT, now + ttl
+    return PIN_NONE, 0.0

@@ -1,0 +1,228 @@
+"""The mounted segments: one :class:`Segment` each (its allocator, its state, its live
+slice count), and the :class:`~.state.StoreStateMachine` part that keeps them -- the
+``Mount`` / ``Unmount`` / ``ExpireNodes`` handlers, dropping a segment with the copies in it,
+the slice bookkeeping of objects' copies, and the segment queries (:meth:`Segments.segments`,
+:meth:`Segments.nodes`, :meth:`Segments.usage`).
+
+A segment is ``mounted`` (placement may use it) or ``draining`` (an unmount with a grace: no
+new slices; ``Reclaim`` drops it at its deadline). A dropped segment's name is quarantined
+for ``MasterConfig.remount_quarantine`` seconds of entry time.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from ..errors import Code
+from ..types import MAX_BATCH_KEYS, MAX_KEY_BYTES, MAX_OBJECT_SIZE, SegmentInfo, Usage, key_error
+from .allocator import SegmentAllocator
+from .commands import Codes, ExpireNodes, ExpireResult, Mount, Unmount
+from .objects import (
+    Event,
+    Obj,
+    State,
+    n_slices,
+    next_state,
+    pack_layout,
+    slice_lengths,
+    unpack_layout,
+)
+
+__all__ = ["DRAINING", "MOUNTED", "Segment", "Segments"]
+
+MOUNTED, DRAINING = "mounted", "draining"
+_P, _C = int(State.PROCESSING), int(State.COMPLETE)
+
+
+class Segment:
+    __slots__ = (
+        "alloc",
+        "deadline",
+        "endpoint",
+        "generation",
+        "host_id",
+        "id",
+        "name",
+        "node_id",
+        "size",
+        "slices",
+        "state",
+    )  # fmt: skip
+
+    def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
+                 size: int, alloc: SegmentAllocator, state: str, deadline: float,
+                 generation: int) -> None:  # fmt: skip
+        self.id = sid
+        self.name = name
+        self.node_id = node_id
+        self.endpoint = endpoint
+        self.host_id = host_id
+        self.size = size
+        self.alloc = alloc
+        self.state = state
+        self.deadline = deadline
+        self.generation = generation
+        # (the keys placed here are the table's rows with this segment id: Table.rows_of)
+        self.slices = 0  # slices of live objects placed here
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(
+            name=self.name, node_id=self.node_id, endpoint=self.endpoint, host_id=self.host_id,
+            size=self.size, used=self.alloc.used, objects=self.slices, state=self.state,
+            generation=self.generation, drain_deadline=self.deadline,
+        )  # fmt: skip
+
+
+class Segments:
+    """The segment bookkeeping of :class:`~.state.StoreStateMachine`."""
+
+    def segments(self) -> list[SegmentInfo]:
+        return [s.info() for s in self.segs.values()]
+
+    def nodes(self) -> dict[str, list[str]]:
+        """node id -> names of its segments (mounted or draining)."""
+        out: dict[str, list[str]] = {}
+        for s in self.segs.values():
+            out.setdefault(s.node_id, []).append(s.name)
+        return out
+
+    def usage(self) -> Usage:
+        cap = used = 0
+        for s in self.segs.values():
+            cap += s.alloc.size
+            used += s.alloc.used
+        a = self.config.align
+        held = sum((ln + a - 1) & -a for v in self.held.values() for _, _, ln in v)
+        return Usage(
+            capacity=cap, used=used, objects=len(self.objects), complete=self.complete,
+            processing=len(self.processing), segments=len(self.segs), held_bytes=held,
+        )  # fmt: skip
+
+    def _bytes(self, o: Obj) -> int:
+        lim = self.config.slice_limit
+        a = self.config.align
+        ns = n_slices(o.size, lim)
+        copies = len(o.layout) // (12 * ns)
+        per = sum((ln + a - 1) & -a for ln in slice_lengths(o.size, lim))
+        return per * copies
+
+    def _copies(self, o: Obj) -> tuple[list[list[tuple[int, int]]], list[int]]:
+        lens = slice_lengths(o.size, self.config.slice_limit)
+        return unpack_layout(o.layout, len(lens)), lens
+
+    def _register(self, key: str, copies: list[list[tuple[int, int]]]) -> None:
+        segs = self.segs
+        for copy in copies:
+            for sid, _ in copy:
+                segs[sid].slices += 1
+
+    def live_keys(self, s: Segment) -> list[str]:
+        """The keys with a slice in segment ``s``, each once, in table order."""
+        names = self.objects.names
+        return [names[r] for r in self.objects.rows_of(s.id)]  # type: ignore[misc]
+
+    def _release_copies(self, key: str, o: Obj, hold_tag: int = 0) -> None:
+        """Free (or hold under ``hold_tag``) every slice of ``o`` and unregister ``key``."""
+        copies, lens = self._copies(o)
+        segs = self.segs
+        held = self.held.setdefault(hold_tag, []) if hold_tag else None
+        for copy in copies:
+            for (sid, off), ln in zip(copy, lens):
+                s = segs[sid]
+                s.slices -= 1
+                if held is not None:
+                    held.append((sid, off, ln))
+                else:
+                    s.alloc.free(off, ln)
+
+    def _drop_segment(self, seg: Segment, now: float, tag: int) -> list[str]:
+        """Unmount ``seg`` now: drop every copy with a slice in it; returns the COMPLETE keys
+        left with no copy (removed; PROCESSING ones go silently, their PutEnd then fails).
+        Bytes held in it vanish with it. The other slices of a dropped copy (in segments
+        that stay) are held under ``tag``, not freed: a reader may hold a lease on them."""
+        lost = []
+        segs = self.segs
+        held = self.held.setdefault(tag, [])
+        for key in sorted(self.live_keys(seg)):
+            o = self.objects[key]
+            copies, lens = self._copies(o)
+            keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
+            if not keep:
+                busy = key in self.processing
+                if next_state(_P if busy else _C, Event.NODE_LOST) is State.GONE:
+                    del self.objects[key]
+                    if busy:
+                        del self.processing[key]
+                    else:
+                        self.complete -= 1
+                        lost.append(key)
+            else:
+                self.objects[key] = replace(o, layout=pack_layout(keep))
+            for c in copies:
+                if c in keep:
+                    continue
+                for (sid, off), ln in zip(c, lens):
+                    segs[sid].slices -= 1
+                    if sid != seg.id:
+                        held.append((sid, off, ln))
+        for t in list(self.held):
+            rest = [e for e in self.held[t] if e[0] != seg.id]
+            if rest:
+                self.held[t] = rest
+            else:
+                del self.held[t]
+        del segs[seg.id]
+        del self.by_name[seg.name]
+        self.retired[seg.name] = now
+        return lost
+
+    def _mount(self, index: int, c: Mount) -> Codes:
+        if (
+            key_error(c.node_id) is not None
+            or key_error(c.segment) is not None
+            or len(c.endpoint) > MAX_KEY_BYTES
+            or len(c.host_id) > MAX_KEY_BYTES
+            or not (self.config.align <= c.size <= MAX_OBJECT_SIZE)
+        ):
+            return Codes([int(Code.INVALID_PARAMS)])
+        q = self.config.remount_quarantine
+        for name in [n for n, t in self.retired.items() if c.now >= t + q]:
+            del self.retired[name]
+        if c.segment in self.by_name or c.segment in self.retired:
+            return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
+        if c.max_segments > 0 and len(self.segs) >= c.max_segments:
+            return Codes([int(Code.NO_AVAILABLE_HANDLE)])  # the pool's segment cap
+        sid = self.next_seg
+        self.next_seg += 1
+        alloc = SegmentAllocator(c.size, self.config.align)
+        seg = Segment(
+            sid, c.segment, c.node_id, c.endpoint, c.host_id, c.size, alloc, MOUNTED, 0.0, index
+        )
+        self.segs[sid] = seg
+        self.by_name[c.segment] = sid
+        return Codes([0])
+
+    def _unmount(self, index: int, c: Unmount) -> ExpireResult:
+        sid = self.by_name.get(c.segment)
+        seg = None if sid is None else self.segs[sid]
+        if seg is None or seg.node_id != c.node_id:
+            return ExpireResult([int(Code.SEGMENT_NOT_FOUND)], [])
+        if c.grace > 0:
+            if seg.state == MOUNTED:
+                seg.state = DRAINING
+                seg.deadline = c.now + c.grace
+            return ExpireResult([0], [])
+        return ExpireResult([0], self._drop_segment(seg, c.now, index))
+
+    def _expire(self, index: int, c: ExpireNodes) -> ExpireResult:
+        codes = []
+        lost: list[str] = []
+        for node in c.node_ids[:MAX_BATCH_KEYS]:
+            mine = [s for s in self.segs.values() if s.node_id == node]
+            if not mine:
+                codes.append(int(Code.CLIENT_NOT_FOUND))
+                continue
+            for s in mine:
+                lost.extend(self._drop_segment(s, c.now, index))
+            codes.append(0)
+        return ExpireResult(codes, lost)
