@@ -295,6 +295,7 @@ def serve_decode(argv: Sequence[str] | None = None) -> None:
             "kv_data_ptrs": pool.kv_data_ptrs,
             "kv_data_lens": pool.kv_data_lens,
             "aux_data_ptrs": pool.aux_data_ptrs,
+            "aux_data_lens": pool.aux_data_lens,
             "host_id": eng.engine.host_id,
             "pool_memory": pool.memory,
         },

@@ -233,8 +233,18 @@ def test_shm_pool_out_of_region_writes_refused(prefill, shm_decode):
     assert eng.batch_transfer_sync(sid, [src[0]], [dst[0] + last * item + 1], [item]) == (
         kpd.E_PEER_REGION
     )
-    assert eng.transfer_sync(sid, src[1], dst[1] + lens[1], 8) == kpd.E_PEER_REGION
-    assert eng.transfer_sync(sid, src[0], dst[0] - 64, 64) == kpd.E_PEER_REGION
+    # Just past a buffer's end and just before a buffer's start, where the peer registered
+    # nothing else: its buffers may be mapped back to back (one's end is then another's
+    # start, and a write there is legal).
+    spans = list(zip(dst + child.info["aux_data_ptrs"], lens + child.info["aux_data_lens"]))
+
+    def unregistered(a: int, n: int) -> bool:
+        return not any(p < a + n and a < p + m for p, m in spans)
+
+    after = next(p + n for p, n in zip(dst, lens) if unregistered(p + n, 8))
+    before = next(p - 64 for p in dst if unregistered(p - 64, 64))
+    assert eng.transfer_sync(sid, src[1], after, 8) == kpd.E_PEER_REGION
+    assert eng.transfer_sync(sid, src[0], before, 64) == kpd.E_PEER_REGION
     assert child.call("digest", pages=everything, aux_row=0)["digest"] == _zero_digest(
         everything, 0
     )
