@@ -70,6 +70,12 @@ def _options(ap: Any) -> None:
     )
     ap.add_argument("--paths", default="same-host,network", help="which of same-host,network")
     ap.add_argument("--pools", default="private,shm", help="pool memory for same-host: private,shm")
+    # Smaller than a real model's only for the smoke test (tests/plugins/test_pd_bench_smoke.py):
+    # fewer layer buffers make the pools, their fill and their digests cheaper, same code paths.
+    ap.add_argument("--layers", type=int, default=LAYERS, help=f"layers (default {LAYERS})")
+    ap.add_argument(
+        "--tcp-mib", type=int, help="MiB per raw TCP reference stream (default 512; quick 256)"
+    )
 
 
 def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,7 +116,7 @@ def run_path(
             sys.executable,
             "-m",
             "bench._pd",
-            *geometry_argv(LAYERS, decode_pages, PAGE, HEADS, DIM, DTYPE, memory=memory),
+            *geometry_argv(pool.layers, decode_pages, PAGE, HEADS, DIM, DTYPE, memory=memory),
         ],
         env=NETWORK_ENV if path == "network" else {},
         timeout=300,
@@ -266,17 +272,19 @@ def main() -> None:
     conc_tokens = args.concurrent_tokens or (256 if quick else 1024)
     conc_pages = max(1, conc_tokens // PAGE)
     limits: dict[str, Any] = C.copy_limits()
-    limits["tcp_gbps"] = C.tcp_gbps(total=(256 if quick else 512) * C.MiB)
+    tcp_total = (args.tcp_mib or (256 if quick else 512)) * C.MiB
+    limits["tcp_gbps"] = C.tcp_gbps(total=tcp_total)
     eng = KvmeshTransferEngine("127.0.0.1")
     memories = [m.strip() for m in args.pools.split(",")]
     pools = {}
     for memory in memories:
-        pools[memory] = KVPool(LAYERS, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE, memory=memory)
+        pools[memory] = KVPool(
+            args.layers, REQ_TOKENS // PAGE, PAGE, HEADS, DIM, DTYPE, memory=memory
+        )
         pools[memory].fill(seed=9)
         if pools[memory].register(eng) != 0:
             raise RuntimeError(f"batch_register of the {memory} prefill pool failed")
     records: list[dict[str, Any]] = []
-    tcp_total = (256 if quick else 512) * C.MiB
     runs = [
         (path.strip(), memory)
         for path in args.paths.split(",")
@@ -339,7 +347,7 @@ def main() -> None:
             limits,
             records,
             geometry={
-                "layers": LAYERS,
+                "layers": args.layers,
                 "page_size": PAGE,
                 "kv_heads": HEADS,
                 "head_dim": DIM,

@@ -8,10 +8,13 @@ from tests.bench_format import run_bench
 
 
 def test_pd_bench_tiny(tmp_path):
-    args = ["--quick", "--reps", "1", "--concurrent-tokens", "64"]
-    _, data = run_bench("pd", args, tmp_path)
+    # Two layers (four K/V buffers) and 16 MiB TCP reference streams: the same cases and
+    # checks as 32 layers, on an eighth of the pool bytes to fill, move and digest.
+    args = ["--quick", "--reps", "1", "--concurrent-tokens", "64", "--layers", "2"]
+    _, data = run_bench("pd", [*args, "--tcp-mib", "16"], tmp_path)
     assert data["limits"]["memcpy_gbps"] > 0 and data["limits"]["tcp_gbps"] > 0
     g = data["geometry"]
+    assert g["layers"] == 2
     recs = data["records"]
     for r in recs:
         assert "meets" in r and r["target"]

@@ -32,6 +32,7 @@ no SGLang thread outlives its process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -82,6 +83,22 @@ def spawn(role: str, dirs: dict[str, str], *extra: str, host_id: str | None = No
     return Child([*argv, *extra], env=env, timeout=120, cwd=str(ROOT))
 
 
+def spawn_together(dirs: dict[str, str], *specs: tuple) -> list[Child]:
+    """Instances started at once, each spec ``(role, extra args, host_id)``: a start-up is
+    mostly SGLang's import, one core's work, so they overlap instead of queueing. No instance
+    needs another one to start (the decode finds the prefill's bootstrap server per request)."""
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as ex:
+        futs = [ex.submit(spawn, role, dirs, *extra, host_id=h) for role, extra, h in specs]
+        concurrent.futures.wait(futs)
+    started = [f.result() for f in futs if f.exception() is None]
+    errors = [f.exception() for f in futs if f.exception() is not None]
+    if errors:
+        for child in started:
+            stop(child)
+        raise errors[0]
+    return started
+
+
 def stop(child: Child) -> None:
     try:
         child.close()
@@ -100,17 +117,29 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prefill(dirs):
-    child = spawn("prefill", dirs, "--bootstrap-port", str(_free_port()), "--seed", "5")
-    yield child
-    stop(child)
+def instances(dirs):
+    """The prefill, the decode and the kill test's victim decode (another host id: the
+    network path), started together. The victim is a process of its own, used by that test
+    only; the other two serve the whole module."""
+    children = spawn_together(
+        dirs,
+        ("prefill", ("--bootstrap-port", str(_free_port()), "--seed", "5"), None),
+        ("decode", (), None),
+        ("decode", (), "decode-host-killed"),
+    )
+    yield dict(zip(("prefill", "decode", "victim"), children))
+    for child in reversed(children):
+        stop(child)
 
 
 @pytest.fixture(scope="module")
-def decode(dirs, prefill):
-    child = spawn("decode", dirs)
-    yield child
-    stop(child)
+def prefill(instances):
+    return instances["prefill"]
+
+
+@pytest.fixture(scope="module")
+def decode(instances):
+    return instances["decode"]
 
 
 def run_requests(prefill, decode, rooms, src, dst, src_aux, dst_aux, chunks=1) -> None:
@@ -189,7 +218,7 @@ def test_requests_land_byte_for_byte_through_sglang_loop(prefill, decode):
     assert after["failed_sessions"] == [] and after["engine"]["failures"] == 0
 
 
-def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
+def test_decode_killed_mid_transfer_fails_the_senders(instances, prefill, decode):
     """A decode instance on the network path, first hung (SIGSTOP), then killed (SIGKILL).
 
     Hung: the write times out, the request fails, the session is blacklisted and SGLang's
@@ -199,7 +228,7 @@ def test_decode_killed_mid_transfer_fails_the_senders(dirs, prefill, decode):
     fail without a transfer), the probe keeps it blacklisted, and the prefill keeps serving
     another decode.
     """
-    victim = spawn("decode", dirs, host_id="decode-host-killed")
+    victim = instances["victim"]
     whole = PAGES.tolist()  # 128 MiB per request, one session: one queue
     sid = victim.info["session_id"]
     try:

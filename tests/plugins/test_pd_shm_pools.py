@@ -314,9 +314,12 @@ def test_sglang_pd_loop_with_shm_pools_moves_every_byte_over_shm(tmp_path, monke
     (model / "config.json").write_text(json.dumps(loop.MODEL_CONFIG))
     dirs = {"model": str(model), "eps": str(tmp_path / "eps")}
     monkeypatch.setenv(shm_pools.ENV_SHM_POOLS, "1")  # inherited by both instances
-    prefill = loop.spawn("prefill", dirs, "--bootstrap-port", str(loop._free_port()), "--seed", "9")
+    prefill, decode = loop.spawn_together(
+        dirs,
+        ("prefill", ("--bootstrap-port", str(loop._free_port()), "--seed", "9"), None),
+        ("decode", (), None),
+    )
     try:
-        decode = loop.spawn("decode", dirs)
         try:
             before = prefill.call("stats")["engine"]
             rng = np.random.default_rng(8)
@@ -376,7 +379,15 @@ def test_shm_decode_killed_mid_transfer_fails_the_sender_and_spares_it(prefill):
         killed = time.monotonic()
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.wait(10)
-        time.sleep(2.0)
+        # Until the first failure (bounded below) and 20 writes and 0.5 s after the kill, not
+        # a fixed 2 s: the writes after the first failure show it never succeeds again.
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            seen = [rc for t, rc in list(rcs) if t > killed]
+            first = next((i for i, rc in enumerate(seen) if rc), None)
+            if first is not None and len(seen) - first > 20 and time.monotonic() - killed > 0.5:
+                break
+            time.sleep(0.01)
         stop.set()
         th.join(30)
         assert not th.is_alive(), "the sender hung on a dead peer's pool"

@@ -23,6 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / ".venv" / "sglang-0.5.14"
 VERSION = "0.5.14"
 FILES = ("test_hicache_backend.py", "test_hicache_mooncake_shim.py", "test_pd_plugin.py")
+# Version-independent and slow (a master killed and restarted, seconds of timeouts and back-off):
+# the backend's store-down handling is kvmesh's client and the backend's own code; the SGLang
+# calls it makes (batch_set_v1/batch_get_v1/batch_exists/exists/get_stats on a host pool) are
+# all made on 0.5.14 by the round-trip tests, which stay, as does every other test in FILES.
+DESELECT = ("test_hicache_backend.py::test_store_down_then_restarted",)
 
 
 def _why_not() -> str | None:
@@ -50,7 +55,11 @@ def test_plugin_tests_pass_on_sglang_0_5_14():
     # No -q: the header carries the SGLang line.
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore"]
     proc = subprocess.run(
-        [*cmd, *(str(here / f) for f in FILES)],
+        [
+            *cmd,
+            *(str(here / f) for f in FILES),
+            *(f"--deselect={(here / d).relative_to(ROOT)}" for d in DESELECT),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -66,3 +75,4 @@ def test_plugin_tests_pass_on_sglang_0_5_14():
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed.group(1)) >= 20, out[-2000:]
     assert " failed" not in out and " error" not in out, out[-4000:]
+    assert f"{len(DESELECT)} deselected" in out, out[-2000:]  # node ids that still match
