@@ -288,13 +288,19 @@ class Table(Mapping[str, Obj]):
 
     def touch(self, keys: Iterable[str]) -> None:
         """Keys read or written now: the youngest (keys not in the table are ignored)."""
+        if self.clock >= 0xFFFFFFFF:
+            self._renumber()
+        if type(keys) is list and len(keys) == 1:  # a single get: no array built
+            r = self.index.get(keys[0])
+            if r is not None:
+                self.stamp[r] = self.clock
+                self.clock += 1
+            return
         rows = list(map(self.index.get, keys))
         if None in rows:
             rows = [r for r in rows if r is not None]
         if not rows:
             return
-        if self.clock >= 0xFFFFFFFF:
-            self._renumber()
         self.stamp[rows] = self.clock
         self.clock += 1
 
@@ -366,7 +372,9 @@ class Table(Mapping[str, Obj]):
         index = self.index
         big = max(0, len(index) - 257)  # rows above 256 are ints of their own
         return {
-            "columns": sum(getattr(self, name).nbytes for name in _NAMES) + self.free.nbytes,
+            "columns": sum(getattr(self, name).nbytes for name in _NAMES)
+            + self.free.nbytes
+            + self.stamp.nbytes,
             "names": sys.getsizeof(self.names),
             "index": sys.getsizeof(index) + big * sys.getsizeof(1 << 20),
             "keys": sum(map(sys.getsizeof, index)),
