@@ -159,6 +159,9 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
     raft: RaftConfig = DEFAULT_RAFT
     snapshot_threshold: int = 50_000
     trailing_logs: int = 10_000
+    # ...and at most this many bytes of them: a batch entry holds thousands of keys, so
+    # 10,000 entries can be the whole log (every object's key twice, held in memory)
+    trailing_log_bytes: int = 16 << 20
     proposal_timeout_s: float = 10.0
     read_timeout_s: float = 5.0
     session_ttl_s: float = 0.0  # 0: sessions never expire
@@ -177,8 +180,10 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("durability='disk' needs data_dir")
         if self.tick_s <= 0:
             raise ValueError("tick_s must be positive")
-        if self.trailing_logs < 0 or self.snapshot_threshold <= 0:
-            raise ValueError("snapshot_threshold must be > 0 and trailing_logs >= 0")
+        if self.trailing_logs < 0 or self.snapshot_threshold <= 0 or self.trailing_log_bytes < 0:
+            raise ValueError(
+                "snapshot_threshold must be > 0, trailing_logs and trailing_log_bytes >= 0"
+            )
         if min(msgspec.structs.astuple(self.session_limits)) <= 0:
             raise ValueError(f"session limits must be positive: {self.session_limits}")
 
@@ -293,12 +298,19 @@ class RaftNode:
             )
             self.storage = MemoryStorage() if cfg.join else MemoryStorage.bootstrap(voters)
         snap = self.storage.snapshot()
-        if snap.meta.index:
+        snap_index = snap.meta.index
+        if snap_index:
             self.sm.restore(snap.data)
+            # The image is in the file; a follower that needs it gets it read back from there.
+            release = getattr(self.storage, "release_snapshot_data", None)
+            if release is not None:
+                release()
+        del snap
+        if snap_index:
             # The restored image is long-lived: keep the cyclic GC from rescanning it.
             gc.collect()
             gc.freeze()
-        self._applied = self._snap_index = snap.meta.index
+        self._applied = self._snap_index = snap_index
         self.restore_s = time.perf_counter() - t0
         # Election timeouts come from OS randomness unless a caller (a test) passes a seeded
         # RNG: the core's default, Random(node_id), would repeat the same timeout sequence
@@ -983,6 +995,9 @@ class RaftNode:
         self._proven = None
         self.sm.restore(snap.data)
         self._applied = self._snap_index = snap.meta.index
+        release = getattr(self.storage, "release_snapshot_data", None)
+        if release is not None:
+            release()  # persisted already: the file has it
         self.metrics["snapshots_installed"] += 1
         # Pending proposals at or below the snapshot: their fate is unknown here.
         for idx in [i for i in self._pending if i <= snap.meta.index]:
@@ -1111,6 +1126,20 @@ class RaftNode:
             else:
                 log.warning("replog node %d: snapshot failed: %s", self.id, e)
 
+    def _compact_point(self, storage: Any, index: int) -> int:
+        """The index to compact to after a snapshot at ``index``: keep at most
+        ``trailing_logs`` entries and ``trailing_log_bytes`` bytes of entries below it."""
+        lo = max(storage.first_index(), index - self.cfg.trailing_logs + 1)
+        if lo > index:
+            return index - self.cfg.trailing_logs
+        kept, cap = 0, self.cfg.trailing_log_bytes
+        ents = storage.entries(lo, index + 1)
+        for i in range(len(ents) - 1, -1, -1):
+            kept += len(ents[i].data)
+            if kept > cap:
+                return ents[i].index
+        return lo - 1
+
     async def _take_snapshot(self) -> int:
         self._snapshotting = True
         try:
@@ -1142,7 +1171,7 @@ class RaftNode:
             if doomed:
                 await asyncio.to_thread(storage.remove_snapshot_files, doomed)
             self._snap_index = index
-            compact_to = index - self.cfg.trailing_logs
+            compact_to = self._compact_point(storage, index)
             if compact_to >= storage.first_index():
                 storage.compact(compact_to)
             self.metrics["snapshots_taken"] += 1

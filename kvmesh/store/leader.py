@@ -14,7 +14,8 @@ out). What it holds is not replicated: a new leader builds it from scratch
   :class:`~.master.leases.TermStart`): until one lease period after it starts leading,
   every object an earlier leader may have leased counts as leased; those created or
   completed in this term do not (docs/store-master.md, "The new leader's grace period").
-* **Access order** (:class:`~.master.leases.AccessStats`) for eviction.
+* **Access order** (:class:`~.master.leases.AccessStamps`: the table's stamp column) for
+  eviction.
 * **Node liveness** (:class:`~.master.liveness.LivenessJudge`), judged over time this leader
   could hear: :meth:`Leader.heartbeat`, :meth:`Leader.observe`, :meth:`Leader.expiry`.
 * **What each tick proposes** (:meth:`Leader.tick`), in order: :meth:`Leader.expiry` (ExpireNodes),
@@ -40,7 +41,7 @@ import msgspec
 
 from .master import commands as C
 from .master.eviction import EVICT_RATIO, HIGH_WATERMARK, choose_victims
-from .master.leases import DEFAULT_LEASE_TTL, DEFAULT_NODE_TTL, AccessStats, LeaseTable, TermStart
+from .master.leases import DEFAULT_LEASE_TTL, DEFAULT_NODE_TTL, AccessStamps, LeaseTable, TermStart
 from .master.liveness import LivenessJudge, Verdict, default_max_gap, node_capacity
 from .master.policy import (
     HoldTracker,
@@ -115,7 +116,7 @@ class Leader:
         self.leases = LeaseTable(start=now, grace=cfg.lease_ttl_s)
         self.term_start = TermStart(1 << 62)
         self.liveness = self._judge(now)
-        self.stats = AccessStats()
+        self.stats = AccessStamps(sm)
         self.holds = HoldTracker(cfg.lease_ttl_s)
         self.put_ages = PutAges()
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
@@ -164,8 +165,8 @@ class Leader:
         )
         self.liveness = self._judge(now)
         self.liveness.reset(sm.nodes(), now)
-        self.stats = AccessStats()
-        self.stats.reset(sm.keys())
+        self.stats = AccessStamps(sm)
+        self.stats.reset()
         # Holds noted by an earlier leadership are judged by the blanket period instead.
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now

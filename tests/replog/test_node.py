@@ -331,6 +331,38 @@ def test_snapshot_compaction_and_install_on_lagging_follower(tmp_path):
     run(main())
 
 
+def test_trailing_log_bytes_bound_the_log_kept_after_a_snapshot(tmp_path):
+    # Entries of thousands of keys each: trailing_logs (entries) alone would keep the
+    # whole log in memory; the byte bound cuts it. A restarted node does not keep the
+    # restored image in memory either, and still serves it to a follower from the file.
+    async def main():
+        c = Cluster(tmp_path, snapshot_threshold=200, trailing_log_bytes=2000)
+        await c.start_all()
+        try:
+            leader = await c.leader()
+            lagger = next(i for i in c.nodes if i != leader.id)
+            await c.stop(lagger)
+            for i in range(400):
+                await c.put(f"key-{i}", b"x" * 100)
+            await eventually(lambda: leader.status()["snapshot_index"] >= 200)
+            st = leader.status()
+            # default trailing_logs (10,000) would keep every entry; 2000 bytes keep < 20
+            assert st["first_index"] > st["snapshot_index"] - 20, st
+            others = [i for i in c.nodes if i not in (leader.id, lagger)]
+            await c.stop(others[0])
+            node = await c.start(others[0])
+            assert node.storage._snap_data is None and node.applied_index >= 200
+            node = await c.start(lagger)
+            await c.converge(timeout=20)
+            assert node.metrics["snapshots_installed"] >= 1
+            assert node.state_machine.get("key-399") == b"x" * 100
+            assert node.storage._snap_data is None
+        finally:
+            await c.stop_all()
+
+    run(main())
+
+
 def test_snapshot_encoding_yields_to_the_loop(tmp_path):
     async def main():
         async with Cluster(tmp_path, n=1, snapshot_threshold=10**9) as c:

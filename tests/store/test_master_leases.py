@@ -13,7 +13,7 @@ from kvmesh.store.master.commands import (
     encode_command,
 )
 from kvmesh.store.master.eviction import choose_victims
-from kvmesh.store.master.leases import AccessStats, HeartbeatTable, LeaseTable
+from kvmesh.store.master.leases import AccessStamps, AccessStats, HeartbeatTable, LeaseTable
 from kvmesh.store.master.policy import (
     HoldTracker,
     PutAges,
@@ -179,3 +179,42 @@ def test_access_stats_touch_matches_the_per_key_moves() -> None:
             for k in batch:  # the reference: one move per key
                 slow.touch(iter([k]))
             assert list(fast.oldest()) == list(slow.oldest())
+
+
+def test_access_stamps_evict_oldest_first_like_the_dict() -> None:
+    """The leader's stamp column gives the victims of the dict order in the same case."""
+    sm = _filled()
+    leases = LeaseTable()
+    stats = AccessStamps(sm)
+    stats.reset()
+    stats.touch(["k0", "k1"])  # now the youngest
+    leases.grant(["k2"], 0.0, 5.0)
+    sm.apply(4, encode_command(Pin(["k3"], True, 0.0)))
+    sm.apply(5, encode_command(Pin(["k4"], False, 0.0, ttl=100.0)))
+    plan = choose_victims(sm, leases, stats, 1.0, high_watermark=0.9, evict_ratio=0.2)
+    assert plan.keys == ["k5", "k6"] and plan.skipped_leased == 1 and plan.skipped_pinned == 1
+    sm.apply(6, encode_command(Remove(["k5", "k9"])))  # freed rows are skipped
+    assert list(stats.oldest()) == ["k2", "k3", "k4", "k6", "k7", "k8", "k0", "k1"]
+    assert len(stats) == 8 and "k0" in stats and "k5" not in stats
+    stats.reset()  # a new leader: all equally old again, in row order
+    assert list(stats.oldest())[:2] == ["k0", "k1"]
+
+
+def test_stamp_order_is_stamp_then_row_across_passes() -> None:
+    """``oldest_rows`` in passes (``first`` small) yields exactly the (stamp, row) order of
+    the live rows, each once, also after the clock is renumbered."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(30):
+        sm = _filled(n=rng.randint(1, 300), size=8)
+        t = sm.objects
+        keys = list(t.key_list())
+        for _ in range(rng.randint(0, 20)):
+            t.touch(rng.sample(keys, rng.randint(1, len(keys))) + ["absent"])
+        if trial % 3 == 0:
+            t._renumber()
+        gone = rng.sample(keys, len(keys) // 4)
+        sm.apply(9, encode_command(Remove(gone)))
+        want = sorted((int(t.stamp[r]), r) for r in range(t.n) if t.size[r])
+        assert list(t.oldest_rows(first=rng.randint(1, 8))) == [r for _, r in want]

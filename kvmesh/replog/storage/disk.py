@@ -301,6 +301,13 @@ class DiskStorage(EntryLog, ReadyWriter):
                 raise StorageCorruptionError(f"{self.path}: {e}") from e
         return Snapshot(self._snap_meta, self._snap_data)
 
+    def release_snapshot_data(self) -> None:
+        """Stop holding the current snapshot's image in memory (once it has been restored:
+        at tens of millions of objects it is a gigabyte); :meth:`snapshot` reads it back
+        from its file when a follower needs it."""
+        if self._snap_path is not None:
+            self._snap_data = None
+
     # ------------------------------------------------------------------ write API
 
     @property

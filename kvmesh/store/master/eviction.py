@@ -2,9 +2,10 @@
 
 Above the high watermark (default 0.90 of capacity) the leader proposes an
 :class:`~kvmesh.store.master.commands.Evict` entry that frees about ``evict_ratio`` (default
-5 %) of capacity, oldest first in the leader's access order (:class:`AccessStats`: an
-approximate LRU, since a new leader starts with every key equally old). Victims are COMPLETE
-objects that are not leased, not blocked by a removal in flight and not hard-pinned;
+5 %) of capacity, oldest first in the leader's access order (:class:`AccessStamps`, the
+table's stamp column, or :class:`AccessStats`): an approximate LRU, since a new leader
+starts with every key equally old. Victims are COMPLETE objects that are not leased, not
+blocked by a removal in flight and not hard-pinned;
 soft-pinned objects whose pin is still live are taken only when the unpinned ones do not
 free enough (then ``allow_soft`` is set so ``apply`` accepts them). ``apply`` re-checks each
 victim (state, pins, version), so a victim that changed after the choice is skipped, never
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .leases import AccessStats, LeaseTable
+from .leases import AccessStamps, AccessStats, LeaseTable
 
 if TYPE_CHECKING:
     from .state import StoreStateMachine
@@ -51,7 +52,7 @@ class EvictPlan(msgspec.Struct, frozen=True):
 def choose_victims(
     sm: StoreStateMachine,
     leases: LeaseTable,
-    stats: AccessStats,
+    stats: AccessStats | AccessStamps,
     now: float,
     high_watermark: float = HIGH_WATERMARK,
     evict_ratio: float = EVICT_RATIO,
@@ -108,7 +109,7 @@ def choose_victims(
     return EvictPlan(keys, versions, allow_soft, got, leased, pinned)
 
 
-def _candidates(sm: StoreStateMachine, stats: AccessStats):
+def _candidates(sm: StoreStateMachine, stats: AccessStats | AccessStamps):
     if len(stats) < sm.object_count():
         for k in sm.keys():  # noqa: SIM118 (a method, not a dict)
             if k not in stats:

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat
+from typing import Any
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
     "DEFAULT_NODE_TTL",
+    "AccessStamps",
     "AccessStats",
     "HeartbeatTable",
     "LeaseTable",
@@ -252,6 +254,39 @@ class AccessStats:
 
     def __contains__(self, key: str) -> bool:
         return key in self._order
+
+
+class AccessStamps:
+    """The leader's access order as the object table's stamp column (``Table.stamp``, see
+    table.py): the :class:`AccessStats` interface without a second dict of every key.
+    ``sm``: the state machine, whose table is looked up on each call (a restore replaces
+    it, and a restored table starts with every object equally old)."""
+
+    def __init__(self, sm: Any) -> None:
+        self._sm = sm
+
+    def reset(self, keys: Iterable[str] = ()) -> None:
+        self._sm.objects.reset_stamps()
+
+    def touch(self, keys: Iterable[str]) -> None:
+        self._sm.objects.touch(keys)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Nothing to do: a freed row is skipped, a reused one starts as the oldest."""
+
+    def oldest(self) -> Iterator[str]:
+        t = self._sm.objects
+        names = t.names
+        for r in t.oldest_rows():
+            k = names[r]
+            if k is not None:
+                yield k
+
+    def __len__(self) -> int:
+        return len(self._sm.objects)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sm.objects
 
 
 class HeartbeatTable:

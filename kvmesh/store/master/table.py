@@ -25,6 +25,13 @@ it (copy-on-write per row, :meth:`_save`). Each ``next()`` encodes :data:`CHUNK_
 straight from the columns (a slice copy), so no step of a snapshot holds the caller longer
 than one chunk's encoding, whatever the table's size.
 
+The leader's access order for eviction is one more column, :attr:`Table.stamp` (u32, not
+in :data:`COLUMNS`: soft state, never in snapshots or digests, 0 on followers and after a
+restore): :meth:`touch` writes a clock value to the rows of the keys read or written, a new
+row starts at 0 (the oldest), and :meth:`oldest_rows` yields live rows by (stamp, row) --
+an approximate LRU (a batch shares one stamp) read with vectorised passes, no second dict
+of every key.
+
 The table is also a read-only ``Mapping[str, Obj]`` (tests, invariants): ``table[key]``
 builds an :class:`~.objects.Obj` from the row.
 """
@@ -91,6 +98,8 @@ class Table(Mapping[str, Obj]):
             setattr(self, name, np.zeros(0, dt))
         self.free = np.zeros(0, np.int64)
         self.nfree = 0
+        self.stamp = np.zeros(0, np.uint32)  # leader soft state (module docstring)
+        self.clock = 1
         self._images: weakref.WeakSet[_Image] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ Mapping (views)
@@ -142,6 +151,9 @@ class Table(Mapping[str, Obj]):
             new = np.zeros(cap, dt)
             new[: self.n] = getattr(self, name)[: self.n]
             setattr(self, name, new)
+        stamp = np.zeros(cap, np.uint32)
+        stamp[: self.n] = self.stamp[: self.n]
+        self.stamp = stamp
         self.cap = cap
 
     def _alloc(self, m: int) -> np.ndarray:
@@ -197,6 +209,7 @@ class Table(Mapping[str, Obj]):
                 self._save(r)
             self.index[key] = r
             self._set_names([r], [key])
+            self.stamp[r] = 0
         elif self._images:
             self._save(r)
         self.size[r] = o.size
@@ -251,6 +264,7 @@ class Table(Mapping[str, Obj]):
         self.pin_until[sl] = pin_until
         self.sid[sl] = sid
         self.off[sl] = offs
+        self.stamp[sl] = 0
         if self.extra:
             for r in rows.tolist():
                 self.extra.pop(r, None)
@@ -269,6 +283,57 @@ class Table(Mapping[str, Obj]):
         self.nfree += 1
 
     __delitem__ = drop
+
+    # ------------------------------------------------------------------ access order
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Keys read or written now: the youngest (keys not in the table are ignored)."""
+        if self.clock >= 0xFFFFFFFF:
+            self._renumber()
+        if type(keys) is list and len(keys) == 1:  # a single get: no array built
+            r = self.index.get(keys[0])
+            if r is not None:
+                self.stamp[r] = self.clock
+                self.clock += 1
+            return
+        rows = list(map(self.index.get, keys))
+        if None in rows:
+            rows = [r for r in rows if r is not None]
+        if not rows:
+            return
+        self.stamp[rows] = self.clock
+        self.clock += 1
+
+    def _renumber(self) -> None:
+        """The clock ran out: the same order in the fewest stamps (ranks)."""
+        u, inv = np.unique(self.stamp[: self.n], return_inverse=True)
+        self.stamp[: self.n] = inv.astype(np.uint32)
+        self.clock = len(u) + 1
+
+    def reset_stamps(self) -> None:
+        """Every object equally old (a new leader knows no accesses)."""
+        self.stamp[: self.n] = 0
+        self.clock = 1
+
+    def oldest_rows(self, first: int = 4096) -> Iterator[int]:
+        """Live rows from the least recently touched, ties in row order. Lazily: each
+        pass picks the next ``first`` (doubling) rows with one ``argpartition`` over the
+        rows, so a caller that stops early pays O(rows), not a full sort. Changes made
+        while iterating may or may not be seen (an approximate order)."""
+        n = self.n
+        live = np.flatnonzero(self.size[:n])
+        if not len(live):
+            return
+        order = (self.stamp[live].astype(np.uint64) << np.uint64(32)) | live.astype(np.uint64)
+        done, k = 0, first
+        while done < len(order):
+            k = min(k, len(order))
+            part = order if k == len(order) else order[np.argpartition(order, k - 1)[:k]]
+            part.sort()
+            for r in (part[done:] & np.uint64(0xFFFFFFFF)).tolist():
+                if self.size[r]:
+                    yield r
+            done, k = k, k * 4
 
     # ------------------------------------------------------------------ queries
 
@@ -307,7 +372,9 @@ class Table(Mapping[str, Obj]):
         index = self.index
         big = max(0, len(index) - 257)  # rows above 256 are ints of their own
         return {
-            "columns": sum(getattr(self, name).nbytes for name in _NAMES) + self.free.nbytes,
+            "columns": sum(getattr(self, name).nbytes for name in _NAMES)
+            + self.free.nbytes
+            + self.stamp.nbytes,
             "names": sys.getsizeof(self.names),
             "index": sys.getsizeof(index) + big * sys.getsizeof(1 << 20),
             "keys": sum(map(sys.getsizeof, index)),
