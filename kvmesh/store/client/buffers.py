@@ -51,6 +51,19 @@ class Pieces(NamedTuple):
     ln: np.ndarray
     totals: np.ndarray
 
+    def at(self, i: int) -> list[tuple]:
+        """Key ``i``'s ``[(region, offset, length)]``."""
+        regs = self.regions
+        return [
+            (regs[x], o, z)
+            for x, o, z in zip(self.reg[i].tolist(), self.off[i].tolist(), self.ln[i].tolist())
+        ]
+
+    def take(self, idx: list[int]) -> Pieces:
+        """The places of keys ``idx``, in that order."""
+        ix = np.asarray(idx, np.int64)
+        return Pieces(self.regions, self.reg[ix], self.off[ix], self.ln[ix], self.totals[ix])
+
     def lists(self) -> list[list[tuple]]:
         """Per key ``[(region, offset, length)]`` (the general read and put paths)."""
         regs = self.regions
