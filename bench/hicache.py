@@ -266,12 +266,15 @@ def one_case(
 
 def _interleaved(*fs: Any, reps: int) -> list[np.ndarray]:
     """Each of ``fs`` run in turn ``reps`` rounds, after one warm-up: per function its
-    ``reps`` times (seconds), round ``i`` of every function at index ``i``."""
+    ``reps`` times (seconds), round ``i`` of every function at index ``i``. Every other
+    round runs them in reverse order, so that none is always first (or right after
+    another's copy)."""
     for f in fs:
         f()
     ts: list[list[float]] = [[] for _ in fs]
-    for _ in range(reps):
-        for f, t in zip(fs, ts):
+    pairs = list(zip(fs, ts))
+    for i in range(reps):
+        for f, t in pairs if i % 2 == 0 else pairs[::-1]:
             t0 = time.perf_counter()
             f()
             t.append(time.perf_counter() - t0)
