@@ -396,9 +396,7 @@ def _plan(
         import numpy as np
 
         names = obj.names(keys, comps)
-        first = host_indices[::page_size]
-        if hasattr(first, "numpy"):
-            first = first.cpu().numpy()
+        first = _first_slots(host_indices, page_size)
         grid, sz = table.meta(first)  # [page, buffer]
         per = grid.shape[1]
         if per == len(comps):  # one range per object, in name order: numpy columns as they are
@@ -439,6 +437,16 @@ def _plan(
             mp.append(ptrs[b + c : b + per : step])
             ms.append(sizes[b + c : b + per : step])
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
+
+
+def _first_slots(host_indices: Any, page_size: int) -> Any:
+    """Every page's first slot: a numpy view of a CPU tensor's slots (no torch op per call,
+    which cost more than the rest of the plan), else the tensor's own slicing."""
+    if hasattr(host_indices, "numpy"):
+        if host_indices.device.type == "cpu" and not host_indices.requires_grad:
+            return host_indices.numpy()[::page_size]
+        return host_indices[::page_size].cpu().numpy()
+    return host_indices[::page_size]
 
 
 def _pool_names(
