@@ -10,12 +10,15 @@ has another host id, so the engine takes its network path. Per case, in the same
 
 * ``batch_set_v1`` / ``batch_get_v1`` through the backend (fresh keys for every set: a set of
   existing pages is the write-once shortcut, reported apart as ``set-existing``);
-* ``store-get``: the store's own zero-copy batch get (``StoreClient.get_into`` /
-  ``get_into_multi``) of the same objects into the same addresses; ``ratio_store`` = backend
-  get / store get (target >= 0.95); ``ratio_one_buffer`` = backend get / the store's get of
-  the same bytes as one registered buffer plus offsets, where the plan allows it (target >=
-  0.91, i.e. within 1.1x); ``same-host-4k``: 256 MLA pages of 4 KiB, page_first, where the
-  per-call cost shows;
+* ``store-get``: the store's own zero-copy batch get (``StoreClient.get_into_raw`` /
+  ``get_into_multi``) of the same objects into the same addresses, from the backend's own
+  plan; ``ratio_store`` = store get / backend get (target >= 0.95); ``ratio_one_buffer`` =
+  the store's get of the same bytes as one registered buffer plus offsets / backend get,
+  where the plan allows it (target >= 0.91, i.e. within 1.1x). Both are the median of
+  per-round ratios over ``ratio_rounds`` interleaved rounds (``--ratio-reps``; each round
+  runs the calls back to back, so a load swing hits them alike), ``*_p10`` the ratio of the
+  two p10 times; ``same-host-4k``: 256 MLA pages of 4 KiB in each MLA layout (layer_first:
+  4 ranges of 1 KiB per page), where the per-call cost shows;
 * memcpy of 64 MiB, sampled at the start and again right before each case
   (``memcpy_gbps_near``, ``ratio_memcpy_near``); ``limits.memcpy_gbps`` and
   ``ratio_memcpy`` are the run's best sample (target: same-host backend get >= 0.6x);
@@ -24,7 +27,7 @@ has another host id, so the engine takes its network path. Per case, in the same
 Every timed read is verified (pages compared with the written ones) outside the timing.
 
     python bench/hicache.py [--quick] [--json PATH] [--layers N] [--batches MHA,MLA] [--reps N]
-                            [--exists-samples N] [--tcp-mib N]
+                            [--ratio-reps N] [--exists-samples N] [--tcp-mib N]
 
 The storage helper's segment holds every page the run can have in it at once: a removed
 page that was read stays allocated until its read lease ends (the master's ``lease_ttl_s``,
@@ -63,8 +66,11 @@ from bench._common import (  # noqa: E402
 )
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "page_size": 64, "mla_dim": 576}
-# Small pages where the per-call cost shows (one 4 KiB MLA object per page, 256 a batch).
+# Small pages where the per-call cost shows (one 4 KiB MLA object per page, 256 a batch), in
+# each MLA layout; layer_first with 4 layers of 1 KiB, so that each object is 4 ranges.
 SMALL = {"layers": 1, "heads": 1, "head_dim": 8, "page_size": 16, "mla_dim": 128}
+SMALL_LAYERED = {"layers": 4, "heads": 1, "head_dim": 8, "page_size": 16, "mla_dim": 32}
+SMALL_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 SMALL_BATCH = 256
 
 
@@ -109,6 +115,7 @@ def one_case(
     reps: int,
     layers: int,
     shape: dict = MODEL,
+    ratio_reps: int = 0,
 ) -> list[dict[str, Any]]:
     import torch
 
@@ -165,7 +172,8 @@ def one_case(
         assert page_digests(pool, dst, batch) == want, "batch_get_v1 returned wrong bytes"
         transports = ",".join(b.client.last_transports) or transports
         # the store's own batch get of the same objects into the same addresses
-        plan = H._plan(pool, keys, dst, b._obj(), b._mha)
+        # (the backend's own plan: its page table's numpy columns, as batch_get_v1 passes them)
+        plan = H._plan(pool, keys, dst, b._obj(), b._mha, *b._table(pool))
 
         def store_get() -> Any:
             if plan.multi:
@@ -182,15 +190,21 @@ def one_case(
         fill_pages(pool, src, list(range(batch)))
         assert store_get().ok and page_digests(pool, dst, batch) == want
         # Interleaved, so that both see the same machine (a shared box drifts by +-30 %).
+        # Ratios from many more rounds than the throughput figures: they are the targets.
+        rounds = max(reps, ratio_reps)
         if one_buffer is not None:
             assert one_buffer().ok and page_digests(pool, dst, batch) == want
-            t_get, t_store, t_one = _interleaved(
-                lambda: b.batch_get_v1(keys, dst), store_get, one_buffer, reps=reps
+            g, st, one = _interleaved(
+                lambda: b.batch_get_v1(keys, dst), store_get, one_buffer, reps=rounds
             )
-            extra = {"ratio_one_buffer": round(t_one / t_get, 3)}
+            r1 = _ratio(one, g)
+            extra = {"ratio_one_buffer": r1["p50"], "ratio_one_buffer_p10": r1["p10"]}
         else:
-            t_get, t_store = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps=reps)
+            g, st = _interleaved(lambda: b.batch_get_v1(keys, dst), store_get, reps=rounds)
             extra = {}
+        rs = _ratio(st, g)
+        extra.update(ratio_store=rs["p50"], ratio_store_p10=rs["p10"], ratio_rounds=rounds)
+        t_get, t_store = float(np.median(g)), float(np.median(st))
         common = {"kind": kind, "layout": layout}
         rows.append(
             record(
@@ -227,7 +241,6 @@ def one_case(
                 batch,
                 gbps=n / t_get / 1e9,
                 ops_per_s=batch / t_get,
-                ratio_store=round(t_store / t_get, 3),
                 **extra,
                 **common,
             )
@@ -251,17 +264,31 @@ def one_case(
     return rows
 
 
-def _interleaved(*fs: Any, reps: int) -> tuple[float, ...]:
-    """Medians of each of ``fs`` run in turn ``reps`` times each, after one warm-up."""
+def _interleaved(*fs: Any, reps: int) -> list[np.ndarray]:
+    """Each of ``fs`` run in turn ``reps`` rounds, after one warm-up: per function its
+    ``reps`` times (seconds), round ``i`` of every function at index ``i``. Every other
+    round runs them in reverse order, so that none is always first (or right after
+    another's copy)."""
     for f in fs:
         f()
     ts: list[list[float]] = [[] for _ in fs]
-    for _ in range(reps):
-        for f, t in zip(fs, ts):
+    pairs = list(zip(fs, ts))
+    for i in range(reps):
+        for f, t in pairs if i % 2 == 0 else pairs[::-1]:
             t0 = time.perf_counter()
             f()
             t.append(time.perf_counter() - t0)
-    return tuple(float(np.median(t)) for t in ts)
+    return [np.asarray(t) for t in ts]
+
+
+def _ratio(ref: np.ndarray, t: np.ndarray) -> dict[str, float]:
+    """``ref`` / ``t`` read robustly on a loaded machine: the median of the per-round
+    ratios (round ``i`` of both ran back to back, so a load swing hits both), and the ratio
+    of the two p10s (the least disturbed rounds)."""
+    return {
+        "p50": round(float(np.median(ref / t)), 3),
+        "p10": round(float(np.percentile(ref, 10) / np.percentile(t, 10)), 3),
+    }
 
 
 def _one_buffer_get(client: Any, plan: Any) -> Any:
@@ -293,7 +320,7 @@ def segment_bytes(plan: list[tuple[str, int]], layouts: tuple[str, ...], layers:
     period after its removal, see the module docstring), one batch more being written, the
     ``batch_exists`` pages, and room for the allocator's rounding."""
     batches = [_page_nbytes(k, layers, MODEL) * n for k, n in plan]
-    batches.append(_page_nbytes("mla", SMALL["layers"], SMALL) * SMALL_BATCH)
+    batches.append(_page_nbytes("mla", SMALL["layers"], SMALL) * SMALL_BATCH * len(SMALL_LAYOUTS))
     e = EXISTS_POOL
     exists = sum(_page_nbytes(k, e["layers"], e) * e["pages"] for k in ("mha", "mla"))
     return int(1.25 * (sum(batches) * len(layouts) + max(batches) + exists)) + MiB
@@ -363,6 +390,8 @@ def run(limits: dict, a: Any) -> list[dict[str, Any]]:
     reps = a.reps or (5 if quick else 11)
     samples = a.exists_samples or (50 if quick else 300)
     mha, mla = a.batches or ((8, 16) if quick else (32, 64))
+    ratio_reps = a.ratio_reps or (15 if quick else 41)
+    small_ratio_reps = 5 * ratio_reps  # 1 MiB a call: hundreds of rounds cost seconds
     plan = [("mha", mha), ("mla", mla)]
     layouts = ("page_first", "layer_first")
     rows: list[dict[str, Any]] = []
@@ -381,18 +410,21 @@ def run(limits: dict, a: Any) -> list[dict[str, Any]]:
                         near = memcpy_gbps()
                         limits["memcpy_gbps"] = max(limits["memcpy_gbps"] or 0.0, near)
                         got = one_case(
-                            limits, cl.address, case, kind, layout, batch, reps, a.layers
-                        )
+                            limits, cl.address, case, kind, layout, batch, reps, a.layers,
+                            ratio_reps=ratio_reps,
+                        )  # fmt: skip
                         for r in got:
                             r["memcpy_gbps_near"] = round(near, 3)
                             if r["gbps"] is not None:
                                 r["ratio_memcpy_near"] = round(r["gbps"] / near, 3)
                         rows += got
                 if case == "same-host":
-                    rows += one_case(
-                        limits, cl.address, "same-host-4k", "mla", "page_first", SMALL_BATCH,
-                        4 * reps, SMALL["layers"], SMALL,
-                    )  # fmt: skip
+                    for layout in SMALL_LAYOUTS:
+                        shape = SMALL_LAYERED if layout == "layer_first" else SMALL
+                        rows += one_case(
+                            limits, cl.address, "same-host-4k", "mla", layout, SMALL_BATCH,
+                            4 * reps, shape["layers"], shape, ratio_reps=small_ratio_reps,
+                        )  # fmt: skip
                     rows += [exists_case(limits, cl.address, k, samples) for k in ("mha", "mla")]
             finally:
                 peer.close()
@@ -417,6 +449,9 @@ def _options(ap: Any) -> None:
     )
     ap.add_argument("--batches", type=_batches, help="pages per batch, MHA,MLA (e.g. 8,16)")
     ap.add_argument("--reps", type=int, help="timed repetitions per op")
+    ap.add_argument(
+        "--ratio-reps", type=int, help="interleaved rounds behind ratio_store/ratio_one_buffer"
+    )
     ap.add_argument("--exists-samples", type=int, help="timed batch_exists calls per kind")
     ap.add_argument("--tcp-mib", type=int, default=512, help="bytes of the TCP reference stream")
 
@@ -457,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_memcpy_near",
             "ratio_copy_limit",
             "ratio_store",
+            "ratio_store_p10",
             "ratio_one_buffer",
+            "ratio_one_buffer_p10",
         ),
     )
     if a.json:

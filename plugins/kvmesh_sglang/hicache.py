@@ -393,15 +393,13 @@ def _plan(
     n = len(keys)
     comps = ("k", "v") if mha else ("kv",)
     if table is not None and n and len(host_indices) == n * page_size:
+        import numpy as np
+
         names = obj.names(keys, comps)
-        first = host_indices[::page_size]
-        if hasattr(first, "numpy"):
-            first = first.cpu().numpy()
+        first = _first_slots(host_indices, page_size)
         grid, sz = table.meta(first)  # [page, buffer]
         per = grid.shape[1]
         if per == len(comps):  # one range per object, in name order: numpy columns as they are
-            import numpy as np
-
             one = len(set(sz)) == 1  # K and V (or the one KV range) of equal size
             sizes = np.full(n * per, sz[0], np.int64) if one else np.tile(np.array(sz), n)
             return _Plan(names, grid.reshape(-1), sizes, sz * n, False, len(comps))
@@ -409,12 +407,13 @@ def _plan(
             step = len(comps)
             # [page, buffer] -> [page, comp, range]: MHA K takes the even buffers, V the odd.
             objs = grid.reshape(n, per // step, step).transpose(0, 2, 1).reshape(n * step, -1)
-            osz = [sz[c::step] for c in range(step)]
+            osz = np.array([sz[c::step] for c in range(step)], np.int64)
+            # Columns to the client as they are: (objects, ranges) addresses and sizes.
             return _Plan(
                 names,
-                objs.tolist(),
-                osz * n,
-                [sum(x) for x in osz] * n,
+                objs,
+                np.tile(osz, (n, 1)),
+                osz.sum(axis=1).tolist() * n,
                 True,
                 step,
             )
@@ -438,6 +437,16 @@ def _plan(
             mp.append(ptrs[b + c : b + per : step])
             ms.append(sizes[b + c : b + per : step])
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
+
+
+def _first_slots(host_indices: Any, page_size: int) -> Any:
+    """Every page's first slot: a numpy view of a CPU tensor's slots (no torch op per call,
+    which cost more than the rest of the plan), else the tensor's own slicing."""
+    if hasattr(host_indices, "numpy"):
+        if host_indices.device.type == "cpu" and not host_indices.requires_grad:
+            return host_indices.numpy()[::page_size]
+        return host_indices[::page_size].cpu().numpy()
+    return host_indices[::page_size]
 
 
 def _pool_names(
@@ -746,8 +755,11 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         else:
             res = self.client.get_into_raw(plan.names, plan.ptrs, plan.sizes)
         _whole(res)
+        totals = plan.totals
+        if res == totals:  # every object read whole (the usual batch): one C-level compare
+            return [True] * len(totals)
         # Exactly the page's bytes, or a miss (a shorter object is not this page).
-        return [type(r) is int and r == t for r, t in zip(res, plan.totals)]
+        return [type(r) is int and r == t for r, t in zip(res, totals)]
 
     def _set_plan(self, plan: _Plan) -> list[bool]:
         """Write every object of ``plan`` in one store batch (write-once: an existing
@@ -758,17 +770,21 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             there = _whole(self.client.exists(plan.names))
             todo = [i for i, r in enumerate(there) if r is not True]
             res: list[Any] = [store_errors.ObjectExists("stored before")] * len(plan.names)
-            if todo:
+            if len(todo) == len(plan.names):  # nothing stored before: the columns as they are
+                part = self.client.put_from_multi(plan.names, plan.ptrs, plan.sizes)
+            elif todo:
+                pick = _rows(todo)
                 part = self.client.put_from_multi(
-                    [plan.names[i] for i in todo],
-                    [plan.ptrs[i] for i in todo],
-                    [plan.sizes[i] for i in todo],
+                    [plan.names[i] for i in todo], pick(plan.ptrs), pick(plan.sizes)
                 )
+            if todo:
                 for i, r in zip(todo, _whole(part)):
                     res[i] = r
         else:
             # One range per object: the put itself answers ObjectExists (one RPC).
             res = _whole(self.client.put_from_raw(plan.names, plan.ptrs, plan.sizes))
+        if res.count(None) == len(res):  # every object written (the usual batch)
+            return [True] * len(res)
         ok = []
         existing = 0
         for r in res:
@@ -782,6 +798,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     @staticmethod
     def _per_page(ok: list[bool], per: int) -> list[bool]:
+        if per == 1:
+            return ok
+        if False not in ok:  # every object done (the usual batch): nothing per page
+            return [True] * (len(ok) // per)
         return [all(ok[i : i + per]) for i in range(0, len(ok), per)]
 
     @_guard(_all_false)
@@ -1107,6 +1127,15 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 self.client.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("kvmesh HiCache: close failed: %s", e)
+
+
+def _rows(idx: list[int]) -> Callable[[Any], Any]:
+    """Rows ``idx`` of a plan's column (a numpy array, or a list per object)."""
+
+    def pick(col: Any) -> Any:
+        return col[idx] if hasattr(col, "shape") else [col[i] for i in idx]
+
+    return pick
 
 
 def _pool_key(name: Any) -> str:

@@ -23,6 +23,8 @@ def test_hicache_bench_tiny(tmp_path):
         f"{mha},{mla}",
         "--reps",
         "1",
+        "--ratio-reps",
+        "3",
         "--exists-samples",
         "10",
         "--tcp-mib",
@@ -38,13 +40,19 @@ def test_hicache_bench_tiny(tmp_path):
         for layout in ("page_first", "layer_first")
         for op in ops
     } | {("network", kind, "page_first", op) for kind in ("mha", "mla") for op in ops}
-    want |= {("same-host-4k", "mla", "page_first", op) for op in ops}
+    small_layouts = ("page_first", "page_first_direct", "layer_first")
+    want |= {("same-host-4k", "mla", layout, op) for layout in small_layouts for op in ops}
     io = [r for r in recs if r["op"] != "batch_exists"]
     assert {(r["case"], r["kind"], r["layout"], r["op"]) for r in io} == want
     # The small-page case: 256 pages of 4 KiB, against the one-buffer form of the same get.
     small = [r for r in io if r["case"] == "same-host-4k"]
     assert all(r["page_bytes"] == 4096 and r["batch"] == 256 for r in small)
-    assert [r["ratio_one_buffer"] > 0 for r in small if r["op"] == "batch_get_v1"] == [True]
+    gets = {r["layout"]: r for r in small if r["op"] == "batch_get_v1"}
+    assert set(gets) == set(small_layouts)
+    # One range per page: against one buffer too; layer_first (4 ranges a page): not.
+    assert [gets[x].get("ratio_one_buffer", 0) > 0 for x in small_layouts] == [True, True, False]
+    for r in gets.values():
+        assert r["ratio_store"] > 0 and r["ratio_store_p10"] > 0 and r["ratio_rounds"] == 15
     io = [r for r in io if r["case"] != "same-host-4k"]
     # Page bytes of the model shape at --layers (bf16): MHA K+V, MLA one 576-wide vector.
     page = {"mha": layers * 64 * 2 * 8 * 128 * 2, "mla": layers * 64 * 576 * 2}

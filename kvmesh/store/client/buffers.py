@@ -13,7 +13,7 @@ from ...transfer.memory import describe_object
 from .. import errors as E
 from .args import int_array
 
-__all__ = ["Buffers", "Places", "split_pieces"]
+__all__ = ["Buffers", "Pieces", "Places", "split_pieces"]
 
 
 class Places(NamedTuple):
@@ -38,6 +38,39 @@ class Places(NamedTuple):
         reg = None if self.reg is None else np.asarray(self.reg)[ix]
         offs, caps = np.asarray(self.offs)[ix], np.asarray(self.caps)[ix]
         return Places(self.region, offs, caps, self.regions, reg)
+
+
+class Pieces(NamedTuple):
+    """A batch's multi-range places as columns: key ``i``'s bytes fill, in order, ``ln[i, q]``
+    bytes at ``off[i, q]`` of ``regions[reg[i, q]]`` (every array ``(keys, ranges)``
+    int64); ``totals``: bytes per key (int64, the capacity)."""
+
+    regions: list[MemoryRegion]
+    reg: np.ndarray
+    off: np.ndarray
+    ln: np.ndarray
+    totals: np.ndarray
+
+    def at(self, i: int) -> list[tuple]:
+        """Key ``i``'s ``[(region, offset, length)]``."""
+        regs = self.regions
+        return [
+            (regs[x], o, z)
+            for x, o, z in zip(self.reg[i].tolist(), self.off[i].tolist(), self.ln[i].tolist())
+        ]
+
+    def take(self, idx: list[int]) -> Pieces:
+        """The places of keys ``idx``, in that order."""
+        ix = np.asarray(idx, np.int64)
+        return Pieces(self.regions, self.reg[ix], self.off[ix], self.ln[ix], self.totals[ix])
+
+    def lists(self) -> list[list[tuple]]:
+        """Per key ``[(region, offset, length)]`` (the general read and put paths)."""
+        regs = self.regions
+        return [
+            [(regs[x], o, z) for x, o, z in zip(r, f, g)]
+            for r, f, g in zip(self.reg.tolist(), self.off.tolist(), self.ln.tolist())
+        ]
 
 
 class Buffers:
@@ -137,6 +170,38 @@ class Buffers:
             return Places(regs[first], off, z)
         return Places(regs[first], off, z, regs, ri)
 
+    def _column_pieces(self, ptrs: Any, sizes: Any, n: int) -> Pieces | None:
+        """The places of ``n`` multi-range objects named by raw addresses as columns:
+        ``ptrs`` a ``(n, ranges)`` integer array, ``sizes`` the same shape (or one row for
+        every key), resolved in one vectorised lookup. None: not columns of that shape, some
+        value not a positive int, or some range outside registered memory (the per-key
+        path then says which)."""
+        if not isinstance(ptrs, np.ndarray) or ptrs.ndim != 2 or ptrs.shape[0] != n or not n:
+            return None
+        p = int_array(ptrs)
+        z = int_array(sizes)
+        if p is None or z is None or not p.shape[1]:
+            return None
+        if z.shape == (p.shape[1],):
+            z = np.broadcast_to(z, p.shape)
+        if z.shape != p.shape or int(p.min()) <= 0 or int(z.min()) <= 0:
+            return None
+        try:
+            regs, ri, off = self.engine.find_regions(
+                p.reshape(-1).view(np.uint64), np.ascontiguousarray(z).reshape(-1).view(np.uint64)
+            )
+        except (TransferError, LookupError, OverflowError):
+            return None
+        shape = p.shape
+        ln = np.ascontiguousarray(z)
+        return Pieces(
+            regs,
+            np.asarray(ri, np.int64).reshape(shape),
+            off.view(np.int64).reshape(shape),
+            ln,
+            ln.sum(axis=1),
+        )
+
     @staticmethod
     def _one_buffer(
         where: Any, buffer: Any, offs: list[Any], szs: list[Any]
@@ -176,6 +241,15 @@ class Buffers:
     ) -> tuple[list[Any], list[int]]:
         """Per object, its registered pieces (or the error that refused them) and byte total."""
         n = len(keys)
+        if isinstance(buffers, np.ndarray) or isinstance(sizes, np.ndarray):
+            cols = self._column_pieces(buffers, sizes, n)
+            if cols is not None:
+                return cols.lists(), cols.totals.tolist()
+            # Refused columns: the per-range path on Python ints names the bad range.
+            buffers = np.asarray(buffers).tolist()
+            sizes = np.asarray(sizes).tolist()
+            if len(sizes) != n and len(buffers) == n and sizes and type(sizes[0]) is int:
+                sizes = [sizes] * n  # one row of sizes for every key
         if len(buffers) != n or len(sizes) != n:
             raise E.InvalidParams(
                 f"{n} keys but {len(buffers)} buffer lists, {len(sizes)} size lists"

@@ -16,7 +16,7 @@ from ..types import (
     keys_valid,
 )
 from .args import int_array, listify, per_key
-from .buffers import Places, split_pieces
+from .buffers import Pieces, Places, split_pieces
 from .replies import (
     MAX_KEYS_PER_RPC,
     BatchResults,
@@ -100,7 +100,7 @@ class Reads:
     def _get_regions(self, keys: list[Any], bufs: Any, caps: Any) -> BatchResults:
         n = len(keys)
         out: list[Any] = [None] * n
-        one = isinstance(bufs, Places)
+        one = isinstance(bufs, (Places, Pieces))
         if one and keys_valid(keys):
             idx: list[int] = list(range(n))
         else:
@@ -131,6 +131,12 @@ class Reads:
         or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
         _, _, rows, segs, lease_deadline = looked
         m = len(idx)
+        if isinstance(bufs, Pieces):
+            if m == len(keys):
+                done = self._read_pieces(keys, bufs, looked, out)
+                if done is not None:
+                    return done
+            bufs = bufs.lists()  # the general loop splits slices over per-key pieces
         if m == 1 and len(rows) == 1 and (isinstance(bufs, Places) or type(bufs[idx[0]]) is tuple):
             return self._read_one(keys, idx[0], bufs, caps, looked, out)
         if m == len(keys) and len(segs) == 1 and isinstance(bufs, Places):
@@ -297,6 +303,41 @@ class Reads:
             out[:] = [_lease_expired(k) for k in keys]
         else:
             out[:] = looked.sizes.tolist()
+            for j in bad.tolist():
+                out[j] = _read_failed(keys[j])
+        self.last_transports = list(used)
+        return BatchResults(out, self.last_transports)
+
+    def _read_pieces(
+        self, keys: list[Any], bufs: Pieces, looked: _Looked, out: list[Any]
+    ) -> BatchResults | None:
+        """:meth:`_read` of multi-range places (HiCache's layer_first pages: 32-64 ranges
+        per object) when every key was found as one copy of one slice of exactly its places'
+        total: each range one request, at the slice's offset plus the bytes of the key's
+        earlier ranges, as one engine batch built from columns. None: not that batch (a
+        key missing, several copies or slices, a size other than the total), the general
+        loop answers it. Same lease rule and outcomes."""
+        rows = looked.rows
+        m = len(keys)
+        codes, sizes = looked.codes, looked.sizes
+        if len(rows) != m or type(codes) is not np.ndarray or codes.any() or rows[:, 1].any():
+            return None
+        if not np.array_equal(sizes, bufs.totals):
+            return None
+        r = bufs.ln.shape[1]
+        ln = bufs.ln
+        before = np.cumsum(ln, axis=1) - ln
+        owner = np.repeat(np.arange(m, dtype=np.int64), r)
+        ro = (rows[:, 3:4] + before).reshape(-1)
+        left = max(0.001, looked.lease_deadline - time.monotonic())
+        bad, used = self._move_arrays(
+            Op.READ, owner, bufs.regions, bufs.reg.reshape(-1), bufs.off.reshape(-1),
+            looked.segs, np.repeat(rows[:, 2], r), ro, ln.reshape(-1), left,
+        )  # fmt: skip
+        if time.monotonic() > looked.lease_deadline:
+            out[:] = [_lease_expired(k) for k in keys]
+        else:
+            out[:] = sizes.tolist()
             for j in bad.tolist():
                 out[j] = _read_failed(keys[j])
         self.last_transports = list(used)
@@ -477,7 +518,12 @@ class Reads:
         self, keys: list[str], buffers: list[list[Any]], sizes: list[list[int]]
     ) -> BatchResults:
         """Batch get filling object ``i``'s bytes into ``buffers[i]`` in order (capacity
-        ``sum(sizes[i])``); per key the number of bytes read."""
+        ``sum(sizes[i])``); per key the number of bytes read. Raw addresses as a ``(keys,
+        ranges)`` integer array (``sizes`` of that shape, or one row for every key) are
+        resolved at once and moved as columns."""
+        cols = self._column_pieces(buffers, sizes, len(keys))
+        if cols is not None:
+            return self._get_regions(list(keys), cols, cols.totals)
         bufs, caps = self._multi_pieces(keys, buffers, sizes)
         return self._get_regions(list(keys), bufs, caps)
 

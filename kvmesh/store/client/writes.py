@@ -19,7 +19,7 @@ from ..types import (
     keys_valid,
 )
 from .args import listify, per_key
-from .buffers import Places, split_pieces
+from .buffers import Pieces, Places, split_pieces
 from .replies import (
     BatchResults,
     coded,
@@ -55,7 +55,7 @@ class Writes:
         n = len(keys)
         out: list[Any] = [None] * n
         todo: list[int] = []
-        places = type(bufs) is Places  # columns: every place resolved and checked
+        places = type(bufs) in (Places, Pieces)  # columns: every place resolved and checked
         usual = (  # every key checked at once, no buffer or size refused: nothing per key
             keys_valid(keys)
             # no buffer refused: a type test per distinct type, not per key
@@ -91,7 +91,7 @@ class Writes:
             fail_all(out, part, whole_error(resp))
             return []
         versions = resp.versions
-        places = type(bufs) is Places
+        places = type(bufs) in (Places, Pieces)
         pbufs = bufs if whole else bufs.take(part) if places else [bufs[i] for i in part]
         arrays = _run_requests(resp, pbufs, psizes)
         if arrays is not None:  # the usual batch: every key one slice, the engine's arrays
@@ -244,6 +244,9 @@ class Writes:
     ) -> BatchResults:
         """Batch put where object ``i`` is the concatenation of ``sizes[i][k]`` bytes at
         ``buffers[i][k]`` (registered memory), written zero-copy."""
+        cols = self._column_pieces(buffers, sizes, len(keys))
+        if cols is not None:  # raw-address columns: moved as columns
+            return self._put_regions(list(keys), cols, cols.totals.tolist(), upsert, config)
         bufs, totals = self._multi_pieces(keys, buffers, sizes)
         return self._put_regions(list(keys), bufs, totals, upsert, config)
 
@@ -332,6 +335,19 @@ def _run_requests(resp: P.PutStartResp, bufs: list[Any], sizes: list[int]) -> tu
     if run is None or any(resp.codes) or run.lengths != sizes or min(run.where, default=-1) < 0:
         return None
     n = len(sizes)
+    if type(bufs) is Pieces:  # multi-range columns: each range one request, in order
+        r = bufs.ln.shape[1]
+        before = np.cumsum(bufs.ln, axis=1) - bufs.ln
+        return (
+            np.repeat(np.arange(n, dtype=np.int64), r),
+            bufs.regions,
+            bufs.reg.reshape(-1),
+            bufs.off.reshape(-1),
+            list(run.segs),
+            np.repeat(np.array(run.where, np.int64), r),
+            (np.array(run.offsets, np.int64)[:, None] + before).reshape(-1),
+            bufs.ln.reshape(-1),
+        )
     if type(bufs) is Places:  # the caller's places as columns: no tuple per key
         return (
             np.arange(n, dtype=np.int64),
