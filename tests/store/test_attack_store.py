@@ -488,7 +488,10 @@ def test_client_never_resends_a_request_whose_result_was_evicted(monkeypatch, re
         if type(req) is P.RegisterReq:
             return P.RegisterResp(1, 8)
         msg = f"session: client {req.session.client_id} seq {req.session.seq}: {reason}"
-        return P.ErrorResp(1, E.StoreUnavailable.code, msg)
+        # the master's codes (server.py): a forgotten session has its own; an evicted result
+        # (maybe applied once) is StoreUnavailable
+        code = E.StoreUnavailable.code if reason == "result_evicted" else E.SessionExpired.code
+        return P.ErrorResp(1, code, msg)
 
     monkeypatch.setattr(mc, "call", call)
     resp = mc.mutate(lambda rid, s: P.RemoveReq(rid, s, ["k"]))
