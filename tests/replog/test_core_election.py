@@ -370,3 +370,77 @@ def test_learner_never_campaigns() -> None:
     n.tick_all(10 * 20)
     assert n[4].role == Role.FOLLOWER and n[4].term == 1
     assert n[4].learners == (4,)
+
+
+# Pre-vote tie-break (issue 16: a second election round after a leader crash; the
+# distribution over seeds is tests/replog/test_sim_failover.py).
+
+
+def _dead_leader(leader: int = 1, ids=(1, 2, 3)) -> Network:
+    n = cluster(ids, leader=leader)
+    n.isolate(leader)
+    return n
+
+
+def test_tied_pre_candidates_elect_the_lower_id_in_the_next_term() -> None:
+    """Both followers of a dead leader pre-campaign at once with equal logs: before the
+    tie-break each granted the other's pre-vote, both campaigned for the same term, each
+    voted for itself and the vote split. Now exactly one (the lower id) goes on."""
+    n = _dead_leader()
+    term = n[2].term
+    n[3].campaign()
+    n[2].campaign()
+    n.stabilize()
+    assert n[2].role == Role.LEADER and n[2].term == term + 1
+    assert n[3].role == Role.FOLLOWER and n[3].lead == 2 and n[3].term == term + 1
+
+
+def test_more_up_to_date_pre_candidate_wins_regardless_of_id() -> None:
+    n = cluster()
+    n.cut(1, 2)  # 2 misses the last entry: 3's log is ahead
+    n.propose(1, b"x")
+    n.isolate(1)
+    assert n[3].log.last_index() > n[2].log.last_index()
+    term = n[2].term
+    n[2].campaign()
+    n[3].campaign()
+    n.stabilize()
+    assert n[3].role == Role.LEADER and n[3].term == term + 1
+
+
+def test_pre_candidate_gives_way_once_per_term() -> None:
+    """A pre-candidate that hears nobody (its inbound links cut) sends pre-votes every
+    tick and can never win: the others give way to it once per term, then campaign on."""
+    n = _dead_leader(ids=(1, 2, 3, 4, 5))
+    for i in (3, 4, 5):
+        n.cut_one_way(i, 2)
+    term = n[3].term
+    winners = []
+    for _ in range(100):
+        n.tick_all(1)
+        winners = [i for i in (3, 4, 5) if n[i].role == Role.LEADER]
+        if winners:
+            break
+    assert winners and n[winners[0]].term > term
+    assert n[2].role == Role.PRE_CANDIDATE
+
+
+def test_pre_vote_grant_holds_the_followers_own_campaign_off_once() -> None:
+    """A follower that granted a pre-vote does not start its own campaign for one election
+    timeout (once per term): in a 5-voter cluster one that did took the other followers'
+    votes and split the election."""
+    n = _dead_leader(ids=(1, 2, 3, 4, 5))
+    for i in (2, 3, 4, 5):
+        n.tick(i, 10)  # out of the lease of the dead leader
+    f = n[3]
+    f.randomized_election_timeout = f.election_elapsed + 1
+    n.ignore(PreVoteResp)  # 2's pre-campaign never completes
+    n[2].campaign()
+    n.stabilize()
+    before = f.election_elapsed
+    assert f.randomized_election_timeout >= before + 10
+    # A second pre-vote in the same term does not postpone again.
+    timeout = f.randomized_election_timeout
+    n[2].campaign()
+    n.stabilize()
+    assert f.randomized_election_timeout == timeout

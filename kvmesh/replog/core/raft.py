@@ -199,6 +199,7 @@ class RaftCore:
         self.randomized_election_timeout = e_lo
         self.votes: dict[int, bool] = {}
         self._campaign_transfer = False  # whether the campaign under way is a transfer
+        self._yielded_term = -1  # the term in which this node last gave up a pre-campaign
         self.prs: dict[int, Progress] = {}
         self._peer_ids: tuple[int, ...] = ()
         self.readonly = ReadOnly()
@@ -920,6 +921,19 @@ class RaftCore:
         )
         if can_vote and m.frm in self.voters and self.log.is_up_to_date(m.last_index, m.last_term):
             if pre:
+                if self.role == PRE_CANDIDATE and not self._yield_pre_vote(m):
+                    self._send(PreVoteResp(self.id, m.frm, self.term, reject=True))
+                    return
+                if self.role == FOLLOWER and self._yielded_term != self.term:
+                    # Like a vote, a pre-vote grant holds our own campaign off for one
+                    # election timeout (once per term, see _yield_pre_vote): a follower
+                    # that vouched for a node and then timed out itself took the other
+                    # followers' votes in a 5-voter cluster and split the election. The
+                    # lease is still measured by election_elapsed, which goes on growing.
+                    self._yielded_term = self.term
+                    self.randomized_election_timeout = max(
+                        self.randomized_election_timeout, self.election_elapsed + self._election_lo
+                    )
                 self._send(PreVoteResp(self.id, m.frm, m.term, reject=False))
             else:
                 self.election_elapsed = 0
@@ -929,6 +943,30 @@ class RaftCore:
             self._send(PreVoteResp(self.id, m.frm, self.term, reject=True))
         else:
             self._send(VoteResp(self.id, m.frm, self.term, reject=True))
+
+    def _yield_pre_vote(self, m: PreVote) -> bool:
+        """Whether this pre-candidate grants a competing pre-campaign ``m`` (whose log is at
+        least as up to date as ours); a grant also ends our own pre-campaign.
+
+        Two followers of a dead leader that time out within a message delay of each other
+        used to grant each other's pre-votes, both went on to campaign for the same term,
+        each voted for itself and neither could win: the election waited for a second
+        randomised timeout (tests/replog/test_sim_failover.py). So of two pre-campaigns
+        for the same term with equal logs only the lower node id goes on (the other
+        refuses it and is refused), and one that grants a pre-vote stops campaigning, so
+        that it can vote for the node it has just vouched for. Refusing a pre-vote and
+        giving up a pre-campaign change no term, vote or log: election safety is the
+        vote's, untouched. Giving up happens once per term, so a node whose own grants
+        never arrive (a one-way link) cannot keep the others from campaigning."""
+        log = self.log
+        li = log.last_index()
+        tied = m.term == self.term + 1 and m.last_index == li and m.last_term == log.term(li)
+        if tied and m.frm > self.id:
+            return False
+        if self._yielded_term != self.term:
+            self._yielded_term = self.term
+            self._become_follower(self.term, NONE)
+        return True
 
     def _step_follower(self, m, mt) -> None:
         if mt is Append:

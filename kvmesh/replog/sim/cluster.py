@@ -108,6 +108,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # contract for leases); False is a negative control.
     catch_up_ticks: bool = True
     lin_timeout: float = 20.0
+    # Each replica's first tick comes at a random point of the tick interval instead of all
+    # ticking together (live replicas' tickers are not aligned; sim/failover.py).
+    tick_phase: bool = False
     profile: str = "ci"  # what generate() drew this configuration for (replay hints)
 
     @property
@@ -248,7 +251,10 @@ class SimNode:
         self.prev_commit = self.core.log.committed
         self.step_commit = self.prev_commit
         self.alive = True
-        self._schedule_tick()
+        if sim.cfg.tick_phase:
+            sim.schedule(sim.cfg.tick * sim.rng.random(), self._on_tick, self.incarnation)
+        else:
+            self._schedule_tick()
         self.pump()
 
     def crash(self) -> None:
