@@ -108,7 +108,10 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
 def raft_config(cfg: ServiceConfig) -> RaftConfig:
     return RaftConfig(
         election_tick=cfg.election_ticks,
-        max_election_tick=2 * cfg.election_ticks,
+        # Timeouts in [1, 1.5) election timeouts, not [1, 2): with the pre-vote tie-break
+        # (replog core) a tie costs no second round, and the narrower spread keeps the write
+        # pause after a leader kill under 1 s (docs/replog.md, failover).
+        max_election_tick=cfg.election_ticks + max(1, cfg.election_ticks // 2),
         heartbeat_tick=1,
         check_quorum=True,
         read_only_option=ReadOnlyOption.LEASE_BASED if cfg.lease_reads else ReadOnlyOption.SAFE,
