@@ -99,6 +99,8 @@ def test_planted_no_grace_period_is_caught() -> None:
     assert seed in CLEAN_SEEDS
 
 
+# slow: 16 s of CI for a detector that has caught nothing since the liveness scenario joined
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
     reason="weak detector: it needs a leadership transfer while an old-term read of a re-put "
