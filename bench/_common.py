@@ -361,6 +361,27 @@ def print_table(
     out.flush()
 
 
+def print_footer(
+    records: list[dict[str, Any]], targets: list[dict[str, Any]], t_start: float
+) -> float:
+    """Print the targets (met / MISSED) and the run's summary line (records, time, load
+    average); the run's seconds since ``t_start``."""
+    if targets:
+        print("\ntargets:")
+        for t in targets:
+            print(
+                f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}"
+            )
+    elapsed = time.monotonic() - t_start
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
+        f"{os.cpu_count()} CPUs; other jobs skew the figures)",
+        flush=True,
+    )
+    return elapsed
+
+
 def write_json(
     path: str,
     bench: str,

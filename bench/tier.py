@@ -379,19 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     C.print_table(records, cols)
     targets_met = _targets(records)
-    if targets_met:
-        print("\ntargets:")
-        for t in targets_met:
-            print(
-                f"  [{'met' if t['met'] else 'MISSED'}] {t['target']} ({t['path']}): {t['value']}"
-            )
-    elapsed = time.monotonic() - t_start
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(
-        f"\n{len(records)} records in {elapsed:.1f} s (load average {load} on "
-        f"{os.cpu_count()} CPUs; other jobs skew the figures)",
-        flush=True,
-    )
+    elapsed = C.print_footer(records, targets_met, t_start)
     if args.json:
         C.write_json(
             args.json,
