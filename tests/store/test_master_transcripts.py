@@ -67,7 +67,7 @@ from kvmesh.store.master.commands import (
     encode_command,
 )
 from kvmesh.store.master.eviction import choose_victims
-from kvmesh.store.master.leases import AccessStats, LeaseTable
+from kvmesh.store.master.leases import AccessStamps, LeaseTable
 from kvmesh.store.master.policy import (
     HoldTracker,
     plan_remove,
@@ -95,7 +95,7 @@ class Driver:
         self.index = 0
         self.now = 0.0
         self.leases = LeaseTable()
-        self.stats = AccessStats()
+        self.stats = AccessStamps(self.sm)
         self.holds = HoldTracker(5.0)
         self.last_versions: dict[str, int] = {}
 
@@ -177,13 +177,14 @@ class Driver:
                     remount_quarantine=float(a.get("quarantine", 60.0)),
                 )
             )
+            self.stats = AccessStamps(self.sm)  # the access order lives in sm's table
             return ["ok"]
         if cmd == "tick":
             self.now += float(a["t"])
             return [f"now={self.now:g}"]
         if cmd == "new-leader":
             self.leases = LeaseTable(start=self.now, grace=float(a.get("ttl", 5.0)))
-            self.stats = AccessStats()
+            self.stats = AccessStamps(self.sm)
             self.stats.reset(self.sm.keys())
             self.holds = HoldTracker(5.0)
             return [f"blanket lease until {self.leases.blanket_until:g}"]
