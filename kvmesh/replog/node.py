@@ -18,7 +18,8 @@ One event loop per replica. The driver:
   :meth:`RaftNode.read_index` returns once the local state machine reflects every write
   acknowledged before the call;
 * takes snapshots past ``snapshot_threshold`` entries (shallow copy now, chunks encoded
-  between loop iterations, file written in a thread) and compacts, keeping
+  between loop iterations, each written to the file in a thread while the next one is
+  encoded: the image is never held whole) and compacts, keeping
   ``trailing_logs`` entries for slightly lagging followers;
 * wraps the application's state machine in
   :class:`~kvmesh.replog.session.SessionStateMachine` (exactly-once commands).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import heapq
 import inspect
@@ -1140,6 +1142,34 @@ class RaftNode:
                 return ents[i].index
         return lo - 1
 
+    async def _stream_snapshot(
+        self, begin: Callable[[SnapshotMeta], Any], meta: SnapshotMeta, chunks: Any
+    ) -> tuple[Any, int]:
+        """Encode a chunk per loop iteration (on the loop: the image's copy-on-write works
+        against the applies between them) and write each in a worker thread while the next
+        is encoded: at most two chunks are held, whatever the image's size."""
+        w = await asyncio.to_thread(begin, meta)
+        size = 0
+        pending: asyncio.Future | None = None
+        try:
+            for c in chunks:
+                if pending is not None:
+                    await pending
+                size += len(c)
+                pending = asyncio.ensure_future(asyncio.to_thread(w.write, c))
+                del c
+                await asyncio.sleep(0)
+            if pending is not None:
+                await pending
+                pending = None
+            return await asyncio.to_thread(w.finish), size
+        except BaseException:
+            if pending is not None:
+                with contextlib.suppress(BaseException):
+                    await pending
+            await asyncio.to_thread(w.abort)
+            raise
+
     async def _take_snapshot(self) -> int:
         self._snapshotting = True
         try:
@@ -1153,17 +1183,22 @@ class RaftNode:
             index, conf = path.snapshot_point()
             chunks = self.sm.snapshot_chunks()
             t0 = time.perf_counter()
-            parts = []
-            for c in chunks:
-                parts.append(c)
-                await asyncio.sleep(0)  # encode one chunk per loop iteration
-            size = sum(len(p) for p in parts)
             try:
                 term = storage.term(index)
             except StorageError:
                 return 0  # a snapshot from the leader replaced the log meanwhile
             meta = SnapshotMeta(index, term, conf)
-            staged = await asyncio.to_thread(storage.stage_local_snapshot, meta, parts)
+            begin = getattr(storage, "begin_local_snapshot", None)
+            if begin is not None:
+                staged, size = await self._stream_snapshot(begin, meta, chunks)
+            else:  # the storage keeps the image itself (memory): collect it
+                parts = []
+                for c in chunks:
+                    parts.append(c)
+                    await asyncio.sleep(0)  # encode one chunk per loop iteration
+                size = sum(len(p) for p in parts)
+                staged = await asyncio.to_thread(storage.stage_local_snapshot, meta, parts)
+                del parts
             if self.storage is not storage or not storage.commit_local_snapshot(meta, staged):
                 return 0
             # Deleting an old 60 MB file can take a while: not on the loop.

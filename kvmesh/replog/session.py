@@ -348,7 +348,7 @@ class SessionStateMachine:
         t = _table_dec.decode(table)
         # LRU order is the order of last use (log indices: unique per session).
         sessions = dict(sorted(t.sessions.items(), key=lambda kv: kv[1].last))
-        self.inner.restore(bytes(mv[8 + length :]))
+        self.inner.restore(mv[8 + length :])  # a view: the image is not copied again
         self.sessions, self.limits = sessions, t.limits
         self._holding = {cid: None for cid, s in sessions.items() if s.results}
         self._bytes = {

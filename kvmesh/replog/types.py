@@ -612,7 +612,9 @@ class StateMachine(Protocol):
     * ``apply(index, data)``: apply one committed command; must not read clocks, randomness
       or the environment; the result must be msgpack-encodable (it is cached for duplicate
       commands and sent to clients).
-    * ``snapshot()`` / ``restore(data)``: the whole state as bytes and back.
+    * ``snapshot()`` / ``restore(data)``: the whole state as bytes and back. ``data`` is
+      any bytes-like buffer (``bytes``, a ``bytearray`` read from a file, a ``memoryview``
+      of a larger image): an image of a gigabyte is not copied to make it ``bytes``.
     * ``snapshot_chunks()``: the same image as an iterator of byte strings. The image must be
       captured when the method is called (e.g. a shallow copy) and only *encoded* lazily:
       the driver calls it at one applied index and pulls a chunk per event-loop iteration

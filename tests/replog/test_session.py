@@ -172,7 +172,7 @@ def test_wraps_inner_without_chunked_snapshots():
             return str(self.n).encode()
 
         def restore(self, data):
-            self.n = int(data)
+            self.n = int(bytes(data))
 
     sm = SessionStateMachine(Counter())
     log = Log(sm)

@@ -2,6 +2,7 @@
 
 import os
 
+import crc32c
 import pytest
 
 from kvmesh.replog.kvsm import (
@@ -137,3 +138,64 @@ def test_write_from_parts_without_joining(tmp_path):
     # A zero-length image is valid too.
     p2 = snapfile.write_snapshot(str(tmp_path / "e"), Snapshot(SnapshotMeta(2, 1)), parts=[b""])
     assert snapfile.read_snapshot(p2).data == b""
+
+
+def _write_version_1(path, meta, pieces):
+    """A file as version 1 wrote it: the data length in the header, no end frame."""
+    import msgspec
+
+    total = sum(map(len, pieces))
+    hdr = snapfile.SnapHeader(1, meta.index, meta.term, meta.conf_state, total, 1 << 20)
+    with open(path, "wb") as f:
+        f.write(b"KVMSNAP1" + pack_chunk(msgspec.msgpack.encode(hdr)))
+        for p in pieces:
+            f.write(pack_chunk(p))
+        crc = crc32c.crc32c(b"".join(pieces))
+        f.write(pack_chunk(msgspec.msgpack.encode(snapfile.SnapTrailer(len(pieces), total, crc))))
+
+
+def test_version_1_files_still_read(tmp_path):
+    pieces = [os.urandom(n) for n in (1000, 5, 70_000)]
+    path = str(tmp_path / f"snap-{1234:016x}-{5:016x}.snap")
+    _write_version_1(path, META, pieces)
+    assert snapfile.read_snapshot(path) == Snapshot(META, b"".join(pieces))
+    assert snapfile.read_snapshot_meta(path) == META
+    # ...and a damaged one is still refused
+    with open(path, "r+b") as f:
+        f.seek(-200, os.SEEK_END)
+        f.write(b"\xff")
+    with pytest.raises(SnapshotCorruptionError):
+        snapfile.read_snapshot(path)
+
+
+def test_writer_streams_and_reader_holds_one_copy(tmp_path):
+    """The writer takes the image piece by piece (an iterator: nothing joined, nothing
+    kept), and the reader reads the pieces into one buffer: its memory peak is the image
+    once, not the file plus a joined copy plus ``bytes`` of it (three, before)."""
+    import tracemalloc
+
+    piece = os.urandom(1 << 20)
+    n = 24
+    tracemalloc.start()
+    try:
+        fresh = (bytes(bytearray(piece)) for _ in range(n))  # a new buffer each, like an encoder
+        path = snapfile.write_snapshot(str(tmp_path), Snapshot(META), parts=fresh)
+        _, wpeak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        snap = snapfile.read_snapshot(path)
+        _, rpeak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = n * len(piece)
+    assert len(snap.data) == size and snap.data[: len(piece)] == piece
+    assert wpeak < size / 4, (wpeak, size)
+    assert rpeak < size * 1.25, (rpeak, size)
+
+    # a writer that fails midway leaves no file behind, not even its temp file
+    def boom():
+        yield piece
+        raise RuntimeError("encoder failed")
+
+    with pytest.raises(RuntimeError):
+        snapfile.write_snapshot(str(tmp_path / "x"), Snapshot(SnapshotMeta(9, 1)), parts=boom())
+    assert os.listdir(tmp_path / "x") == []

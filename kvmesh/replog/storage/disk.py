@@ -347,6 +347,11 @@ class DiskStorage(EntryLog, ReadyWriter):
         big join under the GIL)."""
         return snapfile.write_snapshot(self.snap_dir, Snapshot(meta), 1 << 20, parts)
 
+    def begin_local_snapshot(self, meta: SnapshotMeta) -> snapfile.SnapshotWriter:
+        """A local snapshot's file, written piece by piece as the image is encoded (blocking
+        calls: any thread); ``finish()`` returns what :meth:`commit_local_snapshot` takes."""
+        return snapfile.SnapshotWriter(self.snap_dir, meta)
+
     def commit_local_snapshot(self, meta: SnapshotMeta, staged: Any) -> bool:
         """:meth:`commit_snapshot` without keeping the image in memory (it is read back from
         the file only if a follower needs it)."""
