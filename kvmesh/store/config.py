@@ -56,6 +56,10 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # also snapshot after this many keys applied since the last one (a restart after a
     # crash replays at most about that many keys; snapshot_threshold counts entries)
     snapshot_keys: int = 500_000
+    # ...and at least this fraction of the objects the table holds: a snapshot costs time in
+    # proportion to the table, so a big table is not re-imaged every snapshot_keys keys,
+    # and a crash replays at most that fraction of it on top of the restore
+    snapshot_fraction: float = 0.1
     session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
     # live client sessions (a registration beyond it ends the least recently used one) and
     # the bounds on their cached unacknowledged results (kvmesh.replog.session)
@@ -93,6 +97,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         self.leader_config()  # its checks
+        if not self.snapshot_fraction >= 0 or self.snapshot_keys < 0:
+            raise ValueError("snapshot_fraction and snapshot_keys must be >= 0")
         if not 0 < self.prefix_round_keys <= MAX_BATCH_KEYS:
             raise ValueError(f"prefix_round_keys must be in 1..{MAX_BATCH_KEYS}")
         if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
@@ -135,6 +141,8 @@ _FLAG_HELP = {
     "metrics_port": "Prometheus metrics on 127.0.0.1:PORT",
     "snapshot_keys": "snapshot after this many keys applied (bounds the log replayed after a"
     " crash)",
+    "snapshot_fraction": "...and after keys applied of at least this fraction of the objects"
+    " held (a big table is not re-imaged constantly)",
 }
 # Fields with a flag of their own shape (below), or none.
 _SPECIAL = {"node_id", "peers", "addrs", "listen", "data_dir", "tick_s", "session_limits"}

@@ -303,10 +303,15 @@ class MasterService(Server, Admission, Handlers):
             self.counters["evicted"] = ld.evicted_total
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
-        """Start a snapshot (in the background) once ``snapshot_keys`` keys were applied
-        since the last one this replica started: on every replica, leader or not."""
+        """Start a snapshot (in the background) once ``snapshot_keys`` keys, and at least
+        ``snapshot_fraction`` of the objects held, were applied since the last one this
+        replica started: on every replica, leader or not. An image costs time in proportion
+        to the table; scaled so, snapshots take a bounded share of the replica's time at any
+        size, and a crash replays a log of at most that share of the table."""
+        cfg = self.cfg
         done = self.sm.applied_keys
-        if not _durable(self.cfg) or done - self._keys_at_snapshot < self.cfg.snapshot_keys:
+        due = max(cfg.snapshot_keys, int(cfg.snapshot_fraction * self.sm.object_count()))
+        if not _durable(cfg) or done - self._keys_at_snapshot < due:
             return
         if self._snap_task is not None and not self._snap_task.done():
             return
@@ -362,6 +367,8 @@ class MasterService(Server, Admission, Handlers):
                             "durability",
                             "sessions",
                             "session_result_bytes",
+                            "snapshot_index",
+                            "loop_lag_max_s",
                         )
                     }
                 )

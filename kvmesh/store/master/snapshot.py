@@ -10,6 +10,7 @@ formats 1 and 2 (one record per object) still restore.
 
 from __future__ import annotations
 
+import gc
 import struct
 from collections.abc import Iterator
 
@@ -94,7 +95,20 @@ class Snapshots:
     def restore(self, data: bytes) -> None:
         """Replace the whole state with a snapshot image (``SnapshotCorruptionError`` if a
         chunk fails its CRC or the image is incomplete). Images of formats 1 and 2 (one
-        record per object) restore too, into the table in their key order."""
+        record per object) restore too, into the table in their key order. ``data``: any
+        bytes-like buffer (decoded chunk by chunk in place, not copied)."""
+        # Restoring allocates a tuple per row (zip) and lists of millions of keys: each
+        # allocation round would run the cyclic GC over them, doubling the restore time,
+        # and nothing made here is garbage of a cycle.
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            self._restore(data)
+        finally:
+            if was:
+                gc.enable()
+
+    def _restore(self, data: bytes) -> None:
         chunks = iter_chunks(data)
         try:
             first = next(chunks)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import compress
 from typing import Any
 
 import msgspec
@@ -440,10 +439,15 @@ class Table(Mapping[str, Obj]):
             raise ValueError(f"{len(names)} rows, image says {n}")
         self.names = names
         live = n - names.count(None)
-        # live rows only (C-level passes): a None key, even popped again, would leave the
-        # dict in its general mode, slower to probe than a dict of str keys only
-        index = dict(compress(zip(names, range(n)), names))
         size, sid = self.size[:n], self.sid[:n]
+        # Live rows only, in C-level passes (no per-row Python): a None key, even popped
+        # again, would leave the dict in its general mode, slower to probe than a dict of
+        # str keys only. The checks below prove the None names are exactly the free rows,
+        # so the live keys pair with the nonzero sizes in order.
+        if live == n:
+            index = dict(zip(names, range(n)))
+        else:
+            index = dict(zip(filter(None, names), np.flatnonzero(size).tolist()))
         if (
             len(index) != live
             or int(np.count_nonzero(size)) != live
