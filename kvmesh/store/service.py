@@ -443,6 +443,23 @@ async def run_master(cfg: ServiceConfig, sec: SecurityConfig | None = None) -> i
     return 3 if fatal is not None else 0
 
 
+def _big_buffers_mapped() -> None:
+    """Buffers of 256 KiB and more get pages of their own, handed back when freed. glibc
+    raises its mmap threshold to the largest buffer freed so far (up to 32 MiB): after the
+    first snapshot chunk or log entry is freed, every later one comes from the heap, and
+    their holes stay in the process's RSS between the table's objects. Measured at 1 M
+    objects (in process, HiCache-shaped keys, after the load): 519 -> 396 B/object. Only
+    in the master's own process (an embedded master leaves its host's allocator alone);
+    a libc without ``mallopt`` is left as it is."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD: fixed, so no longer raised
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -468,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     # structs, so nothing long-lived is added to the scans; a young collection scans only
     # what is still alive (~0.9 ms measured if all 20,000 were, under load).
     gc.set_threshold(20_000, 10, 10)
+    _big_buffers_mapped()
     try:
         return eventloop.run(run_master(cfg))  # uvloop unless KVMESH_EVENT_LOOP says
     except OSError as e:

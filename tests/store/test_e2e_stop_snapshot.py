@@ -79,3 +79,42 @@ def test_snapshot_after_snapshot_keys_applied(tmp_path) -> None:
         cl.kill(1)
         cl.start(1)
         assert _exists(cl.address, [keys[0], keys[-1]]) == [1, 1]
+
+
+def test_snapshot_cadence_scales_with_the_table(tmp_path) -> None:
+    """Snapshots by keys come every max(snapshot_keys, snapshot_fraction x objects) keys
+    applied: a big table is not re-imaged every snapshot_keys keys."""
+    import asyncio
+
+    from kvmesh.store.config import ServiceConfig
+    from kvmesh.store.service import MasterService
+
+    class Node:
+        taken = 0
+
+        async def snapshot_now(self) -> int:
+            Node.taken += 1
+            return 1
+
+    cfg = ServiceConfig(
+        listen="127.0.0.1:0", data_dir=str(tmp_path), snapshot_keys=100, snapshot_fraction=0.5
+    )
+    svc = MasterService(cfg)
+    sm = svc.sm
+
+    async def keys_applied(n: int) -> int:
+        sm.applied_keys += n
+        svc._snapshot_by_keys(Node())  # type: ignore[arg-type]
+        if svc._snap_task is not None:
+            await svc._snap_task
+        return Node.taken
+
+    async def main() -> None:
+        assert await keys_applied(99) == 0
+        assert await keys_applied(1) == 1  # the floor: 100 keys, a small table
+        rows = [f"k{i}" for i in range(1000)]
+        sm.objects.put_run(rows, [1] * 1000, 1, 0.0, 1, list(range(1000)), 0, 0.0)
+        assert await keys_applied(499) == 1  # 1,000 objects: every 500 keys now
+        assert await keys_applied(1) == 2
+
+    asyncio.run(main())

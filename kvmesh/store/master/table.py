@@ -49,7 +49,7 @@ from .objects import SLICE, Obj, State
 
 __all__ = ["CHUNK_ROWS", "COLUMNS", "Rows", "Table"]
 
-CHUNK_ROWS = 1 << 16
+CHUNK_ROWS = 1 << 14  # ~8 ms of encoding a step (HiCache-shaped keys): the stall bound
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("size", "<i8"),  # 0: a free row
     ("version", "<i8"),
