@@ -202,17 +202,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         f" master RSS {rss / (1 << 20):.1f} MiB"
         + (f" ({rss // n_obj} bytes per object)" if n_obj else "")
     )
+    disk = (ld.get("media") or {}).get("disk") or {}
+    if disk.get("capacity"):
+        dcap = disk["capacity"]
+        print(
+            f"disk tier: {disk.get('used', 0)}/{dcap} bytes used ({disk.get('used', 0) / dcap:.1%})"
+        )
     lv = ld.get("liveness") or {}
     if lv.get("suspect") or lv.get("stalls"):
         print(
             f"liveness: suspect nodes {lv.get('suspect', [])}, {lv.get('stalls', 0)} stalls"
             f" of this leader, {lv.get('expired', 0)} nodes expired"
         )
-    print(f"\n{'segment':<40}{'node':<28}{'size':>14}{'used':>14}{'slices':>8}  state")
+    print(f"\n{'segment':<40}{'node':<28}{'medium':<7}{'size':>14}{'used':>14}{'slices':>8}  state")
     for s in ld["segments"]:
         print(
-            f"{s['name']:<40}{s['node_id']:<28}{s['size']:>14}{s['used']:>14}"
-            f"{s['objects']:>8}  {s['state']}"
+            f"{s['name']:<40}{s['node_id']:<28}{s.get('medium', 'memory'):<7}{s['size']:>14}"
+            f"{s['used']:>14}{s['objects']:>8}  {s['state']}"
         )
     return 0
 

@@ -77,6 +77,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     evict_ratio: float = _LD.evict_ratio
     # new keys of a put beyond max_objects answer NoSpace
     max_objects: int = _LD.max_objects
+    demote_timeout_s: float = _LD.demote_timeout_s  # the disk tier (leader.LeaderConfig)
     # server limits
     max_frame: int = 8 << 20
     max_batch_keys: int = _LD.max_batch_keys

@@ -112,6 +112,7 @@ class Handlers:
             size=req.size,
             now=wall_clock(),
             max_segments=self.cfg.max_segments,
+            medium=req.medium,
         )
         code = _code_of(await self._propose(node, req.session, cmd))
         if code == 0:
@@ -131,9 +132,31 @@ class Handlers:
     async def _heartbeat_req(self, node: RaftNode, req: P.HeartbeatReq) -> P.CodesResp:
         return self._heartbeat(node, req)
 
-    def _heartbeat(self, node: RaftNode, req: P.HeartbeatReq) -> P.CodesResp:
+    def _heartbeat(self, node: RaftNode, req: P.HeartbeatReq) -> Any:
         known = self.leader.heartbeat(req.node_id, time.monotonic())
-        return P.CodesResp(req.rid, [0 if known else E.NodeNotFound.code])
+        codes = [0 if known else E.NodeNotFound.code]
+        if req.work > 0 and known:
+            limit = min(req.work, self.cfg.max_batch_keys)
+            return P.DemoteTasksResp(req.rid, codes, self.leader.demote_tasks(req.node_id, limit))
+        return P.CodesResp(req.rid, codes)
+
+    async def _report_corrupt(self, node: RaftNode, req: P.ReportCorruptReq) -> P.CodesResp:
+        if len(req.crcs) != len(req.keys):
+            raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
+        cmd = self.leader.plan_drop_corrupt(req.keys, req.crcs)
+        if not cmd.keys:
+            return P.CodesResp(req.rid, [E.ObjectNotFound.code] * len(req.keys))
+        res = await self._propose(node, req.session, cmd)
+        got = dict(zip(cmd.keys, res.codes))
+        nf = E.ObjectNotFound.code
+        return P.CodesResp(req.rid, [int(got.get(k, nf)) for k in req.keys])
+
+    async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> P.CodesResp:
+        if len(req.crcs) != len(req.keys):
+            raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
+        cmd = C.DemoteEnd(req.node_id, req.keys, req.versions, req.crcs)
+        res = await self._propose(node, req.session, cmd)
+        return P.CodesResp(req.rid, [int(c) for c in res.codes])
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
         return (await self._propose_echo(node, sess, Echoed(C.encode_command(cmd)))).result
@@ -195,7 +218,9 @@ class Handlers:
             sizes = [z if c == 0 else 0 for c, z in zip(codes, sizes)]
         if req.table:
             rows = t.rows.astype("<i8", copy=False).tobytes()
-            return P.ReplicaTableResp(req.rid, codes, sizes, t.segments, rows, int(ttl * 1000))
+            return P.ReplicaTableResp(
+                req.rid, codes, sizes, t.segments, rows, int(ttl * 1000), t.crcs
+            )
         return P.ReplicasResp(req.rid, codes, sizes, replica_lists(t), int(ttl * 1000))
 
     async def _put_start(self, node: RaftNode, req: P.PutStartReq) -> P.PutStartResp:
@@ -475,4 +500,6 @@ HANDLERS: dict[type, Callable[[Any, RaftNode, Any, str], Awaitable[Any]]] = {
     P.RemovePrefixReq: lambda s, n, r, p: s._remove_prefix(n, r),
     P.MountReq: lambda s, n, r, p: s._mount(n, r, p),
     P.UnmountReq: lambda s, n, r, p: s._unmount(n, r),
+    P.DemoteEndReq: lambda s, n, r, p: s._demote_end(n, r),
+    P.ReportCorruptReq: lambda s, n, r, p: s._report_corrupt(n, r),
 }

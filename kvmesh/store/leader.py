@@ -21,8 +21,8 @@ out). What it holds is not replicated: a new leader builds it from scratch
 * **What each tick proposes** (:meth:`Leader.tick`), in order: :meth:`Leader.expiry` (ExpireNodes),
   :meth:`Leader.reclaim` (PutRevoke of stale puts judged on the monotonic clock, Reclaim to
   finish drains), :meth:`Leader.release` (Release of held bytes whose leases are over),
-  :meth:`Leader.eviction` (Evict above the watermark or the object cap), then
-  :meth:`Leader.purge`.
+  :meth:`Leader.eviction` (Evict above the watermark or the object cap; with disk segments
+  :meth:`Leader.tiering`: demotion to disk first), then :meth:`Leader.purge`.
 * **Request planning** under the lease rules (:mod:`~.master.policy`): removes, removes by
   prefix, remove-all, upserts; the writer of each put this leader answered.
 
@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from .errors import Code
 from .master import commands as C
 from .master.eviction import EVICT_RATIO, HIGH_WATERMARK, choose_victims
 from .master.leases import DEFAULT_LEASE_TTL, DEFAULT_NODE_TTL, AccessStamps, LeaseTable, TermStart
 from .master.liveness import LivenessJudge, Verdict, default_max_gap, node_capacity
+from .master.objects import TIER_DISK
 from .master.policy import (
     HoldTracker,
     PutAges,
@@ -84,10 +86,14 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # high_watermark of it as for bytes
     max_objects: int = 0
     max_batch_keys: int = 8192  # puts one PutRevoke names at most
+    # the disk tier: a demotion its node has not ended within this is revoked
+    demote_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
+        if self.demote_timeout_s <= 0:
+            raise ValueError("demote_timeout_s must be positive")
         if self.max_objects < 0:
             raise ValueError("max_objects must not be negative (0: no cap)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
@@ -119,6 +125,9 @@ class Leader:
         self.stats = AccessStamps(sm)
         self.holds = HoldTracker(cfg.lease_ttl_s)
         self.put_ages = PutAges()
+        self.demote_ages = PutAges()  # demotions in flight, as puts (the disk tier)
+        self.demoted_total = 0  # objects whose memory copy this leader freed after demotion
+        self._disk_full_until = float("-inf")
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         self.suspects: list[str] = []
         self.verdict = Verdict()
@@ -170,6 +179,7 @@ class Leader:
         # Holds noted by an earlier leadership are judged by the blanket period instead.
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now
+        self.demote_ages = PutAges()
         self.removing_all = 0
         self._last_reclaim = float("-inf")
         self._writers.clear()
@@ -332,9 +342,12 @@ class Leader:
         rel = self.release(now)
         if rel is not None:
             yield rel, lambda r: self.released(rel, r)
-        ev = self.eviction(now, wall) if evict else None
-        if ev is not None:
-            yield ev, lambda r: self.evicted(ev, r)
+        if evict and self.sm.has_disk():
+            yield from self.tiering(now, wall)
+        else:
+            ev = self.eviction(now, wall) if evict else None
+            if ev is not None:
+                yield ev, lambda r: self.evicted(ev, r)
         self.purge(now)
 
     def reclaim(self, now: float, wall: float) -> list[Any]:
@@ -401,12 +414,117 @@ class Leader:
         self.leases.block(plan.keys)
         return C.Evict(keys=plan.keys, versions=plan.versions, now=wall, allow_soft=plan.allow_soft)
 
-    def evicted(self, cmd: C.Evict, result: Any) -> list[str]:
-        """The Evict entry applied (``result``) or failed (None): the keys it freed."""
+    def evictions(
+        self, now: float, wall: float, need: int = 0, objects: int = 0
+    ) -> list[C.Evict | C.DropReplica]:
+        """:meth:`eviction` for a put that found no room, with the disk tier: the victims
+        whose disk copy is COMPLETE lose only their memory copy (``DropReplica``), the rest
+        are evicted; each command's victims blocked until :meth:`evicted`."""
+        sm = self.sm
+        if not sm.has_disk():
+            ev = self.eviction(now, wall, need, objects)
+            return [] if ev is None else [ev]
+        cfg = self.cfg
+        plan = choose_victims(
+            sm, self.leases, self.stats, now, cfg.high_watermark, cfg.evict_ratio,
+            need=need, objects=max(objects, self.object_excess()), medium="memory",
+        )  # fmt: skip
+        drop, rest = self._split(plan.keys, plan.versions)
+        out: list[C.Evict | C.DropReplica] = []
+        if drop:
+            self.leases.block(drop[0])
+            out.append(C.DropReplica(*drop))
+        if rest:
+            self.leases.block(rest[0])
+            out.append(C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft))
+        return out
+
+    def _split(
+        self, keys: list[str], versions: list[int]
+    ) -> tuple[tuple[list[str], list[int]] | None, tuple[list[str], list[int]] | None]:
+        """Victims with a COMPLETE disk copy, and the others (None: none)."""
+        tier = self.sm.tier_of
+        d = [(k, v) for k, v in zip(keys, versions) if tier(k) == TIER_DISK]
+        r = [(k, v) for k, v in zip(keys, versions) if tier(k) != TIER_DISK]
+        return (
+            ([k for k, _ in d], [v for _, v in d]) if d else None,
+            ([k for k, _ in r], [v for _, v in r]) if r else None,
+        )
+
+    def tiering(self, now: float, wall: float) -> Iterator[tuple[Any, Callable[[Any], Any] | None]]:
+        """The tick's eviction step when disk segments are mounted (docs/store.md, "Disk
+        tier"), as ``(command, done)`` pairs like :meth:`tick`: revoke demotions their node
+        did not end within ``demote_timeout_s``; evict disk-only objects above the disk's
+        watermark; above memory's, victims with a COMPLETE disk copy lose their memory copy
+        (``DropReplica``), the others get a disk copy (``DemoteStart``, one batch in flight at
+        a time) -- or are evicted when the disk has no room, or for the object cap."""
+        sm, cfg = self.sm, self.cfg
+        stale = self.demote_ages.stale(sm.demoting(), now, cfg.demote_timeout_s, cfg.max_batch_keys)
+        if stale:
+            yield C.DemoteRevoke([k for k, _ in stale], [v for _, v in stale]), None
+        hw, ratio = cfg.high_watermark, cfg.evict_ratio
+        dplan = choose_victims(sm, self.leases, self.stats, now, hw, ratio, medium="disk")
+        if dplan.keys:
+            self.leases.block(dplan.keys)
+            dev = C.Evict(dplan.keys, dplan.versions, now=wall, allow_soft=dplan.allow_soft)
+            yield dev, lambda r: self.evicted(dev, r)
+        excess = self.object_excess()
+        plan = choose_victims(
+            sm, self.leases, self.stats, now, hw, ratio, objects=excess, medium="memory"
+        )
+        if not plan.keys:
+            return
+        drop, rest = self._split(plan.keys, plan.versions)
+        if drop:
+            self.leases.block(drop[0])
+            dr = C.DropReplica(*drop)
+            yield dr, lambda r: self.evicted(dr, r)
+        if rest is None or (sm.demoting() and not excess):
+            return  # a demotion batch in flight: its node ends it, then its memory goes
+        if excess or now < self._disk_full_until or sm.disk_free() <= 0:
+            self.leases.block(rest[0])
+            ev = C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
+            yield ev, lambda r: self.evicted(ev, r)
+            return
+        ds = C.DemoteStart(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
+        yield ds, lambda r: self._demote_started(ds, r, now)
+
+    def _demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
+        self.demote_ages.stale(self.sm.demoting(), now, NEVER)  # their timeout runs from now
+        if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes:
+            # the disk is full (or too fragmented) for some: evict until a turn later
+            self._disk_full_until = now + 2 * self.cfg.ticker_s
+
+    def plan_drop_corrupt(self, keys: list[str], crcs: list[int]) -> C.DropReplica:
+        """The DropReplica of the disk copies a reader found corrupt: those that still
+        record the crc it checked against (a copy written since is not blamed). No lease
+        rule: a reader of those bytes fails its own check the same way."""
+        sm = self.sm
+        objs = sm.objects
+        ks, vs = [], []
+        for k, c in zip(keys, crcs):
+            r = objs.index.get(k)
+            if r is not None and objs.tier.item(r) == TIER_DISK and objs.crc.item(r) == c:
+                ks.append(k)
+                vs.append(objs.version.item(r))
+        return C.DropReplica(ks, vs, medium="disk")
+
+    def demote_tasks(self, node_id: str, limit: int) -> list[Any]:
+        """The demotions a heartbeat of ``node_id`` asking for work is answered with."""
+        return self.sm.demote_tasks(node_id, limit)
+
+    def evicted(self, cmd: C.Evict | C.DropReplica, result: Any) -> list[str]:
+        """The Evict (or DropReplica) entry applied (``result``) or failed (None): the keys
+        it freed (a DropReplica's keys stay, on their other medium)."""
         self.leases.unblock(cmd.keys)
         if result is None:
             return []
         gone = [k for k, c in zip(cmd.keys, result.codes) if c == 0]
+        if type(cmd) is C.DropReplica and cmd.medium == "memory":
+            self.demoted_total += len(gone)
+            return gone
+        if type(cmd) is C.DropReplica:
+            gone = [k for k in gone if k not in self.sm.objects]
         self.stats.forget(gone)
         self.evicted_total += len(gone)
         return gone

@@ -60,12 +60,14 @@ class _StateCollector:
             "1 if this replica leads",
             value=1 if st.get("role") == "LEADER" else 0,
         )
-        yield g(
-            "kvmesh_store_capacity_bytes",
-            "bytes of all mounted segments",
-            value=usage.get("capacity", 0),
-        )
-        yield g("kvmesh_store_used_bytes", "allocated bytes", value=usage.get("used", 0))
+        media = st.get("media") or {"memory": usage}
+        cap = g("kvmesh_store_capacity_bytes", "bytes of mounted segments", labels=["medium"])
+        used = g("kvmesh_store_used_bytes", "allocated bytes", labels=["medium"])
+        for m, u in media.items():
+            cap.add_metric([m], u.get("capacity", 0))
+            used.add_metric([m], u.get("used", 0))
+        yield cap
+        yield used
         yield g(
             "kvmesh_store_held_bytes",
             "bytes held for leases by forced removes",

@@ -13,9 +13,10 @@ readers holding leases finish, then frees it.
 With ``disk``/``disk_size`` the node also registers a disk segment (a file or a directory on a
 local filesystem, ``kvmesh/transfer/disk.py``) on its engine, published as
 ``<segment>.disk``, before it mounts anything: a path that is not writable, in use, or on a
-filesystem too small stops the node at start with the reason. The master does not place
-replicas on it yet (docs/store.md, "Disk tier"): for now it is reachable by segment name
-only. Its files outlive the node, and a node restarted on the same path finds their bytes.
+filesystem too small stops the node at start with the reason. It is mounted at the master
+with medium ``disk``: puts are never placed there, the master's demotions are (docs/store.md,
+"Disk tier"). Its files outlive the node, and a node restarted on the same path finds their
+bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from ..net import speaks_for_node
-from ..transfer import DiskSegment, MemoryRegion, TransferEngine, get_engine
+from ..transfer import DiskSegment, MemoryRegion, Op, TransferEngine, get_engine
+from ..transfer.disk import checksums
 from . import errors as E
 from . import protocol as P
 from .rpc import MasterClient
@@ -34,6 +38,9 @@ from .rpc import MasterClient
 __all__ = ["StorageNode"]
 
 log = logging.getLogger(__name__)
+
+DEMOTE_BATCH = 1024  # demotions one heartbeat asks for
+STAGE_BYTES = 64 << 20  # bytes one demotion batch stages (a larger object alone)
 
 
 class StorageNode:
@@ -90,6 +97,8 @@ class StorageNode:
         self._thread: threading.Thread | None = None
         self.mounts = 0
         self.heartbeats = 0
+        self.demoted = 0  # objects this node demoted (DemoteEnd accepted)
+        self._stage: MemoryRegion | None = None
 
     def start(self) -> StorageNode:
         if self.disk_path is not None:
@@ -116,21 +125,34 @@ class StorageNode:
         return self
 
     def _mount(self) -> None:
+        self._mount_one(self.segment, self.size, "memory")
+        self.mounts += 1
+        if self.disk is not None:
+            try:
+                self._mount_one(self.disk_segment, self.disk.size, "disk")
+            except E.StoreError as e:
+                if self.mounts == 1:
+                    raise
+                # a remount after an expiry: the master quarantines the dropped name for a
+                # while; the node serves memory meanwhile (re-adoption: docs/store.md)
+                log.warning("store node %s: disk segment not mounted again: %s", self.node_id, e)
+
+    def _mount_one(self, name: str, size: int, medium: str) -> None:
         resp = self.master.mutate(
             lambda rid, s: P.MountReq(
                 rid,
                 s,
                 self.node_id,
-                self.segment,
+                name,
                 self.engine.address,
                 self.engine.host_id,
-                self.size,
+                size,
+                medium,
             )
         )
         code = _one_code(resp)
         if code != 0:
-            raise E.error_for(code, f"mounting segment {self.segment!r} failed")
-        self.mounts += 1
+            raise E.error_for(code, f"mounting segment {name!r} failed")
 
     def _remount(self) -> None:
         """The master expired us (its copies in our memory are gone). Mount again under a
@@ -146,12 +168,21 @@ class StorageNode:
         self._mount()
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        again = False  # the last reply was a full batch of demotions: ask again at once
+        while again or not self._stop.wait(self.heartbeat_s):
+            again = False
+            if self._stop.is_set():
+                return
             try:
+                work = DEMOTE_BATCH if self.disk is not None else 0
                 resp = self.master.call(
-                    lambda rid: P.HeartbeatReq(rid, self.node_id), timeout=self.heartbeat_s * 2
+                    lambda rid, work=work: P.HeartbeatReq(rid, self.node_id, work),
+                    timeout=self.heartbeat_s * 2,
                 )
                 self.heartbeats += 1
+                if type(resp) is P.DemoteTasksResp and resp.tasks and resp.codes == [0]:
+                    self._demote(resp.tasks)
+                    again = len(resp.tasks) >= work
                 if _one_code(resp) != 0 and not self._stop.is_set():
                     log.warning(
                         "store node %s: the master forgot this node; mounting again", self.node_id
@@ -161,6 +192,64 @@ class StorageNode:
                 log.warning("store node %s: heartbeat failed: %s", self.node_id, e)
             except Exception:
                 log.exception("store node %s: heartbeat failed", self.node_id)
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def _demote(self, tasks: list[Any]) -> None:
+        """Copy the demotions the master gave us (docs/store.md, "Disk tier"): each object's
+        memory copy into our disk segment through a staging buffer, fdatasync, then
+        ``DemoteEnd`` with the crc32c of the bytes written. Only that entry makes the disk
+        copy COMPLETE; a batch that fails is left to the master's demotion timeout."""
+        eng = self.engine
+        i = 0
+        while i < len(tasks) and not self._stop.is_set():
+            batch, total = [], 0
+            while i < len(tasks) and (not batch or total + tasks[i].size <= STAGE_BYTES):
+                batch.append(tasks[i])
+                total += tasks[i].size
+                i += 1
+            try:
+                crcs = self._demote_batch(eng, batch, total)
+                resp = self.master.mutate(
+                    lambda rid, s, b=batch, c=crcs: P.DemoteEndReq(
+                        rid, s, self.node_id, [t.key for t in b], [t.version for t in b], c
+                    )
+                )
+                if type(resp) is P.CodesResp:
+                    self.demoted += resp.codes.count(0)
+            except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
+                log.warning(
+                    "store node %s: demotion of %d objects failed: %r", self.node_id, len(batch), e
+                )
+
+    def _demote_batch(self, eng: TransferEngine, batch: list[Any], total: int) -> list[int]:
+        if self._stage is None or self._stage.size < total:
+            if self._stage is not None:
+                eng.unregister(self._stage)
+            self._stage = eng.register(np.zeros(max(total, min(STAGE_BYTES, 1 << 20)), np.uint8))
+        stage = self._stage
+        at = 0
+        starts = []
+        reads: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        writes: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        for t in batch:
+            starts.append(at)
+            for plan, rep in ((reads, t.src), (writes, t.dst)):
+                pos = at
+                for d in rep.slices:
+                    plan.setdefault((d.endpoint, d.segment), []).append((pos, d.offset, d.length))
+                    pos += d.length
+            at += t.size
+        for plan, op in ((reads, Op.READ), (writes, Op.WRITE)):
+            for (ep, name), reqs in plan.items():
+                if op is Op.WRITE and name != self.disk_segment:
+                    raise ValueError(f"a demotion into {name!r}, not this node's disk")
+                rs = eng.open_segment(ep, name)
+                lo, ro, ln = (list(x) for x in zip(*reqs))
+                eng.transfer(op, stage, lo, rs, ro, ln)
+        eng.sync_segment(eng.open_segment(eng.address, self.disk_segment))
+        sums = checksums(stage.array(), starts, [t.size for t in batch])
+        return [int(x) for x in sums.tolist()]
 
     def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
         """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
@@ -194,6 +283,12 @@ class StorageNode:
 
     def _close_disk(self) -> None:
         """Unregister the disk segment (its files stay: a restart on the path finds them)."""
+        stage, self._stage = self._stage, None
+        if stage is not None:
+            try:
+                self.engine.unregister(stage)
+            except Exception:
+                log.debug("store node %s: staging unregister failed", self.node_id, exc_info=True)
         seg, self.disk = self.disk, None
         if seg is None:
             return
@@ -204,7 +299,7 @@ class StorageNode:
 
 
 def _one_code(resp: Any) -> int:
-    if type(resp) is P.CodesResp:
+    if type(resp) in (P.CodesResp, P.DemoteTasksResp):
         return int(resp.codes[0]) if resp.codes else 0
     if type(resp) is P.ErrorResp:
         return int(resp.code)

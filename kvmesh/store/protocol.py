@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from .errors import Code
-from .types import ObjectReplica, ReplicaRun, ReplicateConfig
+from .types import DemoteTask, ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "MUTATING",
@@ -33,6 +33,8 @@ __all__ = [
     "SERVICE",
     "CodesResp",
     "CountResp",
+    "DemoteEndReq",
+    "DemoteTasksResp",
     "ErrorResp",
     "ExistsPartsReq",
     "ExistsReq",
@@ -49,6 +51,7 @@ __all__ = [
     "RegisterResp",
     "RemoveAllReq",
     "RemovePrefixReq",
+    "ReportCorruptReq",
     "RemovePrefixResp",
     "RemoveReq",
     "ReplicaTableResp",
@@ -206,6 +209,7 @@ class MountReq(msgspec.Struct, tag="mount", array_like=True, frozen=True):
     endpoint: str
     host_id: str
     size: int
+    medium: str = "memory"  # "disk": a disk segment (docs/store.md, "Disk tier")
 
 
 class UnmountReq(msgspec.Struct, tag="unmount", array_like=True, frozen=True):
@@ -225,6 +229,32 @@ class HeartbeatReq(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True
 
     rid: int
     node_id: str
+    # a node with a disk segment asks for up to this many demotions to do (the disk tier):
+    # the reply is then a DemoteTasksResp
+    work: int = 0
+
+
+class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=True):
+    """Storage node ``node_id`` wrote and fdatasync-ed the disk copies of ``keys`` (the
+    tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    node_id: str
+    keys: list[str]
+    versions: list[int]
+    crcs: list[int]
+
+
+class ReportCorruptReq(msgspec.Struct, tag="report_corrupt", array_like=True, frozen=True):
+    """A reader found that the bytes of ``keys[i]`` fail ``crcs[i]``, the crc32c recorded for
+    its disk copy: the master drops that disk copy (if it still records that crc), the
+    object with it when it was its last copy. :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    crcs: list[int]
 
 
 class StatusReq(msgspec.Struct, tag="status", array_like=True, frozen=True):
@@ -249,6 +279,8 @@ Request = (
     | HeartbeatReq
     | StatusReq
     | RemovePrefixReq
+    | DemoteEndReq
+    | ReportCorruptReq
 )
 
 MUTATING = (
@@ -260,6 +292,8 @@ MUTATING = (
     MountReq,
     UnmountReq,
     RemovePrefixReq,
+    DemoteEndReq,
+    ReportCorruptReq,
 )
 """Requests that become a log entry (and so carry a :class:`Session`)."""
 
@@ -328,6 +362,18 @@ class ReplicaTableResp(msgspec.Struct, tag="replica_table", array_like=True, fro
     segments: list[tuple[str, str, str]]
     rows: bytes
     lease_ms: int
+    # per key the crc32c of its COMPLETE disk copy, -1 for none (empty: no key has one);
+    # a reader checks the bytes it got against it (the disk tier)
+    crcs: list[int] = []
+
+
+class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, frozen=True):
+    """The reply to a :class:`HeartbeatReq` with ``work``: its code (as CodesResp's) and
+    the demotions the node is to do."""
+
+    rid: int
+    codes: list[int]
+    tasks: list[DemoteTask] = []
 
 
 class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):
@@ -387,6 +433,7 @@ Response = (
     | Redirect
     | ErrorResp
     | RemovePrefixResp
+    | DemoteTasksResp
 )
 
 _enc = msgspec.msgpack.Encoder()

@@ -301,6 +301,7 @@ class MasterService(Server, Admission, Handlers):
                 log.info("store master: storage nodes %s are suspect (no heartbeat)", ld.suspects)
             self.counters["nodes_expired"] = ld.expired_total
             self.counters["evicted"] = ld.evicted_total
+            self.counters["demoted"] = ld.demoted_total
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
         """Start a snapshot (in the background) once ``snapshot_keys`` keys, and at least
@@ -330,16 +331,16 @@ class MasterService(Server, Admission, Handlers):
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
-        cmd = self.leader.eviction(mono, wall_clock(), need, objects)
-        if cmd is None:
-            return 0
-        res = None
-        try:
-            res = await self._propose_plain(cmd)
-        finally:
-            self.leader.evicted(cmd, res)
-            self.counters["evicted"] = self.leader.evicted_total
-        return int(res.freed)
+        freed = 0
+        for cmd in self.leader.evictions(mono, wall_clock(), need, objects):
+            res = None
+            try:
+                res = await self._propose_plain(cmd)
+            finally:
+                self.leader.evicted(cmd, res)
+                self.counters["evicted"] = self.leader.evicted_total
+            freed += int(res.freed)
+        return freed
 
     async def _propose_plain(self, cmd: Any) -> Any:
         assert self.node is not None
@@ -377,7 +378,8 @@ class MasterService(Server, Admission, Handlers):
             str(k): v for k, v in (self.cfg.addrs or {self.cfg.node_id: self.address}).items()
         }
         st["segments"] = [msgspec.to_builtins(s) for s in self.sm.segments()]
-        st["usage"] = msgspec.to_builtins(self.sm.usage())
+        st["usage"] = msgspec.to_builtins(self.sm.usage())  # memory (puts, eviction)
+        st["media"] = {m: msgspec.to_builtins(self.sm.usage(m)) for m in ("memory", "disk")}
         st["objects"] = n_obj = self.sm.object_count()
         st["rss_bytes"] = rss = _rss_bytes()
         st["rss_per_object"] = rss // n_obj if n_obj else 0

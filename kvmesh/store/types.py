@@ -33,6 +33,7 @@ __all__ = [
     "MAX_OBJECT_SIZE",
     "MAX_REPLICAS",
     "MAX_SLICES_PER_BATCH",
+    "DemoteTask",
     "ObjectLookup",
     "ObjectReplica",
     "ReplicaDesc",
@@ -83,6 +84,18 @@ class ObjectReplica(msgspec.Struct, array_like=True, frozen=True):
     """One full copy of an object: its slices in byte order (lengths sum to the size)."""
 
     slices: list[ReplicaDesc]
+
+
+class DemoteTask(msgspec.Struct, array_like=True, frozen=True):
+    """One object for a storage node to copy to its disk (the disk tier, docs/store.md):
+    from ``src`` (a COMPLETE memory copy) into ``dst`` (its PROCESSING disk copy, on this
+    node's disk segment), then end it with the crc32c of the ``size`` bytes it wrote."""
+
+    key: str
+    version: int
+    size: int
+    src: ObjectReplica
+    dst: ObjectReplica
 
 
 class ReplicaRun(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -182,6 +195,7 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     state: str = "mounted"
     generation: int = 0
     drain_deadline: float = 0.0
+    medium: str = "memory"  # or "disk" (docs/store.md, "Disk tier")
 
 
 class ObjectLookup(msgspec.Struct, array_like=True, frozen=True):
@@ -211,6 +225,8 @@ class LookupTable(NamedTuple):
     versions: list[int]
     segments: list[tuple[str, str, str]]
     rows: Any
+    # per key the crc32c of its COMPLETE disk copy (-1: none); empty when no key has one
+    crcs: list[int] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
 
 
 def replica_lists(t: LookupTable) -> list[list[ObjectReplica] | None]:

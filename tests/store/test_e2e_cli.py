@@ -121,7 +121,8 @@ def test_master_and_node_commands(tmp_path):
             'kvmesh_store_requests_total{outcome="ok",type="PutStartReq"} 1.0',
             "kvmesh_store_objects 2.0",
             "kvmesh_store_is_leader 1.0",
-            "kvmesh_store_capacity_bytes 1.6777216e+07",
+            'kvmesh_store_capacity_bytes{medium="memory"} 1.6777216e+07',
+            'kvmesh_store_capacity_bytes{medium="disk"} 0.0',
         ]
         # The metrics view refreshes on the master's ticker: poll until it shows the puts
         # (a fixed 0.6 s sleep can end before the next refresh on a loaded machine).

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...transfer import MemoryRegion, Op
+from ...transfer.disk import checksum as _crc32c
 from .. import errors as E
 from .. import protocol as P
 from ..types import (
@@ -47,11 +48,12 @@ class Reads:
                 c, z, rows = check_table(resp, n)
             except E.StoreError as err:
                 return _Looked([err.code] * n, [0] * n, NO_ROWS, [], float("inf"))
-            return _Looked(c, z, rows, resp.segments, t0 + resp.lease_ms / 1000.0)
+            return _Looked(c, z, rows, resp.segments, t0 + resp.lease_ms / 1000.0, resp.crcs)
         codes = np.zeros(n, np.int64)
         sizes = np.zeros(n, np.int64)
         parts: list[np.ndarray] = []
         segs: list[tuple[str, str, str]] = []
+        crcs: list[int] = []  # per key once some part has a disk copy (the disk tier)
         deadline = float("inf")
         host = self.engine.host_id
         for rng in rpc_parts(keys):
@@ -68,6 +70,9 @@ class Reads:
                 codes[start:end] = err.code
                 continue
             deadline = min(deadline, t0 + resp.lease_ms / 1000.0)
+            if resp.crcs or crcs:
+                crcs += [-1] * (start - len(crcs))
+                crcs += list(resp.crcs) if len(resp.crcs) == len(part) else [-1] * len(part)
             codes[start:end] = c
             sizes[start:end] = z
             if len(rows):
@@ -76,7 +81,9 @@ class Reads:
                 parts.append(rows)
             segs += resp.segments
         rows = np.concatenate(parts) if parts else NO_ROWS
-        return _Looked(codes, sizes, rows, segs, deadline)
+        if crcs:
+            crcs += [-1] * (n - len(crcs))
+        return _Looked(codes, sizes, rows, segs, deadline, crcs)
 
     def _ranks(self, rows: np.ndarray, segs: list[tuple[str, str, str]]) -> np.ndarray:
         """Per row the attempt in which its copy is read: the master's order (copies on this
@@ -126,10 +133,82 @@ class Reads:
         looked: _Looked,
         out: list[Any],
     ) -> BatchResults:
+        """:meth:`_read_copies`, then the disk tier's check: a key whose object has a disk
+        copy (``looked.crcs``) is answered only if the bytes that landed have its crc32c --
+        whichever copy served them, as every copy holds the same bytes. A mismatch is a
+        per-key ``InvalidRead`` (never wrong bytes reported as read), and the master is told
+        (:meth:`_report_corrupt`) so that the bad disk copy is dropped."""
+        res = self._read_copies(keys, idx, bufs, caps, looked, out)
+        if looked.crcs:
+            out[:] = res
+            if self._check_crcs(keys, idx, bufs, looked, out):
+                return BatchResults(out, res.transports)
+        return res
+
+    def _check_crcs(
+        self, keys: list[Any], idx: list[int], bufs: Any, looked: _Looked, out: list[Any]
+    ) -> bool:
+        """Per key with a recorded crc that was read: check it (mismatches replace the
+        key's result in ``out``); True if any failed."""
+        bad: list[tuple[str, int]] = []
+        for j, want in enumerate(looked.crcs):
+            if want < 0 or j >= len(idx):
+                continue
+            i = idx[j]
+            got = out[i]
+            if type(got) is not int:
+                continue  # not read: nothing to check
+            if isinstance(bufs, Places):
+                region, at = bufs.at(i)
+                parts = [(region, at, got)]
+            elif isinstance(bufs, Pieces):
+                parts = bufs.at(i)
+            else:
+                b = bufs[i]
+                parts = [(b[0], b[1], got)] if type(b) is tuple else list(b)
+            crc, left = 0, got
+            for region, at, ln in parts:
+                if left <= 0:
+                    break
+                ln = min(ln, left)
+                if not region.is_host:
+                    crc = None  # device memory: no host view to check here (docs/store.md)
+                    break
+                crc = _crc32c(region.array()[at : at + ln], crc)
+                left -= ln
+            if crc is not None and crc != want:
+                out[i] = E.InvalidRead(
+                    f"{keys[i]!r}: the bytes read fail the checksum of its disk copy "
+                    f"(crc32c {crc:#010x}, recorded {want:#010x}); the copy is dropped"
+                )
+                bad.append((keys[i], want))
+        if bad:
+            self.checksum_mismatches = getattr(self, "checksum_mismatches", 0) + len(bad)
+            self._report_corrupt(bad)
+        return bool(bad)
+
+    def _report_corrupt(self, bad: list[tuple[str, int]]) -> None:
+        """Tell the master which disk copies (key, recorded crc) failed their checksum."""
+        try:
+            self.rpc.mutate(
+                lambda rid, s: P.ReportCorruptReq(rid, s, [k for k, _ in bad], [c for _, c in bad])
+            )
+        except E.StoreError:
+            pass  # the next reader reports it again
+
+    def _read_copies(
+        self,
+        keys: list[Any],
+        idx: list[int],
+        bufs: Any,
+        caps: Any,
+        looked: _Looked,
+        out: list[Any],
+    ) -> BatchResults:
         """READ the looked-up objects ``keys[idx[j]]`` into their buffers: ``bufs`` is a
         :class:`Places` (offsets per key of ``keys``) or per key ``(region, offset)``
         or a list of ``(region, offset, length)`` pieces; ``caps``: capacities per key."""
-        _, _, rows, segs, lease_deadline = looked
+        rows, segs, lease_deadline = looked.rows, looked.segs, looked.lease_deadline
         m = len(idx)
         if isinstance(bufs, Pieces):
             if m == len(keys):
@@ -575,3 +654,4 @@ class _Looked(NamedTuple):
     rows: np.ndarray
     segs: list[tuple[str, str, str]]
     lease_deadline: float
+    crcs: Any = ()  # per key its disk copy's crc32c, -1: none (empty: no key has one)

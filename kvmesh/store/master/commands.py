@@ -10,7 +10,7 @@ strategy is seeded from the entry's log index.
 Commands (effect per key unless noted) and their results:
 
 * ``Mount``: add a segment of ``size`` bytes owned by ``node_id`` (``NoSpace`` past
-  ``max_segments``). ``Codes`` (one code).
+  ``max_segments``), of ``medium`` memory or disk. ``Codes`` (one code).
 * ``Unmount``: ``grace=0`` drops the segment and every copy in it now; ``grace>0`` stops
   allocating in it and keeps its copies readable until ``now+grace``, then a later
   ``Reclaim`` drops it. ``ExpireResult`` (one code, the keys lost).
@@ -30,6 +30,8 @@ Commands (effect per key unless noted) and their results:
 * ``Evict``: free the victims the leader chose, re-checking each. ``EvictResult``.
 * ``Pin`` / ``Unpin``: set / clear soft (TTL) or hard pins. ``Codes``.
 * ``Release``: free the bytes held under these tags (log indices). ``Codes`` (per tag).
+* ``DemoteStart`` / ``DemoteEnd`` / ``DemoteRevoke`` / ``DropReplica``: the disk tier
+  (``tiers.py``; their docstrings below).
 * ``RemovePrefix``: remove the listed COMPLETE keys that start with ``prefix`` (the leader
   found them with a bounded scan and applied the lease rules of ``Remove``).
   ``RemovePrefixResult``.
@@ -55,6 +57,10 @@ __all__ = [
     "COMMAND_TYPES",
     "Codes",
     "Command",
+    "DemoteEnd",
+    "DemoteRevoke",
+    "DemoteStart",
+    "DropReplica",
     "Evict",
     "EvictResult",
     "ExpireNodes",
@@ -101,6 +107,8 @@ class Mount(msgspec.Struct, tag="mount", **_S):
     size: int
     now: float
     max_segments: int = 0
+    # the tier of the segment (docs/store.md, "Disk tier"): an entry without it is memory
+    medium: str = "memory"
 
 
 class Unmount(msgspec.Struct, tag="unmount", **_S):
@@ -232,6 +240,49 @@ class RemovePrefix(msgspec.Struct, tag="remove_prefix", **_S):
     hold: bool = False
 
 
+class DemoteStart(msgspec.Struct, tag="demote_start", **_S):
+    """The disk tier (``tiers.py``): give each COMPLETE memory object ``keys[i]`` at
+    ``versions[i]`` a PROCESSING disk copy (preferably on the node of its memory copy), for
+    that node to fill. Refused per key (``NotEvictable``) as ``Evict`` refuses, and when
+    the object already has a disk copy; ``NoSpace`` when no disk segment has room."""
+
+    keys: list[str]
+    versions: list[int]
+    now: float = 0.0
+    allow_soft: bool = False
+
+
+class DemoteEnd(msgspec.Struct, tag="demote_end", **_S):
+    """Node ``node_id`` wrote (and fdatasync-ed) the disk copies of ``keys[i]`` at
+    ``versions[i]``, whose bytes have crc32c ``crcs[i]``: they become COMPLETE. Only the
+    node owning the disk copy may end it (``InvalidWrite`` else)."""
+
+    node_id: str
+    keys: list[str]
+    versions: list[int]
+    crcs: list[int]
+
+
+class DemoteRevoke(msgspec.Struct, tag="demote_revoke", **_S):
+    """Free the PROCESSING disk copies of ``keys[i]`` at ``versions[i]`` (the demotion
+    timed out); the memory copies stay."""
+
+    keys: list[str]
+    versions: list[int]
+
+
+class DropReplica(msgspec.Struct, tag="drop_replica", **_S):
+    """Free one medium's copies of ``keys[i]`` at ``versions[i]``. ``memory``: only of
+    objects whose disk copy is COMPLETE (else ``NotEvictable``: the memory copy is never
+    freed before the disk copy is durable); ``disk``: the COMPLETE disk copy (a read found
+    it corrupt, or disk eviction), the object going with it when it was its last copy.
+    ``EvictResult``."""
+
+    keys: list[str]
+    versions: list[int]
+    medium: str = "memory"
+
+
 Command = (
     Mount
     | Unmount
@@ -248,6 +299,10 @@ Command = (
     | Unpin
     | Release
     | RemovePrefix
+    | DemoteStart
+    | DemoteEnd
+    | DemoteRevoke
+    | DropReplica
 )
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
 

@@ -59,12 +59,15 @@ def choose_victims(
     need: int = 0,
     max_keys: int = 65536,
     objects: int = 0,
+    medium: str | None = None,
 ) -> EvictPlan:
     """Choose victims to free ``max(evict_ratio * capacity, need)`` bytes when usage is at or
     above ``high_watermark`` (or ``need > 0``); an empty plan otherwise or when nothing is
     evictable. Keys the access table does not know (objects that appeared since the table
-    was reset) count as the oldest. ``objects``: also at least this many victims."""
-    usage = sm.usage()
+    was reset) count as the oldest. ``objects``: also at least this many victims.
+    ``medium``: the watermark and the bytes of that medium only, victims the objects whose
+    copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier)."""
+    usage = sm.usage() if medium is None else sm.usage(medium)
     if usage.capacity <= 0 and objects <= 0:
         return EvictPlan([], [], False, 0)
     if need <= 0 and usage.used < high_watermark * usage.capacity:
@@ -81,7 +84,7 @@ def choose_victims(
     for key in _candidates(sm, stats):
         if (got >= target and len(keys) >= objects) or len(keys) >= max_keys:
             break
-        info = sm.evict_info(key)
+        info = sm.evict_info(key) if medium is None else sm.evict_info(key, medium)
         if info is None:  # gone, or not COMPLETE
             continue
         version, nbytes, pin, pin_until = info

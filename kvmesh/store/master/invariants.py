@@ -7,8 +7,9 @@
 * the allocator's free extents are disjoint, fully coalesced, consistent across its three
   indexes, disjoint from every allocated extent, and allocated + free = segment size
   (accounting balances);
-* the copies of one object are on pairwise distinct nodes, and each copy's slices cover the
-  object's size exactly;
+* the memory copies of one object are on pairwise distinct nodes, and each copy's slices
+  cover the object's size exactly; a disk copy (``Obj.tier``: the last one) is on disk
+  segments, every other copy on memory segments (no overlap per medium: per segment);
 * the derived indexes (keys per segment, slice counts, PROCESSING set, COMPLETE count) match
   the object table.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .allocator import SHIFT
-from .objects import SLICE, State, n_slices, slice_lengths
+from .objects import SLICE, TIER_DEMOTING, TIER_DISK, State, n_slices, slice_lengths
 
 if TYPE_CHECKING:
     from .state import StoreStateMachine
@@ -79,16 +80,28 @@ def check(sm: StoreStateMachine) -> list[str]:
             continue
         flat = list(SLICE.iter_unpack(o.layout))
         nodes_seen: set[str] = set()
+        if o.tier and o.tier not in (TIER_DEMOTING, TIER_DISK):
+            errs.append(f"{key!r}: bad tier {o.tier}")
+        if o.tier and key in sm.processing:
+            errs.append(f"{key!r}: a disk copy of a PROCESSING object")
+        if o.tier == TIER_DEMOTING and len(o.layout) <= 12 * ns:
+            # the disk copy is not durable yet: the object must still have a memory copy
+            errs.append(f"{key!r}: only a PROCESSING disk copy left (memory freed too early)")
         for r in range(0, len(flat), ns):
             copy_nodes = set()
+            disk = bool(o.tier) and r == len(flat) - ns  # the last copy, when it has one
             for sid, _off in flat[r : r + ns]:
                 s = segs.get(sid)
                 if s is None:
                     errs.append(f"{key!r}: slice in unmounted segment id {sid}")
                     continue
+                if (s.medium == "disk") != disk:
+                    errs.append(f"{key!r}: a {'disk' if disk else 'memory'} copy on {s.medium}")
                 copy_nodes.add(s.node_id)
                 keys_in[sid].add(key)
                 slices_in[sid] += 1
+            if disk:
+                continue  # per medium: the disk copy may share the memory copy's node
             if copy_nodes & nodes_seen:
                 errs.append(f"{key!r}: two copies share node(s) {sorted(copy_nodes & nodes_seen)}")
             nodes_seen |= copy_nodes

@@ -39,6 +39,9 @@ __all__ = [
     "PIN_NONE",
     "PIN_SOFT",
     "SLICE",
+    "TIER_DEMOTING",
+    "TIER_DISK",
+    "TIER_NONE",
     "TRANSITIONS",
     "Event",
     "Obj",
@@ -111,7 +114,14 @@ class Obj(msgspec.Struct, array_like=True, frozen=True, gc=False):
     layout: bytes  # see the module docstring
     pin: int = PIN_NONE
     pin_until: float = 0.0
+    # the disk tier (``tiers.py``): TIER_NONE, or the layout's last copy is a disk copy,
+    # PROCESSING (TIER_DEMOTING: a demotion in flight, never read) or COMPLETE (TIER_DISK,
+    # its bytes' crc32c in ``crc``); every other copy is in memory
+    tier: int = 0
+    crc: int = 0
 
+
+TIER_NONE, TIER_DEMOTING, TIER_DISK = 0, 1, 2
 
 SLICE = struct.Struct("<IQ")
 

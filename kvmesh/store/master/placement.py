@@ -21,7 +21,7 @@ from ..errors import Code
 from ..types import MAX_OBJECT_SIZE, ReplicaRun, ReplicateConfig, key_error, keys_valid
 from .commands import PutStart, PutStartRun, Upsert
 from .objects import Event, State, next_state, pin_of, slice_lengths
-from .segments import MOUNTED, Segment
+from .segments import MEMORY, MOUNTED, Segment
 
 __all__ = ["Placement"]
 
@@ -60,6 +60,7 @@ class Placement:
             if (
                 s is not None
                 and s.state == MOUNTED
+                and s.medium == MEMORY
                 and s.node_id not in exclude
                 and s.alloc.largest() >= n
             ):
@@ -190,7 +191,7 @@ class Placement:
         used: dict[int, int] = {}  # segment id -> its index in the result's segs
         used_segs: list[Segment] = []
         a = self.config.align
-        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED and s.medium == MEMORY]
         host = cfg.writer_host if cfg.strategy == "local" else None
         pin, until = pin_of(cfg, c.now, c.pin_ttl)
         processing = self.processing

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import Code
 from ..types import ROW, LookupTable, ObjectLookup, replica_lists
-from .objects import SLICE, Obj, State, slice_lengths, unpack_layout
+from .objects import SLICE, TIER_DISK, Obj, State, slice_lengths, unpack_layout
 from .segments import Segment
 
 __all__ = ["Queries"]
@@ -90,6 +90,7 @@ class Queries:
         not_found, refused = int(Code.OBJECT_NOT_FOUND), int(Code.INVALID_PARAMS)
         proc = self.processing
         spent = 0
+        crcs: list[int] = []  # filled from the first key with a disk copy on
         for i, k in enumerate(keys):
             o = objs.get(k) if type(k) is str else None
             if o is None or k in proc:
@@ -102,6 +103,9 @@ class Queries:
                 sizes.append(0)
                 versions.append(0)
                 continue
+            if o.tier == TIER_DISK or crcs:
+                crcs += [-1] * (i - len(crcs))
+                crcs.append(o.crc if o.tier == TIER_DISK else -1)
             lay = o.layout
             if len(lay) == 12 and o.size <= lim:  # one copy of one slice: the common case
                 sid, off = unpack(lay)
@@ -127,12 +131,16 @@ class Queries:
             codes.append(0)
             sizes.append(o.size)
             versions.append(o.version)
+        if crcs:
+            crcs += [-1] * (len(keys) - len(crcs))
+            crcs = [c if code == 0 else -1 for c, code in zip(crcs, codes)]
         return LookupTable(
             codes,
             sizes,
             versions,
             [(s.name, s.node_id, s.endpoint) for s in named],
             np.frombuffer(rows, np.int64).reshape(-1, ROW),  # 'q' is int64 in native order
+            crcs,
         )
 
     def _lookup_one(self, k: str) -> LookupTable | None:
@@ -153,6 +161,7 @@ class Queries:
             [t.version.item(r)],
             [(s.name, s.node_id, s.endpoint)],
             np.array([(0, 0, 0, t.off.item(r), size)], np.int64),
+            [t.crc.item(r)] if t.tier.item(r) == TIER_DISK else [],
         )
 
     def _lookup_simple(self, keys: list[str], max_bytes: int | None) -> LookupTable | None:
@@ -188,12 +197,15 @@ class Queries:
         rows[:, 2] = xs
         rows[:, 3] = t.off[at]
         rows[:, 4] = size
+        disk = t.tier[at] == TIER_DISK  # one copy each: disk-only objects
+        crcs = np.where(disk, t.crc[at].astype(np.int64), -1).tolist() if disk.any() else []
         return LookupTable(
             [0] * n,
             size.tolist(),
             t.version[at].tolist(),
             [(s.name, s.node_id, s.endpoint) for s in named],
             rows,
+            crcs,
         )
 
     def _rows(
@@ -211,7 +223,13 @@ class Queries:
         near: list[list[int]] = []
         far: list[list[int]] = []
         cost = 0
-        for copy in unpack_layout(o.layout, len(lens)):
+        copies = unpack_layout(o.layout, len(lens))
+        disk: list[list[int]] = []
+        if o.tier:  # the last copy is on disk: never while PROCESSING, else after memory
+            last = copies.pop()
+            if o.tier == TIER_DISK:
+                copies.append(last)
+        for c_no, copy in enumerate(copies):
             cur: list[int] = []
             on_host = False
             for (sid, off), ln in zip(copy, lens):
@@ -224,9 +242,12 @@ class Queries:
                 cost += costs[x]
                 cur += (i, 0, x, off, ln)
                 on_host = on_host or (host is not None and s.host_id == host)
-            (near if on_host else far).append(cur)
+            if o.tier == TIER_DISK and c_no == len(copies) - 1:
+                disk.append(cur)
+            else:
+                (near if on_host else far).append(cur)
         out: list[int] = []
-        for c, cur in enumerate(near + far):
+        for c, cur in enumerate(near + far + disk):
             cur[1::ROW] = [c] * (len(cur) // ROW)
             out += cur
         return out, cost

@@ -18,6 +18,8 @@ from ..types import MAX_BATCH_KEYS, MAX_KEY_BYTES, MAX_OBJECT_SIZE, SegmentInfo,
 from .allocator import SegmentAllocator
 from .commands import Codes, ExpireNodes, ExpireResult, Mount, Unmount
 from .objects import (
+    TIER_DEMOTING,
+    TIER_NONE,
     Event,
     Obj,
     State,
@@ -28,9 +30,11 @@ from .objects import (
     unpack_layout,
 )
 
-__all__ = ["DRAINING", "MOUNTED", "Segment", "Segments"]
+__all__ = ["DISK", "DRAINING", "MEDIA", "MEMORY", "MOUNTED", "Segment", "Segments"]
 
 MOUNTED, DRAINING = "mounted", "draining"
+MEMORY, DISK = "memory", "disk"
+MEDIA = (MEMORY, DISK)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 
 
@@ -42,6 +46,7 @@ class Segment:
         "generation",
         "host_id",
         "id",
+        "medium",
         "name",
         "node_id",
         "size",
@@ -51,7 +56,7 @@ class Segment:
 
     def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
                  size: int, alloc: SegmentAllocator, state: str, deadline: float,
-                 generation: int) -> None:  # fmt: skip
+                 generation: int, medium: str = MEMORY) -> None:  # fmt: skip
         self.id = sid
         self.name = name
         self.node_id = node_id
@@ -62,6 +67,7 @@ class Segment:
         self.state = state
         self.deadline = deadline
         self.generation = generation
+        self.medium = medium
         # (the keys placed here are the table's rows with this segment id: Table.rows_of)
         self.slices = 0  # slices of live objects placed here
 
@@ -69,7 +75,7 @@ class Segment:
         return SegmentInfo(
             name=self.name, node_id=self.node_id, endpoint=self.endpoint, host_id=self.host_id,
             size=self.size, used=self.alloc.used, objects=self.slices, state=self.state,
-            generation=self.generation, drain_deadline=self.deadline,
+            generation=self.generation, drain_deadline=self.deadline, medium=self.medium,
         )  # fmt: skip
 
 
@@ -86,9 +92,13 @@ class Segments:
             out.setdefault(s.node_id, []).append(s.name)
         return out
 
-    def usage(self) -> Usage:
+    def usage(self, medium: str | None = MEMORY) -> Usage:
+        """Totals of the segments of ``medium`` (None: all); object counts and ``segments``
+        are of the whole pool. Memory by default: what puts are placed in and evicted from."""
         cap = used = 0
         for s in self.segs.values():
+            if medium is not None and s.medium != medium:
+                continue
             cap += s.alloc.size
             used += s.alloc.used
         a = self.config.align
@@ -147,6 +157,12 @@ class Segments:
             o = self.objects[key]
             copies, lens = self._copies(o)
             keep = [c for c in copies if all(sid != seg.id for sid, _ in c)]
+            tier, crc = o.tier, o.crc
+            if tier:  # the last copy is on disk (objects.Obj.tier)
+                if copies[-1] not in keep:
+                    tier, crc = TIER_NONE, 0  # the disk copy went
+                elif tier == TIER_DEMOTING and len(keep) == 1:
+                    keep = []  # only a half-written disk copy left: the object is lost
             if not keep:
                 busy = key in self.processing
                 if next_state(_P if busy else _C, Event.NODE_LOST) is State.GONE:
@@ -157,7 +173,7 @@ class Segments:
                         self.complete -= 1
                         lost.append(key)
             else:
-                self.objects[key] = replace(o, layout=pack_layout(keep))
+                self.objects[key] = replace(o, layout=pack_layout(keep), tier=tier, crc=crc)
             for c in copies:
                 if c in keep:
                     continue
@@ -183,6 +199,7 @@ class Segments:
             or len(c.endpoint) > MAX_KEY_BYTES
             or len(c.host_id) > MAX_KEY_BYTES
             or not (self.config.align <= c.size <= MAX_OBJECT_SIZE)
+            or c.medium not in MEDIA
         ):
             return Codes([int(Code.INVALID_PARAMS)])
         q = self.config.remount_quarantine
@@ -196,8 +213,9 @@ class Segments:
         self.next_seg += 1
         alloc = SegmentAllocator(c.size, self.config.align)
         seg = Segment(
-            sid, c.segment, c.node_id, c.endpoint, c.host_id, c.size, alloc, MOUNTED, 0.0, index
-        )
+            sid, c.segment, c.node_id, c.endpoint, c.host_id, c.size, alloc, MOUNTED, 0.0, index,
+            c.medium,
+        )  # fmt: skip
         self.segs[sid] = seg
         self.by_name[c.segment] = sid
         return Codes([0])

@@ -35,7 +35,7 @@ _FORMATS = (1, 2, 3)
 _C = int(State.COMPLETE)
 
 
-class _SegRec(msgspec.Struct, array_like=True, frozen=True, gc=False):
+class _SegRec(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defaults=True):
     id: int
     name: str
     node_id: str
@@ -46,6 +46,7 @@ class _SegRec(msgspec.Struct, array_like=True, frozen=True, gc=False):
     deadline: float
     generation: int
     free: list[int]  # start, end, start, end, ...
+    medium: str = "memory"  # omitted when memory: images without the disk tier unchanged
 
 
 class _Header(msgspec.Struct, array_like=True, frozen=True):
@@ -167,6 +168,7 @@ class Snapshots:
                 r.state,
                 r.deadline,
                 r.generation,
+                r.medium,
             )
             self.segs[r.id] = seg
             self.by_name[r.name] = r.id
@@ -206,6 +208,7 @@ class Snapshots:
                     s.deadline,
                     s.generation,
                     flat,
+                    s.medium,
                 )
             )
         held = [(tag, [x for t in ext for x in t]) for tag, ext in self.held.items()]

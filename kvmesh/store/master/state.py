@@ -17,6 +17,7 @@ dispatches each command to its handler. The handlers and queries live by job in:
   PutStart);
 * :mod:`.writes` -- the put protocol's handlers and the pins;
 * :mod:`.removes` -- remove, remove all / by prefix, reclaim, evict, release;
+* :mod:`.tiers` -- the disk tier: demotions, dropping one medium's copies;
 * :mod:`.queries` -- the read-only queries (``lookup_table``: the read hot path);
 * :mod:`.snapshot` -- the snapshot codec (header, segment records, row chunks; formats 1-3);
 * :mod:`.config` -- :class:`MasterConfig`.
@@ -32,6 +33,10 @@ from ..errors import Code
 from ..types import MAX_BATCH_KEYS
 from .commands import (
     Codes,
+    DemoteEnd,
+    DemoteRevoke,
+    DemoteStart,
+    DropReplica,
     Evict,
     ExpireNodes,
     Mount,
@@ -57,6 +62,7 @@ from .removes import Removes
 from .segments import Segment, Segments
 from .snapshot import CHUNK_ITEMS, SNAPSHOT_FORMAT, Snapshots
 from .table import Table
+from .tiers import Tiers
 from .writes import Writes
 
 __all__ = ["CHUNK_ITEMS", "SNAPSHOT_FORMAT", "MasterConfig", "StoreStateMachine"]
@@ -78,12 +84,16 @@ _HANDLERS: dict[type, str] = {
     Unpin: "_unpin",
     Release: "_release",
     RemovePrefix: "_remove_prefix",
+    DemoteStart: "_demote_start",
+    DemoteEnd: "_demote_end",
+    DemoteRevoke: "_demote_revoke",
+    DropReplica: "_drop_replica",
 }
 """Command type -> handler method name (looked up per call, so a test can patch a handler
 on the class, as the simulator's negative controls do)."""
 
 
-class StoreStateMachine(Writes, Removes, Placement, Segments, Queries, Snapshots):
+class StoreStateMachine(Tiers, Writes, Removes, Placement, Segments, Queries, Snapshots):
     """Deterministic store metadata; see the module docstring. ``apply`` never raises for a
     well-formed entry: bad input gets per-key codes."""
 

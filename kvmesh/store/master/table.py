@@ -58,7 +58,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("pin_until", "<f8"),
     ("sid", "<u4"),  # 0: layout in Table.extra
     ("off", "<u8"),
+    ("tier", "u1"),  # the disk tier's state of the row's last copy (objects.Obj.tier)
+    ("crc", "<u4"),  # crc32c of a COMPLETE disk copy
 )
+_OLD_COLUMNS = 7  # images from before the disk tier: tier and crc 0
 _NAMES = tuple(n for n, _ in COLUMNS)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 
@@ -129,6 +132,8 @@ class Table(Mapping[str, Obj]):
             self.layout(r),
             self.pin.item(r),
             self.pin_until.item(r),
+            self.tier.item(r),
+            self.crc.item(r),
         )
 
     def layout(self, r: int) -> bytes:
@@ -216,6 +221,8 @@ class Table(Mapping[str, Obj]):
         self.started[r] = o.started
         self.pin[r] = o.pin
         self.pin_until[r] = o.pin_until
+        self.tier[r] = o.tier
+        self.crc[r] = o.crc
         lay = o.layout
         if len(lay) == 12:
             sid, off = SLICE.unpack(lay)
@@ -275,6 +282,8 @@ class Table(Mapping[str, Obj]):
         self.names[r] = None
         self.size[r] = 0
         self.sid[r] = 0
+        self.tier[r] = 0  # a reused row (put_run) starts without a disk copy
+        self.crc[r] = 0
         self.extra.pop(r, None)
         if self.nfree == len(self.free):
             self.free = np.concatenate((self.free, np.zeros(max(1024, self.nfree), np.int64)))
@@ -426,9 +435,9 @@ class Table(Mapping[str, Obj]):
         names: list[str | None] = []
         for ch in chunks:
             lo, m = ch.lo, len(ch.keys)
-            if lo != len(names) or lo + m > n or len(ch.cols) != len(COLUMNS):
+            if lo != len(names) or lo + m > n or len(ch.cols) not in (len(COLUMNS), _OLD_COLUMNS):
                 raise ValueError(f"rows chunk at {lo} of {m} rows, expected {len(names)}")
-            for (name, dt), raw in zip(COLUMNS, ch.cols):
+            for (name, dt), raw in zip(COLUMNS, ch.cols):  # older images: fewer, zeros after
                 getattr(self, name)[lo : lo + m] = np.frombuffer(raw, dt, m)
             names.extend(ch.keys)
             for r, lay in ch.extra:

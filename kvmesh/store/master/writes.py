@@ -44,7 +44,7 @@ from .objects import (
     slice_lengths,
     unpack_layout,
 )
-from .segments import MOUNTED, Segment
+from .segments import MEMORY, MOUNTED, Segment
 
 __all__ = ["Writes"]
 
@@ -100,7 +100,7 @@ class Writes:
         reps: list[list[ObjectReplica] | None] = []
         vers: list[int] = []
         objs = self.objects
-        mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+        mounted = [s for s in self.segs.values() if s.state == MOUNTED and s.medium == MEMORY]
         for pos, (key, size) in enumerate(zip(c.keys, c.sizes)):
             code = 0
             o = None
@@ -129,7 +129,8 @@ class Writes:
                     and len(old.layout) // (12 * n_slices(size, self.config.slice_limit))
                     == c.config.replica_num
                     and all(
-                        self.segs[sid].state == MOUNTED for sid, _ in SLICE.iter_unpack(old.layout)
+                        self.segs[sid].state == MOUNTED and self.segs[sid].medium == MEMORY
+                        for sid, _ in SLICE.iter_unpack(old.layout)
                     )
                 ):
                     # Same shape: rewrite in place (the service made sure no reader holds a lease).

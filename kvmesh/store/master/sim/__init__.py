@@ -49,7 +49,13 @@ at each tick, whatever its last heartbeat); in the liveness judge ``"raw_gap"`` 
 judged on the raw clock gap, with ``pause``: a paused leader expires the nodes that kept
 heartbeating). Node liveness: a serving node (it heartbeats) is never expired; a dead one
 is expired within TTL + two stages + 1 s of a calm leader.
-``python -m kvmesh.store.master.sim --seeds 50`` runs a batch.
+With ``disk_size`` (the disk tier, docs/store.md) every storage node also mounts a disk
+segment and does the demotions its heartbeats are given (the copy takes a while; it reads
+the memory copy at its end); checked besides: while a demotion is PROCESSING the memory copy
+its node reads is still the object's, every COMPLETE disk copy holds its object's bytes, and
+a found object always has a copy to read. ``"early_free"`` (a memory copy freed while its
+disk copy is still PROCESSING, by the leader and apply) must be caught.
+``python -m kvmesh.store.master.sim --seeds 50`` runs a batch (``--disk-size``).
 
 Modules: ``cluster`` (the world: replicas, the leader driven as the service drives it, storage
 nodes, faults, the main loop), ``clients`` (the client operations), ``checks`` (invariants
@@ -91,15 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plant", default=None)
     p.add_argument("--clock-skew", type=float, default=0.0)
     p.add_argument("--pause", type=float, default=0.0, help="host-wide pauses of this long")
+    p.add_argument("--disk-size", type=int, default=0, help="a disk segment per node (bytes)")
     a = p.parse_args(argv)
     bad = 0
     for s in range(a.first, a.first + a.seeds):
-        r = run_seed(s, duration=a.duration, plant=a.plant, clock_skew=a.clock_skew, pause=a.pause)
+        r = run_seed(
+            s, duration=a.duration, plant=a.plant, clock_skew=a.clock_skew, pause=a.pause,
+            disk_size=a.disk_size,
+        )  # fmt: skip
         print(
             f"seed {s}: {'ok' if r.ok else 'VIOLATION'} entries={r.entries} "
             f"reads={r.reads_checked} evictions={r.evictions} expiries={r.expiries} "
             f"drains={r.drains} holds={r.holds_released} "
             f"leaders={r.leader_changes} prefix={r.prefix_removes} lin={r.lin_outcome}"
+            f" demotions={r.demotions} disk_reads={r.disk_reads}"
         )
         if not r.ok:
             bad += 1

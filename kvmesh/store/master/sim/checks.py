@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..invariants import check as check_state
 from ..invariants import extents
+from ..objects import TIER_DEMOTING
 from ..state import StoreStateMachine
 from .clients import tag_of
 from .config import SimViolation
@@ -74,6 +75,10 @@ class Checks:
                 raise SimViolation(
                     f"replica {i} at index {self.sms[i].applied}: " + "; ".join(errs[:3])
                 )
+        if self.cfg.disk_size and self.lead:
+            self._check_disk(self.sms[self.lead])
+        for key, version, where in self.demote_srcs:
+            self._check_demote_src(key, version, where)
         for rd in self.reads:
             if self.now <= rd.until:
                 self._check_owned(rd.key, rd.version, [(s, o) for s, o, _ in rd.slices], "lease")
@@ -85,6 +90,43 @@ class Checks:
                 prev = by_index.setdefault(sm.applied, (i, d))
                 if prev[1] != d:
                     raise SimViolation(f"replicas {prev[0]} and {i} differ at index {sm.applied}")
+
+    def _check_demote_src(self, key: str, version: int, where: list[tuple[str, int]]) -> None:
+        """While a node copies an object to disk (its disk copy PROCESSING at that version
+        on a replica), the memory copy it reads is still the object's there: memory is
+        freed only after the disk copy is COMPLETE. (Removed, evicted or re-put objects
+        end their demotion: nobody trusts those bytes.)"""
+        for i in self.ids:
+            sm = self.sms[i]
+            if sm.version_of(key) != version or sm.tier_of(key) != TIER_DEMOTING:
+                continue
+            names = {s.name: sid for sid, s in sm.segs.items()}
+            ext = extents(sm)
+            for seg, off in where:
+                sid = names.get(seg)
+                if sid is None:
+                    continue
+                owners = [o for a, b, o in ext.get(sid, []) if a <= off < b]
+                if owners != [key]:
+                    raise SimViolation(
+                        f"demotion source {seg}@{off} of {key!r} v{version} is now "
+                        f"{owners or 'free'} on replica {i} (index {sm.applied}) while its "
+                        "disk copy is PROCESSING"
+                    )
+
+    def _check_disk(self, sm: StoreStateMachine) -> None:
+        """The disk tier: every COMPLETE disk copy on a serving node holds exactly its
+        object's bytes (its node wrote them before DemoteEnd, from a memory copy that was
+        still the object's)."""
+        for key in sm.demoted_keys():
+            o = sm.objects[key]
+            for j, (seg, off) in enumerate(sm.disk_copy(key)):
+                if not self._serving(seg[4:]) or self.seg_incarn.get(seg) != self.incarn[seg[4:]]:
+                    break
+                if self.mem.get((seg, off)) != tag_of(key, o.version, j):
+                    raise SimViolation(
+                        f"disk copy of {key!r} v{o.version} holds foreign bytes at {seg}@{off}"
+                    )
 
     # -------------------------------------------------------------------- main loop
 
@@ -124,6 +166,10 @@ class Checks:
             if lk.code:
                 self.history.ok(h, None)
                 continue
+            if not lk.replicas:
+                # every acknowledged put is readable from some tier until it is removed or
+                # dropped from the last one: a found object must have a copy to read
+                raise SimViolation(f"audit: {key!r} v{lk.version} is found with no copy to read")
             for copy in lk.replicas:
                 if not all(self._serving(d.segment[4:]) for d in copy.slices):
                     continue

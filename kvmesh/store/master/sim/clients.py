@@ -232,9 +232,14 @@ class Clients:
             if lk.code:
                 self.history.ok(h, None)
                 return self._next(cid)
+            if not lk.replicas:
+                # an acknowledged put stays readable from some tier until it is removed or
+                # dropped from the last one (the disk tier)
+                raise SimViolation(f"read of {key!r} v{lk.version}: found with no copy to read")
             until = self.ldr.lease([key], self.now)[0]
             self.ldr.touch([key])
             copy = lk.replicas[self.rng.randrange(len(lk.replicas))]
+            self.res.disk_reads += copy.slices[0].segment.startswith("dsk-")
             slices = [(d.segment, d.offset, j) for j, d in enumerate(copy.slices)]
             rd = Read(key, lk.version, slices, until, h)
             rd.incs = {d.segment: self.seg_incarn.get(d.segment, -1) for d in copy.slices}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from ....replog import (
 from ....replog.sim.harness import Network
 from ...leader import Leader, LeaderConfig
 from ..commands import (
+    DemoteEnd,
     Evict,
     ExpireNodes,
     Mount,
@@ -78,6 +80,9 @@ class StoreSim(Clients, Checks):
         # storage nodes: name -> alive; segment bytes: (segment, offset) -> tag
         self.nodes = {f"n{k}": True for k in range(cfg.n_nodes)}
         self.mounted: dict[str, bool] = dict.fromkeys(self.nodes, False)
+        self.dmounted: dict[str, bool] = dict.fromkeys(self.nodes, False)  # disk segments
+        self.demoting: set[tuple[str, int]] = set()  # demotions a node is copying
+        self.demote_srcs: list[tuple[str, int, list[tuple[str, int]]]] = []  # their sources
         self.mem: dict[tuple[str, int], int] = {}
         self.reads: list[Read] = []
         self.read_ctx: dict[bytes, Callable[[int], None]] = {}
@@ -92,6 +97,7 @@ class StoreSim(Clients, Checks):
             ticker_s=0.25,  # _service_tick's period
             high_watermark=0.7,
             evict_ratio=0.2,
+            demote_timeout_s=cfg.put_timeout,
         )
         self.ldr = Leader(self.lcfg, self.sms[1], self.now)
         self.term_keys: set[str] = set()  # keys put under this leader (a planted rule)
@@ -261,6 +267,29 @@ class StoreSim(Clients, Checks):
                     done,
                 ):
                     self.mounted[n] = False
+        for n, alive in self.nodes.items():
+            # the disk tier: a serving node mounts its disk segment too
+            if (
+                self.cfg.disk_size
+                and alive
+                and self._serving(n)
+                and f"dsk-{n}" not in sm.by_name
+                and not self.dmounted[n]
+            ):
+                self.dmounted[n] = True
+                inc = self.incarn[n]
+
+                def ddone(r: Any, n: str = n, inc: int = inc) -> None:
+                    if r is None or r.codes[0] != 0:
+                        self.dmounted[n] = False
+                    elif self.incarn[n] == inc:
+                        self.seg_incarn[f"dsk-{n}"] = inc
+
+                cmd = Mount(
+                    n, f"dsk-{n}", f"{n}:1", f"h{n}", self.cfg.disk_size, self.wall(), medium="disk"
+                )
+                if not self.propose(cmd, ddone):
+                    self.dmounted[n] = False
         ld = self.ldr
         t0 = self.now
         self._check_liveness(sm, [])
@@ -361,6 +390,59 @@ class StoreSim(Clients, Checks):
             if alive and self.lead and self._serving(n) and self.now >= self.quiet_until:
                 self.ldr.heartbeat(n, self.now)
                 self.dead_since.pop(n, None)
+                if self.cfg.disk_size and self.seg_incarn.get(f"dsk-{n}") == self.incarn[n]:
+                    self._demote(n, self.ldr.demote_tasks(n, 8))
+
+    def _demote(self, n: str, tasks: list[Any]) -> None:
+        """A node's demotions (node.py's): read each memory copy's bytes, write them into
+        its disk copy, and -- the copy and the fdatasync taking a while -- end them with the
+        checksum of the bytes written. It never checks what it read: the master's rules
+        must make that the object's bytes."""
+        inc = self.incarn[n]
+        todo = [t for t in tasks if (t.key, t.version) not in self.demoting]
+        self.demoting.update((t.key, t.version) for t in todo)
+        if not todo:
+            return
+        # while the node copies, the memory copy it reads must stay the object's (checked
+        # every step, as the bytes under a read lease are)
+        srcs = [(t.key, t.version, [(d.segment, d.offset) for d in t.src.slices]) for t in todo]
+        self.demote_srcs.extend(srcs)
+
+        def end() -> None:
+            for x in srcs:
+                self.demote_srcs.remove(x)
+            # the copy ran meanwhile: what it read is what the memory holds by now
+            ends: list[tuple[str, int, int]] = []
+            for t in todo:
+                if not all(
+                    self.seg_incarn.get(d.segment) == self.incarn[d.segment[4:]]
+                    for d in t.src.slices
+                ):
+                    continue  # a copy on a node that went: the read failed
+                got = [self.mem.get((d.segment, d.offset)) for d in t.src.slices]
+                for d, tag in zip(t.dst.slices, got):
+                    self.mem[(d.segment, d.offset)] = tag
+                ends.append((t.key, t.version, zlib.crc32(repr(got).encode())))
+
+            def done(r: Any) -> None:
+                for t in todo:
+                    self.demoting.discard((t.key, t.version))
+                if r is not None:
+                    self.res.demotions += sum(1 for c in r.codes if c == 0)
+
+            if (
+                not ends
+                or not (self.nodes[n] and self.incarn[n] == inc)
+                or not self.propose(
+                    DemoteEnd(
+                        n, [k for k, _, _ in ends], [v for _, v, _ in ends], [c for _, _, c in ends]
+                    ),
+                    done,
+                )
+            ):
+                done(None)
+
+        self.at(self.now + self.rng.uniform(0.02, 0.3), end)
 
     def _serving(self, n: str) -> bool:
         return self.nodes[n] and self.seg_incarn.get(f"seg-{n}") == self.incarn[n]
@@ -371,9 +453,10 @@ class StoreSim(Clients, Checks):
         self.nodes[n] = False
         self.mounted[n] = False
         self.incarn[n] += 1
+        self.dmounted[n] = False
         seg = f"seg-{n}"
         for k in [k for k in self.mem if k[0] == seg]:
-            del self.mem[k]
+            del self.mem[k]  # (its disk bytes stay: the file outlives the process)
         self.at(self.now + self.rng.uniform(2.0, 5.0), lambda: self.nodes.__setitem__(n, True))
 
     # -------------------------------------------------------------------- clients

@@ -31,6 +31,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     faults: bool = True
     snapshot_every: int = 15
     clock_skew: float = 0.0  # max wall-clock offset of a replica, seconds (either way)
+    # the disk tier: each storage node also mounts a disk segment of this many bytes
+    # ("dsk-<node>") and does the demotions the leader gives it (0: no disk)
+    disk_size: int = 0
     plant: str | None = None
 
 
@@ -56,4 +59,6 @@ class SimResult(msgspec.Struct, kw_only=True):
     transfers: int = 0  # leadership transfers
     grace_exempt: int = 0  # removes/upserts/evictions in a grace period of fresh keys
     pauses: int = 0
+    demotions: int = 0  # disk copies made COMPLETE (the disk tier)
+    disk_reads: int = 0  # reads served by a disk copy
     lin_outcome: str = ""

@@ -7,9 +7,12 @@ import zlib
 from contextlib import contextmanager
 from typing import Any
 
+from msgspec.structs import replace
+
 from ...errors import Code
 from ...leader import Leader
 from .. import state as state_mod
+from .. import tiers as tiers_mod
 from ..commands import (
     PutEnd,
     Reclaim,
@@ -17,6 +20,7 @@ from ..commands import (
 )
 from ..leases import LeaseTable
 from ..liveness import LivenessJudge
+from ..objects import TIER_DEMOTING, pack_layout
 from ..policy import plan_remove_prefix
 from ..state import StoreStateMachine
 
@@ -106,6 +110,45 @@ def planted(plant: str | None, sim: Any):  # sim: the StoreSim (its term_keys)
             return orig_expiry(self, now, wall)
 
         patch(Leader, "expiry", expiry_fresh)
+    elif plant == "early_free":
+        # the disk tier's rule broken: a memory copy freed while its disk copy is still
+        # PROCESSING (chosen by the leader and accepted by apply)
+        orig_info = tiers_mod.Tiers.evict_info
+
+        def info_demoting(self: Any, key: str, medium: str | None = None):
+            if medium == "memory" and self.tier_of(key) == TIER_DEMOTING:
+                o = self.objects[key]
+                return o.version, self.medium_bytes(o, "memory"), o.pin, o.pin_until
+            return orig_info(self, key, medium)
+
+        orig_split = getattr(Leader, "_split")  # noqa: B009 (the plant replaces it)
+
+        def split_early(self: Leader, keys: list[str], versions: list[int]):
+            early = [(k, v) for k, v in zip(keys, versions) if self.sm.tier_of(k) == TIER_DEMOTING]
+            drop, rest = orig_split(self, keys, versions)
+            if early:
+                dk, dv = drop or ([], [])
+                drop = (dk + [k for k, _ in early], dv + [v for _, v in early])
+                if rest is not None:
+                    keep = [(k, v) for k, v in zip(*rest) if (k, v) not in early]
+                    rest = ([k for k, _ in keep], [v for _, v in keep]) if keep else None
+            return drop, rest
+
+        orig_drop = getattr(tiers_mod.Tiers, "_drop_replica")  # noqa: B009 (the plant replaces it)
+
+        def drop_early(self: Any, index: int, c: Any):
+            for key, version in zip(c.keys, c.versions):
+                o = self.objects.get(key)
+                if o is not None and o.tier == TIER_DEMOTING and o.version == version:
+                    copies, lens = self._copies(o)
+                    for copy in copies[:-1]:
+                        self._free_copy(copy, lens)
+                    self.objects[key] = replace(o, layout=pack_layout(copies[-1:]))
+            return orig_drop(self, index, c)
+
+        patch(tiers_mod.Tiers, "evict_info", info_demoting)
+        patch(Leader, "_split", split_early)
+        patch(tiers_mod.Tiers, "_drop_replica", drop_early)
     elif plant is not None:
         raise ValueError(f"unknown plant {plant!r}")
     try:
