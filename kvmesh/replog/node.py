@@ -299,10 +299,22 @@ class RaftNode:
                 self.id,
             )
             self.storage = MemoryStorage() if cfg.join else MemoryStorage.bootstrap(voters)
+        t_open = time.perf_counter() - t0
         snap = self.storage.snapshot()
         snap_index = snap.meta.index
         if snap_index:
+            t1 = time.perf_counter()
             self.sm.restore(snap.data)
+            log.info(
+                "replog node %d: storage opened in %.2fs, snapshot at %d (%d bytes) restored in"
+                " %.2fs; %d log entries after it",
+                self.id,
+                t_open,
+                snap_index,
+                len(snap.data),
+                time.perf_counter() - t1,
+                self.storage.last_index() - snap_index,
+            )
             # The image is in the file; a follower that needs it gets it read back from there.
             release = getattr(self.storage, "release_snapshot_data", None)
             if release is not None:
