@@ -502,10 +502,14 @@ class Leader:
         pending = sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
         if not u.capacity or u.used - pending < dw * u.capacity:
             return
-        ahead = choose_victims(sm, self.leases, self.stats, now, dw, ratio, medium="memory")
+        # the oldest objects already on disk count as freed; demote the next ones
+        need = int(ratio * u.capacity) + sm.reclaimable_bytes()
+        ahead = choose_victims(
+            sm, self.leases, self.stats, now, dw, ratio, need=need, medium="memory"
+        )
         _, rest = self._split(ahead.keys, ahead.versions)
         if rest is None:
-            return  # the oldest are on disk already: their memory goes when needed
+            return
         keep = [(k, v) for k, v in zip(*rest) if k not in gone]
         if keep:
             ds = C.DemoteStart(

@@ -72,6 +72,15 @@ class Tiers:
         self._demoting_memo = (self.applied, t, out)
         return out
 
+    def reclaimable_bytes(self) -> int:
+        """About the memory bytes of objects that also have a COMPLETE disk copy (freed at
+        once when memory is needed): one copy per object counted, a vectorised pass."""
+        t = self.objects
+        n = t.n
+        both = (t.tier[:n] == TIER_DISK) & (t.sid[:n] == 0)  # several copies: memory + disk
+        a = self.config.align
+        return int((((t.size[:n][both] + a - 1) // a) * a).sum())
+
     def demoted_keys(self) -> list[str]:
         """Keys with a COMPLETE disk copy, in table order."""
         t = self.objects
