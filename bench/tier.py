@@ -22,7 +22,12 @@ same op, pattern and cache state.
 With ``--nixl`` the same gets also go through NIXL's POSIX backend (file to memory of this
 process; it reaches no peer), for comparison.
 
+With ``--store`` the store's disk tier too (``_store_cases``): demotion throughput, gets of
+disk-only objects, and a working set 4 x the memory segment with and without the tier (hit
+rate, GB/s).
+
     python bench/tier.py [--quick] [--json PATH] [--dir DIR] [--file-mib N] [--buffered] [--nixl]
+        [--store [--store-mem-mib N]]
 """
 
 from __future__ import annotations
@@ -58,6 +63,12 @@ def _options(ap: Any) -> None:
     ap.add_argument("--objects", default="262144,4194304", help="object sizes in bytes")
     ap.add_argument("--batch-mib", type=int, help="bytes per batch, in MiB")
     ap.add_argument("--reps", type=int)
+    ap.add_argument(
+        "--store",
+        action="store_true",
+        help="also the store's disk tier: demotion, disk-only gets, a 4x working set",
+    )
+    ap.add_argument("--store-mem-mib", type=int, help="the node's memory segment (--store)")
     ap.add_argument(
         "--threads", help="raw thread counts, comma-separated (default 1,W,4W: W the workers)"
     )
@@ -358,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 if os.path.exists(f"{seg_path}.{path}"):
                     os.unlink(f"{seg_path}.{path}")
 
+    if args.store:
+        records.extend(_store_cases(args, limits))
     C.apply_ratios(records, limits)
     cols = (
         "case",
@@ -372,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_disk",
         "ratio_memcpy",
         "ratio_tcp",
+        "hit_rate",
     )
     print(
         f"limits: {C.copy_limits_text(limits)}, raw TCP {limits.get('tcp_gbps')} GB/s, "
@@ -550,6 +564,131 @@ def _nixl_posix(
         agent.deregister_memory(files)
         agent.deregister_memory(mem)
         os.close(fd)
+
+
+def _store_cases(args: Any, limits: dict[str, Any]) -> list[dict[str, Any]]:
+    """The store's disk tier (docs/store.md, "Disk tier"), real processes: a master and a
+    ``kvmesh node`` with a memory segment of ``M`` and (or, for the baseline, without) a
+    disk segment, this process the client. A writer puts a working set of 4 x M in batches
+    of 256 KiB objects as fast as it can (puts that find no room make the master free the
+    memory of demoted objects at once, or evict what is not demoted yet): the bytes that
+    went to disk per second of the fill are demotion's throughput, and the hit rate below
+    says whether demotion kept up. Then every key is read once (hit rate, GB/s), and the
+    oldest objects (disk-only when demotion kept up) are read again as one 4 MiB batch for
+    the GB/s of disk-tier gets. "paced": the writer waits after each batch until memory is
+    back under its watermark (the pace the tier keeps up with, nothing dropped). Without
+    the disk tier the fill evicts, so its hit rate is what fits in memory."""
+    import subprocess
+
+    from kvmesh.replog.net.server import free_ports
+    from kvmesh.store import StoreClient
+
+    mem = (args.store_mem_mib or (32 if args.quick else 256)) * MiB
+    obj = 256 * KiB
+    n = 4 * mem // obj
+    out: list[dict[str, Any]] = []
+    work = tempfile.mkdtemp(prefix="kvmesh-tier-store-", dir=args.dir or "/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_TOKEN"}
+    env["PYTHONPATH"] = C.ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        for tier, paced in ((True, True), (True, False), (False, False)):
+            port, mport = free_ports(2)
+            addr = f"127.0.0.1:{port}"
+            cli = [sys.executable, "-m", "kvmesh.cli"]
+            m = subprocess.Popen(
+                cli + ["master", "--listen", addr, "--dir", os.path.join(work, f"m{tier}{paced}"),
+                       "--metrics-port", str(mport), "--ticker-s", "0.05",
+                       "--evict-ratio", "0.25", "--durability", "memory"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+            procs = [m]
+            c = None
+            try:
+                _wait_line(m, "READY")
+                node = cli + ["node", "--master", addr, "--size", str(mem), "--heartbeat-s", "0.05"]
+                if tier:
+                    node += [
+                        "--disk",
+                        os.path.join(work, f"tier{paced}.seg"),
+                        "--disk-size",
+                        str(6 * mem),
+                    ]
+                nd = subprocess.Popen(
+                    node, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+                )
+                procs.append(nd)
+                _wait_line(nd, "READY node")
+                c = StoreClient(addr, timeout=30, segment_size=0)
+                keys = [f"page-{i}" for i in range(n)]
+                val = np.random.default_rng(3).integers(0, 256, obj, dtype=np.uint8).tobytes()
+                batch = max(1, mem // obj // 8)
+                t0 = time.perf_counter()
+                refused = 0
+                for lo in range(0, n, batch):
+                    res = c.put(keys[lo : lo + batch], [val] * len(keys[lo : lo + batch]))
+                    refused += sum(isinstance(r, Exception) for r in res)
+                    while paced:
+                        u = c.status()["media"]["memory"]
+                        if u["used"] < 0.9 * u["capacity"]:
+                            break
+                        time.sleep(0.01)
+                fill = time.perf_counter() - t0
+                st = c.status()
+                disk_used = st["media"]["disk"]["used"]
+                label = ("store+disk paced" if paced else "store+disk") if tier else "store, memory"
+                if tier:
+                    g = disk_used / fill / 1e9
+                    out.append(
+                        C.record(limits, label, "node", "demote", obj, batch, g, g * 1e9 / obj)
+                    )
+                buf = np.zeros(n * obj, np.uint8)
+                region = c.register_buffer(buf)
+                t0 = time.perf_counter()
+                got = c.get_into(keys, region, [i * obj for i in range(n)])
+                dt = time.perf_counter() - t0
+                hits = sum(1 for r in got if r == obj)
+                ok = all(
+                    buf[i * obj : (i + 1) * obj].tobytes() == val for i in range(n) if got[i] == obj
+                )
+                assert ok, "a hit returned other bytes"
+                used = ",".join(c.last_transports) or None
+                g = hits * obj / dt / 1e9
+                out.append(
+                    C.record(limits, label, used, "get 4x working set", obj, n, g, hits / dt,
+                             hit_rate=round(hits / n, 3))
+                )  # fmt: skip
+                if tier:
+                    # the oldest objects are disk-only: one batch of 16 x 256 KiB (4 MiB)
+                    old = keys[:16]
+                    best = 0.0
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        got = c.get_into(old, region, [i * obj for i in range(len(old))])
+                        dt = time.perf_counter() - t0
+                        if all(r == obj for r in got):
+                            best = max(best, len(old) * obj / dt / 1e9)
+                    out.append(C.record(limits, label, "tcp", "get disk-only", obj, len(old), best,
+                                        best * 1e9 / obj))  # fmt: skip
+            finally:
+                if c is not None:
+                    c.close()
+                for p in reversed(procs):
+                    p.kill()
+                    p.wait(20)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _wait_line(p: Any, prefix: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline().decode(errors="replace")
+        if not line:
+            raise RuntimeError(f"{prefix}: the process exited ({p.poll()})")
+        if line.startswith(prefix):
+            return
+    raise TimeoutError(prefix)
 
 
 def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

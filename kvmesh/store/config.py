@@ -78,6 +78,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # new keys of a put beyond max_objects answer NoSpace
     max_objects: int = _LD.max_objects
     demote_timeout_s: float = _LD.demote_timeout_s  # the disk tier (leader.LeaderConfig)
+    demote_watermark: float = _LD.demote_watermark
     # server limits
     max_frame: int = 8 << 20
     max_batch_keys: int = _LD.max_batch_keys

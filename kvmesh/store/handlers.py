@@ -156,7 +156,17 @@ class Handlers:
             raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
         cmd = C.DemoteEnd(req.node_id, req.keys, req.versions, req.crcs)
         res = await self._propose(node, req.session, cmd)
-        return P.CodesResp(req.rid, [int(c) for c in res.codes])
+        codes = [int(c) for c in res.codes]
+        drop = self.leader.drop_demoted(
+            [k for k, c in zip(req.keys, codes) if c == 0], time.monotonic()
+        )
+        if drop is not None:  # their memory, now rather than at the next tick
+            out = None
+            try:
+                out = await self._propose_plain(drop)
+            finally:
+                self.leader.evicted(drop, out)
+        return P.CodesResp(req.rid, codes)
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
         return (await self._propose_echo(node, sess, Echoed(C.encode_command(cmd)))).result

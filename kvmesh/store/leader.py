@@ -86,14 +86,19 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # high_watermark of it as for bytes
     max_objects: int = 0
     max_batch_keys: int = 8192  # puts one PutRevoke names at most
-    # the disk tier: a demotion its node has not ended within this is revoked
+    # the disk tier: a demotion its node has not ended within this is revoked; demotion
+    # starts at demote_watermark of memory (0: high_watermark - evict_ratio, where eviction
+    # stops), ahead of the watermark at which demoted objects lose their memory copy
     demote_timeout_s: float = 30.0
+    demote_watermark: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
         if self.demote_timeout_s <= 0:
             raise ValueError("demote_timeout_s must be positive")
+        if not 0.0 <= self.demote_watermark <= 1.0:
+            raise ValueError("demote_watermark must be in [0, 1] (0: the default)")
         if self.max_objects < 0:
             raise ValueError("max_objects must not be negative (0: no cap)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
@@ -456,8 +461,10 @@ class Leader:
         tier"), as ``(command, done)`` pairs like :meth:`tick`: revoke demotions their node
         did not end within ``demote_timeout_s``; evict disk-only objects above the disk's
         watermark; above memory's, victims with a COMPLETE disk copy lose their memory copy
-        (``DropReplica``), the others get a disk copy (``DemoteStart``, one batch in flight at
-        a time) -- or are evicted when the disk has no room, or for the object cap."""
+        (``DropReplica``), the others are evicted only when the disk has no room or for the
+        object cap; from ``demote_watermark`` on, the oldest objects get a disk copy
+        (``DemoteStart``) while the demotions in flight do not already bring memory below
+        it."""
         sm, cfg = self.sm, self.cfg
         stale = self.demote_ages.stale(sm.demoting(), now, cfg.demote_timeout_s, cfg.max_batch_keys)
         if stale:
@@ -472,28 +479,77 @@ class Leader:
         plan = choose_victims(
             sm, self.leases, self.stats, now, hw, ratio, objects=excess, medium="memory"
         )
-        if not plan.keys:
-            return
-        drop, rest = self._split(plan.keys, plan.versions)
-        if drop:
-            self.leases.block(drop[0])
-            dr = C.DropReplica(*drop)
-            yield dr, lambda r: self.evicted(dr, r)
-        if rest is None or (sm.demoting() and not excess):
-            return  # a demotion batch in flight: its node ends it, then its memory goes
+        gone: set[str] = set()
+        if plan.keys:
+            drop, rest = self._split(plan.keys, plan.versions)
+            if drop:
+                self.leases.block(drop[0])
+                dr = C.DropReplica(*drop)
+                yield dr, lambda r: self.evicted(dr, r)
+            if rest is not None and (excess or now < self._disk_full_until or sm.disk_free() <= 0):
+                self.leases.block(rest[0])
+                ev = C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
+                gone.update(rest[0])
+                yield ev, lambda r: self.evicted(ev, r)
         if excess or now < self._disk_full_until or sm.disk_free() <= 0:
-            self.leases.block(rest[0])
-            ev = C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
-            yield ev, lambda r: self.evicted(ev, r)
             return
-        ds = C.DemoteStart(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
-        yield ds, lambda r: self._demote_started(ds, r, now)
+        # Demote ahead: from the level eviction brings memory down to, the oldest objects
+        # get disk copies, so that when memory reaches its watermark their memory is freed
+        # at once. Demotions in flight count as done (a pipeline, not a pile-up).
+        dw = cfg.demote_watermark or max(0.0, hw - ratio)
+        u = sm.usage()
+        objs = sm.objects
+        pending = sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
+        if not u.capacity or u.used - pending < dw * u.capacity:
+            return
+        # the oldest objects already on disk count as freed; demote the next ones
+        need = int(ratio * u.capacity) + sm.reclaimable_bytes()
+        ahead = choose_victims(
+            sm, self.leases, self.stats, now, dw, ratio, need=need, medium="memory"
+        )
+        _, rest = self._split(ahead.keys, ahead.versions)
+        if rest is None:
+            return
+        keep = [(k, v) for k, v in zip(*rest) if k not in gone]
+        if keep:
+            ds = C.DemoteStart(
+                [k for k, _ in keep], [v for _, v in keep], now=wall, allow_soft=ahead.allow_soft
+            )
+            yield ds, lambda r: self._demote_started(ds, r, now)
 
     def _demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
         self.demote_ages.stale(self.sm.demoting(), now, NEVER)  # their timeout runs from now
         if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes:
             # the disk is full (or too fragmented) for some: evict until a turn later
             self._disk_full_until = now + 2 * self.cfg.ticker_s
+
+    def drop_demoted(self, keys: list[str], now: float) -> C.DropReplica | None:
+        """Right after a DemoteEnd applied (its handler asks, a tick earlier than the
+        ticker would): while memory is over its watermark, the DropReplica of the memory
+        copies of those keys whose disk copy is COMPLETE now and that no reader leases,
+        blocked from new leases until :meth:`evicted`."""
+        sm = self.sm
+        u = sm.usage()
+        if not u.capacity or u.used < self.cfg.high_watermark * u.capacity:
+            return None
+        leases = self.leases
+        ks, vs = [], []
+        for k in keys:
+            info = sm.evict_info(k, "memory")
+            if (
+                info is None
+                or sm.tier_of(k) != TIER_DISK
+                or leases.leased(k, now)
+                or leases.blocked(k)
+                or info[2] == 2  # hard pin
+            ):
+                continue
+            ks.append(k)
+            vs.append(info[0])
+        if not ks:
+            return None
+        leases.block(ks)
+        return C.DropReplica(ks, vs)
 
     def plan_drop_corrupt(self, keys: list[str], crcs: list[int]) -> C.DropReplica:
         """The DropReplica of the disk copies a reader found corrupt: those that still

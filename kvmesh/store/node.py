@@ -40,6 +40,7 @@ __all__ = ["StorageNode"]
 log = logging.getLogger(__name__)
 
 DEMOTE_BATCH = 1024  # demotions one heartbeat asks for
+DEMOTE_POLL_S = 0.2  # a node with a disk heartbeats (asking for demotions) this often
 STAGE_BYTES = 64 << 20  # bytes one demotion batch stages (a larger object alone)
 
 
@@ -169,7 +170,9 @@ class StorageNode:
 
     def _beat_loop(self) -> None:
         again = False  # the last reply was a full batch of demotions: ask again at once
-        while again or not self._stop.wait(self.heartbeat_s):
+        # with a disk, heartbeats also fetch demotions: at least every DEMOTE_POLL_S
+        period = min(self.heartbeat_s, DEMOTE_POLL_S) if self.disk is not None else self.heartbeat_s
+        while again or not self._stop.wait(period):
             again = False
             if self._stop.is_set():
                 return

@@ -43,7 +43,7 @@ def tiered(tmp_path):
         procs.append(n)
         _line(n, "READY node")
         c = StoreClient(addr, timeout=10, segment_size=0)
-        yield c, tmp_path / "tier.seg"
+        yield c, tmp_path / "tier.seg", addr
     finally:
         if c is not None:
             c.close()
@@ -82,7 +82,7 @@ def _fill(c: StoreClient, keys: list[str], batch: int = 8) -> None:
 
 
 def test_demoted_objects_are_read_byte_exact_from_disk_single_and_batch(tiered) -> None:
-    c, _ = tiered
+    c, _, _ = tiered
     keys = [f"obj-{i}" for i in range(96)]  # 6 MiB: three times the memory segment
     _fill(c, keys)
     st = _settle(c)
@@ -105,7 +105,7 @@ def test_a_hicache_shaped_working_set_larger_than_memory_stays_found(tiered) -> 
     """K and V objects of pages (HiCache's names: prefix + page hash + suffix), a working set
     4 x the memory segment: ``exists`` by parts (what ``batch_exists`` sends) still finds
     the early pages, and they read back byte-exact into a registered buffer."""
-    c, _ = tiered
+    c, _, _ = tiered
     pages = [f"{i:04x}" for i in range(64)]  # 64 pages x (K + V) x 64 KiB = 8 MiB
     names = [f"m-{int(p, 16) * 2 + j}" for p in pages for j in range(2)]
     _fill(c, names, batch=8)
@@ -121,7 +121,7 @@ def test_a_hicache_shaped_working_set_larger_than_memory_stays_found(tiered) -> 
 
 
 def test_a_corrupted_disk_copy_is_refused_per_key_and_dropped(tiered) -> None:
-    c, path = tiered
+    c, path, _ = tiered
     keys = [f"obj-{i}" for i in range(48)]
     _fill(c, keys)
     _settle(c)
@@ -143,3 +143,51 @@ def test_a_corrupted_disk_copy_is_refused_per_key_and_dropped(tiered) -> None:
     # the corrupt disk-only copies were dropped through the log: those keys are gone now
     bad = [k for k, g in zip(keys[:8], got) if isinstance(g, Exception)]
     assert c.exists(bad) == [False] * len(bad)
+
+
+def test_readers_running_through_demotion_get_exact_bytes_or_a_per_key_miss(tiered) -> None:
+    """Reader threads loop gets over the objects put so far while the writer pushes memory
+    past its watermark again and again: every read is the exact bytes (from memory or,
+    once demoted, from disk) -- a memory copy being read is never freed under its reader
+    -- and, the writer being paced, no acknowledged object goes missing."""
+    import random
+    import threading
+
+    c, _, addr = tiered
+    readers = [StoreClient(addr, timeout=10, segment_size=0) for _ in range(2)]
+    acked: list[str] = []
+    bad: list[str] = []
+    reads = [0]
+    done = threading.Event()
+
+    def loop(rc: StoreClient, seed: int) -> None:
+        rng = random.Random(seed)
+        while not done.is_set():
+            if not acked:
+                time.sleep(0.01)
+                continue
+            ks = rng.sample(acked, min(8, len(acked)))
+            for k, g in zip(ks, rc.get(ks)):
+                reads[0] += 1
+                if isinstance(g, E.LeaseExpired):
+                    continue  # a slow copy: reported, never other bytes
+                if g != _value(int(k.split("-")[1])):
+                    bad.append(f"{k}: {g!r}"[:200])
+
+    threads = [threading.Thread(target=loop, args=(rc, i)) for i, rc in enumerate(readers)]
+    for t in threads:
+        t.start()
+    try:
+        keys = [f"obj-{i}" for i in range(96)]
+        for lo in range(0, len(keys), 8):
+            _fill(c, keys[lo : lo + 8])
+            acked.extend(keys[lo : lo + 8])
+    finally:
+        done.set()
+        for t in threads:
+            t.join(30)
+        for rc in readers:
+            rc.close()
+    assert bad == []
+    assert reads[0] > 50
+    assert _media(c)["disk"]["used"] > 0

@@ -60,11 +60,26 @@ class Tiers:
         return TIER_NONE if r is None else self.objects.tier.item(r)
 
     def demoting(self) -> list[tuple[str, int]]:
-        """``(key, version)`` of every demotion in flight, in table order."""
+        """``(key, version)`` of every demotion in flight, in table order (one pass over the
+        tier column per applied entry: the leader's tick and every heartbeat ask)."""
         t = self.objects
+        memo = getattr(self, "_demoting_memo", None)
+        if memo is not None and memo[0] == self.applied and memo[1] is t:
+            return memo[2]
         rows = np.flatnonzero(t.tier[: t.n] == TIER_DEMOTING).tolist()
         names, version = t.names, t.version
-        return [(names[r], version.item(r)) for r in rows]  # type: ignore[misc]
+        out = [(names[r], version.item(r)) for r in rows]  # type: ignore[misc]
+        self._demoting_memo = (self.applied, t, out)
+        return out
+
+    def reclaimable_bytes(self) -> int:
+        """About the memory bytes of objects that also have a COMPLETE disk copy (freed at
+        once when memory is needed): one copy per object counted, a vectorised pass."""
+        t = self.objects
+        n = t.n
+        both = (t.tier[:n] == TIER_DISK) & (t.sid[:n] == 0)  # several copies: memory + disk
+        a = self.config.align
+        return int((((t.size[:n][both] + a - 1) // a) * a).sum())
 
     def demoted_keys(self) -> list[str]:
         """Keys with a COMPLETE disk copy, in table order."""
