@@ -36,6 +36,7 @@ from .commands import (
     ExpireNodes,
     Mount,
     Pin,
+    PutCommit,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -70,6 +71,7 @@ _HANDLERS: dict[type, str] = {
     Upsert: "_upsert",
     PutEnd: "_put_end",
     PutRevoke: "_put_revoke",
+    PutCommit: "_put_commit",
     Remove: "_remove",
     RemoveAll: "_remove_all",
     Reclaim: "_reclaim",
@@ -100,6 +102,9 @@ class StoreStateMachine(Writes, Removes, Placement, Segments, Queries, Snapshots
         self.processing: dict[str, int] = {}
         self.objects = Table(self.processing)  # key -> record view; see table.py
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
+        # a writer's reservation (tag: the entry that made it) -> its unused extents (seg id,
+        # offset, length: aligned, sorted, coalesced); writes.py, docs/store-master.md
+        self.reserved: dict[int, list[tuple[int, int, int]]] = {}
         self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
         self.applied = 0
