@@ -95,7 +95,7 @@ def test_forced_remove_hold_is_no_reservation() -> None:
     r = sm.apply(5, C.encode_command(C.Remove(["x"], force=True, hold=True)))
     assert r.codes == [0] and 5 in sm.held
     # the held bytes (a reader may still copy them) cannot be published into
-    assert _commit(sm, 6, ["y"], [1000], 5, sid, [off]).codes == [BAD]
+    assert _commit(sm, 6, ["y"], [512], 5, sid, [off]).codes == [BAD]
     assert not invariants.check(sm)
 
 
