@@ -358,7 +358,7 @@ class Writes:
         where = self._resolver()
         one = None if buffer is bufl else self._one_buffer(where, buffer, offs, szs)
         if one is not None:  # every key's range inside the one buffer: no check per key
-            bufs, n = one, 0
+            bufs, n = one, 0  # type: ignore[assignment]
         for i in range(n):
             try:
                 sz = szs[i]
