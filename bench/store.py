@@ -188,6 +188,19 @@ _PUT_STAGES = (
 )
 
 
+# The same for the one-round-trip put (a write into the client's reservation, then one
+# PutCommit): entered put_from -> write begins -> written -> PutCommit sent -> its reply ->
+# put_from returns.
+_COMMIT_STAGES = (
+    ("client_before_write", "put>", "move>"),
+    ("engine_write", "move>", "move<"),
+    ("client_write_to_commit", "move<", "rpc0>"),
+    ("put_commit_round_trip", "rpc0>", "rpc0<"),
+    ("client_after_commit", "rpc0<", "put<"),
+    ("total", "put>", "put<"),
+)
+
+
 def _put_stages(c: Any, put_once: Any, cleanup: Any, n: int, cl: Any) -> dict[str, float]:
     """Medians over ``n`` puts of each stage of :data:`_PUT_STAGES`, in us (timers on the
     instance: ``MasterClient.mutate`` and ``StoreClient._move_arrays``, ~1 us each), plus
@@ -225,6 +238,11 @@ def _put_stages(c: Any, put_once: Any, cleanup: Any, n: int, cl: Any) -> dict[st
             if {"rpc0>", "rpc1<", "move<"} <= ev.keys() and "rpc2>" not in ev:
                 for name, a0, a1 in _PUT_STAGES:  # one PutStart, one write, one PutEnd
                     got[name].append((ev[a1] - ev[a0]) * 1e6)
+            elif (
+                {"move>", "rpc0<"} <= ev.keys() and "rpc1>" not in ev and ev["move<"] < ev["rpc0>"]
+            ):
+                for name, a0, a1 in _COMMIT_STAGES:  # one write, one PutCommit
+                    got.setdefault(name, []).append((ev[a1] - ev[a0]) * 1e6)
             cleanup()
     finally:
         del rpc.mutate, c._move_arrays  # back to the class's methods
@@ -238,12 +256,16 @@ def _print_put_stages(rows: list[dict[str, Any]]) -> None:
     staged = [r for r in rows if "put_stages_us" in r]
     if not staged:
         return
-    names = [name for name, _, _ in _PUT_STAGES] + ["master_cpu"]
-    print("put stages, medians in us (" + ", ".join(names) + "):")
-    for r in staged:
-        st = r["put_stages_us"]
-        cols = " ".join(f"{st.get(k, float('nan')):8.1f}" for k in names)
-        print(f"  {r['case']:13s} {r['page_bytes'] >> 10:5d} KiB x {r['batch']:<4d} {cols}")
+    for stages in (_PUT_STAGES, _COMMIT_STAGES):
+        names = [name for name, _, _ in stages] + ["master_cpu"]
+        rows = [r for r in staged if stages[0][0] in r["put_stages_us"]]
+        if not rows:
+            continue
+        print("put stages, medians in us (" + ", ".join(names) + "):")
+        for r in rows:
+            st = r["put_stages_us"]
+            cols = " ".join(f"{st.get(k, float('nan')):8.1f}" for k in names)
+            print(f"  {r['case']:13s} {r['page_bytes'] >> 10:5d} KiB x {r['batch']:<4d} {cols}")
 
 
 def _exists_and_latency(

@@ -54,7 +54,7 @@ def checked_fields(t: type) -> _Fields:
     if f is None:
         have = set(getattr(t, "__struct_fields__", ()))
         f = _Fields(have)
-        f.counted = tuple(n for n in ("sizes", "versions") if n in have)
+        f.counted = tuple(n for n in ("sizes", "versions", "offsets") if n in have)
         f.names = tuple(n for n in ("node_id", "segment", "endpoint", "host_id") if n in have)
         _FIELDS[t] = f
     return f

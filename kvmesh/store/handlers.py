@@ -313,6 +313,67 @@ class Handlers:
             req.rid, codes, replicas, versions, int(self.cfg.put_timeout_s * 1000), run
         )
 
+    async def _put_commit(self, node: RaftNode, req: P.PutCommitReq) -> P.PutCommitResp:
+        """The one-round-trip put into the caller's reservation (docs/store-master.md,
+        "Reservations"): one entry publishes the keys and refills the reservation. The tag
+        must be a live reservation this leader granted to this session (else every key
+        answers InvalidWrite and the entry only reserves, under a new tag); apply checks
+        every extent against its own state."""
+        keys = req.keys
+        n = len(keys)
+        me = req.session.client_id
+        tag = req.tag
+
+        # (a retry gets the first attempt's answer from the log entry's echo, whatever
+        # this check says now: no plan to remember)
+        if not tag or self.leader.owns_reservation(tag, me):
+            planned = [0] * n
+        else:
+            planned = [int(E.InvalidWrite.code)] * n
+            tag = 0  # never release or grow another session's tag
+        reserve = req.reserve
+        if reserve > 0:
+            usage = self.sm.usage()
+            free = usage.capacity - usage.used
+            if free < reserve <= usage.capacity:
+                await self._evict(time.monotonic(), need=reserve - free)
+        if self.cfg.max_objects and not any(planned):
+            _, _, planned = await self._object_cap(req, keys, req.sizes, planned)
+        if any(planned):
+            keep = [i for i, c in enumerate(planned) if not c]
+            tk = [keys[i] for i in keep]
+            ts = [req.sizes[i] for i in keep]
+            to = [req.offsets[i] for i in keep]
+        else:
+            tk, ts, to = keys, req.sizes, req.offsets
+        cmd = C.PutCommit(
+            tk, ts, tag, req.sid, to, req.config, wall_clock(), reserve, req.release and bool(tag)
+        )
+        pending = len(tk) if self.cfg.max_objects else 0
+        self._objects_pending += pending
+        try:
+            res = await self._propose_echo(
+                node, req.session, Echoed(C.encode_command(cmd), planned)
+            )
+        finally:
+            self._objects_pending -= pending
+        r = res.result
+        out = self._merge(res.codes or [0] * n, r.codes)
+        if len(out) != n:
+            raise E.InvalidParams("a retried put_commit named different keys than the first")
+        hold = 0.0
+        if r.tag:
+            hold = self.leader.bind_reservation(r.tag, me, time.monotonic())
+        if req.tag and req.tag != r.tag and self.leader.owns_reservation(req.tag, me):
+            self.leader.drop_reservation(req.tag)
+        if n:
+            done = keys if not any(out) else [k for k, c in zip(keys, out) if c == 0]
+            asyncio.get_running_loop().call_soon(self.leader.touch, done)
+        mc = self.sm.config
+        return P.PutCommitResp(
+            req.rid, out, r.tag, r.added, r.seg, int(hold * 1000), mc.slice_limit, mc.align
+        )
+
     async def _object_cap(
         self, req: P.PutStartReq, tk: list[str], ts: list[int], planned: list[int]
     ) -> tuple[list[str], list[int], list[int]]:
@@ -504,6 +565,7 @@ HANDLERS: dict[type, Callable[[Any, RaftNode, Any, str], Awaitable[Any]]] = {
     P.RegisterReq: lambda s, n, r, p: s._register(n, r, p),
     P.PutStartReq: lambda s, n, r, p: s._put_start(n, r),
     P.PutEndReq: lambda s, n, r, p: s._finish_put(n, r, True),
+    P.PutCommitReq: lambda s, n, r, p: s._put_commit(n, r),
     P.PutRevokeReq: lambda s, n, r, p: s._finish_put(n, r, False),
     P.RemoveReq: lambda s, n, r, p: s._remove(n, r),
     P.RemoveAllReq: lambda s, n, r, p: s._remove_all(n, r),

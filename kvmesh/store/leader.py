@@ -147,6 +147,10 @@ class Leader:
         # (oldest first; the put is reclaimed by then), at most _MAX_WRITERS.
         self._writers: dict[int, int] = {}
         self._writer_times: deque[tuple[float, int]] = deque()
+        # reservation (its tag) this leader granted -> the session it belongs to: a
+        # PutCommit naming any other tag (another session's, one granted by an earlier
+        # leader) is refused before the log
+        self._reservations: dict[int, int] = {}
 
     def _judge(self, now: float) -> LivenessJudge:
         cfg = self.cfg
@@ -189,6 +193,7 @@ class Leader:
         self._last_reclaim = float("-inf")
         self._writers.clear()
         self._writer_times.clear()
+        self._reservations.clear()
 
     def fresh(self, key: str) -> bool:
         """Whether no earlier leader can have leased ``key``'s object: the exceptions to
@@ -243,6 +248,22 @@ class Leader:
         leader; puts of an earlier leader are judged by version only)."""
         w = self._writers
         return {v for v in set(versions) if w.get(v, client_id) != client_id}
+
+    def bind_reservation(self, tag: int, client_id: int, now: float) -> float:
+        """Session ``client_id`` holds reservation ``tag`` (granted or used by a commit at
+        ``now``): kept ``lease_ttl_s`` from now, then released unless used again. Returns
+        that hold in seconds (an unknown tag gets as much on a new leader: HoldTracker)."""
+        self._reservations[tag] = client_id
+        hold = self.cfg.lease_ttl_s
+        self.holds.note(tag, now + hold)
+        return hold
+
+    def owns_reservation(self, tag: int, client_id: int) -> bool:
+        """Whether ``tag`` is a live reservation this leader granted to ``client_id``."""
+        return self._reservations.get(tag) == client_id and tag in self.sm.reserved
+
+    def drop_reservation(self, tag: int) -> None:
+        self._reservations.pop(tag, None)
 
     # ------------------------------------------------------------------ request plans
 
@@ -386,6 +407,8 @@ class Leader:
     def released(self, cmd: C.Release, result: Any) -> None:
         if result is not None:
             self.holds.forget(cmd.tags)
+            for t in cmd.tags:
+                self._reservations.pop(t, None)
 
     def object_excess(self) -> int:
         """Objects to evict for the object cap: none below its high watermark, else down
@@ -586,5 +609,9 @@ class Leader:
         return gone
 
     def purge(self, now: float) -> None:
-        """The tick's last step: forget expired leases (memory only)."""
+        """The tick's last step: forget expired leases and reservations no longer held
+        (memory only)."""
         self.leases.purge(now)
+        held = self.sm.reserved
+        for t in [t for t in self._reservations if t not in held]:
+            del self._reservations[t]

@@ -42,6 +42,8 @@ __all__ = [
     "GetSizeReq",
     "HeartbeatReq",
     "MountReq",
+    "PutCommitReq",
+    "PutCommitResp",
     "PutEndReq",
     "PutRevokeReq",
     "PutStartReq",
@@ -123,6 +125,25 @@ class PutRevokeReq(msgspec.Struct, tag="put_revoke", array_like=True, frozen=Tru
     session: Session
     keys: list[str]
     versions: list[int] = []
+
+
+class PutCommitReq(msgspec.Struct, tag="put_commit", array_like=True, frozen=True):
+    """The one-round-trip put (docs/store-master.md, "Reservations"): publish ``keys``
+    (``sizes[i]`` bytes each), already written at ``offsets[i]`` of segment ``sid`` inside
+    the caller's reservation ``tag``; then free the rest of it (``release``) and/or add
+    ``reserve`` bytes to it. ``tag`` 0 with no keys: just reserve. Reply
+    :class:`PutCommitResp`."""
+
+    rid: int
+    session: Session
+    keys: list[str]
+    sizes: list[int]
+    tag: int
+    sid: int
+    offsets: list[int]
+    config: ReplicateConfig
+    reserve: int = 0
+    release: bool = False
 
 
 class GetReplicasReq(msgspec.Struct, tag="get_replicas", array_like=True, frozen=True):
@@ -268,6 +289,7 @@ Request = (
     | PutStartReq
     | PutEndReq
     | PutRevokeReq
+    | PutCommitReq
     | GetReplicasReq
     | ExistsReq
     | ExistsPartsReq
@@ -287,6 +309,7 @@ MUTATING = (
     PutStartReq,
     PutEndReq,
     PutRevokeReq,
+    PutCommitReq,
     RemoveReq,
     RemoveAllReq,
     MountReq,
@@ -329,6 +352,24 @@ class PutStartResp(msgspec.Struct, tag="put_started", array_like=True, frozen=Tr
         if not len(self.codes) == len(self.versions) == n:
             return False
         return len(self.replicas) == n if self.run is None else self.run.fits(n)
+
+
+class PutCommitResp(msgspec.Struct, tag="put_committed", array_like=True, frozen=True):
+    """Per key a code (0: the object is COMPLETE); ``tag``: the caller's reservation now (0:
+    none); ``added``: the extent added to it (``[sid, offset, length]``, empty if none) in
+    segment ``seg`` (``(name, node_id, endpoint)``). ``hold_ms``: how long the master keeps
+    the reservation from now without another commit; a writer writes into it only well
+    within that, counted from before it sent the request. ``limit`` and ``align``: the
+    master's slice limit and allocation alignment (how a writer lays a batch out)."""
+
+    rid: int
+    codes: list[int]
+    tag: int
+    added: list[int]
+    seg: tuple[str, str, str] | None = None
+    hold_ms: int = 0
+    limit: int = 0  # the largest object a commit takes (one slice)
+    align: int = 64  # the rounding of every extent (each object's bytes start aligned)
 
 
 class CodesResp(msgspec.Struct, tag="codes", array_like=True, frozen=True):
@@ -424,6 +465,7 @@ class ErrorResp(msgspec.Struct, tag="error", array_like=True, frozen=True):
 Response = (
     RegisterResp
     | PutStartResp
+    | PutCommitResp
     | CodesResp
     | ReplicasResp
     | ReplicaTableResp

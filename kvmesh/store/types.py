@@ -260,6 +260,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     processing: int
     segments: int
     held_bytes: int = 0  # freed by a forced remove but still held for live leases
+    reserved_bytes: int = 0  # reserved for writers' one-round-trip puts, not yet used
 
     @property
     def ratio(self) -> float:

@@ -20,6 +20,7 @@ from kvmesh.store.master.commands import (
     ExpireNodes,
     Mount,
     Pin,
+    PutCommit,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -116,7 +117,34 @@ def test_lifecycle_table_is_what_apply_follows() -> None:
     assert not invariants.check(sm)
 
 
-def _random_command(rng: random.Random, now: float, held: list[int], version_of=lambda k: 0):
+def _commit(rng, keys, sizes, cfg, now, reserved):
+    """A PutCommit: mostly keys laid out inside one of the reservations (so some publish),
+    or anywhere (refused); a reserve and a release now and then."""
+    tag, sid, base = rng.randrange(300), rng.randint(1, 4), rng.randrange(0, 8192, 64)
+    if reserved and rng.random() < 0.8:
+        tag = rng.choice(sorted(reserved))
+        sid, base, _ = rng.choice(reserved[tag])
+        base += rng.choice([0, 0, 64, 128, 32])
+    offs = []
+    for z in sizes:
+        offs.append(base)
+        base += (max(z, 1) + 63) & -64 if rng.random() < 0.9 else 64
+    return PutCommit(
+        keys,
+        sizes,
+        tag if rng.random() < 0.9 else 0,
+        sid,
+        offs,
+        cfg,
+        now,
+        reserve=rng.choice([0, 0, 64, 1000, 4096, 1 << 20]),
+        release=rng.random() < 0.1,
+    )
+
+
+def _random_command(
+    rng: random.Random, now: float, held: list[int], version_of=lambda k: 0, reserved=None
+):
     bad = rng.random() < 0.15  # mostly valid input, so that state builds up
     names = ["a", "b", "c", "d", "e", "f", "g"] + (["", "x" * 2000] if bad else [])
     keys = [rng.choice(names) for _ in range(rng.randint(1, 4))]
@@ -157,6 +185,8 @@ def _random_command(rng: random.Random, now: float, held: list[int], version_of=
             lambda: PutEnd(keys, [version_of(k) for k in keys]),
             lambda: PutEnd(keys),
             lambda: PutRevoke(keys, vers),
+            lambda: _commit(rng, keys, sizes, cfg, now, reserved),
+            lambda: _commit(rng, keys, sizes, ReplicateConfig(), now, reserved),
             lambda: Remove(keys, hold=rng.random() < 0.5),
             lambda: RemoveAll([], hold=rng.random() < 0.5),
             lambda: Reclaim(now, 5.0),
@@ -179,7 +209,8 @@ def test_fuzzed_commands_keep_invariants_and_replicas_agree(seed: int) -> None:
     b = None
     cut = rng.randrange(50, 250)
     for idx in range(1, 300):
-        data = encode_command(_random_command(rng, idx * 0.1, a.held_tags(), a.version_of))
+        cmd = _random_command(rng, idx * 0.1, a.held_tags(), a.version_of, a.reserved)
+        data = encode_command(cmd)
         if rng.random() < 0.03:
             data = rng.randbytes(rng.randrange(20))
         ra = a.apply(idx, data)

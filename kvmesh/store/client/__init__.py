@@ -46,6 +46,7 @@ from .meta import Meta
 from .moves import Moves
 from .reads import Reads
 from .replies import MAX_KEY_BYTES_PER_RPC, MAX_KEYS_PER_RPC, BatchResults, Removed
+from .reservation import Reservations
 from .staging import Staging
 from .writes import Writes
 
@@ -115,6 +116,7 @@ class StoreClient(Writes, Reads, Meta, Buffers, Moves):
         self._buffers: dict[int, MemoryRegion] = {}
         self._buf_lock = threading.Lock()
         self._staging = Staging(self.engine)
+        self._reserved = Reservations()
         self._seg_lock = threading.Lock()
         self._segments: dict[tuple[str, str], Any] = {}
         self.last_transports: list[str] = []

@@ -203,12 +203,11 @@ class Buffers:
         )
 
     @staticmethod
-    def _one_buffer(
-        where: Any, buffer: Any, offs: list[Any], szs: list[Any]
-    ) -> list[tuple[MemoryRegion, int]] | None:
-        """``(region, offset)`` per key of a put from one buffer when every size and offset
-        is an int and every range lies inside the buffer's registration (checked for the
-        batch at once); None: some key is refused, its error found by the per-key loop."""
+    def _one_buffer(where: Any, buffer: Any, offs: list[Any], szs: list[Any]) -> Places | None:
+        """The :class:`Places` (columns, no tuple per key) of a put from one buffer when
+        every size and offset is an int and every range lies inside the buffer's
+        registration (checked for the batch at once); None: some key is refused, its error
+        found by the per-key loop."""
         if not offs or set(map(type, szs)) != {int} or set(map(type, offs)) != {int}:
             return None
         if min(szs) <= 0 or min(offs) < 0:
@@ -219,7 +218,7 @@ class Buffers:
             return None
         if base + max(map(operator.add, offs, szs)) > region.size:
             return None
-        return [(region, base + o) for o in offs]
+        return Places(region, np.asarray(offs, np.int64) + base, np.asarray(szs, np.int64))
 
     def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
         """``[(region, offset, length)]`` of one object's buffers (registered objects at

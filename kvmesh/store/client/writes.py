@@ -1,5 +1,7 @@
 """The client's put protocol: PutStart -> engine WRITEs from the caller's memory into the
-allocated replicas -> PutEnd (PutRevoke for the keys whose write failed)."""
+allocated replicas -> PutEnd (PutRevoke for the keys whose write failed); or, for a batch
+of one copy per key, the one-round-trip put: engine WRITEs into this client's reservation
+-> PutCommit (docs/store-master.md, "Reservations"; :mod:`.reservation`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..types import (
     ObjectReplica,
+    ReplicaRun,
     ReplicateConfig,
     keys_valid,
 )
@@ -30,6 +33,7 @@ from .replies import (
     rpc_parts,
     whole_error,
 )
+from .reservation import MAX_RESERVE, Reservation
 
 __all__ = ["Writes"]
 
@@ -82,6 +86,148 @@ class Writes:
         return BatchResults(out, transports)
 
     def _put_part(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
+        if not upsert and type(bufs) is not Pieces and self._reserved.eligible(config):
+            done = self._put_committed(keys, bufs, sizes, part, out, config)
+            if done is not None:
+                return done
+        return self._put_started(keys, bufs, sizes, part, out, upsert, config)
+
+    def _reserve(self, config: ReplicateConfig, want: int) -> Reservation | None:
+        """A new reservation of ``want`` bytes (the rest of the old one released in the
+        same entry); None if the master has no room or takes no commits."""
+        res = self._reserved
+        old = res.by_config.pop(config, None)
+        tag = old.tag if old is not None else 0
+        t0 = time.monotonic()
+        try:
+            resp = self.rpc.mutate(
+                lambda rid, s: P.PutCommitReq(
+                    rid, s, [], [], tag, 0, [], config, want, release=bool(tag)
+                )
+            )
+        except E.InvalidParams:  # a master without commits (it cannot decode the request)
+            res.supported = False
+            return None
+        except E.StoreError:
+            return None
+        if type(resp) is not P.PutCommitResp or not resp.tag or not resp.added:
+            if type(resp) is P.ErrorResp and resp.code == E.InvalidParams.code:
+                res.supported = False
+            res.quiet_until = time.monotonic() + 1.0  # no room: not asked again at once
+            return None
+        if resp.align <= 0 or resp.align & (resp.align - 1):
+            res.supported = False  # a broken master: its layout cannot be followed
+            return None
+        r = Reservation(resp.tag, resp.limit, resp.align)
+        r.grant(resp.added, resp.seg, resp.hold_ms, t0)
+        return r
+
+    def _put_committed(self, keys, bufs, sizes, part, out, config) -> list[str] | None:
+        """The one-round-trip put of ``part`` (None: not taken, nothing done: the caller
+        takes the two-round-trip put). Its bytes are laid out end to end in one extent of
+        the reservation, written, then published by one PutCommit that also refills the
+        reservation to hold one more batch like it."""
+        res = self._reserved
+        if not res.supported:
+            return None
+        whole = len(part) == len(keys)
+        pkeys = keys if whole else [keys[i] for i in part]
+        psizes = sizes if whole else [sizes[i] for i in part]
+        n = len(pkeys)
+        sz = np.asarray(psizes, np.int64)
+        guess = int(((sz + 63) & -64).sum())
+        if not n or guess > MAX_RESERVE or time.monotonic() < res.quiet_until:
+            return None
+        margin = min(1.0, 0.05 * self.transfer_timeout)
+        with res.lock:
+            r = res.usable(config, margin)
+            if r is None:
+                r = self._reserve(config, guess)
+                if r is None:
+                    return None
+                res.by_config[config] = r
+            a = r.align
+            rounded = (sz + (a - 1)) & -a
+            total = int(rounded.sum())
+            if max(psizes) > r.limit:
+                return None
+            place = r.take(total)
+            if place is None:  # fragmented or too small: a new one, the rest released
+                r = self._reserve(config, total)
+                if r is None:
+                    return None
+                res.by_config[config] = r
+                place = r.take(total)
+                if place is None:
+                    return None
+            # room for one more batch like this one (the next put's, as a put stream goes)
+            refill = max(0, total - r.free_bytes())
+        sid, base = place
+        offs = (np.cumsum(rounded) - rounded + base).tolist()
+        places = type(bufs) is Places
+        pbufs = bufs if whole else bufs.take(part) if places else [bufs[i] for i in part]
+        arrays = _arrays(ReplicaRun([r.segs[sid]], [0] * n, offs, psizes), pbufs, psizes)
+        left = min(self.transfer_timeout, r.deadline - time.monotonic())
+        if arrays is None or left <= 0:
+            with res.lock:
+                r.give(sid, base, total)
+            return None
+        bad_owners, transports = self._move_arrays(Op.WRITE, *arrays, left)
+        failed = set(bad_owners.tolist())
+        ok = [j for j in range(n) if j not in failed] if failed else list(range(n))
+        for j in failed:
+            out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
+        okeys = pkeys if not failed else [pkeys[j] for j in ok]
+        osizes = psizes if not failed else [psizes[j] for j in ok]
+        ooffs = offs if not failed else [offs[j] for j in ok]
+        t0 = time.monotonic()
+        try:
+            resp = self.rpc.mutate(
+                lambda rid, s: P.PutCommitReq(
+                    rid, s, okeys, osizes, r.tag, sid, ooffs, config, refill
+                )
+            )
+        except E.StoreError as e:
+            resp = e
+        where = part if not failed else [part[j] for j in ok]
+        if type(resp) is not P.PutCommitResp or len(resp.codes) != len(okeys):
+            with res.lock:  # the outcome is unknown: this reservation is not used again
+                if res.by_config.get(config) is r:
+                    del res.by_config[config]
+            fail_all(out, where, whole_error(resp))
+            return transports
+        with res.lock:
+            for j in failed:
+                r.give(sid, offs[j], int(rounded[j]))
+            if resp.tag != r.tag:  # released (or replaced): what is left here is gone
+                if res.by_config.get(config) is r:
+                    del res.by_config[config]
+                if resp.tag:
+                    r2 = Reservation(resp.tag, r.limit, r.align)
+                    r2.grant(resp.added, resp.seg, resp.hold_ms, t0)
+                    res.by_config[config] = r2
+            else:
+                r.grant(resp.added, resp.seg, resp.hold_ms, t0)
+                if E.InvalidWrite.code in resp.codes:
+                    r.deadline = 0.0  # not ours as we thought (drained): not used again
+        if not any(resp.codes):
+            return transports
+        again = []  # written into bytes the master no longer holds for us: put them anew
+        for j, code in zip(ok, resp.codes):
+            if code == 0:
+                continue
+            if code == E.InvalidWrite.code:  # not (or no longer) bytes of our reservation
+                again.append(part[j])
+                continue
+            if resp.tag == r.tag:  # refused before its bytes were taken: still ours
+                with res.lock:
+                    r.give(sid, offs[j], int(rounded[j]))
+            out[part[j]] = E.error_for(code, f"put of {keys[part[j]]!r}")
+        if again:
+            transports = self._put_started(keys, bufs, sizes, again, out, False, config)
+        return transports
+
+    def _put_started(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
         whole = len(part) == len(keys)  # the whole batch in one RPC (part is 0..n-1)
         pkeys = keys if whole else [keys[i] for i in part]
         psizes = sizes if whole else [sizes[i] for i in part]
@@ -212,7 +358,7 @@ class Writes:
         where = self._resolver()
         one = None if buffer is bufl else self._one_buffer(where, buffer, offs, szs)
         if one is not None:  # every key's range inside the one buffer: no check per key
-            bufs, n = one, 0
+            bufs, n = one, 0  # type: ignore[assignment]
         for i in range(n):
             try:
                 sz = szs[i]
@@ -334,6 +480,11 @@ def _run_requests(resp: P.PutStartResp, bufs: list[Any], sizes: list[int]) -> tu
     run = resp.run
     if run is None or any(resp.codes) or run.lengths != sizes or min(run.where, default=-1) < 0:
         return None
+    return _arrays(run, bufs, sizes)
+
+
+def _arrays(run: ReplicaRun, bufs: Any, sizes: list[int]) -> tuple | None:
+    """The engine requests of :func:`_run_requests` for ``run`` (every key placed)."""
     n = len(sizes)
     if type(bufs) is Pieces:  # multi-range columns: each range one request, in order
         r = bufs.ln.shape[1]

@@ -20,6 +20,12 @@ Commands (effect per key unless noted) and their results:
   the same answer in the compact ``PutStartRun`` (one copy of one slice per key).
 * ``PutEnd``: PROCESSING -> COMPLETE, only for the put named by ``versions``. ``Codes``.
 * ``PutRevoke``: free a PROCESSING put (named by ``versions``). ``Codes``.
+* ``PutCommit``: the one-round-trip put (docs/store-master.md, "Reservations"): publish
+  as COMPLETE objects the keys a client wrote into its reservation (held bytes under the
+  tag ``tag``: every extent must lie in it, unused, in a mounted segment, else
+  ``InvalidWrite``), then free the rest (``release``) and/or add ``reserve`` bytes to it (a
+  new reservation, tagged with this entry's index, when ``tag`` is 0, gone or released).
+  ``PutCommitResult``.
 * ``Upsert``: like PutStart, but a COMPLETE key is replaced (its allocation reused when size
   and copy count match). ``PutStartResult``.
 * ``Remove``: free COMPLETE objects (``ReplicaNotReady`` for PROCESSING ones; ``hold`` keeps
@@ -67,6 +73,8 @@ __all__ = [
     "ExpireResult",
     "Mount",
     "Pin",
+    "PutCommit",
+    "PutCommitResult",
     "PutEnd",
     "PutRevoke",
     "PutStart",
@@ -151,6 +159,24 @@ class PutRevoke(msgspec.Struct, tag="put_revoke", **_S):
 
     keys: list[str]
     versions: list[int] = []
+
+
+class PutCommit(msgspec.Struct, tag="put_commit", **_S):
+    """Publish ``keys[i]`` (``sizes[i]`` bytes, one slice) written at ``offsets[i]`` of
+    segment ``sid`` inside reservation ``tag``; then ``release`` frees what is left of it
+    and ``reserve`` (bytes, > 0) adds one extent placed with ``config``. Built by the
+    leader, never by a client: the session check (the tag's owner) is the leader's."""
+
+    keys: list[str]
+    sizes: list[int]
+    tag: int
+    sid: int
+    offsets: list[int]
+    config: ReplicateConfig
+    now: float
+    reserve: int = 0
+    release: bool = False
+    pin_ttl: float = 1800.0
 
 
 class Upsert(msgspec.Struct, tag="upsert", **_S):
@@ -290,6 +316,7 @@ Command = (
     | PutStart
     | PutEnd
     | PutRevoke
+    | PutCommit
     | Upsert
     | Remove
     | RemoveAll
@@ -352,6 +379,17 @@ class PutStartRun(msgspec.Struct, tag="put_start_run", **_S):
         return PutStartResult(list(self.codes), self.replicas, self.versions)
 
 
+class PutCommitResult(msgspec.Struct, tag="put_commit", **_S):
+    """``codes`` per key; ``tag``: the reservation now (0: none left); ``added``: the
+    extent ``reserve`` added (``[sid, offset, length]``, empty if none fitted) and ``seg``
+    its segment's ``(name, node_id, endpoint)``."""
+
+    codes: list[int]
+    tag: int
+    added: list[int]
+    seg: tuple[str, str, str] | None = None
+
+
 class ExpireResult(msgspec.Struct, tag="expire", **_S):
     """``codes`` per node (``NodeNotFound`` if it had no segment; for ``Unmount`` one code
     for the segment); ``lost``: COMPLETE keys
@@ -393,6 +431,7 @@ Result = (
     Codes
     | PutStartResult
     | PutStartRun
+    | PutCommitResult
     | ExpireResult
     | RemoveAllResult
     | ReclaimResult

@@ -2,7 +2,8 @@
 
 :func:`check` returns a list of violations (empty when all hold):
 
-* every slice of every object, and every held extent, lies inside its segment, aligned;
+* every slice of every object, every held extent and every reserved one lies inside its
+  segment, aligned;
 * no two of them overlap (live copies never share bytes);
 * the allocator's free extents are disjoint, fully coalesced, consistent across its three
   indexes, disjoint from every allocated extent, and allocated + free = segment size
@@ -44,6 +45,9 @@ def extents(sm: StoreStateMachine) -> dict[int, list[tuple[int, int, str]]]:
     for tag, ext in sm.held.items():
         for sid, off, ln in ext:
             out.setdefault(sid, []).append((off, off + ((ln + a - 1) & -a), f"held:{tag}"))
+    for tag, ext in sm.reserved.items():
+        for sid, off, ln in ext:
+            out.setdefault(sid, []).append((off, off + ln, f"reserved:{tag}"))
     for v in out.values():
         v.sort()
     return out

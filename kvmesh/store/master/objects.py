@@ -71,6 +71,7 @@ class Event(enum.IntEnum):
     NODE_LOST = 7  # the last copy's node expired or its segment was unmounted
     UPSERT_REUSE = 8  # same size and copy count: rewrite in place
     UPSERT_REPLACE = 9  # new allocation; the old copies are freed
+    PUT_COMMIT = 10  # written into the writer's reservation first: published at once
 
 
 P, C, G = State.PROCESSING, State.COMPLETE, State.GONE
@@ -78,6 +79,7 @@ P, C, G = State.PROCESSING, State.COMPLETE, State.GONE
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (G, Event.PUT_START): P,
     (G, Event.UPSERT_REPLACE): P,
+    (G, Event.PUT_COMMIT): C,
     (P, Event.PUT_END): C,
     (P, Event.PUT_REVOKE): G,
     (P, Event.RECLAIM): G,

@@ -341,8 +341,9 @@ class Queries:
         return list(self.processing.items())
 
     def held_tags(self) -> list[int]:
-        """Log indices of hold removes whose bytes are not yet released."""
-        return list(self.held)
+        """Log indices of hold removes whose bytes are not yet released, and of writers'
+        reservations (released the same way: once nothing may write into them)."""
+        return [*self.held, *self.reserved]
 
     def evict_info(self, key: str) -> tuple[int, int, int, float] | None:
         """``(version, allocated bytes, pin, pin_until)`` of a COMPLETE object, else None."""

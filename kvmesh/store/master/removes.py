@@ -141,6 +141,8 @@ class Removes:
         for tag in c.tags[:MAX_BATCH_KEYS]:
             ext = self.held.pop(tag, None)
             if ext is None:
+                ext = self.reserved.pop(tag, None)  # a writer's reservation that lapsed
+            if ext is None:
                 codes.append(int(Code.OBJECT_NOT_FOUND))
                 continue
             for sid, off, ln in ext:

@@ -103,9 +103,11 @@ class Segments:
             used += s.alloc.used
         a = self.config.align
         held = sum((ln + a - 1) & -a for v in self.held.values() for _, _, ln in v)
+        reserved = sum(ln for v in self.reserved.values() for _, _, ln in v)
         return Usage(
             capacity=cap, used=used, objects=len(self.objects), complete=self.complete,
             processing=len(self.processing), segments=len(self.segs), held_bytes=held,
+            reserved_bytes=reserved,
         )  # fmt: skip
 
     def _bytes(self, o: Obj) -> int:
@@ -181,12 +183,13 @@ class Segments:
                     segs[sid].slices -= 1
                     if sid != seg.id:
                         held.append((sid, off, ln))
-        for t in list(self.held):
-            rest = [e for e in self.held[t] if e[0] != seg.id]
-            if rest:
-                self.held[t] = rest
-            else:
-                del self.held[t]
+        for tags in (self.held, self.reserved):
+            for t in list(tags):
+                rest = [e for e in tags[t] if e[0] != seg.id]
+                if rest:
+                    tags[t] = rest
+                else:
+                    del tags[t]
         del segs[seg.id]
         del self.by_name[seg.name]
         self.retired[seg.name] = now

@@ -2,7 +2,8 @@
 ``restore``, ``digest``).
 
 Snapshots are CRC-framed chunks (``kvmesh.replog.pack_chunk``): a header (config,
-segments with their free extents, held bytes, the PROCESSING keys, the table's free rows)
+segments with their free extents, held bytes, the PROCESSING keys, the table's free rows,
+writers' reservations)
 then the object table's rows, column by column, encoded lazily from the live table with
 copy-on-write of changed rows (:meth:`Snapshots.snapshot_chunks`, ``table.py``). Images of
 formats 1 and 2 (one record per object) still restore.
@@ -64,6 +65,8 @@ class _Header(msgspec.Struct, array_like=True, frozen=True):
     # format 3: the table's rows (live and free) and its free rows, last freed last
     rows: int = 0
     free: bytes = b""
+    # writers' reservations: tag -> seg id, offset, length, ... (none before them)
+    reserved: list[tuple[int, list[int]]] = []
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -176,6 +179,10 @@ class Snapshots:
         self.held = {
             tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)] for tag, flat in hdr.held
         }  # type: ignore[misc]
+        self.reserved = {
+            tag: [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+            for tag, flat in hdr.reserved
+        }  # type: ignore[misc]
         self.objects = table
         try:
             self._rebuild_indexes(pkeys or [], processing)
@@ -224,6 +231,7 @@ class Snapshots:
             list(self.processing),
             rows,
             free.astype("<i8").tobytes(),
+            [(tag, [x for t in ext for x in t]) for tag, ext in self.reserved.items()],
         )
 
     def _rebuild_indexes(self, pkeys: list[str], processing: dict[str, int]) -> None:

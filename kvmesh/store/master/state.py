@@ -41,6 +41,7 @@ from .commands import (
     ExpireNodes,
     Mount,
     Pin,
+    PutCommit,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -76,6 +77,7 @@ _HANDLERS: dict[type, str] = {
     Upsert: "_upsert",
     PutEnd: "_put_end",
     PutRevoke: "_put_revoke",
+    PutCommit: "_put_commit",
     Remove: "_remove",
     RemoveAll: "_remove_all",
     Reclaim: "_reclaim",
@@ -110,6 +112,9 @@ class StoreStateMachine(Tiers, Writes, Removes, Placement, Segments, Queries, Sn
         self.processing: dict[str, int] = {}
         self.objects = Table(self.processing)  # key -> record view; see table.py
         self.held: dict[int, list[tuple[int, int, int]]] = {}  # tag -> (seg id, offset, length)
+        # a writer's reservation (tag: the entry that made it) -> its unused extents (seg id,
+        # offset, length: aligned, sorted, coalesced); writes.py, docs/store-master.md
+        self.reserved: dict[int, list[tuple[int, int, int]]] = {}
         self.retired: dict[str, float] = {}  # dropped segment name -> entry time of the drop
         self.next_seg = 1
         self.applied = 0

@@ -1,12 +1,14 @@
 """The :class:`~.state.StoreStateMachine` part that writes object records: the put
-protocol's handlers (``PutStart``, ``Upsert``, ``PutEnd``, ``PutRevoke``) and the pins
-(``Pin``, ``Unpin``). Where new copies go is :mod:`.placement`'s.
+protocol's handlers (``PutStart``, ``Upsert``, ``PutEnd``, ``PutRevoke``), the one-round-trip
+put into a writer's reservation (``PutCommit``) and the pins (``Pin``, ``Unpin``). Where new
+copies go is :mod:`.placement`'s.
 """
 
 from __future__ import annotations
 
 from itertools import repeat
 
+import numpy as np
 from msgspec.structs import replace
 
 from ..errors import Code
@@ -17,10 +19,13 @@ from ..types import (
     ObjectReplica,
     ReplicaDesc,
     key_error,
+    keys_valid,
 )
 from .commands import (
     Codes,
     Pin,
+    PutCommit,
+    PutCommitResult,
     PutEnd,
     PutRevoke,
     PutStart,
@@ -50,6 +55,39 @@ __all__ = ["Writes"]
 
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
+_NONE: frozenset[str] = frozenset()
+
+
+def _join(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> None:
+    """Add ``[off, off + n)`` of segment ``sid`` to a reservation's extents, kept sorted and
+    coalesced (the writer keeps the same normal form: a batch it lays out inside one of
+    its extents is inside one here)."""
+    ext.append((sid, off, n))
+    ext.sort()
+    out: list[tuple[int, int, int]] = []
+    for e in ext:
+        if out and out[-1][0] == e[0] and out[-1][1] + out[-1][2] == e[1]:
+            out[-1] = (e[0], out[-1][1], out[-1][2] + e[2])
+        else:
+            out.append(e)
+    ext[:] = out
+
+
+def _carve(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> bool:
+    """Take ``[off, off + n)`` of segment ``sid`` out of the unused extents ``ext`` of a
+    reservation (``(sid, start, length)``); False (nothing changed) unless one extent
+    holds all of it."""
+    end = off + n
+    for j, (s, start, ln) in enumerate(ext):
+        if s == sid and start <= off and end <= start + ln:
+            rest = []
+            if off > start:
+                rest.append((sid, start, off - start))
+            if start + ln > end:
+                rest.append((sid, end, start + ln - end))
+            ext[j : j + 1] = rest
+            return True
+    return False
 
 
 class Writes:
@@ -217,6 +255,97 @@ class Writes:
             else:
                 codes.append(0)
         return Codes(codes)
+
+    def _put_commit(self, index: int, c: PutCommit) -> PutCommitResult:
+        """The one-round-trip put (docs/store-master.md, "Reservations"): the keys become
+        COMPLETE objects at the extents their writer chose inside its reservation ``tag``
+        (:attr:`reserved`), each checked against this replica's own state -- inside one unused
+        extent of the reservation, aligned, in a mounted segment, the key new -- then the
+        reservation is released or grown. A refused key leaves its extent reserved."""
+        n = len(c.keys)
+        cfg = c.config
+        held = self.reserved
+        tag = c.tag if c.tag and c.tag in held else 0
+        if not self._batch_ok(c.keys, c.sizes, c.offsets) or cfg.replica_num != 1:
+            codes = [int(Code.INVALID_PARAMS)] * n
+        elif not n:
+            codes = []
+        else:
+            seg = self.segs.get(c.sid)
+            lifecycle = next_state(State.GONE, Event.PUT_COMMIT) is State.COMPLETE
+            if not tag or seg is None or seg.state != MOUNTED or not lifecycle:
+                codes = [int(Code.INVALID_WRITE)] * n
+            else:
+                codes = self._commit_keys(index, c, held[tag], seg)
+        if tag and (c.release or not held[tag]):
+            for sid, off, ln in held.pop(tag):
+                self.segs[sid].alloc.free(off, ln)
+            tag = 0
+        added: list[int] = []
+        where = None
+        a = self.config.align
+        if 0 < c.reserve <= MAX_OBJECT_SIZE:
+            r = (c.reserve + a - 1) & -a
+            mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+            s = self._pick(r, _NONE, _NONE, cfg, True, index << 24, mounted)
+            if s is not None:
+                off = s.alloc.alloc(r)
+                tag = tag or index
+                _join(held.setdefault(tag, []), s.id, off, r)
+                added = [s.id, off, r]
+                where = (s.name, s.node_id, s.endpoint)
+        return PutCommitResult(codes, tag, added, where)
+
+    def _commit_keys(
+        self, index: int, c: PutCommit, ext: list[tuple[int, int, int]], seg: Segment
+    ) -> list[int]:
+        keys, sizes, offs = c.keys, c.sizes, c.offsets
+        n = len(keys)
+        a = self.config.align
+        top = min(self.config.slice_limit, MAX_OBJECT_SIZE)
+        objs = self.objects
+        sid = seg.id
+        pin, until = pin_of(c.config, c.now, c.pin_ttl)
+        if (
+            keys_valid(keys)
+            and min(sizes) >= 1
+            and max(sizes) <= top
+            and min(offs) >= 0
+            and max(offs) < 1 << 62
+            and len(dict.fromkeys(keys)) == n
+            and list(map(objs.index.get, keys)).count(None) == n
+        ):
+            # The batch a conforming client sends: new distinct keys laid end to end (each
+            # rounded up to the alignment) in one extent: one carve and one column write.
+            r = (np.asarray(sizes, np.int64) + (a - 1)) & -a
+            base = offs[0]
+            ends = np.cumsum(r) + base
+            if (
+                base % a == 0
+                and (n == 1 or np.array_equal(np.asarray(offs[1:], np.int64), ends[:-1]))
+                and _carve(ext, sid, base, int(ends[-1]) - base)
+            ):
+                objs.put_run(keys, sizes, index, c.now, sid, offs, pin, until)
+                seg.slices += n
+                self.complete += n
+                return [0] * n
+        codes = []
+        for key, size, off in zip(keys, sizes, offs):
+            if key_error(key) is not None:
+                codes.append(int(Code.INVALID_KEY))
+            elif not 1 <= size <= top:
+                codes.append(int(Code.INVALID_PARAMS))
+            elif key in objs:
+                busy = key in self.processing
+                codes.append(int(Code.REPLICA_IS_NOT_READY if busy else Code.OBJECT_ALREADY_EXISTS))
+            elif off % a or not _carve(ext, sid, off, (size + a - 1) & -a):
+                codes.append(int(Code.INVALID_WRITE))  # not unused bytes of the reservation
+            else:
+                objs.put(key, Obj(size, _C, index, c.now, SLICE.pack(sid, off), pin, until))
+                seg.slices += 1
+                self.complete += 1
+                codes.append(0)
+        return codes
 
     def _pin(self, index: int, c: Pin) -> Codes:
         if not self._batch_ok(c.keys):
