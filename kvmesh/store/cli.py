@@ -20,11 +20,75 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
+
+from .config import ServiceConfig, add_struct_flags
 from .types import parse_size
 
-__all__ = ["parse_size", "register"]  # parse_size re-exported for the CLI's users
+__all__ = ["NodeOptions", "UpOptions", "parse_size", "register"]  # parse_size: CLI users'
+
+
+def _default(fn: Any, name: str) -> Any:
+    """Parameter ``name``'s default in ``fn``'s signature: a default the CLI shares with an
+    API stays written there, once."""
+    import inspect
+
+    return inspect.signature(fn).parameters[name].default
+
+
+def _node_defaults() -> tuple[float, float]:
+    from .node import StorageNode
+
+    return _default(StorageNode.__init__, "heartbeat_s"), _default(StorageNode.close, "grace_s")
+
+
+_SC = ServiceConfig()
+_HEARTBEAT_S, _GRACE_S = _node_defaults()
+
+
+class NodeOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """``kvmesh node``'s settings (its flags are derived from these fields). Defaults of
+    the storage node's API and of the master are taken from there."""
+
+    size: int = 1 << 30  # the segment
+    heartbeat_s: float = _HEARTBEAT_S
+    disk: str | None = None
+    disk_size: int | None = None
+    disk_direct: Literal["auto", "on", "off"] = "auto"
+    grace_s: float = _GRACE_S
+    lease_s: float = _SC.lease_ttl_s  # the masters' lease TTL, waited out after the grace
+    log_level: str = "WARNING"
+
+
+class UpOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """``kvmesh up``'s settings (its flags are derived from these fields); the masters'
+    own defaults are :class:`~kvmesh.store.config.ServiceConfig`'s."""
+
+    replicas: Literal[1, 3, 5] = 3
+    segment: int = 256 << 20  # the storage node's segment
+    dir: str | None = None
+    durability: Literal["disk", "memory"] = _SC.durability
+    tick_ms: float = _SC.tick_s * 1000.0
+
+
+_NODE_HELP = {
+    "size": "segment size (e.g. 1GiB)",
+    "disk": "also a disk segment: a file or a directory on a local filesystem",
+    "disk_size": "size of the disk segment (e.g. 64GiB)",
+    "disk_direct": "O_DIRECT for the disk segment: where the filesystem allows (auto),"
+    " required, never",
+    "grace_s": "on stop: keep copies readable this long",
+    "lease_s": "the masters' lease TTL (with --grace-s)",
+}
+_UP_HELP = {"dir": "data directory (default: a new temporary one)"}
+_SIZES = {"size": parse_size, "disk_size": parse_size, "segment": parse_size}
+
+
+def options(cls: type, args: argparse.Namespace) -> Any:
+    """The ``cls`` settings parsed into ``args``."""
+    return cls(**{f: getattr(args, f) for f in cls.__struct_fields__})
 
 
 def _wait_for_signal() -> None:
@@ -53,8 +117,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     from .node import StorageNode
     from .rpc import MasterClient
 
+    o = options(NodeOptions, args)
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.WARNING), stream=sys.stderr
+        level=getattr(logging, o.log_level.upper(), logging.WARNING), stream=sys.stderr
     )
     sec = SecurityConfig.from_env()
     # A node credential (kvmesh keys node ID) names the node: its engine runs as that id.
@@ -63,17 +128,17 @@ def cmd_node(args: argparse.Namespace) -> int:
     rpc = MasterClient(
         [a for a in args.master.split(",") if a], sec, name="store-node", node_id=engine.node_id
     )
-    if (args.disk is None) != (args.disk_size is None):
+    if (o.disk is None) != (o.disk_size is None):
         print("kvmesh node: error: --disk and --disk-size go together", file=sys.stderr)
         return 2
-    direct = {"auto": None, "on": True, "off": False}[args.disk_direct]
+    direct = {"auto": None, "on": True, "off": False}[o.disk_direct]
     node = StorageNode(
         rpc,
-        args.size,
+        o.size,
         engine=engine,
-        heartbeat_s=args.heartbeat_s,
-        disk=args.disk,
-        disk_size=args.disk_size,
+        heartbeat_s=o.heartbeat_s,
+        disk=o.disk,
+        disk_size=o.disk_size,
         disk_direct=direct,
     )
     try:
@@ -85,16 +150,16 @@ def cmd_node(args: argparse.Namespace) -> int:
     disk = ""
     if node.disk is not None:
         mode = "O_DIRECT" if node.disk.direct else "buffered"
-        disk = f" disk {node.disk_segment} ({args.disk_size} bytes, {mode})"
+        disk = f" disk {node.disk_segment} ({o.disk_size} bytes, {mode})"
     print(
-        f"READY node {node.node_id} segment {node.segment} ({args.size} bytes) "
+        f"READY node {node.node_id} segment {node.segment} ({o.size} bytes) "
         f"engine {node.engine.address}{disk}",
         flush=True,
     )
     try:
         _wait_for_signal()
     finally:
-        node.close(grace_s=args.grace_s, lease_s=args.lease_s)
+        node.close(grace_s=o.grace_s, lease_s=o.lease_s)
         rpc.close()
     return 0
 
@@ -107,12 +172,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .node import StorageNode
     from .rpc import MasterClient
 
-    base = args.dir or tempfile.mkdtemp(prefix="kvmesh-up-")
+    o = options(UpOptions, args)
+    base = o.dir or tempfile.mkdtemp(prefix="kvmesh-up-")
     token = os.environ.get("KVMESH_TOKEN")
-    cl = StoreCluster(
-        base, args.replicas, token=token, durability=args.durability, tick_ms=args.tick_ms
-    )
-    print(f"starting {args.replicas} master replicas (data in {base}) ...", flush=True)
+    cl = StoreCluster(base, o.replicas, token=token, durability=o.durability, tick_ms=o.tick_ms)
+    print(f"starting {o.replicas} master replicas (data in {base}) ...", flush=True)
     node = None
     rpc = None
     try:
@@ -121,9 +185,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         engine = get_engine()
         rpc = MasterClient(list(cl.addrs.values()), name="kvmesh-up", node_id=engine.node_id)
-        node = StorageNode(rpc, args.segment, engine=engine, heartbeat_s=2.0).start()
+        node = StorageNode(rpc, o.segment, engine=engine).start()
         print(f"masters   {cl.address}")
-        print(f"node      {node.node_id}: segment {node.segment} of {args.segment} bytes")
+        print(f"node      {node.node_id}: segment {node.segment} of {o.segment} bytes")
         print(f"use it:   StoreClient({cl.address!r})   or   kvmesh status --master {cl.address}")
         if token:
             from ..net.identity import issue
@@ -259,37 +323,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--master", required=True, help="store addresses of the master replicas, comma-separated"
     )
-    p.add_argument(
-        "--size", type=parse_size, default=parse_size("1GiB"), help="segment size (default 1GiB)"
-    )
-    p.add_argument("--heartbeat-s", type=float, default=2.0)
-    p.add_argument(
-        "--disk", help="also a disk segment: a file or a directory on a local filesystem"
-    )
-    p.add_argument("--disk-size", type=parse_size, help="size of the disk segment (e.g. 64GiB)")
-    p.add_argument(
-        "--disk-direct",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="O_DIRECT for the disk segment: where the filesystem allows (auto), required, never",
-    )
-    p.add_argument(
-        "--grace-s", type=float, default=0.0, help="on stop: keep copies readable this long"
-    )
-    p.add_argument(
-        "--lease-s", type=float, default=5.0, help="the masters' lease TTL (with --grace-s)"
-    )
-    p.add_argument("--log-level", default="WARNING")
+    add_struct_flags(p, list(msgspec.structs.fields(NodeOptions)), _NODE_HELP, _SIZES)
     p.set_defaults(fn=cmd_node)
 
     p = sub.add_parser(
         "up", help="local store in the foreground: 3 master replicas + 1 storage node"
     )
-    p.add_argument("--replicas", type=int, default=3, choices=[1, 3, 5])
-    p.add_argument("--segment", type=parse_size, default=parse_size("256MiB"))
-    p.add_argument("--dir", default=None, help="data directory (default: a new temporary one)")
-    p.add_argument("--durability", choices=["disk", "memory"], default="disk")
-    p.add_argument("--tick-ms", type=float, default=50.0)
+    add_struct_flags(p, list(msgspec.structs.fields(UpOptions)), _UP_HELP, _SIZES)
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="members, leader, segments, usage, objects, leases, hit rate")

@@ -23,7 +23,13 @@ from .types import (
     MAX_BATCH_KEYS,
 )
 
-__all__ = ["ServiceConfig", "build_arg_parser", "config_from_args", "raft_config"]
+__all__ = [
+    "ServiceConfig",
+    "add_struct_flags",
+    "build_arg_parser",
+    "config_from_args",
+    "raft_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +167,34 @@ def _flag_fields() -> list[msgspec.structs.FieldInfo]:
     return out
 
 
+def add_struct_flags(
+    p: Any,
+    fields: list[msgspec.structs.FieldInfo],
+    helps: dict[str, str] | None = None,
+    types: dict[str, Any] | None = None,
+) -> None:
+    """A ``--name-with-dashes`` flag per struct field, its type and default the field's, so
+    that each default is written once, in the struct: bools ``--x/--no-x``, Literals their
+    values, ``X | None`` an optional X. ``types``: a field's parser instead of its type
+    (sizes written as ``1GiB``)."""
+    import argparse
+
+    helps, types = helps or {}, types or {}
+    for f in fields:
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"default": f.default, "help": helps.get(f.name)}
+        t = f.type
+        if getattr(t, "__args__", None) and type(None) in t.__args__:  # X | None
+            t = next(a for a in t.__args__ if a is not type(None))
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif getattr(t, "__origin__", None) is Literal:  # its values, of their own type
+            values = list(t.__args__)
+            p.add_argument(flag, choices=values, type=type(values[0]), **kw)
+        else:
+            p.add_argument(flag, type=types.get(f.name, t), **kw)
+
+
 def build_arg_parser() -> Any:
     import argparse
 
@@ -180,17 +214,7 @@ def build_arg_parser() -> Any:
     )
     p.add_argument("--dir", default=None, help="data directory (needed with --durability disk)")
     p.add_argument("--tick-ms", type=float, default=d.tick_s * 1000.0)
-    for f in _flag_fields():
-        flag = "--" + f.name.replace("_", "-")
-        help_ = _FLAG_HELP.get(f.name)
-        if f.type is bool:
-            p.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_
-            )
-        elif f.type in (int, float):
-            p.add_argument(flag, type=f.type, default=f.default, help=help_)
-        else:  # a Literal: its values
-            p.add_argument(flag, choices=list(f.type.__args__), default=f.default, help=help_)
+    add_struct_flags(p, _flag_fields(), _FLAG_HELP)
     p.add_argument(
         "--max-sessions",
         type=int,

@@ -31,7 +31,7 @@ from . import fastcopy, fence
 from . import protocol as P
 from . import select as _select
 from . import transports as _transports
-from .batch import Batch, BatchContext, BatchResult, check_usable, validate_requests
+from .batch import Batch, BatchContext, BatchResult, validate_requests
 from .control import ControlServer, Identity, Monitor, PeerClient
 from .errors import (
     EngineClosed,
@@ -709,37 +709,106 @@ class TransferEngine:
         if not n:
             return GroupedResult(ok, [])
         reg, seg = np.asarray(reg, np.int64), np.asarray(seg, np.int64)
-        order, cuts = pair_groups(reg, seg, len(segments))
-        reg, lo, seg = reg[order], lo[order], seg[order]
-        ro, ln = ro[order], ln[order]
-        spans = list(zip(cuts[:-1], cuts[1:]))
-        results: list[BatchResult] = []
-        b = self.batch()
         try:
-            for a, z in spans:
-                local, remote = regions[int(reg[a])], segments[int(seg[a])]
-                b.add_many(op, local, lo[a:z], remote, ro[a:z], ln[a:z])
+            res = self._move_groups(op, regions, reg, lo, segments, seg, ro, ln, timeout)
+        except TransferError as e:
+            # Refused (a group whose route cannot be used) or failed part-way: each group
+            # alone, so that one bad pair fails only its own requests (a READ or WRITE of
+            # the same bytes again is harmless).
+            log.info("engine: a grouped %s failed (%s); its groups run one by one", op.value, e)
+        else:
+            ok[:] = True
+            return GroupedResult(ok, [res])
+        order, cuts = pair_groups(reg, seg, len(segments))
+        results: list[BatchResult] = []
+        for a, z in zip(cuts[:-1], cuts[1:]):
+            at = order[a:z]
             try:
-                b.submit(timeout)
-            except TransferError:
-                b.free()
-                for a, z in spans:
-                    try:
-                        res = self.transfer(
-                            op, regions[int(reg[a])], lo[a:z], segments[int(seg[a])],
-                            ro[a:z], ln[a:z], timeout=timeout,
-                        )  # fmt: skip
-                    except (TransferError, OSError, ValueError) as e:
-                        log.info("engine: a %s group failed: %s", op.value, e)
-                        continue
-                    ok[order[a:z]] = True
-                    results.append(res)
-                return GroupedResult(ok, results, True)
-            results.append(b.wait(raise_on_error=False))
-            ok[order] = b.status() == 1
+                res = self.transfer(
+                    op, regions[int(reg[at[0]])], lo[at], segments[int(seg[at[0]])], ro[at],
+                    ln[at], timeout=timeout,
+                )  # fmt: skip
+            except (TransferError, OSError, ValueError) as e:
+                log.info("engine: a %s group failed: %s", op.value, e)
+                continue
+            ok[at] = True
+            results.append(res)
+        return GroupedResult(ok, results, True)
+
+    def _move_groups(
+        self,
+        op: Op,
+        regions: Sequence[MemoryRegion],
+        reg: np.ndarray,
+        lo: Any,
+        segments: Sequence[RemoteSegment],
+        seg: np.ndarray,
+        ro: Any,
+        ln: Any,
+        timeout: float | None,
+        *,
+        checked: bool = False,
+    ) -> BatchResult:
+        """The one grouping of column requests (:meth:`transfer_grouped`,
+        :meth:`transfer_by_address`): per (region, segment) pair in one stable sort, requests
+        adjacent on both sides merged, every route held before any byte moves, then run in
+        this thread when the transports allow (one job per pair), else as one Batch. Raises
+        on failure. ``checked``: every range was resolved inside its region and segment
+        already (only registration and liveness are checked here)."""
+        lo, ro, ln = (np.asarray(x, np.int64) for x in (lo, ro, ln))
+        requests = len(ln)
+        order, cuts = pair_groups(reg, seg, len(segments))
+        if len(cuts) > 2:
+            reg, lo, seg, ro, ln = reg[order], lo[order], seg[order], ro[order], ln[order]
+        groups = []
+        for a, z in zip(cuts[:-1], cuts[1:]):
+            local, remote = regions[int(reg[a])], segments[int(seg[a])]
+            if not isinstance(local, MemoryRegion) or not isinstance(remote, RemoteSegment):
+                raise InvalidArgument("requests need registered regions and open segments")
+            glo, gro, gln = lo[a:z], ro[a:z], ln[a:z]
+            nb = validate_requests(
+                self._batch_ctx, op, local, remote, glo, gro, gln, ranges_checked=checked
+            )
+            # Merge requests adjacent on both sides (what each job's coalesced() would do;
+            # the runs lie inside the ranges checked above).
+            run = (glo[:-1] + gln[:-1] == glo[1:]) & (gro[:-1] + gln[:-1] == gro[1:])
+            if run.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~run)))
+                glo, gro, gln = glo[starts], gro[starts], np.add.reduceat(gln, starts)
+            groups.append(
+                (local, remote, glo.view(np.uint64), gro.view(np.uint64), gln.view(np.uint64), nb)
+            )
+        handles = [self._route(g[0], g[1]) for g in groups]  # every route before any byte
+        cfg = self.config
+        total = sum(g[5] for g in groups)
+        if all(h.transport.inline_ok for h in handles) and (
+            total <= cfg.split_bytes or all(g[5] <= cfg.inline_bytes for g in groups)
+        ):
+            # What a sync Batch would run in this thread anyway (one job per group, in order),
+            # without its per-request status and task bookkeeping (issue 9: <= 1 ms per call).
+            return self._run_inline(op, groups, handles, requests, timeout, coalesced=True)
+        if (
+            op is Op.WRITE
+            and len(groups) > 1
+            and handles[0].transport.pipelined_writes
+            and all(h.route is handles[0].route for h in handles)
+            and all(g[5] <= cfg.split_bytes for g in groups)
+        ):
+            # Many small WRITEs to one TCP peer (a PD request: one job per layer buffer): one
+            # connection carries them back to back from this thread (Transport.execute_writes)
+            # instead of a worker hand-off and a round trip each.
+            return self._run_inline(
+                op, groups, handles, requests, timeout, coalesced=True, pipelined=True
+            )
+        b = Batch(self._batch_ctx)
+        try:
+            for local, remote, glo, gro, gln, _ in groups:
+                b.add_many(op, local, glo.view(np.int64), remote, gro.view(np.int64), gln)
+            b.submit(timeout, _sync=True, _ranges_checked=True)  # checked above
+            res = b.wait()
         finally:
             b.free()
-        return GroupedResult(ok, results)
+        return msgspec.structs.replace(res, requests=requests)  # as the caller counts them
 
     def read(
         self,
@@ -801,60 +870,12 @@ class TransferEngine:
             raise InvalidArgument("addresses must be positive")
         regs, ri, lo = self._regions.find_many(lp.view(np.uint64), ln.view(np.uint64))
         segs, si, ro = self.locate_many(address, rp.view(np.uint64), ln.view(np.uint64))
-        lo, ro = lo.astype(np.int64), ro.astype(np.int64)
-        key = ri.astype(np.int64) * len(segs) + si
-        requests = len(ln)
-        if int(key.min()) == int(key.max()):  # one local region, one segment: the lean path
+        lo, ro, ri = lo.astype(np.int64), ro.astype(np.int64), ri.astype(np.int64)
+        if int(ri.min()) == int(ri.max()) and int(si.min()) == int(si.max()):
+            # one local region, one segment: the lean path
             return self._sync(op, regs[int(ri[0])], segs[int(si[0])], lo, ro, ln, timeout)
-        order, _ = pair_groups(ri.astype(np.int64), si, len(segs))  # one sort for all groups
-        key, lo, ro, ln = key[order], lo[order], ro[order], ln[order]
-        # Merge requests adjacent on both sides within a pair once for the whole call (what each
-        # job's coalesced() would do; the runs lie inside the ranges checked above).
-        run = (key[1:] == key[:-1]) & (lo[:-1] + ln[:-1] == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:])
-        if run.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~run)))
-            key, lo, ro, ln = key[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
-        cuts = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]
-        ends = np.cumsum(ln).tolist()
-        ulo, uro, uln = lo.view(np.uint64), ro.view(np.uint64), ln.view(np.uint64)
-        n = len(segs)
-        groups = []
-        for a, z, k in zip(cuts[:-1], cuts[1:], key[cuts[:-1]].tolist()):
-            local, remote = regs[k // n], segs[k % n]
-            check_usable(self._batch_ctx, local, remote)  # ranges were resolved in both above
-            nb = ends[z - 1] - (ends[a - 1] if a else 0)
-            groups.append((local, remote, ulo[a:z], uro[a:z], uln[a:z], nb))
-        handles = [self._route(g[0], g[1]) for g in groups]  # every route before any byte
-        cfg = self.config
-        total = ends[-1]
-        if all(h.transport.inline_ok for h in handles) and (
-            total <= cfg.split_bytes or all(g[5] <= cfg.inline_bytes for g in groups)
-        ):
-            # What a sync Batch would run in this thread anyway (one job per group, in order),
-            # without its per-request status and task bookkeeping (issue 9: <= 1 ms per call).
-            return self._run_inline(op, groups, handles, requests, timeout, coalesced=True)
-        if (
-            op is Op.WRITE
-            and len(groups) > 1
-            and handles[0].transport.pipelined_writes
-            and all(h.route is handles[0].route for h in handles)
-            and all(g[5] <= cfg.split_bytes for g in groups)
-        ):
-            # Many small WRITEs to one TCP peer (a PD request: one job per layer buffer): one
-            # connection carries them back to back from this thread (Transport.execute_writes)
-            # instead of a worker hand-off and a round trip each.
-            return self._run_inline(
-                op, groups, handles, requests, timeout, coalesced=True, pipelined=True
-            )
-        b = Batch(self._batch_ctx)
-        try:
-            for local, remote, glo, gro, gln, _ in groups:
-                b.add_many(op, local, glo.view(np.int64), remote, gro.view(np.int64), gln)
-            b.submit(timeout, _sync=True, _ranges_checked=True)  # resolved inside them above
-            res = b.wait()
-        finally:
-            b.free()
-        return msgspec.structs.replace(res, requests=requests)  # as the caller counts them
+        # The ranges were resolved inside their regions and segments by the lookups above.
+        return self._move_groups(op, regs, ri, lo, segs, si, ro, ln, timeout, checked=True)
 
     def _sync(
         self,

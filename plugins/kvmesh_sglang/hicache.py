@@ -37,6 +37,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import urllib.parse
@@ -276,6 +277,10 @@ class _Plan(msgspec.Struct):
     totals: list[int]
     multi: bool
     per_page: int  # objects per page (MHA: 2, MLA: 1)
+    # Resolved form (a get from a pool whose page table knows its registered regions):
+    # ``ptrs`` are offsets into ``regions[reg]`` (columns as for the raw form), not addresses.
+    regions: Any = None
+    reg: Any = None
 
     @staticmethod
     def join(plans: Sequence[_Plan]) -> _Plan:
@@ -323,10 +328,37 @@ class _PageTable:
     and layouts of :data:`_AFFINE`, and only when SGLang's own answers for probe pages
     across the pool (one at a time and together in one call) equal the table's exactly."""
 
-    __slots__ = ("base", "stride", "sizes")
+    __slots__ = ("base", "stride", "sizes", "pages", "page_size", "regions", "_cols")
 
-    def __init__(self, base: Any, stride: Any, sizes: list[int]) -> None:
+    def __init__(
+        self, base: Any, stride: Any, sizes: list[int], pages: int = 0, page_size: int = 1
+    ) -> None:
         self.base, self.stride, self.sizes = base, stride, sizes
+        self.pages, self.page_size = pages, page_size
+        self.regions: list[Any] | None = None  # set by resolve()
+        self._cols: dict[Any, Any] = {}
+
+    def resolve(self, regions: Sequence[Any]) -> None:
+        """Find, once, the registered region holding each buffer's pages of the whole pool
+        (``regions``: the backend's registrations), so that a get names its pages as region
+        offsets and the client looks no address up per call. A buffer outside every region
+        leaves the table unresolved (gets then pass raw addresses)."""
+        import numpy as np
+
+        last = (self.pages - 1) * self.page_size
+        reg, off = [], []
+        for b, st, z in zip(self.base.tolist(), self.stride.tolist(), self.sizes):
+            hi = max(b, b + st * last) + z
+            lo = min(b, b + st * last)
+            hit = next(
+                (i for i, r in enumerate(regions) if r.ptr <= lo and hi <= r.ptr + r.size), None
+            )
+            if hit is None:
+                return
+            reg.append(hit)
+            off.append(b - regions[hit].ptr)
+        self.regions = list(regions)
+        self._cols = {"reg": np.array(reg, np.int64), "off": np.array(off, np.int64)}
 
     @staticmethod
     def measure(pool: Any, page_size: int) -> _PageTable | None:
@@ -359,7 +391,7 @@ class _PageTable:
             step = np.array(p1, np.int64) - base
             if (step % page_size).any():
                 return None
-            table = _PageTable(base, step // page_size, s0)
+            table = _PageTable(base, step // page_size, s0, pages, page_size)
             probes = sorted({0, 1, 2 % pages, pages // 2, pages - 1})
             mixed = [pages - 1, 0, pages // 2, 1]
             for starts in [[p] for p in probes] + [mixed]:
@@ -378,6 +410,30 @@ class _PageTable:
         f = np.asarray(first, dtype=np.int64).reshape(-1, 1)
         return self.base + f * self.stride, self.sizes
 
+    def objects(self, step: int) -> Any:
+        """The buffers arranged per object, ``step`` objects a page (MHA: K then V; MLA:
+        one), computed once per arrangement: region offsets and strides per page in object
+        order (flat; Python ints for one range a page), sizes and region indexes as
+        ``(step, ranges)`` arrays and as what the client may broadcast (one value, or one row
+        for every object; None: neither), and the objects' byte totals. None: the table is
+        unresolved, or its buffers do not split into ``step`` objects."""
+        hit = self._cols.get(step)
+        if hit is None and self.regions is not None and len(self.sizes) % step == 0:
+            import numpy as np
+
+            def arrange(v: Any) -> Any:  # [buffer] -> [object, range]: K even, V odd
+                return np.asarray(v, np.int64).reshape(-1, step).T.copy()
+
+            def wide(a: Any) -> Any:
+                return int(a[0, 0]) if (a == a[0, 0]).all() else a[0] if step == 1 else None
+
+            z, reg = arrange(self.sizes), arrange(self._cols["reg"])
+            off, stride = arrange(self._cols["off"]).reshape(-1), arrange(self.stride).reshape(-1)
+            if len(off) == 1:
+                off, stride = int(off[0]), int(stride[0])
+            hit = self._cols[step] = (off, stride, z, reg, wide(z), wide(reg), z.sum(1).tolist())
+        return hit
+
 
 def _plan(
     pool: Any,
@@ -387,16 +443,25 @@ def _plan(
     mha: bool,
     table: _PageTable | None = None,
     page_size: int = 0,
+    resolved: bool = False,
+    slots: Any = None,
 ) -> _Plan:
     """Object names and addresses for ``keys`` whose slots are ``host_indices`` in ``pool``
-    (from ``table`` when the pool has one: the same numbers as SGLang's meta)."""
+    (from ``table`` when the pool has one: the same numbers as SGLang's meta). ``resolved``:
+    region offsets instead of addresses where the table knows its regions (a get's form);
+    ``slots``: ``host_indices`` as numpy (:func:`_slots`) when the caller has it."""
     n = len(keys)
     comps = ("k", "v") if mha else ("kv",)
-    if table is not None and n and len(host_indices) == n * page_size:
+    if slots is None and table is not None:
+        slots = _slots(host_indices)  # one torch call: each costs more than a numpy op
+    if table is not None and n and len(slots) == n * page_size:
         import numpy as np
 
         names = obj.names(keys, comps)
-        first = _first_slots(host_indices, page_size)
+        first = slots[::page_size]
+        cols = table.objects(len(comps)) if resolved else None
+        if cols is not None:
+            return _resolved(table, names, first, comps, cols)
         grid, sz = table.meta(first)  # [page, buffer]
         per = grid.shape[1]
         if per == len(comps):  # one range per object, in name order: numpy columns as they are
@@ -439,14 +504,68 @@ def _plan(
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
 
 
-def _first_slots(host_indices: Any, page_size: int) -> Any:
-    """Every page's first slot: a numpy view of a CPU tensor's slots (no torch op per call,
-    which cost more than the rest of the plan), else the tensor's own slicing."""
-    if hasattr(host_indices, "numpy"):
-        if host_indices.device.type == "cpu" and not host_indices.requires_grad:
-            return host_indices.numpy()[::page_size]
-        return host_indices[::page_size].cpu().numpy()
-    return host_indices[::page_size]
+def _resolved(table: _PageTable, names: list[str], first: Any, comps: Any, cols: Any) -> _Plan:
+    """:func:`_plan` in region offsets: one multiply-add per page (Python-int factors for
+    one range a page); region indexes and sizes as one value or one row where they allow."""
+    import numpy as np
+
+    off0, stride, z, reg, z1, reg1, tot = cols
+    step, r = z.shape
+    n = len(first)
+    if type(off0) is int:  # each numpy op costs ~5 us after a get has cooled the caches
+        off = first * stride + off0 if off0 else first * stride
+    else:  # [page, object x range] -> [object, range] rows
+        off = (first.reshape(-1, 1) * stride + off0).reshape(n * step, r)
+        if r == 1:
+            off = off.reshape(-1)
+    if z1 is None or reg1 is None:  # the objects of a page differ: their rows, page by page
+        shape = -1 if r == 1 else (n * step, r)
+        z1 = np.tile(z, (n, 1)).reshape(shape) if z1 is None else z1
+        reg1 = np.tile(reg, (n, 1)).reshape(shape) if reg1 is None else reg1
+    return _Plan(names, off, z1, tot * n, r > 1, step, table.regions, reg1)
+
+
+class _Slots:
+    """A CPU int64 tensor's slots as numpy sees them through the array interface (read-only,
+    valid while the tensor lives: a plan's own call)."""
+
+    __slots__ = ("__array_interface__",)
+
+
+_TORCH_INT64: Any = None
+
+
+def _slots(host_indices: Any) -> Any:
+    """The host slots as numpy. A contiguous CPU int64 tensor (SGLang's host indices) is
+    viewed through four attribute reads: ``Tensor.numpy()`` costs ~50 us once a get has
+    cooled the caches, a tenth of a 256-page batch of 4 KiB (bench/hicache.py). Others: the
+    tensor's own conversion (copied to the host first when it lives elsewhere)."""
+    global _TORCH_INT64
+    if not hasattr(host_indices, "numpy"):
+        return host_indices
+    if _TORCH_INT64 is None:
+        import torch
+
+        _TORCH_INT64 = torch.int64
+    t = host_indices
+    if t.dtype is _TORCH_INT64 and t.is_cpu and t.is_contiguous():
+        v = _Slots()
+        v.__array_interface__ = {
+            "data": (t.data_ptr(), True),
+            "shape": (t.numel(),),
+            "typestr": _NATIVE_I8,
+            "version": 3,
+        }
+        import numpy as np
+
+        return np.asarray(v)
+    try:
+        return t.numpy()  # refused for device or autograd tensors
+    except (TypeError, RuntimeError):
+        return t.detach().cpu().numpy()
+
+
+_NATIVE_I8 = "<i8" if sys.byteorder == "little" else ">i8"
 
 
 def _pool_names(
@@ -476,11 +595,16 @@ class _Names:
         return f"{self.pre}{key}{self.mid}{comp}"
 
     def names(self, keys: Sequence[str], comps: Sequence[str]) -> list[str]:
-        pre, mid = self.pre, self.mid
+        # Two pieces per name (the suffix joined once): a third of a 256-page plan's cost.
+        pre = self.pre
         if len(comps) == 1:
-            c = comps[0]
-            return [f"{pre}{k}{mid}{c}" for k in keys]
-        return [f"{pre}{k}{mid}{c}" for k in keys for c in comps]
+            suf = self.mid + comps[0]
+            return [f"{pre}{k}{suf}" for k in keys]
+        out: list[str] = [""] * (len(keys) * len(comps))
+        for c, comp in enumerate(comps):
+            suf = self.mid + comp
+            out[c :: len(comps)] = [f"{pre}{k}{suf}" for k in keys]
+        return out
 
 
 # ------------------------------------------------------------------------------- failures
@@ -597,6 +721,27 @@ class _Counters:
                 else:
                     self._v[k] += v
 
+    def io(self, kind: str, pages: int, done: int, nbytes: int, dt: float) -> None:
+        """One v1 batch (``kind``: ``"get"`` or ``"set"``) in one locked update: :meth:`add`
+        with its dict of keyword arguments cost a 4 KiB-page batch ~1 % of its time."""
+        with self._lock:
+            v = self._v  # reset() swaps it under the lock
+            if kind == "get":
+                v["get_pages"] += pages
+                v["get_hits"] += done
+                v["get_misses"] += pages - done
+                v["get_bytes"] += nbytes
+                lists = ("get_seconds", "prefetch_pgs", "prefetch_bandwidth")
+            else:
+                v["set_pages"] += pages
+                v["set_written"] += done
+                v["set_failed"] += pages - done
+                v["set_bytes"] += nbytes
+                lists = ("set_seconds", "backup_pgs", "backup_bandwidth")
+            for k, x in zip(lists, (dt, pages, nbytes / dt / 1e9 if dt > 0 else 0.0)):
+                if len(v[k]) < 10000:  # bounded if nobody collects
+                    v[k].append(x)
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {k: (list(v) if isinstance(v, list) else v) for k, v in self._v.items()}
@@ -627,9 +772,10 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._down_until = 0.0
         self._shards: _Shards | None = None
         self._parts: tuple[str, list[str]] | None = None  # batch_exists name parts
-        # id(pool) -> (pool, its page table or None): measured once per pool; the pool is
-        # held so that its id cannot name another pool later.
-        self._tables: dict[int, tuple[Any, _PageTable | None]] = {}
+        self._kv_names: _Names | None = None  # the main pool's, from its registration on
+        # id(pool) -> (pool, its page table or None, its page size): measured once per pool;
+        # the pool is held so that its id cannot name another pool later.
+        self._tables: dict[int, tuple[Any, _PageTable | None, int]] = {}
         self._mha = not bool(getattr(storage_config, "is_mla_model", False))
         given = kwargs.get("client") if isinstance(kwargs, dict) else None
         self._own_client = given is None
@@ -680,6 +826,11 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return self._shards
 
     def _obj(self, pool: str = "kv", pool_mha: bool | None = None) -> _Names:
+        if pool == "kv" and pool_mha is None:  # the v1 calls' names: made once per pool
+            kv = self._kv_names
+            if kv is None:
+                kv = self._kv_names = _pool_names(self._names(), not self._mha)
+            return kv
         return _pool_names(self._names(), not self._mha, pool, pool_mha)
 
     def _register(self, tensors: Sequence[Any]) -> None:
@@ -703,12 +854,17 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def _table(self, pool: Any) -> tuple[_PageTable | None, int]:
         """``pool``'s page table (None: SGLang's meta is asked per call) and page size."""
-        ps = self._page_size(pool)
         hit = self._tables.get(id(pool))
         if hit is None or hit[0] is not pool:
+            ps = self._page_size(pool)
             # Idempotent: two threads measuring at once store equal tables.
-            hit = self._tables[id(pool)] = (pool, _PageTable.measure(pool, ps))
-        return hit[1], ps
+            table = _PageTable.measure(pool, ps)
+            if table is not None:
+                with self._reg_lock:
+                    regions = list(self._registered.values())
+                table.resolve(regions)
+            hit = self._tables[id(pool)] = (pool, table, ps)
+        return hit[1], hit[2]
 
     def _page_size(self, pool: Any) -> int:
         cfg = self.storage_config
@@ -730,11 +886,13 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         )
         self._mha = not bool(getattr(self.storage_config, "is_mla_model", False))
         self._parts = None
+        self._kv_names = None
         if getattr(pool, "kv_buffer", None) is None:
             return  # a logical anchor (DeepSeek-V4): the sidecar pools carry the bytes
         # Registered once: afterwards every page moves straight between this memory and
         # the store's segments.
         self._register(self._buffers(pool))
+        self._tables.pop(id(pool), None)  # its page size may differ as the main pool (DCP)
         self._table(pool)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -750,7 +908,11 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def _get_plan(self, plan: _Plan) -> list[bool]:
         """Read every object of ``plan`` in one store batch; per object: complete or not."""
-        if plan.multi:
+        if plan.regions is not None:
+            res = self.client.get_into_regions(
+                plan.names, plan.regions, plan.reg, plan.ptrs, plan.sizes
+            )
+        elif plan.multi:
             res = self.client.get_into_multi(plan.names, plan.ptrs, plan.sizes)
         else:
             res = self.client.get_into_raw(plan.names, plan.ptrs, plan.sizes)
@@ -808,57 +970,41 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
-        ok, nbytes, dt = self._run_v1(keys, host_indices, self._get_plan)
-        if dt is None:
-            return ok
-        hits = sum(ok)
-        self._counters.add(
-            get_pages=len(keys),
-            get_hits=hits,
-            get_misses=len(keys) - hits,
-            get_bytes=nbytes,
-            get_seconds=dt,
-            prefetch_pgs=len(keys),
-            prefetch_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0,
-        )
+        ok, hits, nbytes, dt = self._run_v1(keys, host_indices, self._get_plan, True)
+        if dt is not None:
+            self._counters.io("get", len(keys), hits, nbytes, dt)
         return ok
 
     @_guard(_all_false)
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
-        ok, nbytes, dt = self._run_v1(keys, host_indices, self._set_plan)
-        if dt is None:
-            return ok
-        good = sum(ok)
-        self._counters.add(
-            set_pages=len(keys),
-            set_written=good,
-            set_failed=len(keys) - good,
-            set_bytes=nbytes,
-            set_seconds=dt,
-            backup_pgs=len(keys),
-            backup_bandwidth=nbytes / dt / 1e9 if dt > 0 else 0.0,
-        )
+        ok, good, nbytes, dt = self._run_v1(keys, host_indices, self._set_plan, False)
+        if dt is not None:
+            self._counters.io("set", len(keys), good, nbytes, dt)
         return ok
 
     def _run_v1(
-        self, keys: list[str], host_indices: Any, run: Callable[[Any], Any]
-    ) -> tuple[list[bool], int, float | None]:
-        """One v1 batch: plan the pages, ``run`` the plan as one store batch. Returns the
-        per-page results, the bytes of the pages that succeeded and the elapsed seconds
-        (``None`` when nothing ran: no keys, or a logical-anchor pool without KV bytes)."""
+        self, keys: list[str], host_indices: Any, run: Callable[[Any], Any], resolved: bool
+    ) -> tuple[list[bool], int, int, float | None]:
+        """One v1 batch: plan the pages (``resolved``: in region offsets, a get's form),
+        ``run`` the plan as one store batch. Returns the per-page results, how many
+        succeeded, their bytes and the elapsed seconds (``None`` when nothing ran: no keys,
+        or a logical-anchor pool without KV bytes)."""
         if not keys:
-            return [], 0, None
+            return [], 0, 0, None
         pool = self.mem_pool_host
         if getattr(pool, "kv_buffer", None) is None:
-            return [True] * len(keys), 0, None  # logical anchor: no KV bytes of its own
-        self._check_indices(keys, host_indices, self._page_size(pool))
+            # logical anchor: no KV bytes of its own
+            return [True] * len(keys), len(keys), 0, None
         t0 = time.perf_counter()
-        plan = _plan(pool, keys, host_indices, self._obj(), self._mha, *self._table(pool))
+        table, ps = self._table(pool)
+        slots = _slots(host_indices)
+        self._check_indices(keys, slots, ps)
+        plan = _plan(pool, keys, host_indices, self._obj(), self._mha, table, ps, resolved, slots)
         ok = self._per_page(run(plan), plan.per_page)
-        nbytes = sum(plan.totals) // len(keys) * sum(ok)
-        return ok, nbytes, time.perf_counter() - t0
+        hits = ok.count(True)
+        return ok, hits, sum(plan.totals[: plan.per_page]) * hits, time.perf_counter() - t0
 
     @staticmethod
     def _check_indices(keys: Sequence[str], host_indices: Any, page_size: int) -> None:

@@ -203,10 +203,15 @@ def _lists(plan):
 @pytest.mark.parametrize("kind,layout", CASES)
 def test_page_table_gives_sglangs_own_addresses(kind, layout):
     """The backend's page table (measured once per pool) plans exactly what SGLang's
-    ``get_page_buffer_meta`` gives for pages in any order anywhere in the pool; a pool it
-    does not know, or whose meta is not of the table's form, gets no table (SGLang's meta is
-    asked per call), and a table off by one slot is caught by the comparison."""
+    ``get_page_buffer_meta`` gives for pages in any order anywhere in the pool, as addresses
+    and -- resolved to the pool's registrations -- as region offsets (a get's form); a pool
+    it does not know, or whose meta is not of the table's form, gets no table (SGLang's meta
+    is asked per call), and a table off by one slot is caught by the comparison."""
     import random
+    from types import SimpleNamespace
+
+    import msgspec
+    import numpy as np
 
     from kvmesh_sglang import hicache as H
 
@@ -214,7 +219,19 @@ def test_page_table_gives_sglangs_own_addresses(kind, layout):
     ps = pool.page_size
     table = H._PageTable.measure(pool, ps)
     assert table is not None
+    bufs = H.KvmeshHiCacheStorage._buffers(pool)[::-1]  # registration order is no clue
+    table.resolve([SimpleNamespace(ptr=t.data_ptr(), size=t.nbytes) for t in bufs])
+    assert table.regions is not None
     names = H._Names("ns/", "tp0of1")
+
+    def addresses(plan):  # a resolved plan's offsets as the addresses they name
+        assert plan.regions is not None
+        shape = np.shape(plan.ptrs)
+        base = np.array([r.ptr for r in plan.regions], np.int64)
+        at = base[np.broadcast_to(plan.reg, shape)] + plan.ptrs
+        z = np.broadcast_to(plan.sizes, shape)
+        return _lists(msgspec.structs.replace(plan, ptrs=at, sizes=z))
+
     pages = int(pool.size) // ps
     rng = random.Random(5)
     for n in (1, 3, 17):
@@ -223,6 +240,7 @@ def test_page_table_gives_sglangs_own_addresses(kind, layout):
         keys = page_keys(n, "tbl")
         want = _lists(H._plan(pool, keys, idx, names, kind == "mha"))
         assert _lists(H._plan(pool, keys, idx, names, kind == "mha", table, ps)) == want
+        assert addresses(H._plan(pool, keys, idx, names, kind == "mha", table, ps, True)) == want
         off = H._PageTable(table.base + table.stride, table.stride, table.sizes)
         assert _lists(H._plan(pool, keys, idx, names, kind == "mha", off, ps)) != want
     # not of the table's form: another class, an unknown layout, a meta that is not affine
@@ -572,18 +590,18 @@ def test_failures_are_misses_never_exceptions_or_wrong_bytes(cluster, monkeypatc
     assert b.batch_get_v1(keys, idx[:ps]) == [False] * 3
     assert b.batch_set_v1(keys, None) == [False] * 3
     # a read whose lease expired mid-copy, or that filled fewer bytes than the page: a miss
-    real = b.client.get_into_raw
+    real = b.client.get_into_regions  # the get of a pool whose page table knows its regions
 
-    def flaky(names, ptrs, sizes):
-        res = real(names, ptrs, sizes)
+    def flaky(*args):
+        res = real(*args)
         res[0] = E.LeaseExpired("planted")
         res[3] = res[3] - 1  # page 1's V object came back one byte short
         return res
 
-    monkeypatch.setattr(b.client, "get_into_raw", flaky)
+    monkeypatch.setattr(b.client, "get_into_regions", flaky)
     out = pool.alloc(3 * ps)
     assert b.batch_get_v1(keys, out) == [False, False, True]
-    monkeypatch.setattr(b.client, "get_into_raw", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(b.client, "get_into_regions", lambda *a, **k: 1 / 0)
     assert b.batch_get_v1(keys, out) == [False] * 3
     assert b.stats()["errors"] >= 3
     b.close()

@@ -689,15 +689,16 @@ def test_by_address_inline_refuses_before_a_byte_and_releases_on_failure(make_en
         client.unregister(r, timeout=1.0)
 
 
-def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monkeypatch):
+@pytest.mark.parametrize("via", ["by_address", "grouped"])
+def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monkeypatch, via):
     # SGLang sends a request's pages block by block; blocks adjacent in both the local and the
     # peer memory (of one region pair) go to the transport as one run, merged once per call.
+    # transfer_by_address and transfer_grouped share the one grouping (and its merge).
     owner, client = make_engine(), make_engine()
     rng = np.random.default_rng(8)
     src = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(2)]
     dst = [np.zeros(64 << 10, np.uint8) for _ in range(2)]
-    for x in src:
-        client.register(x)
+    regions = [client.register(x) for x in src]
     for i, x in enumerate(dst):
         owner.register(x, name=f"m{i}")
     k = 4096
@@ -715,7 +716,17 @@ def test_by_address_merges_blocks_adjacent_on_both_sides_once(make_engine, monke
         real(job)
 
     monkeypatch.setattr(local_t, "execute", spy)
-    res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, [k] * len(local))
+    if via == "by_address":
+        res = client.transfer_by_address(Op.WRITE, owner.address, local, remote, [k] * len(local))
+    else:
+        segs = [client.open_segment(owner.address, f"m{i}") for i in range(2)]
+        pair = np.repeat([1, 0], 6)  # the second pair's requests first: grouped back
+        order = np.r_[6:12, 0:6]
+        lo = np.array(local, np.int64)[order] - np.array([r.ptr for r in regions])[pair]
+        ro = np.array(remote, np.int64)[order] - np.array([d.ctypes.data for d in dst])[pair]
+        got = client.transfer_grouped(Op.WRITE, regions, pair, lo, segs, pair, ro, np.full(12, k))
+        assert got.ok.all() and not got.one_by_one and len(got.results) == 1
+        res = got.results[0]
     assert res.requests == 12 and res.nbytes == 12 * k
     assert sorted(jobs) == [([3 * k, k, k, k], [3 * k, k, k, k])] * 2
     for s, d in zip(src, dst):

@@ -170,6 +170,57 @@ class Buffers:
             return Places(regs[first], off, z)
         return Places(regs[first], off, z, regs, ri)
 
+    @staticmethod
+    def _region_columns(
+        regions: Any, reg: Any, offsets: Any, sizes: Any, n: int
+    ) -> Places | Pieces:
+        """The places of ``n`` objects named by region and offset columns: object ``i``'s
+        bytes go to ``regions[reg[i]]`` at ``offsets[i]`` (capacity ``sizes[i]``), or --
+        ``offsets`` of shape ``(n, ranges)`` -- fill its ranges in order; ``reg`` and
+        ``sizes`` broadcast to ``offsets``' shape. Checked for the batch at once (the caller
+        resolved its memory once, so no address lookup is left); a bad column refuses the
+        call, it cannot be a single key's fault."""
+        regs = list(regions)
+        if not regs or not all(isinstance(r, MemoryRegion) and not r.closed for r in regs):
+            raise E.NotRegistered("regions must be registered, open MemoryRegions")
+        o, x, z = _ints(offsets), _ints(reg), _ints(sizes)
+        if o is None or x is None or z is None or o.ndim not in (1, 2) or len(o) != n:
+            raise E.InvalidParams(f"{n} keys need int columns of offsets (n or n x ranges)")
+        if not o.size:
+            raise E.InvalidParams("no ranges to read into")
+        bad = E.InvalidParams("a region index, offset or size is out of range")
+        o_lo, o_hi = int(o.min()), int(o.max())
+        if x.ndim == 0:  # one region for every range (the usual batch): checks on ints
+            r = int(x)
+            if not 0 <= r < len(regs):
+                raise bad
+            regs, x = [regs[r]], None
+        elif int(x.min()) < 0 or int(x.max()) >= len(regs):
+            raise bad
+        limit = max(r.size for r in regs)
+        z_lo, z_hi = (int(z), int(z)) if z.ndim == 0 else (int(z.min()), int(z.max()))
+        if o_lo < 0 or z_lo <= 0 or o_hi > limit or z_hi > limit:  # bounded: no int64 wrap
+            raise bad
+        try:
+            if x is not None:
+                x = np.broadcast_to(x, o.shape)
+            z = np.full(o.shape, int(z), np.int64) if z.ndim == 0 else np.broadcast_to(z, o.shape)
+        except ValueError:
+            raise E.InvalidParams(
+                f"region indexes and sizes do not fit offsets {o.shape}"
+            ) from None
+        if x is None or len(regs) == 1:
+            over = o_hi + z_hi > limit and int((o + z).max()) > limit
+        else:
+            over = bool((o + z > np.array([r.size for r in regs], np.int64)[x]).any())
+        if over:
+            raise E.InvalidParams("a range runs past the end of its registered region")
+        if o.ndim == 1:
+            return Places(regs[0], o, z) if x is None else Places(regs[0], o, z, regs, x)
+        ln = np.ascontiguousarray(z)
+        xr = np.zeros(o.shape, np.int64) if x is None else np.ascontiguousarray(x)
+        return Pieces(regs, xr, o, ln, ln.sum(axis=1))
+
     def _column_pieces(self, ptrs: Any, sizes: Any, n: int) -> Pieces | None:
         """The places of ``n`` multi-range objects named by raw addresses as columns:
         ``ptrs`` a ``(n, ranges)`` integer array, ``sizes`` the same shape (or one row for
@@ -299,6 +350,16 @@ class Buffers:
         starts = [0, *ends[:-1]]
         totals = np.add.reduceat(ln, starts).tolist()
         return [pieces[a:z] for a, z in zip(starts, ends)], totals
+
+
+def _ints(v: Any) -> np.ndarray | None:
+    """:func:`int_array`, without its conversions for what already is int64 (each numpy call
+    costs microseconds once a copy has cooled the caches)."""
+    if type(v) is np.ndarray and v.dtype == np.int64:
+        return v
+    if type(v) is int:
+        return np.int64(v) if -(2**63) <= v < 2**63 else None
+    return int_array(v)
 
 
 def split_pieces(pieces: list[tuple], slices: Any) -> list[tuple]:

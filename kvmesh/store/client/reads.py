@@ -513,6 +513,20 @@ class Reads:
         szs = sizes if sizes is None or np.ndim(sizes) == 0 else np.asarray(sizes).tolist()
         return self.get_into(ks, np.asarray(ptrs).reshape(-1).tolist(), 0, szs)
 
+    def get_into_regions(
+        self, keys: Sequence[Any], regions: Sequence[MemoryRegion], reg: Any, offsets: Any,
+        sizes: Any,
+    ) -> BatchResults:  # fmt: skip
+        """Batch get into memory the caller resolved once (its :meth:`register_buffer`
+        regions): key ``i``'s bytes go to ``regions[reg[i]]`` at ``offsets[i]``, capacity
+        ``sizes[i]``; ``offsets`` of shape ``(keys, ranges)``: filled range by range in
+        order. Integer columns, ``reg`` and ``sizes`` broadcast to ``offsets``; checked for
+        the whole batch, with no address lookup per call. Per key the number of bytes read."""
+        ks = list(keys)
+        places = self._region_columns(regions, reg, offsets, sizes, len(ks))
+        caps = places.caps if isinstance(places, Places) else places.totals
+        return self._get_regions(ks, places, caps)
+
     def _one_region(
         self, buffer: Any, offsets: Any, sizes: Any, n: int, batch: bool
     ) -> Places | None:
