@@ -299,20 +299,41 @@ def test_forged_install_snapshot_to_every_replica_leaves_the_cluster_healthy_and
     run(main())
 
 
-def test_gap_append_forged_votes_and_timeout_now_change_nothing(cluster):
+@pytest.fixture
+def long_lease_cluster(tmp_path):
+    """The defence against a member's forged Vote is the follower lease: a follower that has
+    not heard its leader for an election timeout grants a higher term, as Raft must. On a
+    loaded CI machine the processes can stall longer than 10 ticks, which ends the lease
+    honestly; 60 ticks keep the lease the test is about, whatever the load."""
+    c = LocalCluster(
+        str(tmp_path),
+        3,
+        tick_ms=TICK_MS,
+        election_ticks=60,
+        token=TOKEN,
+        extra_args=["--frame-timeout-s", "1.5"],
+    )
+    try:
+        c.start_all()
+        yield c
+    finally:
+        c.close()
+
+
+def test_gap_append_forged_votes_and_timeout_now_change_nothing(long_lease_cluster):
     """Defect 3: an Append with a gap killed its receiver ("append would leave a gap");
     Vote(transfer=True) moved a term from 2 to 1003; TimeoutNow moved leadership at will.
     Sent by an authenticated member under its own id (the strongest position without
     forging ``frm``) and under the leader's id, none of it changes terms or leadership."""
 
     async def main():
-        async with client(cluster) as c:
+        async with client(long_lease_cluster) as c:
             await put_many(c, "a", 10)
-            lid, st = await leader_status(cluster)
+            lid, st = await leader_status(long_lease_cluster)
             term = st[lid]["term"]
-            f1, f2 = [i for i in cluster.ids if i != lid]
+            f1, f2 = [i for i in long_lease_cluster.ids if i != lid]
             last = st[f1]["last_index"]
-            _r, w = await peer_as(cluster.peers[f1], lid)
+            _r, w = await peer_as(long_lease_cluster.peers[f1], lid)
             w.write(
                 msg_frames(
                     Append(lid, f1, term, last, term, last, [Entry(term, last + 5, 0, b"gap")])
@@ -320,29 +341,29 @@ def test_gap_append_forged_votes_and_timeout_now_change_nothing(cluster):
             )
             w.write(msg_frames(TimeoutNow(lid, f1, term + 7)))
             await w.drain()
-            _r2, w2 = await peer_as(cluster.peers[f1], f2)
+            _r2, w2 = await peer_as(long_lease_cluster.peers[f1], f2)
             w2.write(
                 msg_frames(
                     Vote(f2, f1, term + 1000, 10**9, term + 1000, True), TimeoutNow(f2, f1, term)
                 )
             )
             await w2.drain()
-            _r3, w3 = await peer_as(cluster.peers[lid], f2)
+            _r3, w3 = await peer_as(long_lease_cluster.peers[lid], f2)
             w3.write(msg_frames(Vote(f2, lid, term + 1000, 10**9, term + 1000, True)))
             await w3.drain()
             await asyncio.sleep(1.5)
             for x in (w, w2, w3):
                 x.close()
-            assert_alive(cluster)
+            assert_alive(long_lease_cluster)
             st = await statuses_until(
-                cluster, lambda st: st.get(f1, {}).get("core_dropped_msgs", 0) >= 3
+                long_lease_cluster, lambda st: st.get(f1, {}).get("core_dropped_msgs", 0) >= 3
             )
             assert {s["term"] for s in st.values()} == {term}, st
             assert {s["leader"] for s in st.values()} == {lid}
             assert st[f1]["core_dropped_msgs"] >= 3
             await put_many(c, "b", 10)
             await check_many(c, "a", 10)
-        await converge(cluster)
+        await converge(long_lease_cluster)
 
     run(main())
 
