@@ -533,7 +533,7 @@ def _slots(host_indices: Any) -> Any:
     tensor's own conversion (copied to the host first when it lives elsewhere)."""
     global _TORCH_INT64
     if not hasattr(host_indices, "numpy"):
-        return host_indices
+        return np.asarray(host_indices, np.int64)  # a list: never list * int in a plan
     if _TORCH_INT64 is None:
         import torch
 
