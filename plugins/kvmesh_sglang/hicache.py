@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvmesh import StoreClient
 from kvmesh.store import errors as store_errors
@@ -343,8 +344,6 @@ class _PageTable:
         (``regions``: the backend's registrations), so that a get names its pages as region
         offsets and the client looks no address up per call. A buffer outside every region
         leaves the table unresolved (gets then pass raw addresses)."""
-        import numpy as np
-
         last = (self.pages - 1) * self.page_size
         reg, off = [], []
         for b, st, z in zip(self.base.tolist(), self.stride.tolist(), self.sizes):
@@ -362,7 +361,6 @@ class _PageTable:
 
     @staticmethod
     def measure(pool: Any, page_size: int) -> _PageTable | None:
-        import numpy as np
         import torch
 
         layouts = _AFFINE.get(type(pool).__name__, ())
@@ -405,8 +403,6 @@ class _PageTable:
 
     def meta(self, first: Any) -> tuple[Any, list[int]]:
         """Pointers ``[page, j]`` (int64) for the pages starting at slots ``first``."""
-        import numpy as np
-
         f = np.asarray(first, dtype=np.int64).reshape(-1, 1)
         return self.base + f * self.stride, self.sizes
 
@@ -419,7 +415,6 @@ class _PageTable:
         unresolved, or its buffers do not split into ``step`` objects."""
         hit = self._cols.get(step)
         if hit is None and self.regions is not None and len(self.sizes) % step == 0:
-            import numpy as np
 
             def arrange(v: Any) -> Any:  # [buffer] -> [object, range]: K even, V odd
                 return np.asarray(v, np.int64).reshape(-1, step).T.copy()
@@ -455,8 +450,6 @@ def _plan(
     if slots is None and table is not None:
         slots = _slots(host_indices)  # one torch call: each costs more than a numpy op
     if table is not None and n and len(slots) == n * page_size:
-        import numpy as np
-
         names = obj.names(keys, comps)
         first = slots[::page_size]
         cols = table.objects(len(comps)) if resolved else None
@@ -507,8 +500,6 @@ def _plan(
 def _resolved(table: _PageTable, names: list[str], first: Any, comps: Any, cols: Any) -> _Plan:
     """:func:`_plan` in region offsets: one multiply-add per page (Python-int factors for
     one range a page); region indexes and sizes as one value or one row where they allow."""
-    import numpy as np
-
     off0, stride, z, reg, z1, reg1, tot = cols
     step, r = z.shape
     n = len(first)
@@ -542,7 +533,7 @@ def _slots(host_indices: Any) -> Any:
     tensor's own conversion (copied to the host first when it lives elsewhere)."""
     global _TORCH_INT64
     if not hasattr(host_indices, "numpy"):
-        return host_indices
+        return np.asarray(host_indices, np.int64)  # a list: never list * int in a plan
     if _TORCH_INT64 is None:
         import torch
 
@@ -556,8 +547,6 @@ def _slots(host_indices: Any) -> Any:
             "typestr": _NATIVE_I8,
             "version": 3,
         }
-        import numpy as np
-
         return np.asarray(v)
     try:
         return t.numpy()  # refused for device or autograd tensors
@@ -1069,8 +1058,6 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         """Fill each flat page tensor (SGLang's dummy pages) from one batched read."""
         if not keys:
             return []
-        import numpy as np
-
         out: list[Any] = [None] * len(keys)
         data = _whole(self.client.get([self._flat(k) for k in keys]))
         hits = 0
