@@ -251,10 +251,11 @@ class Leader:
 
     def bind_reservation(self, tag: int, client_id: int, now: float) -> float:
         """Session ``client_id`` holds reservation ``tag`` (granted or used by a commit at
-        ``now``): kept ``lease_ttl_s`` from now, then released unless used again. Returns
-        that hold in seconds (an unknown tag gets as much on a new leader: HoldTracker)."""
+        ``now``): kept the lease TTL (at most the put timeout, the bound of a stalled
+        writer's bytes) from now, then released unless used again. Returns that hold in
+        seconds (an unknown tag gets at least as much on a new leader: HoldTracker)."""
         self._reservations[tag] = client_id
-        hold = self.cfg.lease_ttl_s
+        hold = min(self.cfg.lease_ttl_s, self.cfg.put_timeout_s)
         self.holds.note(tag, now + hold)
         return hold
 

@@ -175,8 +175,6 @@ class Writes:
         bad_owners, transports = self._move_arrays(Op.WRITE, *arrays, left)
         failed = set(bad_owners.tolist())
         ok = [j for j in range(n) if j not in failed] if failed else list(range(n))
-        for j in failed:
-            out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
         okeys = pkeys if not failed else [pkeys[j] for j in ok]
         osizes = psizes if not failed else [psizes[j] for j in ok]
         ooffs = offs if not failed else [offs[j] for j in ok]
@@ -195,10 +193,14 @@ class Writes:
                 if res.by_config.get(config) is r:
                     del res.by_config[config]
             fail_all(out, where, whole_error(resp))
+            for j in failed:
+                out[part[j]] = E.TransferFailed(f"writing {pkeys[j]!r} to its replicas failed")
             return transports
         with res.lock:
             for j in failed:
                 r.give(sid, offs[j], int(rounded[j]))
+            if failed:  # its segment may be gone (its node expired): not used again
+                r.deadline = 0.0
             if resp.tag != r.tag:  # released (or replaced): what is left here is gone
                 if res.by_config.get(config) is r:
                     del res.by_config[config]
@@ -210,9 +212,10 @@ class Writes:
                 r.grant(resp.added, resp.seg, resp.hold_ms, t0)
                 if E.InvalidWrite.code in resp.codes:
                     r.deadline = 0.0  # not ours as we thought (drained): not used again
-        if not any(resp.codes):
+        # written into bytes the master no longer holds for us, or not written: put anew
+        again = [part[j] for j in sorted(failed)]
+        if not any(resp.codes) and not again:
             return transports
-        again = []  # written into bytes the master no longer holds for us: put them anew
         for j, code in zip(ok, resp.codes):
             if code == 0:
                 continue
@@ -224,7 +227,7 @@ class Writes:
                     r.give(sid, offs[j], int(rounded[j]))
             out[part[j]] = E.error_for(code, f"put of {keys[part[j]]!r}")
         if again:
-            transports = self._put_started(keys, bufs, sizes, again, out, False, config)
+            transports = self._put_started(keys, bufs, sizes, sorted(again), out, False, config)
         return transports
 
     def _put_started(self, keys, bufs, sizes, part, out, upsert, config) -> list[str]:
