@@ -224,3 +224,18 @@ def test_abandoned_reservation_is_freed(env) -> None:
     # the module's own client may hold one too; that one is renewed only by its puts
     assert c.status()["usage"]["reserved_bytes"] == 0
     assert c.get("gone-0") == b"g" * 100_000
+
+
+def test_reservations_are_never_placed_on_a_disk_segment() -> None:
+    """A reservation is where a writer's bytes land with no checksum recorded: on a disk
+    segment they would be a disk-resident object the tier knows nothing of (its reads
+    unchecked). Reservations come from memory segments only, whatever has more room."""
+    sm = StoreStateMachine()
+    sm.apply(1, C.encode_command(C.Mount("n1", "s1", "e1", "h1", 256 << 10, 0.0)))
+    disk = C.Mount("n1", "s1.disk", "e1", "h1", 64 << 20, 0.0, medium="disk")
+    sm.apply(2, C.encode_command(disk))
+    r = sm.apply(3, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=128 << 10)))
+    assert r.seg is not None and r.seg[0] == "s1", r
+    r = sm.apply(4, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=1 << 20)))
+    assert r.added == [] and r.seg is None, r  # memory has no such room: nothing, not disk
+    assert not invariants.check(sm)

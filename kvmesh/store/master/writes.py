@@ -273,7 +273,13 @@ class Writes:
         else:
             seg = self.segs.get(c.sid)
             lifecycle = next_state(State.GONE, Event.PUT_COMMIT) is State.COMPLETE
-            if not tag or seg is None or seg.state != MOUNTED or not lifecycle:
+            if (
+                not tag
+                or seg is None
+                or seg.state != MOUNTED
+                or seg.medium != MEMORY
+                or not lifecycle
+            ):
                 codes = [int(Code.INVALID_WRITE)] * n
             else:
                 codes = self._commit_keys(index, c, held[tag], seg)
@@ -286,7 +292,8 @@ class Writes:
         a = self.config.align
         if 0 < c.reserve <= MAX_OBJECT_SIZE:
             r = (c.reserve + a - 1) & -a
-            mounted = [s for s in self.segs.values() if s.state == MOUNTED]
+            # memory only, as every put: disk gets bytes by demotion, with a checksum
+            mounted = [s for s in self.segs.values() if s.state == MOUNTED and s.medium == MEMORY]
             s = self._pick(r, _NONE, _NONE, cfg, True, index << 24, mounted)
             if s is not None:
                 off = s.alloc.alloc(r)
