@@ -100,7 +100,7 @@ class Handlers:
             raise E.InvalidParams("segment size must be positive")
         # A cheap early refusal; the cap itself is judged in apply (in log order), as
         # mounts in flight together all pass this check.
-        if self.sm.usage().segments >= self.cfg.max_segments:
+        if self.sm.usage(None).segments >= self.cfg.max_segments:
             raise E.NoSpace(
                 f"the pool holds {self.cfg.max_segments} segments, its limit (max_segments)"
             )

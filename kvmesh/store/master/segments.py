@@ -93,21 +93,19 @@ class Segments:
         return out
 
     def usage(self, medium: str | None = MEMORY) -> Usage:
-        """Totals of the segments of ``medium`` (None: all); object counts and ``segments``
-        are of the whole pool. Memory by default: what puts are placed in and evicted from."""
-        cap = used = 0
-        for s in self.segs.values():
-            if medium is not None and s.medium != medium:
-                continue
-            cap += s.alloc.size
-            used += s.alloc.used
+        """Totals of the segments of ``medium`` (None: all): capacity, used, segments, held
+        and reserved bytes; object counts are of the whole pool. Memory by default: what
+        puts are placed in and evicted from."""
+        segs = self.segs
+        mine = [s for s in segs.values() if medium is None or s.medium == medium]
+        ids = {s.id for s in mine}
         a = self.config.align
-        held = sum((ln + a - 1) & -a for v in self.held.values() for _, _, ln in v)
-        reserved = sum(ln for v in self.reserved.values() for _, _, ln in v)
+        held = sum((ln + a - 1) & -a for v in self.held.values() for sid, _, ln in v if sid in ids)
+        reserved = sum(ln for v in self.reserved.values() for sid, _, ln in v if sid in ids)
         return Usage(
-            capacity=cap, used=used, objects=len(self.objects), complete=self.complete,
-            processing=len(self.processing), segments=len(self.segs), held_bytes=held,
-            reserved_bytes=reserved,
+            capacity=sum(s.alloc.size for s in mine), used=sum(s.alloc.used for s in mine),
+            objects=len(self.objects), complete=self.complete, processing=len(self.processing),
+            segments=len(mine), held_bytes=held, reserved_bytes=reserved,
         )  # fmt: skip
 
     def _bytes(self, o: Obj) -> int:
