@@ -37,8 +37,22 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _leader_status(c: StoreClient) -> dict:
-    return c.status()
+def _leader_status(c: StoreClient, timeout: float = 30.0) -> dict:
+    """The current leader's status. ``StoreClient.status`` answers from whichever replica
+    the client talks to, and a follower's view lags the log: the checks here are of the
+    leader's judgement (a follower's would also make "the leader" paused a follower)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for addr in c.rpc.addrs:
+            try:
+                st = c.rpc.status(addr, timeout=2.0)
+            except Exception:  # noqa: BLE001 - a paused or restarting replica
+                continue
+            if st.get("role") == "LEADER":
+                return st
+        if time.monotonic() > deadline:
+            raise AssertionError("no replica answers as the leader")
+        time.sleep(0.1)
 
 
 def _heard(st: dict) -> float:
