@@ -217,6 +217,8 @@ def test_abandoned_reservation_is_freed(env) -> None:
     w = StoreClient(cl.address, token=TOKEN, timeout=10)
     w.put("gone-0", b"g" * 100_000)
     assert w.status()["usage"]["reserved_bytes"] >= 100_000
+    # a writer that dies keeps no reservation it could give back: close() without it
+    w._reserved.by_config.clear()
     w.close()  # no commit again: the master frees it after its hold (the lease TTL)
     deadline = time.monotonic() + LEASE_S + 5
     while c.status()["usage"]["reserved_bytes"] and time.monotonic() < deadline:
@@ -226,16 +228,45 @@ def test_abandoned_reservation_is_freed(env) -> None:
     assert c.get("gone-0") == b"g" * 100_000
 
 
+def test_close_gives_the_reservation_back(env) -> None:
+    """Idle reserved bytes are memory no one else can use: a client that closes releases
+    its reservation at once rather than leaving it to lapse after its hold."""
+    cl, peer, c = env
+    before = c.status()["usage"]["reserved_bytes"]  # the module client's, if it holds one
+    w = StoreClient(cl.address, token=TOKEN, timeout=10)
+    w.put("back-0", b"b" * 100_000)
+    assert c.status()["usage"]["reserved_bytes"] >= before + 100_000
+    w.close()
+    assert c.status()["usage"]["reserved_bytes"] == before
+    assert c.get("back-0") == b"b" * 100_000
+
+
 def test_reservations_are_never_placed_on_a_disk_segment() -> None:
     """A reservation is where a writer's bytes land with no checksum recorded: on a disk
     segment they would be a disk-resident object the tier knows nothing of (its reads
     unchecked). Reservations come from memory segments only, whatever has more room."""
     sm = StoreStateMachine()
-    sm.apply(1, C.encode_command(C.Mount("n1", "s1", "e1", "h1", 256 << 10, 0.0)))
+    sm.apply(1, C.encode_command(C.Mount("n1", "s1", "e1", "h1", 1 << 20, 0.0)))
     disk = C.Mount("n1", "s1.disk", "e1", "h1", 64 << 20, 0.0, medium="disk")
     sm.apply(2, C.encode_command(disk))
     r = sm.apply(3, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=128 << 10)))
     assert r.seg is not None and r.seg[0] == "s1", r
-    r = sm.apply(4, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=1 << 20)))
+    r = sm.apply(4, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=2 << 20)))
     assert r.added == [] and r.seg is None, r  # memory has no such room: nothing, not disk
+    assert not invariants.check(sm)
+
+
+def test_reservations_together_hold_at_most_a_share_of_memory() -> None:
+    """Reserved bytes are not evictable: writers that stopped (or very many writers) must
+    not crowd the cache out. All reservations together stay within a quarter of memory;
+    past it a reserve adds nothing (the writer puts in two round trips)."""
+    sm = StoreStateMachine()
+    sm.apply(1, C.encode_command(C.Mount("n1", "s1", "e1", "h1", 1 << 20, 0.0)))
+    r = sm.apply(2, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=200 << 10)))
+    assert r.tag == 2 and r.added[2] == 200 << 10
+    r = sm.apply(3, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=100 << 10)))
+    assert r.tag == 0 and r.added == [], r  # 300 KiB > 256 KiB: refused
+    r = sm.apply(4, C.encode_command(C.PutCommit([], [], 0, 0, [], CFG, 1.0, reserve=56 << 10)))
+    assert r.tag == 4 and r.added[2] == 56 << 10  # exactly the share
+    assert sm.usage().reserved_bytes == 256 << 10
     assert not invariants.check(sm)

@@ -138,6 +138,7 @@ class StoreClient(Writes, Reads, Meta, Buffers, Moves):
         if self._closed:
             return
         self._closed = True
+        self._release_reservations()
         if self.node is not None:
             self.node.close()
         self._staging.close()

@@ -92,6 +92,23 @@ class Writes:
                 return done
         return self._put_started(keys, bufs, sizes, part, out, upsert, config)
 
+    def _release_reservations(self) -> None:
+        """Give every reservation back (at close): idle reserved bytes are memory no other
+        writer and no eviction can use until their hold lapses."""
+        res = self._reserved
+        with res.lock:
+            held, res.by_config = list(res.by_config.items()), {}
+        for config, r in held:
+            try:
+                self.rpc.mutate(
+                    lambda rid, s, c=config, t=r.tag: P.PutCommitReq(
+                        rid, s, [], [], t, 0, [], c, 0, release=True
+                    ),
+                    timeout=1.0,
+                )
+            except Exception:  # noqa: BLE001 - the hold lapses on the master anyway
+                pass
+
     def _reserve(self, config: ReplicateConfig, want: int) -> Reservation | None:
         """A new reservation of ``want`` bytes (the rest of the old one released in the
         same entry); None if the master has no room or takes no commits."""

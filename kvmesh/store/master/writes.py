@@ -56,6 +56,7 @@ __all__ = ["Writes"]
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 _STRATEGIES = ("local", "random", "most_free")
 _NONE: frozenset[str] = frozenset()
+RESERVE_SHARE = 4  # writers' reservations hold at most 1/RESERVE_SHARE of memory, together
 
 
 def _join(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> None:
@@ -294,7 +295,12 @@ class Writes:
             r = (c.reserve + a - 1) & -a
             # memory only, as every put: disk gets bytes by demotion, with a checksum
             mounted = [s for s in self.segs.values() if s.state == MOUNTED and s.medium == MEMORY]
-            s = self._pick(r, _NONE, _NONE, cfg, True, index << 24, mounted)
+            # Reserved bytes are neither objects nor evictable: all writers together hold at
+            # most RESERVE_SHARE of memory, so idle reservations (writers that stopped, or
+            # many writers) cannot crowd out the cache; past it, puts take two round trips.
+            room = sum(s.size for s in mounted) // RESERVE_SHARE
+            over = sum(ln for v in held.values() for _, _, ln in v) + r > room
+            s = None if over else self._pick(r, _NONE, _NONE, cfg, True, index << 24, mounted)
             if s is not None:
                 off = s.alloc.alloc(r)
                 tag = tag or index
