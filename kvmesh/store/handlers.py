@@ -113,6 +113,8 @@ class Handlers:
             now=wall_clock(),
             max_segments=self.cfg.max_segments,
             medium=req.medium,
+            disk_id=req.disk_id,
+            offline_ttl=self.cfg.disk_offline_ttl_s,
         )
         code = _code_of(await self._propose(node, req.session, cmd))
         if code == 0:
@@ -150,6 +152,20 @@ class Handlers:
         got = dict(zip(cmd.keys, res.codes))
         nf = E.ObjectNotFound.code
         return P.CodesResp(req.rid, [int(got.get(k, nf)) for k in req.keys])
+
+    async def _adopt_list(self, node: RaftNode, req: P.AdoptListReq) -> P.AdoptListResp:
+        self._leader()
+        got = self.sm.adoptable(req.node_id, req.segment)
+        if got is None:
+            return P.AdoptListResp(req.rid, [E.SegmentNotFound.code])
+        cols = [list(x) for x in zip(*got)] if got else [[], [], [], [], []]
+        return P.AdoptListResp(req.rid, [0], *cols)
+
+    async def _adopt(self, node: RaftNode, req: P.AdoptReq) -> P.CodesResp:
+        if len(req.versions) != len(req.keys):
+            raise E.InvalidParams(f"{len(req.versions)} versions for {len(req.keys)} keys")
+        cmd = C.Adopt(req.node_id, req.segment, req.disk_id, req.keys, req.versions)
+        return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
 
     async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> P.CodesResp:
         if len(req.crcs) != len(req.keys):
@@ -574,4 +590,6 @@ HANDLERS: dict[type, Callable[[Any, RaftNode, Any, str], Awaitable[Any]]] = {
     P.UnmountReq: lambda s, n, r, p: s._unmount(n, r),
     P.DemoteEndReq: lambda s, n, r, p: s._demote_end(n, r),
     P.ReportCorruptReq: lambda s, n, r, p: s._report_corrupt(n, r),
+    P.AdoptListReq: lambda s, n, r, p: s._adopt_list(n, r),
+    P.AdoptReq: lambda s, n, r, p: s._adopt(n, r),
 }

@@ -91,12 +91,15 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # stops), ahead of the watermark at which demoted objects lose their memory copy
     demote_timeout_s: float = 30.0
     demote_watermark: float = 0.0
+    # an expired node's disk segment (with a disk id) stays offline this long, its COMPLETE
+    # copies listed for a restart to re-adopt (docs/store.md, "Restart re-adoption")
+    disk_offline_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
             raise ValueError("lease_ttl_s, put_timeout_s and node_ttl_s must be positive")
-        if self.demote_timeout_s <= 0:
-            raise ValueError("demote_timeout_s must be positive")
+        if self.demote_timeout_s <= 0 or self.disk_offline_ttl_s <= 0:
+            raise ValueError("demote_timeout_s and disk_offline_ttl_s must be positive")
         if not 0.0 <= self.demote_watermark <= 1.0:
             raise ValueError("demote_watermark must be in [0, 1] (0: the default)")
         if self.max_objects < 0:
@@ -334,12 +337,18 @@ class Leader:
     def expiry(self, now: float, wall: float) -> C.ExpireNodes | None:
         """The tick's first step: one liveness judgement (:attr:`verdict` keeps it) and the
         expiry it decides."""
-        v = self.liveness.tick(now, node_capacity(self.sm.segments()))
+        # (an offline disk segment has no node to hear from: it waits for re-adoption)
+        live = [s for s in self.sm.segments() if s.state != "offline"]
+        v = self.liveness.tick(now, node_capacity(live))
         self.verdict = v
         self.suspects = v.suspect
-        nodes = self.sm.nodes()
+        nodes = {s.node_id for s in live}
         expire = [n for n in v.expire if n in nodes]
-        return C.ExpireNodes(node_ids=expire, now=wall) if expire else None
+        if not expire:
+            return None
+        return C.ExpireNodes(
+            node_ids=expire, now=wall, disk_offline_ttl=self.cfg.disk_offline_ttl_s
+        )
 
     def expired(self, cmd: C.ExpireNodes, result: Any) -> None:
         """The ExpireNodes entry applied (``result``) or failed (None)."""

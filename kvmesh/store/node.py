@@ -14,7 +14,10 @@ With ``disk``/``disk_size`` the node also registers a disk segment (a file or a 
 local filesystem, ``kvmesh/transfer/disk.py``) on its engine, published as
 ``<segment>.disk``, before it mounts anything: a path that is not writable, in use, or on a
 filesystem too small stops the node at start with the reason. It is mounted at the master
-with medium ``disk``: puts are never placed there, the master's demotions are (docs/store.md,
+with medium ``disk`` and its *disk id* (random at first use, kept in ``PATH.kvmesh-id``): a
+node that restarts on the same path and id re-adopts the copies the master still lists there
+after checking each one's crc32c where the bytes are (:meth:`StorageNode._adopt`; docs/store.md,
+"Restart re-adoption"). Puts are never placed there, the master's demotions are (docs/store.md,
 "Disk tier"). Its files outlive the node, and a node restarted on the same path finds their
 bytes.
 """
@@ -22,6 +25,8 @@ bytes.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import threading
 import time
 from typing import Any
@@ -99,6 +104,8 @@ class StorageNode:
         self.mounts = 0
         self.heartbeats = 0
         self.demoted = 0  # objects this node demoted (DemoteEnd accepted)
+        self.disk_id = ""
+        self.adopted = (0, 0)  # the last re-adoption: (copies kept, copies dropped)
         self._stage: MemoryRegion | None = None
 
     def start(self) -> StorageNode:
@@ -108,6 +115,11 @@ class StorageNode:
             self.disk = self.engine.register_disk(
                 self.disk_path, self.disk_size, name=self.disk_segment, direct=self.disk_direct
             )
+            try:
+                self.disk_id = disk_id(self.disk_path)
+            except BaseException:
+                self._close_disk()
+                raise
         try:
             self.region = self.engine.alloc_shared(self.size, name=self.segment)
             try:
@@ -137,6 +149,49 @@ class StorageNode:
                 # a remount after an expiry: the master quarantines the dropped name for a
                 # while; the node serves memory meanwhile (re-adoption: docs/store.md)
                 log.warning("store node %s: disk segment not mounted again: %s", self.node_id, e)
+                return
+            self._adopt()
+
+    def _adopt(self) -> None:
+        """Re-adoption (docs/store.md, "Restart re-adoption"): the master lists the copies
+        it still holds in our disk id's segment (offline since our previous life); each is
+        checked against its crc32c where the bytes are, and one ``Adopt`` drops the ones
+        whose bytes are gone or differ and brings the rest back online."""
+        resp = self.master.call(
+            lambda rid: P.AdoptListReq(rid, self.node_id, self.disk_segment),
+            timeout=max(10.0, self.heartbeat_s * 2),
+        )
+        if type(resp) is not P.AdoptListResp or resp.codes != [0]:
+            return  # a fresh disk id (or a segment already online): nothing to adopt
+        eng = self.engine
+        seg = eng.open_segment(eng.address, self.disk_segment)
+        bad: list[int] = []
+        step = 4096
+        for lo in range(0, len(resp.keys), step):
+            offs, lens = resp.offsets[lo : lo + step], resp.lengths[lo : lo + step]
+            try:
+                got = eng.checksum_segment(seg, offs, lens).tolist()
+            except Exception as e:  # noqa: BLE001 - ranges outside the file: their bytes are gone
+                log.warning("store node %s: re-adoption check failed: %r", self.node_id, e)
+                got = [-1] * len(offs)
+            bad += [
+                lo + i for i, (g, c) in enumerate(zip(got, resp.crcs[lo : lo + step])) if g != c
+            ]
+        keys = [resp.keys[i] for i in bad]
+        versions = [resp.versions[i] for i in bad]
+        out = self.master.mutate(
+            lambda rid, s: P.AdoptReq(
+                rid, s, self.node_id, self.disk_segment, self.disk_id, keys, versions
+            )
+        )
+        code = _one_code(out)
+        if code != 0:
+            raise E.error_for(code, f"re-adopting disk segment {self.disk_segment!r} failed")
+        self.adopted = (len(resp.keys) - len(bad), len(bad))
+        log.info(
+            "store node %s: re-adopted %d disk copies, dropped %d that failed their check",
+            self.node_id, *self.adopted,
+        )  # fmt: skip
 
     def _mount_one(self, name: str, size: int, medium: str) -> None:
         resp = self.master.mutate(
@@ -149,6 +204,7 @@ class StorageNode:
                 self.engine.host_id,
                 size,
                 medium,
+                self.disk_id if medium == "disk" else "",
             )
         )
         code = _one_code(resp)
@@ -299,6 +355,39 @@ class StorageNode:
             self.engine.unregister(seg)
         except Exception:
             log.debug("store node %s: disk unregister failed", self.node_id, exc_info=True)
+
+
+def disk_id(path: str) -> str:
+    """The id of the disk segment at ``path``, kept in ``PATH.kvmesh-id``: read, or made at
+    random and written durably (fdatasync of the file, fsync of its directory) before the
+    segment is mounted with it -- an id the master knows is never lost by a power cut. A
+    missing or unreadable file gives a new id: the disk adopts nothing."""
+    f = f"{os.fspath(path).rstrip(os.sep)}.kvmesh-id"
+    try:
+        with open(f, encoding="ascii") as fh:
+            got = fh.read().strip()
+        if len(got) == 32 and all(c in "0123456789abcdef" for c in got):
+            return got
+        log.warning("disk id file %s is not an id: the disk gets a new one", f)
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("disk id file %s unreadable (%r): the disk gets a new one", f, e)
+    new = secrets.token_hex(16)
+    tmp = f"{f}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{new}\n".encode("ascii"))
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, f)
+    d = os.open(os.path.dirname(os.path.abspath(f)), os.O_RDONLY)
+    try:
+        os.fsync(d)
+    finally:
+        os.close(d)
+    return new
 
 
 def _one_code(resp: Any) -> int:

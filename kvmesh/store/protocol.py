@@ -31,6 +31,9 @@ __all__ = [
     "MUTATING",
     "PROTOCOL_VERSION",
     "SERVICE",
+    "AdoptListReq",
+    "AdoptListResp",
+    "AdoptReq",
     "CodesResp",
     "CountResp",
     "DemoteEndReq",
@@ -231,6 +234,7 @@ class MountReq(msgspec.Struct, tag="mount", array_like=True, frozen=True):
     host_id: str
     size: int
     medium: str = "memory"  # "disk": a disk segment (docs/store.md, "Disk tier")
+    disk_id: str = ""  # a disk segment's identity (docs/store.md, "Restart re-adoption")
 
 
 class UnmountReq(msgspec.Struct, tag="unmount", array_like=True, frozen=True):
@@ -265,6 +269,30 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     keys: list[str]
     versions: list[int]
     crcs: list[int]
+
+
+class AdoptListReq(msgspec.Struct, tag="adopt_list", array_like=True, frozen=True):
+    """Storage node ``node_id`` mounted its disk id again as ``segment``: which copies does
+    the master still list there? :class:`AdoptListResp` (``SegmentNotFound``: nothing to
+    adopt, the segment is online)."""
+
+    rid: int
+    node_id: str
+    segment: str
+
+
+class AdoptReq(msgspec.Struct, tag="adopt", array_like=True, frozen=True):
+    """Storage node ``node_id`` checked the copies listed in its disk segment ``segment``
+    (disk id ``disk_id``): ``keys`` at ``versions`` failed (their disk copies are dropped),
+    the rest are adopted and the segment is online again. :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    node_id: str
+    segment: str
+    disk_id: str
+    keys: list[str]
+    versions: list[int]
 
 
 class ReportCorruptReq(msgspec.Struct, tag="report_corrupt", array_like=True, frozen=True):
@@ -303,6 +331,8 @@ Request = (
     | RemovePrefixReq
     | DemoteEndReq
     | ReportCorruptReq
+    | AdoptListReq
+    | AdoptReq
 )
 
 MUTATING = (
@@ -317,6 +347,7 @@ MUTATING = (
     RemovePrefixReq,
     DemoteEndReq,
     ReportCorruptReq,
+    AdoptReq,
 )
 """Requests that become a log entry (and so carry a :class:`Session`)."""
 
@@ -408,6 +439,19 @@ class ReplicaTableResp(msgspec.Struct, tag="replica_table", array_like=True, fro
     crcs: list[int] = []
 
 
+class AdoptListResp(msgspec.Struct, tag="adopt_list", array_like=True, frozen=True):
+    """The copies an offline disk segment still lists, per key its version, the offset and
+    length of its one slice there and its crc32c (``codes``: one code)."""
+
+    rid: int
+    codes: list[int]
+    keys: list[str] = []
+    versions: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    crcs: list[int] = []
+
+
 class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, frozen=True):
     """The reply to a :class:`HeartbeatReq` with ``work``: its code (as CodesResp's) and
     the demotions the node is to do."""
@@ -476,6 +520,7 @@ Response = (
     | ErrorResp
     | RemovePrefixResp
     | DemoteTasksResp
+    | AdoptListResp
 )
 
 _enc = msgspec.msgpack.Encoder()

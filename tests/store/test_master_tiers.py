@@ -310,3 +310,178 @@ def test_planted_memory_freed_before_the_disk_copy_is_complete_is_caught(monkeyp
     )
     caught = [run_seed(seed, plant="early_free", **SIM) for seed in (1, 3, 5)]
     assert all(not r.ok and "demotion source" in r.violation for r in caught), caught
+
+
+# ---------------------------------------------------------------------- re-adoption
+
+from kvmesh.store.master.commands import Adopt, Reclaim  # noqa: E402
+
+ID = "ab" * 16
+NF = int(Code.OBJECT_NOT_FOUND)
+
+
+def _disk_pool(disk_id: str = ID) -> _SM:
+    """Node n0: memory m0 and disk m0.disk (with a disk id); node n1: memory m1 only."""
+    a = _SM()
+    assert a(Mount("n0", "m0", "ep0", "h0", 1 << 16, 0.0)).codes == [0]
+    assert a(Mount("n1", "m1", "ep1", "h1", 1 << 16, 0.0)).codes == [0]
+    assert a(
+        Mount("n0", "m0.disk", "ep0", "h0", 1 << 20, 0.0, medium="disk", disk_id=disk_id)
+    ).codes == [0]
+    return a
+
+
+def _disk_only(a: _SM, keys: list[str]) -> list[int]:
+    """Put ``keys`` on n0 and demote them to disk-only objects (crc i each)."""
+    r = a(PutStart(keys, [1000] * len(keys), ReplicateConfig(preferred_segment="m0"), 0.0))
+    assert r.codes == [0] * len(keys)
+    a(PutEnd(keys, r.versions))
+    vs = list(r.versions)
+    assert all(s == "m0" for k in keys for s in _segs(a, k))
+    assert _checked(a, DemoteStart(keys, vs)).codes == [0] * len(keys)
+    assert _checked(a, DemoteEnd("n0", keys, vs, list(range(len(keys))))).codes == [0] * len(keys)
+    assert _checked(a, DropReplica(keys, vs)).codes == [0] * len(keys)
+    return vs
+
+
+def _expire_offline(a: _SM, now: float = 0.0) -> None:
+    assert _checked(a, ExpireNodes(["n0"], now, disk_offline_ttl=100.0)).codes == [0]
+    assert {s.name: s.state for s in a.sm.segments()} == {"m1": "mounted", "m0.disk": "offline"}
+
+
+def test_an_expired_nodes_disk_goes_offline_listed_but_unreadable() -> None:
+    a = _disk_pool()
+    keys = [f"k{i}" for i in range(20)]
+    vs = _disk_only(a, keys)
+    # a demotion in flight from n0's memory: it goes with that memory (lost)
+    (vp,) = _put(a, ["p"])
+    if _segs(a, "p")[0] == "m0":
+        assert _checked(a, DemoteStart(["p"], [vp])).codes == [0]
+    _expire_offline(a)
+    assert a.sm.demoting() == [] and "p" not in a.sm.objects or _segs(a, "p") == ["m1"]
+    # listed, but neither found nor counted present: nothing could read them
+    assert len(a.sm.objects) >= 20 and a.sm.object_count() >= 20
+    assert a.sm.exists(keys[:3]) == [False] * 3
+    assert a.sm.exists_flags(keys[:2]) == [0, 0]
+    assert a.sm.exists_codes("k", ["0", "1"], [""]) == [0, 0]
+    assert a.sm.exists_leading("k", ["0"], [""]) == 0
+    for ks in (keys[:1], keys[:3], keys):  # the one-key, loop and batch paths
+        assert a.sm.lookup_table(ks).codes == [NF] * len(ks)
+    # the liveness judge no longer hears about n0 (only its offline disk is left)
+    assert a.sm.adoptable("n0", "m0.disk") == [
+        (k, v, off, 1000, i) for i, (k, v, off) in enumerate(_disk_offsets(a, keys, vs))
+    ]
+    assert a.sm.adoptable("n9", "m0.disk") is None and a.sm.adoptable("n0", "m1") is None
+    # an offline disk is not a place for new demotions, nor a reason to free memory
+    (vq,) = _put(a, ["q"])
+    assert _checked(a, DemoteStart(["q"], [vq])).codes == [int(Code.NO_AVAILABLE_HANDLE)]
+    # a second expiry of n0 finds nothing (the offline disk waits for its node)
+    assert _checked(a, ExpireNodes(["n0"], 1.0, disk_offline_ttl=100.0)).codes == [
+        int(Code.CLIENT_NOT_FOUND)
+    ]
+
+
+def _disk_offsets(a: _SM, keys: list[str], vs: list[int]) -> list[tuple[str, int, int]]:
+    return [(k, v, a.sm.disk_copy(k)[0][1]) for k, v in zip(keys, vs)]
+
+
+def test_a_restart_with_the_same_disk_id_re_adopts_and_drops_the_bad_copies() -> None:
+    a = _disk_pool()
+    keys = [f"k{i}" for i in range(20)]
+    vs = _disk_only(a, keys)
+    _expire_offline(a)
+    # the restarted node: a new node id and names, the same disk id
+    assert _checked(a, Mount("n2", "m2", "ep2", "h2", 1 << 16, 5.0)).codes == [0]
+    assert _checked(
+        a, Mount("n2", "m2.disk", "ep2", "h2", 1 << 20, 5.0, medium="disk", disk_id=ID)
+    ).codes == [0]
+    disk = [s for s in a.sm.segments() if s.medium == "disk"]
+    assert [(s.name, s.node_id, s.endpoint, s.state) for s in disk] == [
+        ("m2.disk", "n2", "ep2", "offline")
+    ]
+    assert a.sm.exists(keys) == [False] * 20  # still unverified
+    listed = a.sm.adoptable("n2", "m2.disk")
+    assert [x[0] for x in listed] == keys
+    # only the disk's node may adopt it, with its id
+    assert _checked(a, Adopt("n1", "m2.disk", ID, [], [])).codes == [int(Code.SEGMENT_NOT_FOUND)]
+    assert _checked(a, Adopt("n2", "m2.disk", "cd" * 16, [], [])).codes == [
+        int(Code.SEGMENT_NOT_FOUND)
+    ]
+    # k3 failed its check; k4 is named at a stale version (kept: that is not its copy)
+    assert _checked(a, Adopt("n2", "m2.disk", ID, ["k3", "k4"], [vs[3], vs[4] + 1])).codes == [0]
+    assert a.sm.exists(keys) == [k != "k3" for k in keys]
+    assert "k3" not in a.sm.objects
+    t = a.sm.lookup_table(keys)
+    assert t.codes == [NF if k == "k3" else 0 for k in keys]
+    assert {n for n, _, _ in t.segments} == {"m2.disk"}
+    assert [c for c in t.crcs if c >= 0] == [i for i in range(20) if i != 3]
+    assert {s.name: s.state for s in a.sm.segments()}["m2.disk"] == "mounted"
+    assert a.sm.usage("disk").used == 19 * 1024
+    assert _checked(a, Adopt("n2", "m2.disk", ID, ["k5"], [vs[5]])).codes == [0]  # repeated
+    assert a.sm.exists(["k5"]) == [True]
+    # the old names stay quarantined; new demotions go to the adopted disk again
+    assert _checked(a, Mount("n0", "m0.disk", "ep0", "h0", 1 << 20, 6.0, medium="disk")).codes == [
+        int(Code.SEGMENT_ALREADY_EXISTS)
+    ]
+
+
+def test_a_restart_before_expiry_takes_the_disk_over_and_its_demotions_in_flight_go() -> None:
+    a = _disk_pool()
+    vs = _disk_only(a, ["d"])
+    (vp,) = _put(a, ["p"])  # in m0 or m1; its demotion goes to the only disk
+    assert _checked(a, DemoteStart(["p"], [vp])).codes == [0]
+    assert _checked(
+        a, Mount("n0b", "m0b.disk", "ep0b", "h0", 1 << 20, 1.0, medium="disk", disk_id=ID)
+    ).codes == [0]
+    assert a.sm.tier_of("p") == TIER_NONE and a.sm.exists(["p"]) == [True]  # memory kept
+    assert [x[0] for x in a.sm.adoptable("n0b", "m0b.disk")] == ["d"]
+    assert _checked(a, Adopt("n0b", "m0b.disk", ID, [], [])).codes == [0]
+    assert a.sm.lookup_table(["d"]).crcs == [0] and vs
+
+
+def test_another_disk_id_at_the_name_adopts_nothing_and_the_ttl_drops_an_unclaimed_disk() -> None:
+    a = _disk_pool()
+    keys = [f"k{i}" for i in range(5)]
+    _disk_only(a, keys)
+    _expire_offline(a)
+    # the same name (a node with a stable id), a wiped id file: every listed copy goes
+    assert _checked(
+        a, Mount("n0", "m0.disk", "ep0", "h0", 1 << 20, 1.0, medium="disk", disk_id="cd" * 16)
+    ).codes == [0]
+    assert a.sm.exists(keys) == [False] * 5 and not any(k in a.sm.objects for k in keys)
+    assert a.sm.usage("disk").used == 0
+    assert {s.name: s.state for s in a.sm.segments()}["m0.disk"] == "mounted"
+    # a disk whose node never comes back: dropped by the Reclaim past its deadline
+    b = _disk_pool()
+    _disk_only(b, keys)
+    _expire_offline(b, now=10.0)
+    assert _checked(b, Reclaim(109.0, 30.0)).unmounted == []
+    r = _checked(b, Reclaim(111.0, 30.0))
+    assert r.unmounted == ["m0.disk"] and sorted(r.lost) == keys
+    assert not any(k in b.sm.objects for k in keys)
+    # an entry from before re-adoption (no ttl) drops the disk as it did
+    c = _disk_pool()
+    _disk_only(c, keys)
+    assert _checked(c, ExpireNodes(["n0"], 0.0)).codes == [0]
+    assert [s.name for s in c.sm.segments()] == ["m1"] and len(c.sm.objects) == 0
+
+
+def test_snapshots_keep_the_disk_id_and_old_images_are_unchanged() -> None:
+    a = _disk_pool()
+    _disk_only(a, ["x"])
+    _expire_offline(a)
+    clone = StoreStateMachine(CFG)
+    clone.restore(a.sm.snapshot())
+    (seg,) = [s for s in clone.segs.values() if s.medium == "disk"]
+    assert (seg.disk_id, seg.state, seg.deadline) == (ID, "offline", 100.0)
+    assert clone.exists(["x"]) == [False] and clone.adoptable("n0", "m0.disk")[0][0] == "x"
+    # a disk without an id is recorded exactly as before the field existed (same fields,
+    # same values); an id rides in the medium field
+    import numpy as np
+
+    from kvmesh.store.master.snapshot import _SegRec
+
+    assert len(_SegRec.__struct_fields__) == 11
+    none = np.zeros(0, np.int64)
+    assert [r.medium for r in _pool().sm._header(0, none).segments] == ["memory", "disk"]
+    assert [r.medium for r in a.sm._header(0, none).segments] == ["memory", f"disk/{ID}"]

@@ -38,6 +38,8 @@ Commands (effect per key unless noted) and their results:
 * ``Release``: free the bytes held under these tags (log indices). ``Codes`` (per tag).
 * ``DemoteStart`` / ``DemoteEnd`` / ``DemoteRevoke`` / ``DropReplica``: the disk tier
   (``tiers.py``; their docstrings below).
+* ``Adopt``: a restarted node's verdict on the copies of its offline disk segment
+  (``segments.py``).
 * ``RemovePrefix``: remove the listed COMPLETE keys that start with ``prefix`` (the leader
   found them with a bounded scan and applied the lease rules of ``Remove``).
   ``RemovePrefixResult``.
@@ -61,6 +63,7 @@ from ..types import ObjectReplica, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "COMMAND_TYPES",
+    "Adopt",
     "Codes",
     "Command",
     "DemoteEnd",
@@ -117,6 +120,11 @@ class Mount(msgspec.Struct, tag="mount", **_S):
     max_segments: int = 0
     # the tier of the segment (docs/store.md, "Disk tier"): an entry without it is memory
     medium: str = "memory"
+    # a disk segment's identity (docs/store.md, "Restart re-adoption"): a mount naming the
+    # id of a listed disk segment takes it over, offline until ``Adopt``; ``offline_ttl``:
+    # how long it then waits for that Adopt
+    disk_id: str = ""
+    offline_ttl: float = 0.0
 
 
 class Unmount(msgspec.Struct, tag="unmount", **_S):
@@ -134,6 +142,9 @@ class ExpireNodes(msgspec.Struct, tag="expire", **_S):
 
     node_ids: list[str]
     now: float
+    # > 0: a disk segment with a disk id goes offline for this long instead (its COMPLETE
+    # copies kept, unreadable, for a restart to re-adopt); 0: dropped as the memory
+    disk_offline_ttl: float = 0.0
 
 
 class PutStart(msgspec.Struct, tag="put_start", **_S):
@@ -309,6 +320,19 @@ class DropReplica(msgspec.Struct, tag="drop_replica", **_S):
     medium: str = "memory"
 
 
+class Adopt(msgspec.Struct, tag="adopt", **_S):
+    """Node ``node_id`` mounted offline disk segment ``segment`` (disk id ``disk_id``) again
+    and checked the copies it lists: the disk copies of ``keys[i]`` at ``versions[i]``
+    (bytes gone or differing) are dropped, with every copy it could not check (one not a
+    single slice in the segment), and the segment is back online. ``Codes`` (one code)."""
+
+    node_id: str
+    segment: str
+    disk_id: str
+    keys: list[str]
+    versions: list[int]
+
+
 Command = (
     Mount
     | Unmount
@@ -330,6 +354,7 @@ Command = (
     | DemoteEnd
     | DemoteRevoke
     | DropReplica
+    | Adopt
 )
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
 

@@ -67,7 +67,10 @@ class Queries:
         slice on ``host`` first), slices in byte order. ``max_bytes``: as in :meth:`lookup`
         (the same per-slice estimate, so both forms refuse the same keys)."""
         keys = keys if type(keys) is list else list(keys)
-        if len(keys) >= _SIMPLE_MIN:
+        gone = self.offline_sids()  # type: ignore[attr-defined]
+        if gone:
+            pass  # copies in offline segments are skipped: the loop below
+        elif len(keys) >= _SIMPLE_MIN:
             fast = self._lookup_simple(keys, max_bytes)
             if fast is not None:
                 return fast
@@ -93,7 +96,7 @@ class Queries:
         crcs: list[int] = []  # filled from the first key with a disk copy on
         for i, k in enumerate(keys):
             o = objs.get(k) if type(k) is str else None
-            if o is None or k in proc:
+            if o is None or k in proc or (gone and self._hidden(gone, k)):
                 codes.append(not_found)
                 sizes.append(0)
                 versions.append(0)
@@ -225,11 +228,16 @@ class Queries:
         cost = 0
         copies = unpack_layout(o.layout, len(lens))
         disk: list[list[int]] = []
+        on_disk = -1  # the index in ``copies`` of a readable disk copy
         if o.tier:  # the last copy is on disk: never while PROCESSING, else after memory
             last = copies.pop()
             if o.tier == TIER_DISK:
                 copies.append(last)
+                on_disk = len(copies) - 1
+        gone = self.offline_sids()  # type: ignore[attr-defined]
         for c_no, copy in enumerate(copies):
+            if gone and not gone.isdisjoint(sid for sid, _ in copy):
+                continue  # in an offline segment: unreadable until adopted
             cur: list[int] = []
             on_host = False
             for (sid, off), ln in zip(copy, lens):
@@ -242,7 +250,7 @@ class Queries:
                 cost += costs[x]
                 cur += (i, 0, x, off, ln)
                 on_host = on_host or (host is not None and s.host_id == host)
-            if o.tier == TIER_DISK and c_no == len(copies) - 1:
+            if c_no == on_disk:
                 disk.append(cur)
             else:
                 (near if on_host else far).append(cur)
@@ -252,9 +260,34 @@ class Queries:
             out += cur
         return out, cost
 
+    def _hidden(self, off: set[int], k: str) -> bool:
+        """True when every copy of listed object ``k`` is in an offline segment (``off``):
+        it is not found and not counted as present until its disk is adopted again."""
+        t = self.objects
+        r = t.index.get(k)
+        if r is None:
+            return False
+        sid = t.sid.item(r)
+        if sid:
+            return sid in off
+        copies, _ = self._copies(t.record(r, k))  # type: ignore[attr-defined]
+        return all(not off.isdisjoint(s for s, _ in c) for c in copies)
+
+    def _unhide(self, keys: list[str], flags: list[Any]) -> list[Any]:
+        """``flags`` with the objects hidden by offline segments counted absent."""
+        off = self.offline_sids()  # type: ignore[attr-defined]
+        if not off:
+            return flags
+        return [f and type(k) is str and not self._hidden(off, k) for k, f in zip(keys, flags)]
+
     def exists(self, keys: Iterable[str]) -> list[bool]:
-        """COMPLETE objects only."""
+        """COMPLETE objects only, with a copy to read (none only in offline segments)."""
         ks = keys if type(keys) is list else list(keys)
+        if self.offline_sids():  # type: ignore[attr-defined]
+            return [bool(f) for f in self._unhide(ks, self._exists(ks))]
+        return self._exists(ks)
+
+    def _exists(self, ks: list[str]) -> list[bool]:
         objs, proc = self.objects.index, self.processing
         if set(map(type, ks)) <= {str}:  # what the service decodes: no per-key type test
             if not proc:
@@ -267,6 +300,8 @@ class Queries:
         ``str`` (the service's decoded requests): one pass, no type test per batch and no
         second pass from bools to ints."""
         objs, proc = self.objects.index, self.processing
+        if self.offline_sids():  # type: ignore[attr-defined]
+            return [int(f) for f in self.exists(keys)]
         if not proc:
             return [1 if k in objs else 0 for k in keys]
         return [1 if k in objs and k not in proc else 0 for k in keys]
@@ -276,6 +311,9 @@ class Queries:
         object, else 0. The names are built and looked up in one pass (no list of names,
         no per-key type test: the service checked the parts, all ``str``)."""
         objs, proc = self.objects.index, self.processing
+        if self.offline_sids():  # type: ignore[attr-defined]
+            names = [f"{prefix}{k}{s}" for k in keys for s in suffixes]
+            return [int(f) for f in self.exists(names)]
         if len(suffixes) == 1:
             s = suffixes[0]
             return [1 if (n := f"{prefix}{k}{s}") in objs and n not in proc else 0 for k in keys]
@@ -291,6 +329,13 @@ class Queries:
         Stops at the first missing name; one flat loop (no list of codes), the parts
         checked by the service as for :meth:`exists_codes`."""
         objs, proc = self.objects.index, self.processing
+        if self.offline_sids():  # type: ignore[attr-defined]
+            flags = self.exists_codes(prefix, keys, suffixes)
+            n = len(suffixes)
+            for i in range(len(keys)):
+                if not all(flags[i * n : (i + 1) * n]):
+                    return i
+            return len(keys)
         if len(suffixes) == 1:
             s = suffixes[0]
             for i, k in enumerate(keys):

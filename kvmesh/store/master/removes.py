@@ -22,7 +22,7 @@ from .commands import (
     RemovePrefixResult,
 )
 from .objects import PIN_HARD, PIN_SOFT, Event, State, next_state
-from .segments import DRAINING
+from .segments import DRAINING, OFFLINE
 
 __all__ = ["Removes"]
 
@@ -105,7 +105,10 @@ class Removes:
         )
         for k in stale:
             self._drop(k, Event.RECLAIM)
-        due = [s for s in self.segs.values() if s.state == DRAINING and s.deadline <= c.now]
+        # (an offline disk segment whose node did not come back in time goes too)
+        due = [
+            s for s in self.segs.values() if s.state in (DRAINING, OFFLINE) and s.deadline <= c.now
+        ]
         lost: list[str] = []
         for s in due:
             lost.extend(self._drop_segment(s, c.now, index))

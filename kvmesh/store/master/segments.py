@@ -5,7 +5,11 @@ the slice bookkeeping of objects' copies, and the segment queries (:meth:`Segmen
 :meth:`Segments.nodes`, :meth:`Segments.usage`).
 
 A segment is ``mounted`` (placement may use it) or ``draining`` (an unmount with a grace: no
-new slices; ``Reclaim`` drops it at its deadline). A dropped segment's name is quarantined
+new slices; ``Reclaim`` drops it at its deadline) or, for a disk segment with a disk id whose
+node expired or restarted, ``offline`` (docs/store.md, "Restart re-adoption"): its COMPLETE
+copies stay listed but are never returned by a lookup nor counted by ``exists``, until its
+node mounts the same disk id again and ``Adopt`` brings it back, or ``Reclaim`` drops it at
+its deadline. A dropped segment's name is quarantined
 for ``MasterConfig.remount_quarantine`` seconds of entry time.
 """
 
@@ -16,9 +20,10 @@ from msgspec.structs import replace
 from ..errors import Code
 from ..types import MAX_BATCH_KEYS, MAX_KEY_BYTES, MAX_OBJECT_SIZE, SegmentInfo, Usage, key_error
 from .allocator import SegmentAllocator
-from .commands import Codes, ExpireNodes, ExpireResult, Mount, Unmount
+from .commands import Adopt, Codes, ExpireNodes, ExpireResult, Mount, Unmount
 from .objects import (
     TIER_DEMOTING,
+    TIER_DISK,
     TIER_NONE,
     Event,
     Obj,
@@ -30,9 +35,9 @@ from .objects import (
     unpack_layout,
 )
 
-__all__ = ["DISK", "DRAINING", "MEDIA", "MEMORY", "MOUNTED", "Segment", "Segments"]
+__all__ = ["DISK", "DRAINING", "MEDIA", "MEMORY", "MOUNTED", "OFFLINE", "Segment", "Segments"]
 
-MOUNTED, DRAINING = "mounted", "draining"
+MOUNTED, DRAINING, OFFLINE = "mounted", "draining", "offline"
 MEMORY, DISK = "memory", "disk"
 MEDIA = (MEMORY, DISK)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
@@ -42,6 +47,7 @@ class Segment:
     __slots__ = (
         "alloc",
         "deadline",
+        "disk_id",
         "endpoint",
         "generation",
         "host_id",
@@ -56,7 +62,7 @@ class Segment:
 
     def __init__(self, sid: int, name: str, node_id: str, endpoint: str, host_id: str,
                  size: int, alloc: SegmentAllocator, state: str, deadline: float,
-                 generation: int, medium: str = MEMORY) -> None:  # fmt: skip
+                 generation: int, medium: str = MEMORY, disk_id: str = "") -> None:  # fmt: skip
         self.id = sid
         self.name = name
         self.node_id = node_id
@@ -68,6 +74,7 @@ class Segment:
         self.deadline = deadline
         self.generation = generation
         self.medium = medium
+        self.disk_id = disk_id  # a disk segment's identity across restarts ("": none)
         # (the keys placed here are the table's rows with this segment id: Table.rows_of)
         self.slices = 0  # slices of live objects placed here
 
@@ -190,6 +197,7 @@ class Segments:
                     del tags[t]
         del segs[seg.id]
         del self.by_name[seg.name]
+        self._offline_memo = None
         self.retired[seg.name] = now
         return lost
 
@@ -206,6 +214,20 @@ class Segments:
         q = self.config.remount_quarantine
         for name in [n for n, t in self.retired.items() if c.now >= t + q]:
             del self.retired[name]
+        if c.medium == DISK and c.disk_id:
+            if len(c.disk_id) > MAX_KEY_BYTES:
+                return Codes([int(Code.INVALID_PARAMS)])
+            same = next((s for s in self.segs.values() if s.disk_id == c.disk_id), None)
+            if same is not None and same.size == c.size and same.medium == DISK:
+                return self._reattach(index, same, c)
+            if same is not None:  # the same disk at another size: its copies are not trusted
+                self._drop_segment(same, c.now, index)
+                self.retired.pop(same.name, None)
+            old = self.by_name.get(c.segment)
+            if old is not None and self.segs[old].state == OFFLINE:
+                # another disk (or a wiped id file) at this name: it adopts nothing
+                self._drop_segment(self.segs[old], c.now, index)
+                self.retired.pop(c.segment, None)
         if c.segment in self.by_name or c.segment in self.retired:
             return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
         if c.max_segments > 0 and len(self.segs) >= c.max_segments:
@@ -215,10 +237,103 @@ class Segments:
         alloc = SegmentAllocator(c.size, self.config.align)
         seg = Segment(
             sid, c.segment, c.node_id, c.endpoint, c.host_id, c.size, alloc, MOUNTED, 0.0, index,
-            c.medium,
+            c.medium, c.disk_id if c.medium == DISK else "",
         )  # fmt: skip
         self.segs[sid] = seg
         self.by_name[c.segment] = sid
+        return Codes([0])
+
+    def _reattach(self, index: int, seg: Segment, c: Mount) -> Codes:
+        """A node mounts the disk id of ``seg`` again (a restart; docs/store.md, "Restart
+        re-adoption"): ``seg`` takes the new node's name and endpoint and stays offline (its
+        copies unreadable) until that node's ``Adopt`` says which of them it verified."""
+        other = self.by_name.get(c.segment)
+        if (other is not None and other != seg.id) or (
+            c.segment != seg.name and c.segment in self.retired
+        ):
+            return Codes([int(Code.SEGMENT_ALREADY_EXISTS)])
+        if seg.state != OFFLINE:  # restarted before its old node expired
+            self._go_offline(seg)
+        del self.by_name[seg.name]
+        if c.segment != seg.name:
+            self.retired[seg.name] = c.now
+        seg.name, seg.node_id, seg.endpoint, seg.host_id = (
+            c.segment, c.node_id, c.endpoint, c.host_id,
+        )  # fmt: skip
+        seg.generation = index
+        seg.deadline = c.now + (c.offline_ttl or self.config.remount_quarantine)
+        self.by_name[c.segment] = seg.id
+        return Codes([0])
+
+    def _go_offline(self, seg: Segment) -> None:
+        """Disk segment ``seg`` lost its node: its PROCESSING disk copies go (their memory
+        copies stay), its COMPLETE ones stay listed, unreadable, until ``Adopt`` or
+        ``Reclaim`` at the deadline the caller sets."""
+        for key in sorted(self.live_keys(seg)):
+            o = self.objects[key]
+            copies, lens = self._copies(o)
+            if o.tier != TIER_DEMOTING or all(sid != seg.id for sid, _ in copies[-1]):
+                continue
+            if len(copies) == 1:  # a half-written copy alone (never: memory waits for it)
+                self._drop(key, Event.NODE_LOST)  # type: ignore[attr-defined]
+                continue
+            self._free_copy(copies[-1], lens)  # type: ignore[attr-defined]
+            self.objects[key] = replace(o, layout=pack_layout(copies[:-1]), tier=TIER_NONE, crc=0)
+        seg.state = OFFLINE
+        self._offline_memo = None
+
+    def offline_sids(self) -> set[int]:
+        """Ids of the offline segments (their copies are never returned by lookups)."""
+        memo = getattr(self, "_offline_memo", None)
+        if memo is not None and memo[0] == self.applied and memo[1] is self.segs:
+            return memo[2]
+        out = {sid for sid, s in self.segs.items() if s.state == OFFLINE}
+        self._offline_memo = (self.applied, self.segs, out)
+        return out
+
+    def adoptable(self, node_id: str, segment: str) -> list[tuple[str, int, int, int, int]] | None:
+        """The copies offline disk segment ``segment`` of ``node_id`` still lists, for the
+        node to verify: ``(key, version, offset, length, crc)`` of each object whose disk
+        copy is one slice in it (others are dropped by ``Adopt``); None when ``segment`` is
+        not an offline disk segment of that node."""
+        sid = self.by_name.get(segment)
+        seg = None if sid is None else self.segs[sid]
+        if seg is None or seg.node_id != node_id or seg.state != OFFLINE:
+            return None
+        out = []
+        for key in self.live_keys(seg):
+            o = self.objects[key]
+            copies, lens = self._copies(o)
+            disk = copies[-1]
+            if o.tier == TIER_DISK and len(disk) == 1 and disk[0][0] == seg.id:
+                out.append((key, o.version, disk[0][1], lens[0], o.crc))
+        return out
+
+    def _adopt(self, index: int, c: Adopt) -> Codes:
+        sid = self.by_name.get(c.segment)
+        seg = None if sid is None else self.segs[sid]
+        if seg is None or seg.node_id != c.node_id or seg.disk_id != c.disk_id:
+            return Codes([int(Code.SEGMENT_NOT_FOUND)])
+        if not self._batch_ok(c.keys, c.versions):  # type: ignore[attr-defined]
+            return Codes([int(Code.INVALID_PARAMS)])
+        if seg.state != OFFLINE:
+            return Codes([0])  # a repeated Adopt
+        bad = {k: v for k, v in zip(c.keys, c.versions) if type(k) is str}
+        for key in sorted(self.live_keys(seg)):
+            o = self.objects[key]
+            copies, lens = self._copies(o)
+            disk = copies[-1]
+            whole = o.tier == TIER_DISK and len(disk) == 1 and disk[0][0] == seg.id
+            if whole and bad.get(key) != o.version:
+                continue
+            if len(copies) == 1:  # its last copy: the object goes
+                self._drop(key, Event.NODE_LOST)  # type: ignore[attr-defined]
+                continue
+            self._free_copy(disk, lens)  # type: ignore[attr-defined]
+            self.objects[key] = replace(o, layout=pack_layout(copies[:-1]), tier=TIER_NONE, crc=0)
+        seg.state = MOUNTED
+        seg.deadline = 0.0
+        self._offline_memo = None
         return Codes([0])
 
     def _unmount(self, index: int, c: Unmount) -> ExpireResult:
@@ -237,11 +352,19 @@ class Segments:
         codes = []
         lost: list[str] = []
         for node in c.node_ids[:MAX_BATCH_KEYS]:
-            mine = [s for s in self.segs.values() if s.node_id == node]
+            mine = [s for s in self.segs.values() if s.node_id == node and s.state != OFFLINE]
             if not mine:
                 codes.append(int(Code.CLIENT_NOT_FOUND))
                 continue
+            # a disk with an id only goes offline (with c.disk_offline_ttl; 0: dropped, as
+            # entries from before re-adoption were), after the memory: an object whose
+            # memory went with a PROCESSING disk copy left is lost first
+            keep = [s for s in mine if s.medium == DISK and s.disk_id and c.disk_offline_ttl > 0]
             for s in mine:
-                lost.extend(self._drop_segment(s, c.now, index))
+                if s not in keep:
+                    lost.extend(self._drop_segment(s, c.now, index))
+            for s in keep:
+                self._go_offline(s)
+                s.deadline = c.now + c.disk_offline_ttl
             codes.append(0)
         return ExpireResult(codes, lost)

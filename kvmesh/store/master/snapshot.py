@@ -47,7 +47,10 @@ class _SegRec(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defau
     deadline: float
     generation: int
     free: list[int]  # start, end, start, end, ...
-    medium: str = "memory"  # omitted when memory: images without the disk tier unchanged
+    # "memory", "disk", or "disk/<disk id>" for a disk with an id (re-adoption): the id
+    # rides in this field because msgspec encodes every field of an array-like record,
+    # defaults too, and a new field would change the bytes of every image without one
+    medium: str = "memory"
 
 
 class _Header(msgspec.Struct, array_like=True, frozen=True):
@@ -171,7 +174,7 @@ class Snapshots:
                 r.state,
                 r.deadline,
                 r.generation,
-                r.medium,
+                *_split_medium(r.medium),
             )
             self.segs[r.id] = seg
             self.by_name[r.name] = r.id
@@ -215,7 +218,7 @@ class Snapshots:
                     s.deadline,
                     s.generation,
                     flat,
-                    s.medium,
+                    f"{s.medium}/{s.disk_id}" if s.disk_id else s.medium,
                 )
             )
         held = [(tag, [x for t in ext for x in t]) for tag, ext in self.held.items()]
@@ -251,3 +254,9 @@ class Snapshots:
             segs[sid].slices = count  # KeyError: a slice in a segment the image lacks
         self.processing = processing
         self.complete = len(t) - len(processing)
+
+
+def _split_medium(field: str) -> tuple[str, str]:
+    """A segment record's medium field -> (medium, disk id)."""
+    medium, _, disk_id = field.partition("/")
+    return medium, disk_id

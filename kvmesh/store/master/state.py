@@ -32,6 +32,7 @@ import msgspec
 from ..errors import Code
 from ..types import MAX_BATCH_KEYS
 from .commands import (
+    Adopt,
     Codes,
     DemoteEnd,
     DemoteRevoke,
@@ -90,6 +91,7 @@ _HANDLERS: dict[type, str] = {
     DemoteEnd: "_demote_end",
     DemoteRevoke: "_demote_revoke",
     DropReplica: "_drop_replica",
+    Adopt: "_adopt",
 }
 """Command type -> handler method name (looked up per call, so a test can patch a handler
 on the class, as the simulator's negative controls do)."""

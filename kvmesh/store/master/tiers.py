@@ -289,8 +289,9 @@ class Tiers:
                     )
                 codes.append(0)
                 continue
-            if len(copies) == 1:
-                codes.append(int(Code.NOT_EVICTABLE))  # no memory copy left
+            if len(copies) == 1 or not self.offline_sids().isdisjoint(s for s, _ in copies[-1]):
+                # no memory copy left, or the disk copy is offline (unreadable until adopted)
+                codes.append(int(Code.NOT_EVICTABLE))
                 continue
             for copy in copies[:-1]:
                 freed += self._free_copy(copy, lens)
