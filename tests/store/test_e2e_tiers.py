@@ -16,7 +16,6 @@ import pytest
 from kvmesh.replog.net.server import free_ports
 from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
-from kvmesh.store.types import ReplicateConfig
 
 from .test_e2e_cli import _kvmesh, _line
 
@@ -194,11 +193,6 @@ def test_readers_running_through_demotion_get_exact_bytes_or_a_per_key_miss(tier
     assert _media(c)["disk"]["used"] > 0
 
 
-# puts placed per key, not through a reservation: a reservation's PutCommit currently
-# leaves objects whose only copy is on disk without their disk-copy state (tier 0, no crc)
-RANDOM = ReplicateConfig(strategy="random")
-
-
 def _wait_disk(c: StoreClient, state: str, timeout: float = 30.0) -> list[dict]:
     """The disk segments once one is ``state`` (the master's view)."""
     end = time.monotonic() + timeout
@@ -254,7 +248,7 @@ def test_a_node_restarted_on_its_disk_re_adopts_the_copies_and_drops_a_corrupted
         keys = [f"obj-{i}" for i in range(48)]
         for lo in range(0, len(keys), 8):
             part = keys[lo : lo + 8]
-            res = c.put(part, [_value(int(k.split("-")[1])) for k in part], config=RANDOM)
+            res = c.put(part, [_value(int(k.split("-")[1])) for k in part])
             assert not any(isinstance(r, Exception) for r in res), res
             _settle(c)
         reps = c.replicas(keys)
