@@ -118,8 +118,9 @@ def test_master_and_node_commands(tmp_path):
         finally:
             c.close()
         want = [
-            # the first put: one PutCommit that reserves, one that writes into the reservation
-            'kvmesh_store_requests_total{outcome="ok",type="PutCommitReq"} 2.0',
+            # the first put: one PutCommit that reserves, one that writes into the
+            # reservation; close() gives the reservation back with a third
+            'kvmesh_store_requests_total{outcome="ok",type="PutCommitReq"} 3.0',
             "kvmesh_store_objects 2.0",
             "kvmesh_store_is_leader 1.0",
             'kvmesh_store_capacity_bytes{medium="memory"} 1.6777216e+07',
