@@ -1220,7 +1220,15 @@ class RaftNode:
             self._snap_index = index
             compact_to = self._compact_point(storage, index)
             if compact_to >= storage.first_index():
-                storage.compact(compact_to)
+                # The memory part on the loop (the log is the loop's); the segments' unlinks
+                # and the directory fsync (31 ms at 1 M objects) in a worker.
+                detached = getattr(storage, "compact_detached", None)
+                if detached is None:
+                    storage.compact(compact_to)
+                else:
+                    finish = detached(compact_to)
+                    if finish is not None:
+                        await asyncio.to_thread(finish)
             self.metrics["snapshots_taken"] += 1
             log.info(
                 "replog node %d: snapshot at %d (%d bytes, %.3fs)",

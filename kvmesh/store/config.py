@@ -66,6 +66,10 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     # proportion to the table, so a big table is not re-imaged every snapshot_keys keys,
     # and a crash replays at most that fraction of it on top of the restore
     snapshot_fraction: float = 0.1
+    # ...and at most this share of the time in snapshots by keys: the next one starts no
+    # sooner than (1 - share) / share x the last one's duration after it ended (a 10 M
+    # table's image takes 8-18 s; a bulk load would otherwise snapshot back to back)
+    snapshot_max_share: float = 0.5
     session_ttl_s: float = 3600.0  # client sessions idle this long are expired (log entry)
     # live client sessions (a registration beyond it ends the least recently used one) and
     # the bounds on their cached unacknowledged results (kvmesh.replog.session)
@@ -108,6 +112,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
         self.leader_config()  # its checks
         if not self.snapshot_fraction >= 0 or self.snapshot_keys < 0:
             raise ValueError("snapshot_fraction and snapshot_keys must be >= 0")
+        if not 0 < self.snapshot_max_share <= 1:
+            raise ValueError("snapshot_max_share must be in (0, 1]")
         if not 0 < self.prefix_round_keys <= MAX_BATCH_KEYS:
             raise ValueError(f"prefix_round_keys must be in 1..{MAX_BATCH_KEYS}")
         if not 0 < self.max_batch_keys <= MAX_BATCH_KEYS or self.max_frame < 4096:
@@ -152,6 +158,8 @@ _FLAG_HELP = {
     " crash)",
     "snapshot_fraction": "...and after keys applied of at least this fraction of the objects"
     " held (a big table is not re-imaged constantly)",
+    "snapshot_max_share": "...and at most this share of the time in snapshots (the next waits"
+    " (1 - share) / share x the last one's duration)",
 }
 # Fields with a flag of their own shape (below), or none.
 _SPECIAL = {"node_id", "peers", "addrs", "listen", "data_dir", "tick_s", "session_limits"}

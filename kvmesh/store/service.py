@@ -97,6 +97,8 @@ class MasterService(Server, Admission, Handlers):
         self._observer: asyncio.Task | None = None
         self._snap_task: asyncio.Task | None = None
         self._keys_at_snapshot = 0
+        self._snap_next_at = 0.0  # monotonic: no snapshot by keys before (the time share)
+        self._clock = time.monotonic
         # Leader soft state and decisions (leader.py; rebuilt by _on_leader_change). Leases
         # and heartbeats run on this process's monotonic clock; commands carry wall time.
         self.leader = Leader(config.leader_config(), self.sm, time.monotonic())
@@ -316,13 +318,20 @@ class MasterService(Server, Admission, Handlers):
             return
         if self._snap_task is not None and not self._snap_task.done():
             return
+        if self._clock() < self._snap_next_at:
+            return  # the keys stay counted: the first apply after the wait starts it
         self._keys_at_snapshot = done
 
         async def snap() -> None:
+            t0 = self._clock()
             try:
                 await node.snapshot_now()
             except Exception as e:  # noqa: BLE001 - the log still has everything
                 log.warning("store master: snapshot by keys failed: %r", e)
+            finally:
+                end = self._clock()
+                share = cfg.snapshot_max_share
+                self._snap_next_at = end + (end - t0) * (1 - share) / share
 
         self._snap_task = asyncio.get_running_loop().create_task(snap(), name="store-snapshot")
 

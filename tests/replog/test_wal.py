@@ -248,3 +248,35 @@ def test_empty_record_rejected(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         w.append([b""])
     w.close()
+
+
+def test_detached_compaction_keeps_a_durable_oldest_segment(tmp_path, monkeypatch):
+    """Compaction off the loop (detach, then unlink in a worker) syncs nothing, so it must
+    never leave a segment that is not yet durable as the oldest: recovery starts from the
+    oldest segment's preamble. A fresh active segment (header and preamble unsynced) keeps
+    the newest closed one until the next sync; after it, only the active one is left."""
+    d = str(tmp_path)
+    w = Wal.open(d, segment_bytes=300, preamble=lambda: [b"PRE"])
+    for i in range(20):
+        w.append([b"x" * 100 + str(i).encode()])
+    w.sync()
+    w.rotate()  # the new active segment (header, preamble) is not synced yet
+    w.append([b"y" * 100])
+    active = w.active_seq
+    synced = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd))
+    doomed = w.detach_segments_before(active + 10)
+    assert not synced  # no sync: cheap enough for the event loop
+    assert [s.seq for s in w.segments] == [active - 1, active]
+    assert all(os.path.exists(s.path) for s in doomed)  # files go only in unlink_segments
+    w.unlink_segments(doomed)
+    assert not any(os.path.exists(s.path) for s in doomed)
+    monkeypatch.undo()
+    w.sync()
+    w.unlink_segments(w.detach_segments_before(active + 10))
+    assert [s.seq for s in w.segments] == [active]
+    w.close()
+    w = Wal.open(d, segment_bytes=300, preamble=lambda: [b"PRE"])
+    got = [p for _, p in w.replay()]
+    assert got[0] == b"PRE" and got[-1] == b"y" * 100
+    w.close()

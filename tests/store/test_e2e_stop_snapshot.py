@@ -118,3 +118,51 @@ def test_snapshot_cadence_scales_with_the_table(tmp_path) -> None:
         assert await keys_applied(1) == 2
 
     asyncio.run(main())
+
+
+def test_snapshots_by_keys_take_at_most_their_share_of_the_time(tmp_path) -> None:
+    """With snapshot_max_share s, a snapshot by keys that took d starts the next no sooner
+    than d x (1 - s) / s after it ended, however many keys arrive meanwhile (a bulk load
+    into a big table would otherwise image it back to back); the keys stay counted."""
+    import asyncio
+
+    from kvmesh.store.config import ServiceConfig
+    from kvmesh.store.service import MasterService
+
+    clock = [100.0]
+
+    class Node:
+        taken = 0
+
+        async def snapshot_now(self) -> int:
+            Node.taken += 1
+            clock[0] += 10.0  # each snapshot takes 10 s of the (fake) clock
+            return 1
+
+    cfg = ServiceConfig(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path),
+        snapshot_keys=100,
+        snapshot_fraction=0.0,
+        snapshot_max_share=0.25,  # 10 s each: then 30 s without
+    )
+    svc = MasterService(cfg)
+    svc._clock = lambda: clock[0]
+
+    async def keys_applied(n: int, after_s: float = 0.0) -> int:
+        clock[0] += after_s
+        svc.sm.applied_keys += n
+        svc._snapshot_by_keys(Node())  # type: ignore[arg-type]
+        if svc._snap_task is not None:
+            await svc._snap_task
+        return Node.taken
+
+    async def main() -> None:
+        assert await keys_applied(100) == 1  # ends at 110: none before 140
+        assert await keys_applied(500, after_s=29.0) == 1  # keys due, time not
+        assert await keys_applied(1, after_s=0.5) == 1
+        assert await keys_applied(1, after_s=0.6) == 2  # 140.1: the counted keys start it
+        assert await keys_applied(100, after_s=29.9) == 2  # ended at 150.1: not before 180.1
+        assert await keys_applied(100, after_s=0.2) == 3
+
+    asyncio.run(main())

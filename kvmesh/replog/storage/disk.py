@@ -33,8 +33,10 @@ and the current hard state), so the remaining suffix of segments is always self-
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -442,8 +444,17 @@ class DiskStorage(EntryLog, ReadyWriter):
     def compact(self, index: int) -> None:
         """Discard entries up to ``index`` (at most the current snapshot's index) from memory
         and delete WAL segments holding nothing above it."""
+        finish = self.compact_detached(index)
+        if finish is not None:
+            finish()
+
+    def compact_detached(self, index: int) -> Callable[[], None] | None:
+        """:meth:`compact`'s memory part now; its file part (unlinks and a directory fsync,
+        tens of ms after a big snapshot) returned as a call for a worker thread, or None.
+        No WAL sync is needed: the surviving segments are durable already
+        (:meth:`Wal.detach_segments_before`)."""
         if index <= self.first_index() - 1:
-            return
+            return None
         if index > self._snap_meta.index:
             raise StorageError(
                 f"cannot compact to {index}: the newest snapshot is at {self._snap_meta.index}"
@@ -457,10 +468,15 @@ class DiskStorage(EntryLog, ReadyWriter):
             if self._seg_max.get(seg.seq, 0) > index:
                 break
             cut = seg.seq + 1
-        if cut:
-            wal.remove_segments_before(cut)
-            for seq in [q for q in self._seg_max if q < cut]:
-                del self._seg_max[seq]
+        if not cut:
+            return None
+        doomed = wal.detach_segments_before(cut)
+        gone = {d.seq for d in doomed}
+        for seq in [q for q in self._seg_max if q in gone]:
+            del self._seg_max[seq]
+        if not doomed:
+            return None
+        return functools.partial(wal.unlink_segments, doomed)
 
     # ------------------------------------------------------------------ lifecycle
 

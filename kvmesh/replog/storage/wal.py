@@ -146,6 +146,9 @@ class Wal:
         self._fd = -1
         self._dir_dirty = False
         self._unsynced = False
+        # Whether the active segment's header and preamble are known durable (a sync since
+        # it was created): until then deleting older segments must keep a closed one.
+        self._active_durable = False
         self._failed: str | None = None
         self._replay: list[tuple[int, bytes]] = []
         self.truncated_bytes = 0  # torn tail removed during recovery (for logs/tests)
@@ -287,6 +290,7 @@ class Wal:
         self._segments.append(WalSegment(seq, path, HEADER_BYTES))
         self._dir_dirty = True
         self._unsynced = True
+        self._active_durable = False
         if self.preamble is not None:
             pre = list(self.preamble())
             if pre:
@@ -349,6 +353,7 @@ class Wal:
         except OSError as e:
             raise self._fail("fsync", e) from e
         self._unsynced = False
+        self._active_durable = True  # read on the loop while this runs in a worker: late is safe
         self.fsyncs += 1
 
     # ------------------------------------------------------------------ compaction
@@ -366,21 +371,41 @@ class Wal:
         Returns how many were removed. Durable before returning."""
         self._check()
         # The survivors must be durable before their predecessors go: the oldest survivor's
-        # preamble is what recovery will start from.
+        # preamble is what recovery will start from (forced: a reopened active segment's
+        # bytes may be in the page cache only).
+        self._unsynced = True
         self.sync()
+        doomed = self.detach_segments_before(seq)
+        self.unlink_segments(doomed)
+        return len(doomed)
+
+    def detach_segments_before(self, seq: int) -> list[WalSegment]:
+        """Forget whole segments with sequence number < ``seq`` without touching a file or
+        syncing (cheap: on the event loop); :meth:`unlink_segments` then deletes them, in any
+        thread. The oldest survivor must be durable (recovery starts from its preamble):
+        closed segments are (:meth:`rotate` syncs before closing); the active one only after
+        a sync since it was created, so until then the newest closed segment is kept."""
+        self._check()
         seq = min(seq, self.active_seq)
+        if seq == self.active_seq and not self._active_durable:
+            seq -= 1
         doomed = [s for s in self._segments if s.seq < seq]
+        if doomed:
+            self._segments = [s for s in self._segments if s.seq >= seq]
+        return doomed
+
+    def unlink_segments(self, doomed: list[WalSegment]) -> None:
+        """Delete detached segments, oldest first (a crash midway leaves a contiguous suffix),
+        and make it durable. Touches only the file system: safe in a worker thread while
+        the owner appends and syncs."""
         if not doomed:
-            return 0
+            return
         try:
-            # Oldest first: a crash midway leaves a contiguous suffix of segments.
             for s in doomed:
                 os.unlink(s.path)
             fsync_dir(self.dir)
         except OSError as e:
             raise self._fail("segment removal", e) from e
-        self._segments = [s for s in self._segments if s.seq >= seq]
-        return len(doomed)
 
     def close(self) -> None:
         """Sync (unless failed) and close. Idempotent."""
