@@ -50,5 +50,5 @@ def test_store_bench_tiny(tmp_path):
             assert st["put_commit_round_trip"] > 0, st
         else:
             assert st["put_start_round_trip"] > 0 and st["put_end_round_trip"] > 0, st
-        assert st["engine_write"] > 0 and st["master_cpu"] >= 0, st
+        assert st["engine_write"] > 0 and st["master_cpu"] >= 0 and st["client_cpu"] > 0, st
         assert max(v for k, v in st.items() if k not in ("total", "master_cpu")) <= st["total"]

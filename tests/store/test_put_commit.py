@@ -270,3 +270,55 @@ def test_reservations_together_hold_at_most_a_share_of_memory() -> None:
     assert r.tag == 4 and r.added[2] == 56 << 10  # exactly the share
     assert sm.usage().reserved_bytes == 256 << 10
     assert not invariants.check(sm)
+
+
+def test_batch_laid_end_to_end_is_written_whole_and_a_failed_write_fails_every_key(env) -> None:
+    """A batch contiguous in the caller's buffer (aligned sizes but the last) is written to
+    its extent as one engine request: every key reads back its own bytes, and when that one
+    request fails no key is published over bytes that were not written (all take the
+    two-round-trip put)."""
+    cl, peer, c = env
+    src = np.frombuffer(np.random.default_rng(11).bytes(48 * 4096), np.uint8).copy()
+    c.register_buffer(src)
+    sizes = [4096] * 15 + [1000]  # the last one unaligned: still one run
+    offs = [i * 4096 for i in range(16)]
+    c.put_from(["whole-warm"], src, [0], [64])  # a reservation is held
+    moves: list[int] = []
+    move = c._move_arrays
+
+    def counted(op, owner, *rest):
+        moves.append(len(owner))
+        return move(op, owner, *rest)
+
+    c._move_arrays = counted  # type: ignore[method-assign]
+    try:
+        keys = [f"whole-{i}" for i in range(16)]
+        assert c.put_from(keys, src, offs, sizes).ok
+    finally:
+        del c._move_arrays
+    assert moves == [1]  # one request for the batch
+    for k, o, z in zip(keys, offs, sizes):
+        assert c.get(k) == src[o : o + z].tobytes(), k
+
+    # The one request fails (nothing written): no key may be published into its extent.
+    seen = _count_rpcs(c)
+    calls = [0]
+
+    def failing(op, owner, *rest):
+        calls[0] += 1
+        if calls[0] == 1:
+            return np.zeros(1, np.int64), []  # owner 0 (the whole batch) failed, unwritten
+        return move(op, owner, *rest)
+
+    c._move_arrays = failing  # type: ignore[method-assign]
+    base = 16 * 4096
+    keys = [f"whole-fail-{i}" for i in range(16)]
+    try:
+        res = c.put_from(keys, src, [base + o for o in offs], sizes)
+    finally:
+        del c._move_arrays
+        del c.rpc.mutate
+    assert res.ok, res.codes
+    assert "PutStartResp" in seen, seen  # every key put anew, by the two-round-trip put
+    for k, o, z in zip(keys, offs, sizes):
+        assert c.get(k) == src[base + o : base + o + z].tobytes(), k
