@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 DEMOTE_BATCH = 1024  # demotions one heartbeat asks for
 DEMOTE_POLL_S = 0.2  # a node with a disk heartbeats (asking for demotions) this often
+# ... and this often for a while after demotions progressed: the leader starts the next batch
+# at a tick of its own, which a poll every DEMOTE_POLL_S would meet that much later
+DEMOTE_BUSY_POLL_S = 0.01
+DEMOTE_BUSY_S = 1.0
 STAGE_BYTES = 64 << 20  # bytes one demotion batch stages (a larger object alone)
 
 
@@ -228,7 +232,12 @@ class StorageNode:
         again = False  # the last demotions progressed: ask for more at once
         # with a disk, heartbeats also fetch demotions: at least every DEMOTE_POLL_S
         period = min(self.heartbeat_s, DEMOTE_POLL_S) if self.disk is not None else self.heartbeat_s
-        while again or not self._stop.wait(period):
+        busy_until = 0.0
+        while again or not self._stop.wait(
+            DEMOTE_BUSY_POLL_S if time.monotonic() < busy_until else period
+        ):
+            if again:
+                busy_until = time.monotonic() + DEMOTE_BUSY_S
             again = False
             if self._stop.is_set():
                 return
