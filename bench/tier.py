@@ -70,6 +70,12 @@ def _options(ap: Any) -> None:
     )
     ap.add_argument("--store-mem-mib", type=int, help="the node's memory segment (--store)")
     ap.add_argument(
+        "--demote-watermark",
+        type=float,
+        default=0.0,
+        help="the master's --demote-watermark (--store; 0: its default)",
+    )
+    ap.add_argument(
         "--threads", help="raw thread counts, comma-separated (default 1,W,4W: W the workers)"
     )
     ap.add_argument("--buffered", action="store_true", help="also without O_DIRECT")
@@ -598,7 +604,9 @@ def _store_cases(args: Any, limits: dict[str, Any]) -> list[dict[str, Any]]:
             m = subprocess.Popen(
                 cli + ["master", "--listen", addr, "--dir", os.path.join(work, f"m{tier}{paced}"),
                        "--metrics-port", str(mport), "--ticker-s", "0.05",
-                       "--evict-ratio", "0.25", "--durability", "memory"],
+                       "--evict-ratio", "0.25", "--durability", "memory"]
+                + (["--demote-watermark", str(args.demote_watermark)] if args.demote_watermark
+                   else []),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
             procs = [m]

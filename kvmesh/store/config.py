@@ -89,6 +89,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_objects: int = _LD.max_objects
     demote_timeout_s: float = _LD.demote_timeout_s  # the disk tier (leader.LeaderConfig)
     demote_watermark: float = _LD.demote_watermark
+    demote_batch_bytes: int = _LD.demote_batch_bytes
+    demote_inflight_bytes: int = _LD.demote_inflight_bytes
     disk_offline_ttl_s: float = _LD.disk_offline_ttl_s
     # server limits
     max_frame: int = 8 << 20

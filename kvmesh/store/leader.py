@@ -91,6 +91,11 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # stops), ahead of the watermark at which demoted objects lose their memory copy
     demote_timeout_s: float = 30.0
     demote_watermark: float = 0.0
+    # bytes one tick's DemoteStart names at least (evict_ratio of memory when larger), and
+    # the bytes of demotions in flight at most: a demotion costs a tick, a node's poll and
+    # two log entries whatever its size, so batches are large and several are in flight
+    demote_batch_bytes: int = 64 << 20
+    demote_inflight_bytes: int = 256 << 20
     # an expired node's disk segment (with a disk id) stays offline this long, its COMPLETE
     # copies listed for a restart to re-adopt (docs/store.md, "Restart re-adoption")
     disk_offline_ttl_s: float = 600.0
@@ -102,6 +107,8 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("demote_timeout_s and disk_offline_ttl_s must be positive")
         if not 0.0 <= self.demote_watermark <= 1.0:
             raise ValueError("demote_watermark must be in [0, 1] (0: the default)")
+        if self.demote_batch_bytes <= 0 or self.demote_inflight_bytes < self.demote_batch_bytes:
+            raise ValueError("demote_batch_bytes must be positive, demote_inflight_bytes >= it")
         if self.max_objects < 0:
             raise ValueError("max_objects must not be negative (0: no cap)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
@@ -535,8 +542,13 @@ class Leader:
         pending = sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
         if not u.capacity or u.used - pending < dw * u.capacity:
             return
-        # the oldest objects already on disk count as freed; demote the next ones
-        need = int(ratio * u.capacity) + sm.reclaimable_bytes()
+        if pending >= cfg.demote_inflight_bytes:
+            return
+        # the oldest objects already on disk count as freed (those in flight are no victims);
+        # demote the next ones, a large batch (each costs round trips whatever its size)
+        batch = min(max(int(ratio * u.capacity), cfg.demote_batch_bytes),
+                    cfg.demote_inflight_bytes - pending)  # fmt: skip
+        need = batch + sm.reclaimable_bytes()
         ahead = choose_victims(
             sm, self.leases, self.stats, now, dw, ratio, need=need, medium="memory"
         )
