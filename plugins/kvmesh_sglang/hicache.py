@@ -282,9 +282,6 @@ class _Plan(msgspec.Struct):
     # ``ptrs`` are offsets into ``regions[reg]`` (columns as for the raw form), not addresses.
     regions: Any = None
     reg: Any = None
-    # A resolved get's names as parts (prefix, page keys, suffixes; ``names`` empty): the
-    # store joins them (StoreClient.get_into_regions by parts), none is built here.
-    parts: Any = None
 
     @staticmethod
     def join(plans: Sequence[_Plan]) -> _Plan:
@@ -453,11 +450,11 @@ def _plan(
     if slots is None and table is not None:
         slots = _slots(host_indices)  # one torch call: each costs more than a numpy op
     if table is not None and n and len(slots) == n * page_size:
+        names = obj.names(keys, comps)
         first = slots[::page_size]
         cols = table.objects(len(comps)) if resolved else None
         if cols is not None:
-            return _resolved(table, obj.parts(keys, comps), first, comps, cols)
-        names = obj.names(keys, comps)
+            return _resolved(table, names, first, comps, cols)
         grid, sz = table.meta(first)  # [page, buffer]
         per = grid.shape[1]
         if per == len(comps):  # one range per object, in name order: numpy columns as they are
@@ -500,7 +497,7 @@ def _plan(
     return _Plan(names, mp, ms, [sum(x) for x in ms], True, len(comps))
 
 
-def _resolved(table: _PageTable, parts: Any, first: Any, comps: Any, cols: Any) -> _Plan:
+def _resolved(table: _PageTable, names: list[str], first: Any, comps: Any, cols: Any) -> _Plan:
     """:func:`_plan` in region offsets: one multiply-add per page (Python-int factors for
     one range a page); region indexes and sizes as one value or one row where they allow."""
     off0, stride, z, reg, z1, reg1, tot = cols
@@ -516,7 +513,7 @@ def _resolved(table: _PageTable, parts: Any, first: Any, comps: Any, cols: Any) 
         shape = -1 if r == 1 else (n * step, r)
         z1 = np.tile(z, (n, 1)).reshape(shape) if z1 is None else z1
         reg1 = np.tile(reg, (n, 1)).reshape(shape) if reg1 is None else reg1
-    return _Plan([], off, z1, tot * n, r > 1, step, table.regions, reg1, parts)
+    return _Plan(names, off, z1, tot * n, r > 1, step, table.regions, reg1)
 
 
 class _Slots:
@@ -577,22 +574,14 @@ def _pool_names(
 class _Names:
     """Object names of one shard (and pool): ``{prefix}{hash}/{shard}{/pool}/{component}``."""
 
-    __slots__ = ("pre", "mid", "sufs")
+    __slots__ = ("pre", "mid")
 
     def __init__(self, prefix: str, shard: str, pool_tag: str = "") -> None:
         self.pre = prefix
-        self.sufs: Any = None  # (comps, their suffixes) of the last parts() call
         self.mid = f"/{shard}/{pool_tag}/" if pool_tag else f"/{shard}/"
 
     def __call__(self, key: str, comp: str) -> str:
         return f"{self.pre}{key}{self.mid}{comp}"
-
-    def parts(self, keys: Sequence[str], comps: Sequence[str]) -> tuple[str, list[str], list[str]]:
-        """:meth:`names` as ``(prefix, keys, suffixes)``, key-major as :meth:`names`."""
-        sufs = self.sufs
-        if sufs is None or sufs[0] != comps:
-            sufs = self.sufs = (tuple(comps), [self.mid + c for c in comps])
-        return self.pre, keys if type(keys) is list else list(keys), sufs[1]
 
     def names(self, keys: Sequence[str], comps: Sequence[str]) -> list[str]:
         # Two pieces per name (the suffix joined once): a third of a 256-page plan's cost.
@@ -908,12 +897,7 @@ class KvmeshHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def _get_plan(self, plan: _Plan) -> list[bool]:
         """Read every object of ``plan`` in one store batch; per object: complete or not."""
-        if plan.parts is not None:
-            pre, keys, sufs = plan.parts
-            res = self.client.get_into_regions(
-                keys, plan.regions, plan.reg, plan.ptrs, plan.sizes, prefix=pre, suffixes=sufs
-            )
-        elif plan.regions is not None:
+        if plan.regions is not None:
             res = self.client.get_into_regions(
                 plan.names, plan.regions, plan.reg, plan.ptrs, plan.sizes
             )

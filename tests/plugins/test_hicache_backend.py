@@ -230,10 +230,7 @@ def test_page_table_gives_sglangs_own_addresses(kind, layout):
         base = np.array([r.ptr for r in plan.regions], np.int64)
         at = base[np.broadcast_to(plan.reg, shape)] + plan.ptrs
         z = np.broadcast_to(plan.sizes, shape)
-        # A resolved get names its objects by parts (the store joins them): join them here.
-        assert plan.names == [] and plan.parts is not None
-        named = [f"{plan.parts[0]}{k}{s}" for k in plan.parts[1] for s in plan.parts[2]]
-        return _lists(msgspec.structs.replace(plan, names=named, ptrs=at, sizes=z))
+        return _lists(msgspec.structs.replace(plan, ptrs=at, sizes=z))
 
     pages = int(pool.size) // ps
     rng = random.Random(5)
@@ -595,8 +592,8 @@ def test_failures_are_misses_never_exceptions_or_wrong_bytes(cluster, monkeypatc
     # a read whose lease expired mid-copy, or that filled fewer bytes than the page: a miss
     real = b.client.get_into_regions  # the get of a pool whose page table knows its regions
 
-    def flaky(*args, **kw):
-        res = real(*args, **kw)
+    def flaky(*args):
+        res = real(*args)
         res[0] = E.LeaseExpired("planted")
         res[3] = res[3] - 1  # page 1's V object came back one byte short
         return res
