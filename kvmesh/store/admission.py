@@ -77,7 +77,7 @@ class Admission:
         # a broken or hostile peer and is refused whole, before any work.
         t = type(req)
         fields = checked_fields(t)
-        parts = t is P.ExistsPartsReq
+        parts = t is P.ExistsPartsReq or t is P.GetPartsReq
         if parts:
             # Checked by parts (types.bad_parts), never expanded before the count is known.
             # The suffixes count on their own too: with no keys the product is 0, yet

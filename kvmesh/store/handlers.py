@@ -40,7 +40,7 @@ __all__ = ["HANDLERS", "Handlers", "LEASE_READS", "MAX_SCANS", "wall_clock"]
 log = logging.getLogger(__name__)
 
 
-LEASE_READS = (P.GetReplicasReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
+LEASE_READS = (P.GetReplicasReq, P.GetPartsReq, P.ExistsReq, P.ExistsPartsReq, P.GetSizeReq)
 _SCAN_SLICE = 4096  # keys a remove by prefix scans between yields to the event loop
 _ROUND_KEY_BYTES = 1 << 20  # key bytes of one remove-by-prefix entry (then another round)
 # Remove-by-prefix scans queued or running on a master (one per connection at a time); past
@@ -63,6 +63,8 @@ class Handlers:
         t = type(req)
         if t is P.GetReplicasReq:
             return self._get_replicas(req)
+        if t is P.GetPartsReq:  # parts checked (and counted) by _check before any joining
+            return self._get_replicas(req, P.parts_names(req.prefix, req.keys, req.suffixes))
         if t is P.ExistsReq:
             return P.CodesResp(req.rid, self.sm.exists_flags(req.keys))  # keys: _check
         if t is P.ExistsPartsReq:
@@ -215,10 +217,13 @@ class Handlers:
         out = [c if c else next(it, int(E.InternalError.code)) for c in planned]
         return out
 
-    def _get_replicas(self, req: P.GetReplicasReq) -> P.ReplicasResp | P.ReplicaTableResp:
+    def _get_replicas(
+        self, req: P.GetReplicasReq | P.GetPartsReq, keys: list[str] | None = None
+    ) -> P.ReplicasResp | P.ReplicaTableResp:
+        """``keys``: the names asked (a GetPartsReq's joined parts); default ``req.keys``."""
         mono = time.monotonic()  # before the lookup: the lease is never longer than promised
         ttl = self.cfg.lease_ttl_s
-        keys = req.keys
+        keys = req.keys if keys is None else keys
         t = self.sm.lookup_table(keys, req.host or None, self.cfg.max_reply_bytes)
         codes = t.codes
         every = codes.count(0) == len(codes)  # all found (the usual batch): no index lists

@@ -41,6 +41,7 @@ __all__ = [
     "ErrorResp",
     "ExistsPartsReq",
     "ExistsReq",
+    "GetPartsReq",
     "GetReplicasReq",
     "GetSizeReq",
     "HeartbeatReq",
@@ -157,6 +158,21 @@ class GetReplicasReq(msgspec.Struct, tag="get_replicas", array_like=True, frozen
 
     rid: int
     keys: list[str]
+    host: str = ""
+    table: bool = False
+
+
+class GetPartsReq(msgspec.Struct, tag="get_parts", array_like=True, frozen=True):
+    """:class:`GetReplicasReq` for the names ``prefix + key + suffix``, every key with every
+    suffix, key-major (as :class:`ExistsPartsReq`): the master joins the names, checked by
+    parts as for ExistsPartsReq, so a client reading HiCache pages never builds them. The
+    reply is that of a GetReplicasReq of the joined names, in their order. A master that
+    predates it refuses the request as undecodable (InvalidParams)."""
+
+    rid: int
+    prefix: str
+    keys: list[str]
+    suffixes: list[str]
     host: str = ""
     table: bool = False
 
@@ -319,6 +335,7 @@ Request = (
     | PutRevokeReq
     | PutCommitReq
     | GetReplicasReq
+    | GetPartsReq
     | ExistsReq
     | ExistsPartsReq
     | GetSizeReq
@@ -563,22 +580,26 @@ def undecodable(body: bytes | memoryview, err: Exception) -> ErrorResp:
     return ErrorResp(rid, int(Code.INVALID_PARAMS), why, retry=False)
 
 
+_PARTS = (ExistsPartsReq, GetPartsReq)  # requests that name objects by parts
+
+
 def request_keys(req: Any) -> list[str]:
     """The keys a request names (empty for requests without keys)."""
-    if type(req) is ExistsPartsReq:
+    if type(req) in _PARTS:
         return parts_names(req.prefix, req.keys, req.suffixes)
     return getattr(req, "keys", None) or []
 
 
 def request_key_count(req: Any) -> int:
     """``len(request_keys(req))`` without building an :class:`ExistsPartsReq`'s names."""
-    if type(req) is ExistsPartsReq:
+    if type(req) in _PARTS:
         return len(req.keys) * len(req.suffixes)
     return len(getattr(req, "keys", None) or [])
 
 
 def parts_names(prefix: str, keys: list[str], suffixes: list[str]) -> list[str]:
-    """The object names of an :class:`ExistsPartsReq`, in the order of its codes."""
+    """The object names of an :class:`ExistsPartsReq` (or :class:`GetPartsReq`), in the
+    order of its codes."""
     if len(suffixes) == 1:
         s = suffixes[0]
         return [f"{prefix}{k}{s}" for k in keys]

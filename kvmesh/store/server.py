@@ -198,7 +198,7 @@ class Server:
         t = type(req)
         big = (
             out.big
-            if t is P.GetReplicasReq
+            if t is P.GetReplicasReq or t is P.GetPartsReq
             else out.scan
             if t is P.RemovePrefixReq
             else contextlib.nullcontext()

@@ -302,8 +302,18 @@ def bad_parts(prefix: Any, keys: list[Any], suffixes: list[Any]) -> str | None:
             return "key is not valid UTF-8 (lone surrogate)"
     if not keys:
         return None
+    room = MAX_KEY_BYTES - lens[0] - max(lens[1:])
+    if room > 0 and type(keys) is list and len(keys) > 1 and set(map(type, keys)) == {str}:
+        # The usual batch (ASCII page keys): the lengths in msgspec's C loop, as keys_valid.
+        try:
+            _convert(keys, _key_chars(room))
+            joined = "".join(keys)
+            if "\0" not in joined and joined.isascii():
+                return None
+        except msgspec.ValidationError:
+            pass  # some key is empty or too long: key by key below names which
     longest = _longest_valid(keys)
-    if longest is None or longest > MAX_KEY_BYTES - lens[0] - max(lens[1:]):
+    if longest is None or longest > room:
         why = bad_key(keys)  # key by key: the first bad one, or the exact longest below
         if why is not None:
             return why
@@ -354,6 +364,18 @@ def keys_valid(keys: list[Any]) -> bool:
 
 
 _KEY_CHARS = list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]]
+_ROOM_CHARS: dict[int, Any] = {}  # bad_parts' key types by room left (few distinct values)
+
+
+def _key_chars(room: int) -> Any:
+    t = _ROOM_CHARS.get(room)
+    if t is None:
+        t = list[Annotated[str, msgspec.Meta(min_length=1, max_length=room)]]
+        if len(_ROOM_CHARS) < 256:  # a hostile peer's many prefixes cost a type each, once
+            _ROOM_CHARS[room] = t
+    return t
+
+
 _convert = msgspec.convert
 
 

@@ -416,3 +416,44 @@ def test_a_stalled_frame_behind_full_inflight_slots_is_still_cut(tmp_path):
         client.close()
         engine.close()
         cl.close()
+
+
+def test_get_by_parts_checks_the_joined_names_and_the_caps(master):
+    """GetPartsReq (a get by name parts, the master joins them): the parts are checked as
+    an ExistsPartsReq's -- the count on the product and on the suffixes, every part's key
+    rules, the joined length -- before any name is built or any lease granted; a valid one
+    answers exactly what GetReplicasReq of the joined names answers; the old form still
+    works."""
+    cl, client = master
+    names = [f"gp/{p}/{c}" for p in ("a", "b") for c in ("k", "v")]
+    client.put(names, [n.encode() * 3 for n in names])
+    s = _authed(cl)
+    for rid, req, err in (
+        (40, P.GetPartsReq(40, "p", ["k"] * 1000, ["s"] * 100), E.InvalidParams),
+        (41, P.GetPartsReq(41, "p", [], [""] * 100_000), E.InvalidParams),
+        (42, P.GetPartsReq(42, "p" * 600, ["k"], ["s" * 600]), E.InvalidKey),
+        (43, P.GetPartsReq(43, "p", ["k"], ["\0"]), E.InvalidKey),
+        (44, P.GetPartsReq(44, "p", ["k"], []), E.InvalidKey),
+        (45, P.GetPartsReq(45, "gp/", ["a", ""], ["/k"]), E.InvalidKey),  # an empty key
+        (46, P.GetPartsReq(46, "gp/", ["a"], ["/k"], "h" * 1000), E.InvalidParams),
+    ):
+        s.sendall(framing.encode_frame(P.encode(req)))
+        r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(10.0)))
+        assert type(r) is P.ErrorResp and r.rid == rid and r.code == err.code, (rid, r)
+    asks = [
+        P.GetPartsReq(47, "gp/", ["a", "nope", "b"], ["/k", "/v"], "", True),
+        P.GetReplicasReq(47, P.parts_names("gp/", ["a", "nope", "b"], ["/k", "/v"]), "", True),
+    ]
+    answers = []
+    for req in asks:
+        s.sendall(framing.encode_frame(P.encode(req)))
+        r = P.decode_response(framing.read_frame(s, 1 << 20, Deadline(10.0)))
+        assert type(r) is P.ReplicaTableResp and r.rid == 47, r
+        answers.append((r.codes, r.sizes, r.segments, r.rows))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == [0, 0, E.ObjectNotFound.code, E.ObjectNotFound.code, 0, 0]
+    assert answers[0][1] == [len(n) * 3 for n in names[:2]] + [0, 0] + [
+        len(n) * 3 for n in names[2:]
+    ]
+    s.close()
+    _still_serves(cl, client, "get-parts")

@@ -97,3 +97,39 @@ def test_unregistered_region_is_refused(client):
     c.unregister_buffer(r)
     with pytest.raises(E.NotRegistered):
         c.get_into_regions(keys[:1], [r], 0, [0], SZ)
+
+
+def test_by_parts_lands_the_bytes_of_the_joined_names(client):
+    """By parts (``prefix + key + suffix``, key-major: HiCache's K and V objects of a page):
+    the master joins the names (GetPartsReq) and the bytes that land, per name, are exactly
+    those of the same get by joined names; a missing name fails alone under its own name."""
+    c, a, b, ra, rb, keys, data = client
+    pages, sufs = [str(i) for i in range(9)], ["/k", "/v"]
+    names = [f"pp/{p}{s}" for p in pages for s in sufs]
+    blobs = [np.full(SZ, 10 + j, np.uint8) for j in range(len(names))]
+    assert c.put(names, [x.tobytes() for x in blobs]).ok
+    off = ((5 * np.arange(len(names))) % 64 * SZ).astype(np.int64)  # scattered, in a only
+    a[:] = 0
+    got = c.get_into_regions(pages, [ra], 0, off, SZ, prefix="pp/", suffixes=sufs)
+    assert list(got) == [SZ] * len(names)
+    parts = a.copy()
+    for j in range(len(names)):
+        assert (a[off[j] : off[j] + SZ] == blobs[j]).all(), names[j]
+    a[:] = 0
+    assert list(c.get_into_regions(names, [ra], 0, off, SZ)) == [SZ] * len(names)
+    assert (a == parts).all()
+    # A page absent: its two names fail, named as joined, the rest land.
+    got = c.get_into_regions(["1", "nope", "2"], [ra], 0, off[:6], SZ, prefix="pp/", suffixes=sufs)
+    assert [type(r) for r in got] == [int, int, E.ObjectNotFound, E.ObjectNotFound, int, int]
+    assert "pp/nope/k" in str(got[2]) and "pp/nope/v" in str(got[3])
+
+
+def test_by_parts_refused_parts_fail_per_name_not_the_call(client):
+    """Parts the client refuses (a joined name past the key limit, NUL in a suffix) are never
+    sent by parts: the names are built and each bad one is its own InvalidKey."""
+    c, a, b, ra, rb, keys, data = client
+    off = np.arange(2, dtype=np.int64) * SZ
+    got = c.get_into_regions(["0", "x" * 2000], [ra], 0, off, SZ, prefix="cols-", suffixes=[""])
+    assert got[0] == SZ and isinstance(got[1], E.InvalidKey)
+    got = c.get_into_regions(["0"], [ra], 0, off, SZ, prefix="cols-", suffixes=["", "\0"])
+    assert got[0] == SZ and isinstance(got[1], E.InvalidKey)

@@ -14,6 +14,7 @@ from ...transfer.disk import checksum as _crc32c
 from .. import errors as E
 from .. import protocol as P
 from ..types import (
+    bad_parts,
     keys_valid,
 )
 from .args import int_array, listify, per_key
@@ -39,9 +40,17 @@ class Reads:
         """GetReplicas (table form) in RPC-sized parts: per key code and size, the slice rows
         of the found keys (key index relative to ``keys``), and the lease deadline."""
         n = len(keys)
+        if type(keys) is _PartNames and n > MAX_KEYS_PER_RPC:
+            keys = list(keys)  # several RPCs: cut by names
         if n <= MAX_KEYS_PER_RPC:  # one RPC (the usual case): its arrays as they are
             host = self.engine.host_id
-            resp, t0 = self.rpc.call_timed(lambda rid: P.GetReplicasReq(rid, keys, host, True))
+            if type(keys) is _PartNames:
+                pre, mid, sufs = keys.prefix, keys.keys, keys.suffixes
+                resp, t0 = self.rpc.call_timed(
+                    lambda rid: P.GetPartsReq(rid, pre, mid, sufs, host, True)
+                )
+            else:
+                resp, t0 = self.rpc.call_timed(lambda rid: P.GetReplicasReq(rid, keys, host, True))
             try:
                 if type(resp) is not P.ReplicaTableResp:
                     raise whole_error(resp)
@@ -108,7 +117,7 @@ class Reads:
         n = len(keys)
         out: list[Any] = [None] * n
         one = isinstance(bufs, (Places, Pieces))
-        if one and keys_valid(keys):
+        if one and (type(keys) is _PartNames or keys_valid(keys)):  # parts: checked by parts
             idx: list[int] = list(range(n))
         else:
             idx = []
@@ -515,13 +524,27 @@ class Reads:
 
     def get_into_regions(
         self, keys: Sequence[Any], regions: Sequence[MemoryRegion], reg: Any, offsets: Any,
-        sizes: Any,
+        sizes: Any, *, prefix: str = "", suffixes: Sequence[str] | None = None,
     ) -> BatchResults:  # fmt: skip
         """Batch get into memory the caller resolved once (its :meth:`register_buffer`
         regions): key ``i``'s bytes go to ``regions[reg[i]]`` at ``offsets[i]``, capacity
         ``sizes[i]``; ``offsets`` of shape ``(keys, ranges)``: filled range by range in
         order. Integer columns, ``reg`` and ``sizes`` broadcast to ``offsets``; checked for
-        the whole batch, with no address lookup per call. Per key the number of bytes read."""
+        the whole batch, with no address lookup per call. Per key the number of bytes read.
+
+        ``prefix``/``suffixes``: the objects are ``prefix + key + suffix`` for every key and
+        every suffix, key-major (as :meth:`batch_exists`'s parts); ``i`` above counts those
+        names. The master joins them (:class:`~kvmesh.store.protocol.GetPartsReq`): no
+        name is built here unless some part is refused (then the names, key by key)."""
+        if suffixes is not None or prefix:
+            sufs = list(suffixes if suffixes is not None else [""])
+            mid = list(keys)
+            names: Any = _PartNames(prefix, mid, sufs)
+            if bad_parts(prefix, mid, sufs) is not None:
+                names = list(names)  # the per-key path names each bad key
+            places = self._region_columns(regions, reg, offsets, sizes, len(names))
+            caps = places.caps if isinstance(places, Places) else places.totals
+            return self._get_regions(names, places, caps)
         ks = list(keys)
         places = self._region_columns(regions, reg, offsets, sizes, len(ks))
         caps = places.caps if isinstance(places, Places) else places.totals
@@ -655,6 +678,29 @@ def _lease_expired(key: Any) -> E.StoreError:
 
 def _read_failed(key: Any) -> E.StoreError:
     return E.TransferFailed(f"reading {key!r} from its replicas failed")
+
+
+class _PartNames(Sequence[str]):
+    """The names ``prefix + key + suffix`` (key-major) of a get by parts, built only when
+    one is asked for (an error naming its key, a crc report): the usual batch never does."""
+
+    __slots__ = ("prefix", "keys", "suffixes")
+
+    def __init__(self, prefix: str, keys: list[str], suffixes: list[str]) -> None:
+        self.prefix, self.keys, self.suffixes = prefix, keys, suffixes
+
+    def __len__(self) -> int:
+        return len(self.keys) * len(self.suffixes)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.suffixes)
+        k, s = divmod(range(len(self))[i], n)  # range: negative indexes and bounds
+        return f"{self.prefix}{self.keys[k]}{self.suffixes[s]}"
+
+    def __iter__(self) -> Any:
+        return iter(P.parts_names(self.prefix, self.keys, self.suffixes))
 
 
 class _Looked(NamedTuple):
