@@ -322,3 +322,40 @@ def test_batch_laid_end_to_end_is_written_whole_and_a_failed_write_fails_every_k
     assert "PutStartResp" in seen, seen  # every key put anew, by the two-round-trip put
     for k, o, z in zip(keys, offs, sizes):
         assert c.get(k) == src[base + o : base + o + z].tobytes(), k
+
+
+def test_a_reservation_in_use_by_another_thread_is_never_given_back(env) -> None:
+    """Threads of one client share its reservation. While one is writing into the bytes it
+    carved, another that needs a bigger reservation must not release the old one: the
+    master would hand those bytes to the next put, and the first thread's write would land
+    in that object. The writes of both threads read back exactly."""
+    import threading
+
+    cl, _peer, c = env
+    w = StoreClient(cl.address, token=TOKEN, timeout=10)
+    try:
+        w.put("warm-0", b"w" * 1000)  # a reservation of about one small batch
+        inside = threading.Event()
+        go = threading.Event()
+        move = w._move_arrays
+
+        def slow(op, *a, **kw):  # the first writer is held inside its write
+            if threading.current_thread().name == "first":
+                inside.set()
+                go.wait(10)
+            return move(op, *a, **kw)
+
+        w._move_arrays = slow  # type: ignore[method-assign]
+        first = threading.Thread(target=lambda: w.put(["first-0"], [b"A" * 900]), name="first")
+        first.start()
+        assert inside.wait(10)
+        # a batch that does not fit what is left: the client asks for a new reservation
+        big = [bytes([66 + i]) * 200_000 for i in range(4)]
+        res = w.put([f"big-{i}" for i in range(4)], big)
+        assert not any(isinstance(x, Exception) for x in res), res
+        go.set()
+        first.join(10)
+        assert w.get([f"big-{i}" for i in range(4)]) == big
+        assert w.get("first-0") == b"A" * 900
+    finally:
+        w.close()

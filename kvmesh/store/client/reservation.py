@@ -42,10 +42,13 @@ class Reservation:
     are in (sid -> ``(name, node_id, endpoint)``), its deadline (monotonic) and the largest
     object the master takes in a commit (``limit``)."""
 
-    __slots__ = ("align", "deadline", "ext", "hold", "limit", "segs", "tag")
+    __slots__ = ("align", "busy", "deadline", "ext", "hold", "limit", "segs", "tag")
 
     def __init__(self, tag: int, limit: int, align: int) -> None:
         self.tag = tag
+        # puts carved from it and not yet answered: while any is, the reservation is never
+        # released (the master would give their bytes to the next put, under their writes)
+        self.busy = 0
         self.limit = limit
         self.align = align
         self.ext: list[tuple[int, int, int]] = []

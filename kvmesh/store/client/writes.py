@@ -111,10 +111,12 @@ class Writes:
 
     def _reserve(self, config: ReplicateConfig, want: int) -> Reservation | None:
         """A new reservation of ``want`` bytes (the rest of the old one released in the
-        same entry); None if the master has no room or takes no commits."""
+        same entry, unless another thread's put is still writing into it: that one is left
+        to lapse after its hold); None if the master has no room or takes no commits.
+        Called under ``res.lock``."""
         res = self._reserved
         old = res.by_config.pop(config, None)
-        tag = old.tag if old is not None else 0
+        tag = old.tag if old is not None and not old.busy else 0
         t0 = time.monotonic()
         try:
             resp = self.rpc.mutate(
@@ -179,6 +181,25 @@ class Writes:
                     return None
             # room for one more batch like this one (the next put's, as a put stream goes)
             refill = max(0, total - r.free_bytes())
+            r.busy += 1
+        try:
+            return self._commit_carved(keys, bufs, sizes, part, out, config, r, place, refill)
+        finally:
+            with res.lock:
+                r.busy -= 1
+
+    def _commit_carved(self, keys, bufs, sizes, part, out, config, r, place, refill):
+        """Write ``part`` into the extent ``place`` carved from reservation ``r`` and publish
+        it with one PutCommit (see :meth:`_put_committed`)."""
+        res = self._reserved
+        whole = len(part) == len(keys)
+        pkeys = keys if whole else [keys[i] for i in part]
+        psizes = sizes if whole else [sizes[i] for i in part]
+        n = len(pkeys)
+        sz = np.asarray(psizes, np.int64)
+        a = r.align
+        rounded = (sz + (a - 1)) & -a
+        total = int(rounded.sum())
         sid, base = place
         starts = np.cumsum(rounded) - rounded + base
         offs = starts.tolist()
