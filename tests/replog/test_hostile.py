@@ -172,7 +172,9 @@ async def closed_within(reader, seconds) -> float:
             data = await asyncio.wait_for(
                 reader.read(65536), max(0.01, seconds - (time.monotonic() - t0))
             )
-        except ConnectionResetError:  # closed with our bytes unread: a reset, not a FIN
+        except (ConnectionResetError, BrokenPipeError):
+            # closed with our bytes unread: a reset, not a FIN -- or our unsent bytes met the
+            # closed socket first (EPIPE, raised through the reader): closed either way
             data = b""
         if not data:
             return time.monotonic() - t0
