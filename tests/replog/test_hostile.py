@@ -58,11 +58,15 @@ def run(coro, timeout=120):
 
 @pytest.fixture
 def cluster(tmp_path):
+    yield from _started(tmp_path, election_ticks=10)
+
+
+def _started(tmp_path, election_ticks: int):
     c = LocalCluster(
         str(tmp_path),
         3,
         tick_ms=TICK_MS,
-        election_ticks=10,
+        election_ticks=election_ticks,
         token=TOKEN,
         extra_args=["--frame-timeout-s", "1.5"],
     )
@@ -307,19 +311,7 @@ def long_lease_cluster(tmp_path):
     not heard its leader for an election timeout grants a higher term, as Raft must. On a
     loaded CI machine the processes can stall longer than 10 ticks, which ends the lease
     honestly; 60 ticks keep the lease the test is about, whatever the load."""
-    c = LocalCluster(
-        str(tmp_path),
-        3,
-        tick_ms=TICK_MS,
-        election_ticks=60,
-        token=TOKEN,
-        extra_args=["--frame-timeout-s", "1.5"],
-    )
-    try:
-        c.start_all()
-        yield c
-    finally:
-        c.close()
+    yield from _started(tmp_path, election_ticks=60)
 
 
 def test_gap_append_forged_votes_and_timeout_now_change_nothing(long_lease_cluster):

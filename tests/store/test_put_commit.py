@@ -359,3 +359,39 @@ def test_a_reservation_in_use_by_another_thread_is_never_given_back(env) -> None
         assert w.get("first-0") == b"A" * 900
     finally:
         w.close()
+
+
+def test_forged_commits_are_refused_and_the_master_serves_on(env) -> None:
+    """Out-of-range and inconsistent PutCommit fields from an authenticated client, against
+    the live master: every one is refused (per key or whole), none is published, and the
+    master goes on serving."""
+    cl, _peer, c = env
+    w = StoreClient(cl.address, token=TOKEN, timeout=10)
+    try:
+        w.put("forge-warm", b"w" * 1000)
+        tag = next(iter(w._reserved.by_config.values())).tag
+        cfg = ReplicateConfig()
+        bad = [
+            (["f0"], [100], tag, 1, [1 << 62]),  # offset far out of the segment
+            (["f1"], [100], tag, 1, [-64]),  # negative offset
+            (["f2", "f3"], [100], tag, 1, [0]),  # fewer offsets than keys
+            (["f4"], [1 << 40], tag, 1, [0]),  # size beyond any segment
+            (["f5"], [100], tag, 999, [0]),  # no such segment
+            (["f6"], [100], tag + 12345, 1, [0]),  # not our reservation
+            (["f7"], [100], tag, 1, [3]),  # misaligned
+        ]
+        for keys, sizes, t, sid, offs in bad:
+            try:
+                resp = w.rpc.mutate(
+                    lambda rid, s, k=keys, z=sizes, t=t, d=sid, o=offs: P.PutCommitReq(
+                        rid, s, k, z, t, d, o, cfg
+                    )
+                )
+            except E.StoreError:
+                continue  # refused whole
+            assert type(resp) is not P.PutCommitResp or all(resp.codes), (keys, resp)
+        names = [k for b in bad for k in b[0]]
+        assert w.exists(names) == [False] * len(names)
+        assert c.get("forge-warm") == b"w" * 1000
+    finally:
+        w.close()
