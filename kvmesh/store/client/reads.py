@@ -22,6 +22,7 @@ from .buffers import Pieces, Places, split_pieces
 from .replies import (
     MAX_KEYS_PER_RPC,
     BatchResults,
+    Served,
     finish,
     invalid_key,
     rpc_parts,
@@ -151,7 +152,7 @@ class Reads:
         if looked.crcs:
             out[:] = res
             if self._check_crcs(keys, idx, bufs, looked, out):
-                return BatchResults(out, res.transports)
+                return BatchResults(out, res.transports, res.served)
         return res
 
     def _check_crcs(
@@ -282,12 +283,15 @@ class Reads:
         transports: set[str] = set()
         attempt = 0
         sz = sizes.tolist()
+        served = np.full(m, -1, np.int64)  # per key: the segment of the copy that served it
         while pend.any():
             if rank is None:
                 r = rows if pend.all() else rows[pend[kj]]
             else:
                 r = rows[(rank == attempt) & pend[kj]]
             k, seg, ro, ln = r[:, 0], r[:, 2], r[:, 3], r[:, 4]
+            first = np.full(m, -1, np.int64)
+            first[k[::-1]] = seg[::-1]  # each key's first slice this round
             reg, lo = kreg[k], koff[k]
             if rank is not None and len(k):
                 # Each key's slices fill its buffer in order: + bytes of earlier slices.
@@ -331,14 +335,20 @@ class Reads:
                 for j in np.flatnonzero(tried).tolist():
                     out[idx[j]] = _lease_expired(keys[idx[j]])
                 break
-            for j in np.flatnonzero(tried & ~failed).tolist():
+            won = tried & ~failed
+            served[won] = first[won]
+            for j in np.flatnonzero(won).tolist():
                 out[idx[j]] = sz[j]
             attempt += 1
             pend = tried & failed & (copies > attempt)  # next copy, under the same lease
             for j in np.flatnonzero(tried & failed & (copies <= attempt)).tolist():
                 out[idx[j]] = _read_failed(keys[idx[j]])
         self.last_transports = sorted(transports)
-        return BatchResults(out, self.last_transports)
+        for j, b in pieces.items():  # a key read into pieces: its first piece's region
+            kreg[j] = len(regions)
+            regions.append(b[0][0])
+        where = Served(segs, served, regions, kreg, self._segments, idx)
+        return BatchResults(out, self.last_transports, where)
 
     def _read_simple(
         self, keys: list[Any], bufs: Places, caps: Any, looked: _Looked, out: list[Any]
@@ -372,7 +382,7 @@ class Reads:
             out[:] = sizes.tolist()
         t = [] if used is None else sorted(used)
         self.last_transports = t
-        return BatchResults(out, t)
+        return BatchResults(out, t, Served(looked.segs, 0, [bufs.region], 0, self._segments))
 
     def _read_places(
         self, keys: list[Any], bufs: Places, lo: np.ndarray, looked: _Looked, out: list[Any]
@@ -394,7 +404,8 @@ class Reads:
             for j in bad.tolist():
                 out[j] = _read_failed(keys[j])
         self.last_transports = list(used)
-        return BatchResults(out, self.last_transports)
+        where = Served(looked.segs, rows[:, 2], bufs.regions, bufs.reg, self._segments)
+        return BatchResults(out, self.last_transports, where)
 
     def _read_pieces(
         self, keys: list[Any], bufs: Pieces, looked: _Looked, out: list[Any]
@@ -429,7 +440,8 @@ class Reads:
             for j in bad.tolist():
                 out[j] = _read_failed(keys[j])
         self.last_transports = list(used)
-        return BatchResults(out, self.last_transports)
+        where = Served(looked.segs, rows[:, 2], bufs.regions, bufs.reg[:, 0], self._segments)
+        return BatchResults(out, self.last_transports, where)
 
     def _read_leased(
         self, looked: _Looked, y: int, region: MemoryRegion, lo: Any, ro: Any, ln: Any
@@ -470,7 +482,7 @@ class Reads:
         else:
             out[i] = size
         self.last_transports = t
-        return BatchResults(out, t)
+        return BatchResults(out, t, Served(looked.segs, y, [region], 0, self._segments, [i]))
 
     def get_into(self, keys: Any, buffer: Any, offsets: Any = 0, sizes: Any = None) -> Any:
         """Read objects into registered memory at ``buffer + offsets[i]`` (capacity
@@ -625,6 +637,7 @@ class Reads:
                     for i, r in enumerate(res)
                 ],
                 res.transports,
+                res.served,
             )
         finally:
             self._staging.release(stage)

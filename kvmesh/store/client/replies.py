@@ -5,7 +5,9 @@ request-sized parts."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from .. import errors as E
 from ..rpc import reply_error as whole_error
@@ -18,6 +20,7 @@ __all__ = [
     "MAX_KEYS_PER_RPC",
     "MAX_KEY_BYTES_PER_RPC",
     "Removed",
+    "Served",
     "fail_all",
     "fan_out",
     "finish",
@@ -176,15 +179,74 @@ class Removed(int):
         return f"Removed({int(self)}, skipped={self.skipped})"
 
 
+class Served(NamedTuple):
+    """Where a get's keys were read from, kept as the read path had it and resolved only
+    when :attr:`BatchResults.media` or :attr:`BatchResults.key_transports` is asked for (a
+    get pays for a tuple, not per key work). Looked-up key ``j`` (result ``idx[j]``, or
+    ``j`` when ``idx`` is None) was read from segment ``segs[seg[j]]`` (the first slice of
+    the copy that served it; -1: none) into ``regions[reg[j]]``; ``seg``/``reg`` are an
+    int for every key or int64 columns. ``handles``: the client's engine handles by
+    (endpoint, segment name), whose kind is the medium and whose route the transport."""
+
+    segs: list[tuple[str, str, str]]
+    seg: Any
+    regions: list[Any]
+    reg: Any
+    handles: dict[tuple[str, str], Any]
+    idx: Any = None
+
+
 class BatchResults(list):
     """A list with one result per key plus ``transports`` (the transports that served the
-    batch's bytes). ``codes``: 0 or the error code per key; ``ok``: no key failed."""
+    batch's bytes). ``codes``: 0 or the error code per key; ``ok``: no key failed; for
+    gets, per key ``media`` (``"memory"``/``"disk"``) and ``key_transports`` (``"shm"``,
+    ``"tcp"``, ``"disk"``, ...) of the copy that served it (``""``: not read)."""
 
     transports: list[str]
 
-    def __init__(self, items: Sequence[Any] = (), transports: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        items: Sequence[Any] = (),
+        transports: list[str] | None = None,
+        served: Served | None = None,
+    ) -> None:
         super().__init__(items)
         self.transports = transports or []
+        self.served = served
+
+    @property
+    def media(self) -> list[str]:
+        """Per key the medium of the copy its bytes came from; ``""``: not read."""
+        return self._per_key(True)
+
+    @property
+    def key_transports(self) -> list[str]:
+        """Per key the transport that moved its bytes; ``""``: not read (or unknown: its
+        segment's handle was dropped since)."""
+        return self._per_key(False)
+
+    def _per_key(self, medium: bool) -> list[str]:
+        n = len(self)
+        out = [""] * n
+        s = self.served
+        if s is None:
+            return out
+        seg = s.seg if type(s.seg) is int else np.asarray(s.seg).tolist()
+        reg = s.reg if type(s.reg) is int else np.asarray(s.reg).tolist()
+        memo: dict[tuple[int, int], str] = {}
+        for j, i in enumerate(range(n) if s.idx is None else s.idx):
+            r = self[i]
+            if r is None or isinstance(r, E.StoreError):
+                continue
+            y = seg if type(seg) is int else seg[j]
+            x = reg if type(reg) is int else reg[j]
+            if y < 0:
+                continue
+            what = memo.get((y, x))
+            if what is None:
+                what = memo[(y, x)] = _served_by(s, y, x, medium)
+            out[i] = what
+        return out
 
     @property
     def codes(self) -> list[int]:
@@ -193,6 +255,21 @@ class BatchResults(list):
     @property
     def ok(self) -> bool:
         return not any(isinstance(x, E.StoreError) for x in self)
+
+
+def _served_by(s: Served, y: int, x: int, medium: bool) -> str:
+    name, _node, ep = s.segs[y]
+    h = s.handles.get((ep, name))
+    if h is None:
+        return ""
+    kind = h.kind.value
+    if medium:
+        return "disk" if kind == "disk" else "memory"
+    region = s.regions[x] if 0 <= x < len(s.regions) else None
+    if region is None:
+        return ""
+    k, d = region.kind.value, region.device
+    return h.transports().get(k if d < 0 else f"{k}:{d}", "")
 
 
 def invalid_key(key: Any) -> E.StoreError | None:
