@@ -105,13 +105,22 @@ def _disk_name(c: StoreClient) -> str:
     return name
 
 
-def _until(what, timeout: float = 30.0, step: float = 0.05):
+def _disk_node_memory(c: StoreClient) -> str:
+    """The memory segment of the node whose disk segment is mounted."""
+    segs = c.status()["segments"]
+    (node,) = [s["node_id"] for s in segs if s["medium"] == "disk" and s["state"] == "mounted"]
+    (name,) = [s["name"] for s in segs if s["medium"] == "memory" and s["node_id"] == node
+               and s["state"] == "mounted"]  # fmt: skip
+    return name
+
+
+def _until(what, timeout: float = 30.0, step: float = 0.05, msg: str = ""):
     end = time.monotonic() + timeout
     while True:
         got = what()
         if got:
             return got
-        assert time.monotonic() < end, f"not in time: {what}"
+        assert time.monotonic() < end, f"not in time: {msg or what}"
         time.sleep(step)
 
 
@@ -120,76 +129,79 @@ def _until(what, timeout: float = 30.0, step: float = 0.05):
 
 def test_kill9_of_the_disk_node_mid_demotion_leaves_no_wrong_copy_and_loses_no_ack(tmp_path):
     """Two nodes: A (memory only) and B (memory and the disk). Objects fill memory past the
-    demotion watermark; B is killed with SIGKILL right when the master has started a new
-    demotion batch (disk bytes allocated, PROCESSING copies). After B restarts on the same
-    file: every disk copy the master lists holds its object's bytes in the file; every
-    acknowledged object reads byte-exact, except those whose only copy was in B's memory
-    (gone with B's process, as without a tier); no read is an InvalidRead."""
+    demotion watermark, then B is killed with SIGKILL, twice: right when the master started
+    a new demotion batch (disk bytes allocated: PROCESSING copies), and right when it
+    applied the ``DemoteEnd`` of a new batch (COMPLETE copies, memory copies maybe freed,
+    the next batch maybe in flight). After each restart on the same file: every disk copy
+    the master lists holds its object's bytes in the file itself; every acknowledged object
+    reads byte-exact, except those whose every copy was in B's memory at the kill (gone
+    with B's process, as without a tier); no read is an InvalidRead."""
     (port,) = free_ports(1)
     addr = f"127.0.0.1:{port}"
     path = tmp_path / "tier.seg"
-    ttl = ("--node-ttl-s", "1", "--node-suspect-s", "0.5")
+    # the master's view is read right after the kill, well before B is expired
+    ttl = ("--node-ttl-s", "2", "--node-suspect-s", "1")
     procs = [_master(tmp_path, addr, *ttl)]
     c = None
     try:
         procs.append(_node(addr))  # A
         procs.append(_node(addr, *_disk_args(path)))  # B
         c = StoreClient(addr, timeout=10, segment_size=0)
-        b_mem = _disk_name(c)[: -len(".disk")]  # B's memory segment (its first name)
-        keys = [f"obj-{i}" for i in range(160)]
+        keys = [f"obj-{i}" for i in range(224)]
         acked: list[str] = []
-        # Phase 1: 2 x memory, paced, so that many objects are on disk only.
+        # 2 x memory, paced, so that many objects are on disk only.
         for lo in range(0, 64, 8):
             _put(c, keys[lo : lo + 8])
             acked += keys[lo : lo + 8]
             _settle(c)
-        disk0 = c.status()["media"]["disk"]["used"]
-        assert disk0 > 0
-        # Phase 2: more puts until the master allocates disk bytes for a new batch; kill B
-        # at once (its copies of that batch are PROCESSING, or just ended).
         lo = 64
-        while True:
-            _put(c, keys[lo : lo + 8])
-            acked += keys[lo : lo + 8]
-            lo += 8
-            hit = None
-            end = time.monotonic() + 5
-            while time.monotonic() < end:
-                st = c.status()
-                if st["media"]["disk"]["used"] > disk0:
-                    hit = st
-                    break
-                time.sleep(0.005)
-            if hit is not None or lo >= len(keys):
-                break
-        assert hit is not None, "no new demotion batch started"
-        before = _copies(c, acked)
-        procs[2].kill()
-        procs[2].wait(20)
-        # objects whose every copy was in B's memory may go with B; all others must stay
-        only_b = {
-            k for k, cs in before.items()
-            if all(not _on_disk(cp) and all(s.segment == b_mem for s in cp) for cp in cs)
-        }  # fmt: skip
-        _wait_disk(c, "offline")
-        procs.append(_node(addr, *_disk_args(path)))
-        _wait_disk(c, "mounted")
-        after = _copies(c, acked)
-        wrong = [
-            k for k, cs in after.items() for cp in cs
-            if _on_disk(cp) and _file_bytes(path, cp) != _value(_idx(k))
-        ]  # fmt: skip
-        assert wrong == [], f"listed disk copies with other bytes in the file: {wrong[:8]}"
-        got = c.get(acked)
-        lost, bad = [], []
-        for k, g in zip(acked, got):
-            if isinstance(g, E.ObjectNotFound):
-                lost.append(k)
-            elif g != _value(_idx(k)):
-                bad.append(f"{k}: {g!r}"[:120])
-        assert bad == [], bad[:8]
-        assert set(lost) <= only_b, f"acknowledged and lost: {sorted(set(lost) - only_b)[:8]}"
-        assert any(_on_disk(cp) for cs in after.values() for cp in cs)  # re-adopted copies
+        for trigger in ("started", "ended"):
+            b_mem = _disk_node_memory(c)
+
+            def mark(st: dict, trigger=trigger) -> int:
+                if trigger == "started":
+                    return st["media"]["disk"]["used"]
+                return st["requests"].get("DemoteEndReq", 0)
+
+            mark0 = mark(c.status())
+            hit = False
+            while not hit and lo < len(keys):  # puts until the trigger, then kill at once
+                _put(c, keys[lo : lo + 8])
+                acked += keys[lo : lo + 8]
+                lo += 8
+                end = time.monotonic() + 5
+                while not hit and time.monotonic() < end:
+                    hit = mark(c.status()) > mark0
+            procs[-1].kill()
+            procs[-1].wait(20)
+            assert hit, f"no demotion batch {trigger}"
+            before = _copies(c, acked)  # the master's view at the kill: B not expired yet
+            assert set(before) == set(acked), sorted(set(acked) - set(before))[:8]
+            only_b = {
+                k for k, cs in before.items()
+                if all(not _on_disk(cp) and all(s.segment == b_mem for s in cp) for cp in cs)
+            }  # fmt: skip
+            _wait_disk(c, "offline")
+            procs.append(_node(addr, *_disk_args(path)))
+            _wait_disk(c, "mounted")
+            after = _copies(c, acked)
+            wrong = [
+                k for k, cs in after.items() for cp in cs
+                if _on_disk(cp) and _file_bytes(path, cp) != _value(_idx(k))
+            ]  # fmt: skip
+            assert wrong == [], f"{trigger}: listed disk copies with other bytes: {wrong[:8]}"
+            got = c.get(acked)
+            lost, bad = [], []
+            for k, g in zip(acked, got):
+                if isinstance(g, E.ObjectNotFound):
+                    lost.append(k)
+                elif g != _value(_idx(k)):
+                    bad.append(f"{k}: {g!r}"[:120])
+            assert bad == [], (trigger, bad[:8])
+            gone = sorted(set(lost) - only_b)
+            assert gone == [], f"{trigger}: acknowledged and lost: {gone[:8]}"
+            assert any(_on_disk(cp) for cs in after.values() for cp in cs)  # re-adopted
+            acked = [k for k in acked if k not in set(lost)]
     finally:
         if c is not None:
             c.close()
@@ -231,16 +243,6 @@ def test_kill9_of_a_reader_mid_read_of_disk_only_objects_leaks_nothing(tiered_fa
     copies = _copies(c, keys)
     disk_only = [k for k, cs in copies.items() if all(_on_disk(cp) for cp in cs)][:16]
     assert len(disk_only) >= 8, len(disk_only)
-    base = _fds(node.pid)
-    readers = [
-        subprocess.Popen(
-            [sys.executable, "-c", _READER, addr, ",".join(disk_only)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
     bad: list[str] = []
     reads = [0]
     stop = threading.Event()
@@ -252,8 +254,20 @@ def test_kill9_of_a_reader_mid_read_of_disk_only_objects_leaks_nothing(tiered_fa
                 if g != _value(_idx(k)):
                     bad.append(f"{k}: {g!r}"[:120])
 
-    t = threading.Thread(target=mine)
+    t = threading.Thread(target=mine, daemon=True)
     t.start()
+    # the node's descriptors once this process's reader has its connections
+    _until(lambda: reads[0] >= 4 * len(disk_only))
+    base = _fds(node.pid)
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, addr, ",".join(disk_only)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
     try:
         for r in readers:
             assert _line(r, "READ").split()[2] == str(len(disk_only))
@@ -277,9 +291,9 @@ def test_kill9_of_a_reader_mid_read_of_disk_only_objects_leaks_nothing(tiered_fa
             r.wait(20)
     assert bad == [], bad[:8]
     # the killed readers' leases end (by their deadline) and nothing stays leased
-    _until(lambda: c.status()["leases"] == 0)
+    _until(lambda: c.status()["leases"] == 0, msg="leases still held")
     # the node closed its connections to the dead readers
-    _until(lambda: _fds(node.pid) <= base, timeout=30)
+    _until(lambda: _fds(node.pid) <= base, msg=f"the node holds more than {base} descriptors")
     got = c.get(disk_only)
     assert [g == _value(_idx(k)) for k, g in zip(disk_only, got)] == [True] * len(disk_only)
 
@@ -410,13 +424,19 @@ def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
         keys = [f"obj-{i}" for i in range(24)]  # 1.5 MiB of 2: past 0.4, under 0.9
         for lo in range(0, len(keys), 8):
             _put(c, keys[lo : lo + 8])
-        for _ in range(2):  # the node tries, fails and says why; the master revokes the
+        fails, end = 0, time.monotonic() + 60
+        while fails < 2:  # the node tries, fails and says why; the master revokes the
             # batch after its timeout and hands it out again, which fails the same way
-            while True:
-                line = _line(n, "WARNING:kvmesh.store.node", timeout=60)
-                if "demotion of" in line:
-                    break
-            assert "failed" in line and "No space left" in line, line
+            assert time.monotonic() < end, "the node reported no failed demotion"
+            ended = c.status()["requests"].get("DemoteEndReq", 0)
+            assert ended == 0, "a demotion was ended while every disk write fails"
+            try:
+                line = _line(n, "WARNING:kvmesh.store.node", timeout=0.5)
+            except AssertionError:
+                continue  # no line yet
+            if "demotion of" in line:
+                assert "failed" in line and "No space left" in line, line
+                fails += 1
         # The master's state is polled by status only: a lookup leases the keys, and leased
         # objects are not demoted.
         st = c.status()
@@ -504,10 +524,12 @@ def test_staged_demotion_and_forced_network_disk_reads_report_medium_and_transpo
         procs.append(_node(addr, *_disk_args(path)))  # B
         c = StoreClient(addr, timeout=10, segment_size=0)
         disk_seg = _disk_name(c)
+        b_mem = _disk_node_memory(c)
         (a_mem,) = [
-            s["name"] for s in c.status()["segments"]
-            if s["medium"] == "memory" and s["name"] != disk_seg[: -len(".disk")]
-        ]  # fmt: skip
+            s["name"]
+            for s in c.status()["segments"]
+            if s["medium"] == "memory" and s["name"] != b_mem
+        ]
         keys = [f"obj-{i}" for i in range(96)]  # 6 MiB: 1.5 x both memory segments
         first: dict[str, str] = {}
         for lo in range(0, len(keys), 8):
