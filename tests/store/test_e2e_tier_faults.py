@@ -572,6 +572,9 @@ def test_staged_demotion_and_forced_network_disk_reads_report_medium_and_transpo
                 assert client.get(k) == _value(_idx(k))
                 assert client.last_transports == ["tcp"]
         assert not any(isinstance(g, Exception) for g in far.get(keys))
+        r = c.get([disk_only[0], "obj-none", in_mem[0]])  # a key not found: not read
+        assert isinstance(r[1], E.ObjectNotFound)
+        assert r.media == ["disk", "", "memory"] and r.key_transports == ["tcp", "", "shm"]
     finally:
         for x in (far, c, far_eng):
             if x is not None:
