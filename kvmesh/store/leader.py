@@ -141,6 +141,11 @@ class Leader:
         self.holds = HoldTracker(cfg.lease_ttl_s)
         self.put_ages = PutAges()
         self.demote_ages = PutAges()  # demotions in flight, as puts (the disk tier)
+        # DemoteStarts proposed and not yet applied: id -> (command, when, memory bytes).
+        # They count against demote_inflight_bytes as the applied ones do, so that the
+        # tick's and a DemoteEnd's chained batch never overlap or pass the cap together; one
+        # whose result never came (a driver that lost it) is forgotten after the timeout.
+        self._starts: dict[int, tuple[C.DemoteStart, float, int]] = {}
         self.demoted_total = 0  # objects whose memory copy this leader freed after demotion
         self._disk_full_until = float("-inf")
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
@@ -199,6 +204,7 @@ class Leader:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self.demote_ages = PutAges()
+        self._starts.clear()
         self.removing_all = 0
         self._last_reclaim = float("-inf")
         self._writers.clear()
@@ -533,36 +539,106 @@ class Leader:
                 yield ev, lambda r: self.evicted(ev, r)
         if excess or now < self._disk_full_until or sm.disk_free() <= 0:
             return
-        # Demote ahead: from the level eviction brings memory down to, the oldest objects
-        # get disk copies, so that when memory reaches its watermark their memory is freed
-        # at once. Demotions in flight count as done (a pipeline, not a pile-up).
-        dw = cfg.demote_watermark or max(0.0, hw - ratio)
+        ds = self.demote_next(now, wall, gone)
+        if ds is not None:
+            yield ds, lambda r: self.demote_started(ds, r, now)
+
+    def demote_next(
+        self, now: float, wall: float, gone: Iterable[str] = ()
+    ) -> C.DemoteStart | None:
+        """The next demotion batch, if any (the tick's last tiering step, and
+        :meth:`demote_ended`'s chained one): from the level eviction brings memory down to,
+        the oldest objects get disk copies, so that when memory reaches its watermark their
+        memory is freed at once. Demotions in flight -- applied, or proposed and not yet
+        applied (``_starts``) -- count as done (a pipeline, not a pile-up), and stay
+        under ``demote_inflight_bytes``. ``gone``: keys being evicted meanwhile. The caller
+        reports the result to :meth:`demote_started`."""
+        sm, cfg = self.sm, self.cfg
+        if self.object_excess() or now < self._disk_full_until or sm.disk_free() <= 0:
+            return None
+        dw = cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
         u = sm.usage()
         objs = sm.objects
-        pending = sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
+        starts = self._starts
+        for i in [i for i, (_, t, _) in starts.items() if now - t > cfg.demote_timeout_s]:
+            del starts[i]
+        proposed = sum(b for _, _, b in starts.values())
+        pending = proposed + sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
         if not u.capacity or u.used - pending < dw * u.capacity:
-            return
+            return None
         if pending >= cfg.demote_inflight_bytes:
-            return
+            return None
         # the oldest objects already on disk count as freed (those in flight are no victims);
         # demote the next ones, a large batch (each costs round trips whatever its size)
-        batch = min(max(int(ratio * u.capacity), cfg.demote_batch_bytes),
-                    cfg.demote_inflight_bytes - pending)  # fmt: skip
-        need = batch + sm.reclaimable_bytes()
+        # (at most the room between the demotion and the eviction watermarks: with batches
+        # chained, the writer refills memory while the next batch copies, where one batch of
+        # all of memory would alternate the two; smaller batches cost more round trips than
+        # they overlap, measured with bench/tier.py)
+        room = max(cfg.high_watermark - dw, cfg.evict_ratio) * u.capacity
+        batch = min(max(int(cfg.evict_ratio * u.capacity), cfg.demote_batch_bytes),
+                    cfg.demote_inflight_bytes - pending, max(int(room), 1))  # fmt: skip
+        # (the keys of proposed batches are still candidates to it: skipped below)
+        need = batch + sm.reclaimable_bytes() + proposed
         ahead = choose_victims(
-            sm, self.leases, self.stats, now, dw, ratio, need=need, medium="memory"
+            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory"
         )
         _, rest = self._split(ahead.keys, ahead.versions)
         if rest is None:
-            return
-        keep = [(k, v) for k, v in zip(*rest) if k not in gone]
-        if keep:
-            ds = C.DemoteStart(
-                [k for k, _ in keep], [v for _, v in keep], now=wall, allow_soft=ahead.allow_soft
-            )
-            yield ds, lambda r: self._demote_started(ds, r, now)
+            return None
+        skip = set(gone)
+        for c, _, _ in starts.values():
+            skip.update(c.keys)
+        keep = [(k, v) for k, v in zip(*rest) if k not in skip]
+        if not keep:
+            return None
+        # bytes up to the batch (choose_victims counts the memory of objects already on disk
+        # as freed; of those it picked, ours are the next ``batch`` bytes at most)
+        ks, vs, got = [], [], 0
+        for k, v in keep:
+            if got >= batch:
+                break
+            ks.append(k)
+            vs.append(v)
+            got += sm.medium_bytes(objs[k], "memory")
+        ds = C.DemoteStart(ks, vs, now=wall, allow_soft=ahead.allow_soft)
+        starts[id(ds)] = (ds, now, got)
+        return ds
 
-    def _demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
+    def demote_ended(
+        self, cmd: C.DemoteEnd, result: Any, now: float, wall: float
+    ) -> list[tuple[Any, Callable[[Any], Any]]]:
+        """A node's DemoteEnd applied (``result``; None: failed or unknown): what to propose
+        now rather than at the next tick, as ``(command, done)`` pairs proposed together --
+        the DropReplica of the memory of the keys now on disk while memory is over its
+        watermark (:meth:`drop_demoted`), and the next batch (:meth:`demote_next`) now that
+        this one no longer counts against ``demote_inflight_bytes``: the node's reply
+        carries it (docs/store.md, "Disk tier"), so a node that keeps up never waits for a
+        tick or a poll between batches."""
+        if result is None:
+            return []
+        out: list[tuple[Any, Callable[[Any], Any]]] = []
+        ok = [k for k, c in zip(cmd.keys, result.codes) if c == 0]
+        drop = self.drop_demoted(ok, now)
+        if drop is not None:
+            out.append((drop, lambda r: self.evicted(drop, r)))
+        gone = drop.keys if drop is not None else ()
+        ds = self.demote_next(now, wall, gone) if self.sm.has_disk() else None
+        if ds is not None:
+            out.append((ds, lambda r: self.demote_started(ds, r, now)))
+        return out
+
+    def demote_asked(self, now: float, wall: float) -> list[tuple[Any, Callable[[Any], Any]]]:
+        """A node with a disk asked for demotions and has none in flight: the next batch
+        if one is due (:meth:`demote_next`), now rather than at the next tick -- a writer
+        that refilled memory since the last end is met at the node's next poll."""
+        ds = self.demote_next(now, wall) if self.sm.has_disk() else None
+        return [] if ds is None else [(ds, lambda r: self.demote_started(ds, r, now))]
+
+    def demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
+        """A DemoteStart of :meth:`demote_next` applied (``result``) or failed (None)."""
+        got = self._starts.get(id(cmd))
+        if got is not None and got[0] is cmd:
+            del self._starts[id(cmd)]
         self.demote_ages.stale(self.sm.demoting(), now, NEVER)  # their timeout runs from now
         if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes:
             # the disk is full (or too fragmented) for some: evict until a turn later

@@ -277,7 +277,9 @@ class HeartbeatReq(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True
 
 class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=True):
     """Storage node ``node_id`` wrote and fdatasync-ed the disk copies of ``keys`` (the
-    tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`."""
+    tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`; with ``work`` a
+    :class:`DemoteTasksResp` (per-key codes) naming up to that many demotions the node is to
+    do next, the batch this end let the leader start among them."""
 
     rid: int
     session: Session
@@ -285,6 +287,7 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     keys: list[str]
     versions: list[int]
     crcs: list[int]
+    work: int = 0
 
 
 class AdoptListReq(msgspec.Struct, tag="adopt_list", array_like=True, frozen=True):
@@ -470,8 +473,8 @@ class AdoptListResp(msgspec.Struct, tag="adopt_list", array_like=True, frozen=Tr
 
 
 class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, frozen=True):
-    """The reply to a :class:`HeartbeatReq` with ``work``: its code (as CodesResp's) and
-    the demotions the node is to do."""
+    """The reply to a :class:`HeartbeatReq` (its code, as CodesResp's) or a
+    :class:`DemoteEndReq` (per-key codes) with ``work``: the demotions the node is to do."""
 
     rid: int
     codes: list[int]

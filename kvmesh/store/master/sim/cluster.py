@@ -391,7 +391,15 @@ class StoreSim(Clients, Checks):
                 self.ldr.heartbeat(n, self.now)
                 self.dead_since.pop(n, None)
                 if self.cfg.disk_size and self.seg_incarn.get(f"dsk-{n}") == self.incarn[n]:
-                    self._demote(n, self.ldr.demote_tasks(n, 8))
+                    tasks = self.ldr.demote_tasks(n, 8)
+                    if tasks:
+                        self._demote(n, tasks)
+                        continue
+                    # none: the handler proposes the next batch if one is due (the node's
+                    # next poll finds it)
+                    for c, d in self.ldr.demote_asked(self.now, self.wall()):
+                        if not self.propose(c, d):
+                            d(None)
 
     def _demote(self, n: str, tasks: list[Any]) -> None:
         """A node's demotions (node.py's): read each memory copy's bytes, write them into
@@ -424,21 +432,40 @@ class StoreSim(Clients, Checks):
                     self.mem[(d.segment, d.offset)] = tag
                 ends.append((t.key, t.version, zlib.crc32(repr(got).encode())))
 
+            cmd = DemoteEnd(
+                n, [k for k, _, _ in ends], [v for _, v, _ in ends], [c for _, _, c in ends]
+            )
+
             def done(r: Any) -> None:
                 for t in todo:
                     self.demoting.discard((t.key, t.version))
-                if r is not None:
-                    self.res.demotions += sum(1 for c in r.codes if c == 0)
+                if r is None:
+                    return
+                self.res.demotions += sum(1 for c in r.codes if c == 0)
+                # the handler's chain (Leader.demote_ended), then the reply's tasks
+                chain = self.ldr.demote_ended(cmd, r, self.now, self.wall()) if self.lead else []
+                left = [len(chain)]
+
+                def replied() -> None:
+                    if self.lead and self.nodes[n] and self.incarn[n] == inc:
+                        self._demote(n, self.ldr.demote_tasks(n, 8))
+
+                def one(res: Any, d: Callable[[Any], Any]) -> None:
+                    d(res)
+                    left[0] -= 1
+                    if not left[0]:
+                        replied()
+
+                for c, d in chain:
+                    if not self.propose(c, lambda res, d=d: one(res, d)):
+                        one(None, d)
+                if not chain:
+                    replied()
 
             if (
                 not ends
                 or not (self.nodes[n] and self.incarn[n] == inc)
-                or not self.propose(
-                    DemoteEnd(
-                        n, [k for k, _, _ in ends], [v for _, v, _ in ends], [c for _, _, c in ends]
-                    ),
-                    done,
-                )
+                or not self.propose(cmd, done)
             ):
                 done(None)
 
