@@ -145,7 +145,8 @@ class Handlers:
             tasks = self.leader.demote_tasks(req.node_id, limit)
             if not tasks:
                 self._demote_asked(node)
-            return P.DemoteTasksResp(req.rid, codes, tasks)
+            promote = self.leader.promote_tasks(req.node_id, limit)
+            return P.DemoteTasksResp(req.rid, codes, tasks, promote)
         return P.CodesResp(req.rid, codes)
 
     def _demote_asked(self, node: RaftNode) -> None:
@@ -202,6 +203,15 @@ class Handlers:
             limit = min(req.work, self.cfg.max_batch_keys)
             return P.DemoteTasksResp(req.rid, codes, ld.demote_tasks(req.node_id, limit))
         return P.CodesResp(req.rid, codes)
+
+    async def _promote_end(self, node: RaftNode, req: P.PromoteEndReq) -> P.CodesResp:
+        n = len(req.keys)
+        if len(req.versions) != n or len(req.segments) != n or len(req.offsets) != n:
+            raise E.InvalidParams(f"promotion end of {n} keys with unequal columns")
+        cmd = C.PromoteEnd(req.node_id, req.tag, req.keys, req.versions, req.segments, req.offsets)
+        res = await self._propose(node, req.session, cmd)
+        self.leader.promote_ended(cmd, res)
+        return P.CodesResp(req.rid, [int(c) for c in res.codes])
 
     async def _propose_chain(self, chain: list[tuple[Any, Callable[[Any], Any]]]) -> None:
         """Propose leader commands decided together, each result reported to its ``done``
@@ -630,6 +640,7 @@ HANDLERS: dict[type, Callable[[Any, RaftNode, Any, str], Awaitable[Any]]] = {
     P.MountReq: lambda s, n, r, p: s._mount(n, r, p),
     P.UnmountReq: lambda s, n, r, p: s._unmount(n, r),
     P.DemoteEndReq: lambda s, n, r, p: s._demote_end(n, r),
+    P.PromoteEndReq: lambda s, n, r, p: s._promote_end(n, r),
     P.ReportCorruptReq: lambda s, n, r, p: s._report_corrupt(n, r),
     P.AdoptListReq: lambda s, n, r, p: s._adopt_list(n, r),
     P.AdoptReq: lambda s, n, r, p: s._adopt(n, r),

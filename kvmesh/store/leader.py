@@ -54,7 +54,7 @@ from .master.policy import (
     plan_remove_prefix,
     plan_upsert,
 )
-from .types import MAX_BATCH_KEYS
+from .types import MAX_BATCH_KEYS, ObjectReplica, PromoteTask, ReplicaDesc
 
 if TYPE_CHECKING:
     from .master.state import StoreStateMachine
@@ -63,6 +63,7 @@ __all__ = ["Leader", "LeaderConfig"]
 
 NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
+_MAX_HITS = 1 << 16  # disk-only keys whose reads a leader counts (promotion on hit)
 
 
 class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -99,6 +100,9 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # an expired node's disk segment (with a disk id) stays offline this long, its COMPLETE
     # copies listed for a restart to re-adopt (docs/store.md, "Restart re-adoption")
     disk_offline_ttl_s: float = 600.0
+    # promotion on hit: a disk-only object read this many times (0: never) gets a memory
+    # copy again, filled by its disk's node (PromoteStart/PromoteEnd, docs/store.md)
+    promote_hits: int = 0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
@@ -111,6 +115,8 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("demote_batch_bytes must be positive, demote_inflight_bytes >= it")
         if self.max_objects < 0:
             raise ValueError("max_objects must not be negative (0: no cap)")
+        if self.promote_hits < 0:
+            raise ValueError("promote_hits must not be negative (0: off)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
             raise ValueError("node_suspect_s and liveness_max_gap_s must not be negative")
         if not 0.0 < self.expire_max_fraction <= 1.0:
@@ -147,6 +153,11 @@ class Leader:
         # whose result never came (a driver that lost it) is forgotten after the timeout.
         self._starts: dict[int, tuple[C.DemoteStart, float, int]] = {}
         self.demoted_total = 0  # objects whose memory copy this leader freed after demotion
+        # promotion on hit: reads of disk-only objects counted (bounded), the keys due, and
+        # the promotions in flight: reservation tag -> (when, [(key, version, sid, offset)])
+        self._hits: dict[str, int] = {}
+        self._promotions: dict[int, tuple[float, list[tuple[str, int, int, int]]]] = {}
+        self.promoted_total = 0
         self._disk_full_until = float("-inf")
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         self.suspects: list[str] = []
@@ -205,6 +216,8 @@ class Leader:
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self.demote_ages = PutAges()
         self._starts.clear()
+        self._hits.clear()
+        self._promotions.clear()  # an earlier leader's: their reservations lapse (Release)
         self.removing_all = 0
         self._last_reclaim = float("-inf")
         self._writers.clear()
@@ -233,8 +246,16 @@ class Leader:
         return self.leases.grant(keys, now, self.cfg.lease_ttl_s)
 
     def touch(self, keys: list[str]) -> None:
-        """Keys read or written (access order for eviction)."""
+        """Keys read or written (access order for eviction; with ``promote_hits``, the hits
+        of disk-only objects)."""
         self.stats.touch(keys)
+        if self.cfg.promote_hits and self.sm.has_disk():
+            tier, hits = self.sm.tier_of, self._hits
+            for k in keys:
+                if tier(k) == TIER_DISK:
+                    hits[k] = hits.get(k, 0) + 1
+            if len(hits) > _MAX_HITS:
+                hits.clear()  # (an approximate count: a flood of one-off reads starts over)
 
     def forget(self, keys: Iterable[str]) -> None:
         """Keys gone (removed, evicted)."""
@@ -537,6 +558,9 @@ class Leader:
                 ev = C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
                 gone.update(rest[0])
                 yield ev, lambda r: self.evicted(ev, r)
+        pr = self.promotion(now)
+        if pr is not None:
+            yield pr, lambda r: self.promote_started(pr, r, now)
         if excess or now < self._disk_full_until or sm.disk_free() <= 0:
             return
         ds = self.demote_next(now, wall, gone)
@@ -626,6 +650,99 @@ class Leader:
         if ds is not None:
             out.append((ds, lambda r: self.demote_started(ds, r, now)))
         return out
+
+    def promotion(self, now: float) -> C.PromoteStart | None:
+        """Promotion on hit (``promote_hits``): the disk-only objects read that many times
+        get a memory copy back (``PromoteStart``), while memory has room below the level
+        demotion starts at -- a promoted object is on both media, its memory the first
+        freed when memory is needed again. Not while its promotion is in flight."""
+        n = self.cfg.promote_hits
+        if not n or not self._hits:
+            return None
+        sm, cfg = self.sm, self.cfg
+        due = [k for k, h in self._hits.items() if h >= n]
+        if not due:
+            return None
+        busy = {k for _, ks in self._promotions.values() for k, _, _, _ in ks}
+        u = sm.usage()
+        dw = cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
+        # (the memory of objects on both media counts as free: it is dropped when needed)
+        room = dw * u.capacity - u.used + sm.reclaimable_bytes()
+        a = sm.config.align
+        ks, vs = [], []
+        for k in due:
+            if k in busy:
+                continue
+            v = sm.promotable(k)
+            if not v:
+                self._hits.pop(k, None)  # gone, or back in memory
+                continue
+            need = (sm.objects[k].size + a - 1) & -a
+            if need > room or len(ks) >= cfg.max_batch_keys:
+                break
+            room -= need
+            ks.append(k)
+            vs.append(v)
+        return C.PromoteStart(ks, vs) if ks else None
+
+    def promote_started(self, cmd: C.PromoteStart, result: Any, now: float) -> None:
+        """A PromoteStart applied (``result``) or failed (None): its promotions are in
+        flight until ended, or until its reservation is released after ``demote_timeout_s``
+        (the node never ended them: the object stays on disk)."""
+        if result is None:
+            return
+        for k, c in zip(cmd.keys, result.codes):
+            if c != int(Code.NO_AVAILABLE_HANDLE):
+                self._hits.pop(k, None)  # started, or not promotable: counted afresh
+        if not result.tag:
+            return
+        got = [
+            (k, v, sid, off)
+            for k, v, c, sid, off in zip(
+                cmd.keys, cmd.versions, result.codes, result.sids, result.offsets
+            )  # fmt: skip
+            if c == 0
+        ]
+        self._promotions[result.tag] = (now, got)
+        self.holds.note(result.tag, now + self.cfg.demote_timeout_s)
+
+    def promote_tasks(self, node_id: str, limit: int) -> list[Any]:
+        """The promotions in flight whose disk copy is on ``node_id`` (at most ``limit``):
+        what a heartbeat asking for work is also answered with."""
+        sm = self.sm
+        out: list[Any] = []
+        for tag in [t for t in self._promotions if t not in sm.reserved]:
+            del self._promotions[tag]  # released (timed out) or all ended
+        segs = sm.segs
+        for tag, (_, ks) in self._promotions.items():
+            for k, v, sid, off in ks:
+                if len(out) >= limit:
+                    return out
+                s = segs.get(sid)
+                if s is None or s.node_id != node_id or sm.promotable(k) != v:
+                    continue
+                o = sm.objects[k]
+                dst = ReplicaDesc(s.name, s.node_id, s.endpoint, off, o.size)
+                ((dname, doff),) = sm.disk_copy(k)
+                d = segs[sm.by_name[dname]]
+                src = ReplicaDesc(d.name, d.node_id, d.endpoint, doff, o.size)
+                rep = ObjectReplica
+                out.append(PromoteTask(tag, k, v, o.size, o.crc, rep([src]), rep([dst])))
+        return out
+
+    def promote_ended(self, cmd: C.PromoteEnd, result: Any) -> None:
+        """A node's PromoteEnd applied (``result``) or failed (None)."""
+        if result is None:
+            return
+        ok = {k for k, c in zip(cmd.keys, result.codes) if c == 0}
+        self.promoted_total += len(ok)
+        got = self._promotions.get(cmd.tag)
+        if got is not None:
+            rest = [x for x in got[1] if x[0] not in ok]
+            if rest:
+                self._promotions[cmd.tag] = (got[0], rest)
+            else:
+                del self._promotions[cmd.tag]
 
     def demote_asked(self, now: float, wall: float) -> list[tuple[Any, Callable[[Any], Any]]]:
         """A node with a disk asked for demotions and has none in flight: the next batch

@@ -109,6 +109,7 @@ class StorageNode:
         self.mounts = 0
         self.heartbeats = 0
         self.demoted = 0  # objects this node demoted (DemoteEnd accepted)
+        self.promoted = 0  # objects this node promoted back to memory (PromoteEnd accepted)
         self.disk_id = ""
         self.adopted = (0, 0)  # the last re-adoption: (copies kept, copies dropped)
         self._stage: MemoryRegion | None = None
@@ -250,6 +251,8 @@ class StorageNode:
                     timeout=self.heartbeat_s * 2,
                 )
                 self.heartbeats += 1
+                if type(resp) is P.DemoteTasksResp and resp.promote and resp.codes == [0]:
+                    self._promote(resp.promote)
                 if type(resp) is P.DemoteTasksResp and resp.tasks and resp.codes == [0]:
                     # ask again at once while the demotions progress: the leader has likely
                     # started the next batch while this one was copied (a poll period per
@@ -339,6 +342,63 @@ class StorageNode:
             )  # fmt: skip
         if ending is not None:  # stopping: the last end still counts
             answered(ending, ending_keys)
+        return done
+
+    def _promote(self, tasks: list[Any]) -> int:
+        """Promotion on hit (docs/store.md, "Disk tier"): read each disk-only object's disk
+        copy (on our disk) into the memory the master reserved for it (in our memory
+        segment), check the bytes against the copy's crc32c -- a corrupt copy is never
+        promoted -- and end them with one ``PromoteEndReq`` per reservation. A task that
+        names anything else is skipped; one never ended is released by the master."""
+        eng, region = self.engine, self.region
+        if region is None or self.disk is None:
+            return 0
+        mine = [
+            t
+            for t in tasks
+            if len(t.src.slices) == 1
+            and len(t.dst.slices) == 1
+            and t.src.slices[0].segment == self.disk_segment
+            and t.dst.slices[0].segment == self.segment
+            and t.src.slices[0].length == t.dst.slices[0].length == t.size
+            and 0 <= t.dst.slices[0].offset <= self.size - t.size
+        ]
+        if not mine:
+            return 0
+        done = 0
+        try:
+            disk = eng.open_segment(eng.address, self.disk_segment)
+            eng.transfer(
+                Op.READ, region, [t.dst.slices[0].offset for t in mine], disk,
+                [t.src.slices[0].offset for t in mine], [t.size for t in mine],
+            )  # fmt: skip
+            got = checksums(region.array(), [t.dst.slices[0].offset for t in mine],
+                            [t.size for t in mine]).tolist()  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the master releases the memory later
+            log.warning("store node %s: promotion of %d objects failed: %r", self.node_id,
+                        len(mine), e)  # fmt: skip
+            return 0
+        by_tag: dict[int, list[Any]] = {}
+        for t, c in zip(mine, got):
+            if int(c) == t.crc:
+                by_tag.setdefault(t.tag, []).append(t)
+            else:
+                log.warning("store node %s: disk copy of %r fails its crc: not promoted",
+                            self.node_id, t.key)  # fmt: skip
+        for tag, ts in by_tag.items():
+            try:
+                resp = self.master.mutate(
+                    lambda rid, s, tag=tag, ts=ts: P.PromoteEndReq(
+                        rid, s, self.node_id, tag, [t.key for t in ts], [t.version for t in ts],
+                        [self.segment] * len(ts), [t.dst.slices[0].offset for t in ts],
+                    )
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the master releases the memory later
+                log.warning("store node %s: promotion end failed: %r", self.node_id, e)
+                continue
+            if type(resp) is P.CodesResp:
+                done += resp.codes.count(0)
+        self.promoted += done
         return done
 
     def _ender(self) -> ThreadPoolExecutor:

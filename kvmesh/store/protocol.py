@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from .errors import Code
-from .types import DemoteTask, ObjectReplica, ReplicaRun, ReplicateConfig
+from .types import DemoteTask, ObjectReplica, PromoteTask, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "MUTATING",
@@ -38,6 +38,7 @@ __all__ = [
     "CountResp",
     "DemoteEndReq",
     "DemoteTasksResp",
+    "PromoteEndReq",
     "ErrorResp",
     "ExistsPartsReq",
     "ExistsReq",
@@ -290,6 +291,20 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     work: int = 0
 
 
+class PromoteEndReq(msgspec.Struct, tag="promote_end", array_like=True, frozen=True):
+    """Storage node ``node_id`` filled and checked the memory copies of promotion tasks
+    (``PromoteTask``: their reservation ``tag``, keys, versions, where). :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    node_id: str
+    tag: int
+    keys: list[str]
+    versions: list[int]
+    segments: list[str]
+    offsets: list[int]
+
+
 class AdoptListReq(msgspec.Struct, tag="adopt_list", array_like=True, frozen=True):
     """Storage node ``node_id`` mounted its disk id again as ``segment``: which copies does
     the master still list there? :class:`AdoptListResp` (``SegmentNotFound``: nothing to
@@ -350,6 +365,7 @@ Request = (
     | StatusReq
     | RemovePrefixReq
     | DemoteEndReq
+    | PromoteEndReq
     | ReportCorruptReq
     | AdoptListReq
     | AdoptReq
@@ -366,6 +382,7 @@ MUTATING = (
     UnmountReq,
     RemovePrefixReq,
     DemoteEndReq,
+    PromoteEndReq,
     ReportCorruptReq,
     AdoptReq,
 )
@@ -479,6 +496,7 @@ class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, froze
     rid: int
     codes: list[int]
     tasks: list[DemoteTask] = []
+    promote: list[PromoteTask] = []  # promotions on hit for the node to do (docs/store.md)
 
 
 class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):
