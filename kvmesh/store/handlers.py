@@ -208,10 +208,17 @@ class Handlers:
         n = len(req.keys)
         if len(req.versions) != n or len(req.segments) != n or len(req.offsets) != n:
             raise E.InvalidParams(f"promotion end of {n} keys with unequal columns")
-        cmd = C.PromoteEnd(req.node_id, req.tag, req.keys, req.versions, req.segments, req.offsets)
+        asked = C.PromoteEnd(
+            req.node_id, req.tag, req.keys, req.versions, req.segments, req.offsets
+        )
+        cmd = self.leader.plan_promote_end(asked)
+        if not cmd.keys:
+            return P.CodesResp(req.rid, [int(E.InvalidWrite.code)] * n)
         res = await self._propose(node, req.session, cmd)
         self.leader.promote_ended(cmd, res)
-        return P.CodesResp(req.rid, [int(c) for c in res.codes])
+        got = dict(zip(cmd.keys, res.codes))
+        bad = int(E.InvalidWrite.code)
+        return P.CodesResp(req.rid, [int(got.get(k, bad)) for k in req.keys])
 
     async def _propose_chain(self, chain: list[tuple[Any, Callable[[Any], Any]]]) -> None:
         """Propose leader commands decided together, each result reported to its ``done``

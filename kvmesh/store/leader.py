@@ -730,6 +730,26 @@ class Leader:
                 out.append(PromoteTask(tag, k, v, o.size, o.crc, rep([src]), rep([dst])))
         return out
 
+    def plan_promote_end(self, cmd: C.PromoteEnd) -> C.PromoteEnd:
+        """The part of a node's PromoteEnd that names promotions this leader started, as
+        it started them (tag, key, version, its node's segment, offset): an end naming any
+        other reservation -- a writer's, or an earlier leader's promotion -- is refused
+        before the log, as a PutCommit into another session's reservation is."""
+        got = self._promotions.get(cmd.tag)
+        segs, by_name = self.sm.segs, self.sm.by_name
+        mine = set() if got is None else {(k, v, sid, off) for k, v, sid, off in got[1]}
+        keep = [
+            i
+            for i, (k, v, name, off) in enumerate(
+                zip(cmd.keys, cmd.versions, cmd.segments, cmd.offsets)
+            )
+            if (k, v, by_name.get(name), off) in mine and segs[by_name[name]].node_id == cmd.node_id
+        ]
+        return C.PromoteEnd(
+            cmd.node_id, cmd.tag, [cmd.keys[i] for i in keep], [cmd.versions[i] for i in keep],
+            [cmd.segments[i] for i in keep], [cmd.offsets[i] for i in keep],
+        )  # fmt: skip
+
     def promote_ended(self, cmd: C.PromoteEnd, result: Any) -> None:
         """A node's PromoteEnd applied (``result``) or failed (None)."""
         if result is None:

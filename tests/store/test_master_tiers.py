@@ -578,7 +578,12 @@ def test_promotion_on_hit_fills_a_reserved_memory_copy_and_keeps_the_disk_copy()
     assert _checked(a, PromoteEnd("n9", tag, ["a"], [vs[0]], ["m0"], [off])).codes == [IW]
     assert _checked(a, PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off + 64])).codes == [IW]
     assert _checked(a, PromoteEnd("n0", tag, ["a"], [vs[0] + 1], ["m0"], [off])).codes == [IW]
-    end = PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off])
+    # the leader passes only ends of its own promotions, as it started them
+    assert ld.plan_promote_end(PromoteEnd("n0", tag + 1, ["a"], [vs[0]], ["m0"], [off])).keys == []
+    assert ld.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off + 64])).keys == []
+    assert ld.plan_promote_end(PromoteEnd("n9", tag, ["a"], [vs[0]], ["m0"], [off])).keys == []
+    end = ld.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off]))
+    assert end.keys == ["a"]
     r = _checked(a, end)
     ld.promote_ended(end, r)
     assert r.codes == [0] and ld.promoted_total == 1

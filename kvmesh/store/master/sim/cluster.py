@@ -509,8 +509,11 @@ class StoreSim(Clients, Checks):
                     if self.lead:
                         self.ldr.promote_ended(cmd, r)
 
-                if not self.propose(cmd, done):
-                    done(None)
+                if not self.lead:
+                    continue
+                cmd = self.ldr.plan_promote_end(cmd)  # the handler's check
+                if not cmd.keys or not self.propose(cmd, lambda r, cmd=cmd: done(r, cmd)):
+                    done(None, cmd)
 
         self.at(self.now + self.rng.uniform(0.02, 0.3), end)
 
