@@ -103,6 +103,9 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # promotion on hit: a disk-only object read this many times (0: never) gets a memory
     # copy again, filled by its disk's node (PromoteStart/PromoteEnd, docs/store.md)
     promote_hits: int = 0
+    # write-through: every object gets a disk copy as soon as it is in memory (demotion
+    # from an empty memory on), its memory kept until memory is needed
+    write_through: bool = False
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
@@ -580,7 +583,7 @@ class Leader:
         sm, cfg = self.sm, self.cfg
         if self.object_excess() or now < self._disk_full_until or sm.disk_free() <= 0:
             return None
-        dw = cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
+        dw = self._demote_level()
         u = sm.usage()
         objs = sm.objects
         starts = self._starts
@@ -590,6 +593,8 @@ class Leader:
         pending = proposed + sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
         if not u.capacity or u.used - pending < dw * u.capacity:
             return None
+        if u.used - pending - sm.reclaimable_bytes() <= 0:
+            return None  # nothing in memory only (with write-through: the usual case)
         if pending >= cfg.demote_inflight_bytes:
             return None
         # the oldest objects already on disk count as freed (those in flight are no victims);
@@ -627,6 +632,14 @@ class Leader:
         ds = C.DemoteStart(ks, vs, now=wall, allow_soft=ahead.allow_soft)
         starts[id(ds)] = (ds, now, got)
         return ds
+
+    def _demote_level(self) -> float:
+        """The memory level demotion starts at: 0 with write-through (every object), else
+        ``demote_watermark`` (0: ``high_watermark - evict_ratio``)."""
+        cfg = self.cfg
+        if cfg.write_through:
+            return 0.0
+        return cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
 
     def demote_ended(
         self, cmd: C.DemoteEnd, result: Any, now: float, wall: float

@@ -340,3 +340,30 @@ def test_a_demoted_object_read_n_times_is_promoted_back_to_memory(tmp_path) -> N
         assert got == [_value(int(k.split("-")[1])) for k in hot]
         assert c.last_transports == ["shm"], c.last_transports  # from memory now
         assert _on_disk_only(c, cold)  # read once (plus this lookup): still on disk only
+
+
+def test_write_through_puts_get_a_disk_copy_with_memory_kept(tmp_path) -> None:
+    """``--write-through``: objects far under any watermark still get a disk copy soon after
+    their put (the node writes it, checks nothing more), their memory kept: reads come
+    from memory, byte-exact, and the disk copy holds the same bytes (its crc is checked on
+    every read)."""
+    with _cluster(tmp_path, "--write-through") as (c, _, _):
+        keys = [f"obj-{i}" for i in range(4)]  # 256 KiB of a 2 MiB memory
+        assert c.put(keys, [_value(i) for i in range(4)]) == [None] * 4
+        # (no lookup before the copies are allocated: a read lease defers a demotion)
+        end = time.monotonic() + 20
+        while _media(c)["disk"]["used"] < 4 * SIZE and time.monotonic() < end:
+            time.sleep(0.05)
+        end = time.monotonic() + 20
+        while True:  # then COMPLETE: lookups return the disk copies
+            segs = [[d.segment for r in reps for d in r.slices] for reps in c.replicas(keys)]
+            if all(len(s) == 2 for s in segs) or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert len(segs) == 4 and all(len(s) == 2 and s[1].endswith(".disk") for s in segs), (
+            segs
+        )  # memory first
+        mem = _media(c)["memory"]
+        assert mem["used"] - mem["reserved_bytes"] == 4 * SIZE  # nothing freed
+        assert c.get(keys) == [_value(i) for i in range(4)]
+        assert c.last_transports == ["shm"]

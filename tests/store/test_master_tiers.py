@@ -625,3 +625,27 @@ def test_the_simulator_with_promotion_on_hit_holds_its_invariants() -> None:
     results = [run_seed(seed, promote_hits=1, **SIM) for seed in (0, 2)]
     assert [r.violation for r in results if not r.ok] == []
     assert sum(r.promotions for r in results) > 0
+
+
+# ---------------------------------------------------------------------- write-through
+
+
+def test_write_through_gives_every_object_a_disk_copy_and_keeps_its_memory() -> None:
+    a = _pool(mem=64 * 1024, disk=1 << 20)
+    keys = [f"k{i}" for i in range(4)]  # 4 KiB of 64: far under any watermark
+    _put(a, keys)
+    assert _run_tick(a, _leader(a), 1.0) == []  # offload on evict: nothing to do yet
+    ld = _leader(a, write_through=True)
+    ((cmd, res),) = _run_tick(a, ld, 1.0)
+    assert type(cmd) is DemoteStart and sorted(cmd.keys) == keys and res.codes == [0] * 4
+    tasks = a.sm.demote_tasks("n0", 10)
+    end = DemoteEnd("n0", [t.key for t in tasks], [t.version for t in tasks], [7] * 4)
+    r = _checked(a, end)
+    # memory is under its watermark: the memory copies stay, nothing more is due
+    assert [type(c) for c, _ in ld.demote_ended(end, r, 1.1, 1.1)] == []
+    assert all(_segs(a, k) == ["m0", "m0.disk"] for k in keys)
+    assert a.sm.usage().used == 4 * 1024 and _run_tick(a, ld, 1.2) == []
+    # a new put gets its disk copy at the next chance (a tick, or a node asking for work)
+    _put(a, ["new"])
+    ((ds, _),) = ld.demote_asked(1.3, 1.3)
+    assert ds.keys == ["new"]
