@@ -639,16 +639,18 @@ def _store_cases(args: Any, limits: dict[str, Any]) -> list[dict[str, Any]]:
                         u = c.status()["media"]["memory"]
                         if u["used"] < 0.9 * u["capacity"]:
                             break
-                        time.sleep(0.01)
+                        time.sleep(0.002)  # (the pacing poll: not a floor on the figure)
                 fill = time.perf_counter() - t0
                 st = c.status()
                 disk_used = st["media"]["disk"]["used"]
                 label = ("store+disk paced" if paced else "store+disk") if tier else "store, memory"
                 if tier:
                     g = disk_used / fill / 1e9
+                    ref = limits.get("disk_write_gbps")
                     out.append(
-                        C.record(limits, label, "node", "demote", obj, batch, g, g * 1e9 / obj)
-                    )
+                        C.record(limits, label, "node", "demote", obj, batch, g, g * 1e9 / obj,
+                                 ratio_disk=None if not ref else round(g / ref, 3))
+                    )  # fmt: skip
                 buf = np.zeros(n * obj, np.uint8)
                 region = c.register_buffer(buf)
                 t0 = time.perf_counter()
@@ -714,6 +716,15 @@ def _targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "path": f"{r['case']} {r['path']}",
                     "value": r["ratio_disk"],
                     "met": r["ratio_disk"] is not None and r["ratio_disk"] >= 0.8,
+                }
+            )
+        if r["op"] == "demote" and r["case"] == "store+disk paced":
+            out.append(
+                {
+                    "target": "demotion keeps up with a writer at >= 0.5 x raw write",
+                    "path": r["case"],
+                    "value": r["ratio_disk"],
+                    "met": r["ratio_disk"] is not None and r["ratio_disk"] >= 0.5,
                 }
             )
     return out

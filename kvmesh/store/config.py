@@ -92,6 +92,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True):
     demote_batch_bytes: int = _LD.demote_batch_bytes
     demote_inflight_bytes: int = _LD.demote_inflight_bytes
     disk_offline_ttl_s: float = _LD.disk_offline_ttl_s
+    promote_hits: int = _LD.promote_hits
+    write_through: bool = _LD.write_through
     # server limits
     max_frame: int = 8 << 20
     max_batch_keys: int = _LD.max_batch_keys

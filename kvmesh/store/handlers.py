@@ -20,6 +20,7 @@ import numpy as np
 
 from ..replog import (
     RaftNode,
+    ReplogError,
     ResultEvicted,
     SessionExpiredError,
     SessionRejected,
@@ -141,8 +142,26 @@ class Handlers:
         codes = [0 if known else E.NodeNotFound.code]
         if req.work > 0 and known:
             limit = min(req.work, self.cfg.max_batch_keys)
-            return P.DemoteTasksResp(req.rid, codes, self.leader.demote_tasks(req.node_id, limit))
+            tasks = self.leader.demote_tasks(req.node_id, limit)
+            if not tasks:
+                self._demote_asked(node)
+            promote = self.leader.promote_tasks(req.node_id, limit)
+            return P.DemoteTasksResp(req.rid, codes, tasks, promote)
         return P.CodesResp(req.rid, codes)
+
+    def _demote_asked(self, node: RaftNode) -> None:
+        """A node found no demotion to do: the next batch if one is due (Leader.demote_asked),
+        proposed in the background -- the heartbeat's reply never waits for a proposal --
+        one such proposal at a time; the node's next poll finds it."""
+        busy = getattr(self, "_demote_asking", None)
+        if busy is not None and not busy.done():
+            return
+        chain = self.leader.demote_asked(time.monotonic(), wall_clock())
+        if not chain:
+            return
+        self._demote_asking = asyncio.get_running_loop().create_task(
+            self._propose_chain(chain), name="store-demote-asked"
+        )
 
     async def _report_corrupt(self, node: RaftNode, req: P.ReportCorruptReq) -> P.CodesResp:
         if len(req.crcs) != len(req.keys):
@@ -169,22 +188,56 @@ class Handlers:
         cmd = C.Adopt(req.node_id, req.segment, req.disk_id, req.keys, req.versions)
         return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
 
-    async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> P.CodesResp:
-        if len(req.crcs) != len(req.keys):
+    async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> Any:
+        if len(req.crcs) != len(req.keys) or len(req.versions) != len(req.keys):
             raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
         cmd = C.DemoteEnd(req.node_id, req.keys, req.versions, req.crcs)
         res = await self._propose(node, req.session, cmd)
         codes = [int(c) for c in res.codes]
-        drop = self.leader.drop_demoted(
-            [k for k, c in zip(req.keys, codes) if c == 0], time.monotonic()
+        # What the end makes due (Leader.demote_ended): the memory of these keys, now rather
+        # than at the next tick, and the next batch, which the reply then carries -- the node
+        # copies it at once instead of at its next poll
+        ld = self.leader
+        await self._propose_chain(ld.demote_ended(cmd, res, time.monotonic(), wall_clock()))
+        if req.work > 0:
+            limit = min(req.work, self.cfg.max_batch_keys)
+            return P.DemoteTasksResp(req.rid, codes, ld.demote_tasks(req.node_id, limit))
+        return P.CodesResp(req.rid, codes)
+
+    async def _promote_end(self, node: RaftNode, req: P.PromoteEndReq) -> P.CodesResp:
+        n = len(req.keys)
+        if len(req.versions) != n or len(req.segments) != n or len(req.offsets) != n:
+            raise E.InvalidParams(f"promotion end of {n} keys with unequal columns")
+        asked = C.PromoteEnd(
+            req.node_id, req.tag, req.keys, req.versions, req.segments, req.offsets
         )
-        if drop is not None:  # their memory, now rather than at the next tick
+        cmd = self.leader.plan_promote_end(asked)
+        if not cmd.keys:
+            return P.CodesResp(req.rid, [int(E.InvalidWrite.code)] * n)
+        res = await self._propose(node, req.session, cmd)
+        self.leader.promote_ended(cmd, res)
+        got = dict(zip(cmd.keys, res.codes))
+        bad = int(E.InvalidWrite.code)
+        return P.CodesResp(req.rid, [int(got.get(k, bad)) for k in req.keys])
+
+    async def _propose_chain(self, chain: list[tuple[Any, Callable[[Any], Any]]]) -> None:
+        """Propose leader commands decided together, each result reported to its ``done``
+        (None: failed or unknown); a failure is the leader's to retry at a tick, never the
+        caller's error."""
+
+        async def one(cmd: Any, done: Callable[[Any], Any]) -> None:
             out = None
             try:
-                out = await self._propose_plain(drop)
+                out = await self._propose_plain(cmd)
+            except (TimeoutError, ReplogError) as e:
+                log.debug("store master: %s not applied: %s", type(cmd).__name__, e)
+            except Exception:  # noqa: BLE001 - a bug costs this proposal, not the request
+                log.exception("store master: %s failed", type(cmd).__name__)
             finally:
-                self.leader.evicted(drop, out)
-        return P.CodesResp(req.rid, codes)
+                done(out)
+
+        if chain:
+            await asyncio.gather(*(one(c, d) for c, d in chain))
 
     async def _propose(self, node: RaftNode, sess: P.Session, cmd: Any) -> Any:
         return (await self._propose_echo(node, sess, Echoed(C.encode_command(cmd)))).result
@@ -594,6 +647,7 @@ HANDLERS: dict[type, Callable[[Any, RaftNode, Any, str], Awaitable[Any]]] = {
     P.MountReq: lambda s, n, r, p: s._mount(n, r, p),
     P.UnmountReq: lambda s, n, r, p: s._unmount(n, r),
     P.DemoteEndReq: lambda s, n, r, p: s._demote_end(n, r),
+    P.PromoteEndReq: lambda s, n, r, p: s._promote_end(n, r),
     P.ReportCorruptReq: lambda s, n, r, p: s._report_corrupt(n, r),
     P.AdoptListReq: lambda s, n, r, p: s._adopt_list(n, r),
     P.AdoptReq: lambda s, n, r, p: s._adopt(n, r),

@@ -54,7 +54,7 @@ from .master.policy import (
     plan_remove_prefix,
     plan_upsert,
 )
-from .types import MAX_BATCH_KEYS
+from .types import MAX_BATCH_KEYS, ObjectReplica, PromoteTask, ReplicaDesc
 
 if TYPE_CHECKING:
     from .master.state import StoreStateMachine
@@ -63,6 +63,7 @@ __all__ = ["Leader", "LeaderConfig"]
 
 NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
+_MAX_HITS = 1 << 16  # disk-only keys whose reads a leader counts (promotion on hit)
 
 
 class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -99,6 +100,12 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     # an expired node's disk segment (with a disk id) stays offline this long, its COMPLETE
     # copies listed for a restart to re-adopt (docs/store.md, "Restart re-adoption")
     disk_offline_ttl_s: float = 600.0
+    # promotion on hit: a disk-only object read this many times (0: never) gets a memory
+    # copy again, filled by its disk's node (PromoteStart/PromoteEnd, docs/store.md)
+    promote_hits: int = 0
+    # write-through: every object gets a disk copy as soon as it is in memory (demotion
+    # from an empty memory on), its memory kept until memory is needed
+    write_through: bool = False
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0 or self.put_timeout_s <= 0 or self.node_ttl_s <= 0:
@@ -111,6 +118,8 @@ class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("demote_batch_bytes must be positive, demote_inflight_bytes >= it")
         if self.max_objects < 0:
             raise ValueError("max_objects must not be negative (0: no cap)")
+        if self.promote_hits < 0:
+            raise ValueError("promote_hits must not be negative (0: off)")
         if self.node_suspect_s < 0 or self.liveness_max_gap_s < 0:
             raise ValueError("node_suspect_s and liveness_max_gap_s must not be negative")
         if not 0.0 < self.expire_max_fraction <= 1.0:
@@ -141,7 +150,17 @@ class Leader:
         self.holds = HoldTracker(cfg.lease_ttl_s)
         self.put_ages = PutAges()
         self.demote_ages = PutAges()  # demotions in flight, as puts (the disk tier)
+        # DemoteStarts proposed and not yet applied: id -> (command, when, memory bytes).
+        # They count against demote_inflight_bytes as the applied ones do, so that the
+        # tick's and a DemoteEnd's chained batch never overlap or pass the cap together; one
+        # whose result never came (a driver that lost it) is forgotten after the timeout.
+        self._starts: dict[int, tuple[C.DemoteStart, float, int]] = {}
         self.demoted_total = 0  # objects whose memory copy this leader freed after demotion
+        # promotion on hit: reads of disk-only objects counted (bounded), the keys due, and
+        # the promotions in flight: reservation tag -> (when, [(key, version, sid, offset)])
+        self._hits: dict[str, int] = {}
+        self._promotions: dict[int, tuple[float, list[tuple[str, int, int, int]]]] = {}
+        self.promoted_total = 0
         self._disk_full_until = float("-inf")
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         self.suspects: list[str] = []
@@ -199,6 +218,9 @@ class Leader:
         self.holds = HoldTracker(self.cfg.lease_ttl_s)
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self.demote_ages = PutAges()
+        self._starts.clear()
+        self._hits.clear()
+        self._promotions.clear()  # an earlier leader's: their reservations lapse (Release)
         self.removing_all = 0
         self._last_reclaim = float("-inf")
         self._writers.clear()
@@ -227,8 +249,16 @@ class Leader:
         return self.leases.grant(keys, now, self.cfg.lease_ttl_s)
 
     def touch(self, keys: list[str]) -> None:
-        """Keys read or written (access order for eviction)."""
+        """Keys read or written (access order for eviction; with ``promote_hits``, the hits
+        of disk-only objects)."""
         self.stats.touch(keys)
+        if self.cfg.promote_hits and self.sm.has_disk():
+            tier, hits = self.sm.tier_of, self._hits
+            for k in keys:
+                if tier(k) == TIER_DISK:
+                    hits[k] = hits.get(k, 0) + 1
+            if len(hits) > _MAX_HITS:
+                hits.clear()  # (an approximate count: a flood of one-off reads starts over)
 
     def forget(self, keys: Iterable[str]) -> None:
         """Keys gone (removed, evicted)."""
@@ -531,38 +561,234 @@ class Leader:
                 ev = C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft)
                 gone.update(rest[0])
                 yield ev, lambda r: self.evicted(ev, r)
+        pr = self.promotion(now)
+        if pr is not None:
+            yield pr, lambda r: self.promote_started(pr, r, now)
         if excess or now < self._disk_full_until or sm.disk_free() <= 0:
             return
-        # Demote ahead: from the level eviction brings memory down to, the oldest objects
-        # get disk copies, so that when memory reaches its watermark their memory is freed
-        # at once. Demotions in flight count as done (a pipeline, not a pile-up).
-        dw = cfg.demote_watermark or max(0.0, hw - ratio)
+        ds = self.demote_next(now, wall, gone)
+        if ds is not None:
+            yield ds, lambda r: self.demote_started(ds, r, now)
+
+    def demote_next(
+        self, now: float, wall: float, gone: Iterable[str] = ()
+    ) -> C.DemoteStart | None:
+        """The next demotion batch, if any (the tick's last tiering step, and
+        :meth:`demote_ended`'s chained one): from the level eviction brings memory down to,
+        the oldest objects get disk copies, so that when memory reaches its watermark their
+        memory is freed at once. Demotions in flight -- applied, or proposed and not yet
+        applied (``_starts``) -- count as done (a pipeline, not a pile-up), and stay
+        under ``demote_inflight_bytes``. ``gone``: keys being evicted meanwhile. The caller
+        reports the result to :meth:`demote_started`."""
+        sm, cfg = self.sm, self.cfg
+        if self.object_excess() or now < self._disk_full_until or sm.disk_free() <= 0:
+            return None
+        dw = self._demote_level()
         u = sm.usage()
         objs = sm.objects
-        pending = sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
+        starts = self._starts
+        for i in [i for i, (_, t, _) in starts.items() if now - t > cfg.demote_timeout_s]:
+            del starts[i]
+        proposed = sum(b for _, _, b in starts.values())
+        pending = proposed + sum(sm.medium_bytes(objs[k], "memory") for k, _ in sm.demoting())
         if not u.capacity or u.used - pending < dw * u.capacity:
-            return
+            return None
+        if u.used - pending - sm.reclaimable_bytes() <= 0:
+            return None  # nothing in memory only (with write-through: the usual case)
         if pending >= cfg.demote_inflight_bytes:
-            return
+            return None
         # the oldest objects already on disk count as freed (those in flight are no victims);
         # demote the next ones, a large batch (each costs round trips whatever its size)
-        batch = min(max(int(ratio * u.capacity), cfg.demote_batch_bytes),
-                    cfg.demote_inflight_bytes - pending)  # fmt: skip
-        need = batch + sm.reclaimable_bytes()
+        # (at most the room between the demotion and the eviction watermarks: with batches
+        # chained, the writer refills memory while the next batch copies, where one batch of
+        # all of memory would alternate the two; smaller batches cost more round trips than
+        # they overlap, measured with bench/tier.py)
+        room = max(cfg.high_watermark - dw, cfg.evict_ratio) * u.capacity
+        batch = min(max(int(cfg.evict_ratio * u.capacity), cfg.demote_batch_bytes),
+                    cfg.demote_inflight_bytes - pending, max(int(room), 1))  # fmt: skip
+        # (the keys of proposed batches are still candidates to it: skipped below)
+        need = batch + sm.reclaimable_bytes() + proposed
         ahead = choose_victims(
-            sm, self.leases, self.stats, now, dw, ratio, need=need, medium="memory"
+            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory"
         )
         _, rest = self._split(ahead.keys, ahead.versions)
         if rest is None:
-            return
-        keep = [(k, v) for k, v in zip(*rest) if k not in gone]
-        if keep:
-            ds = C.DemoteStart(
-                [k for k, _ in keep], [v for _, v in keep], now=wall, allow_soft=ahead.allow_soft
-            )
-            yield ds, lambda r: self._demote_started(ds, r, now)
+            return None
+        skip = set(gone)
+        for c, _, _ in starts.values():
+            skip.update(c.keys)
+        keep = [(k, v) for k, v in zip(*rest) if k not in skip]
+        if not keep:
+            return None
+        # bytes up to the batch (choose_victims counts the memory of objects already on disk
+        # as freed; of those it picked, ours are the next ``batch`` bytes at most)
+        ks, vs, got = [], [], 0
+        for k, v in keep:
+            if got >= batch:
+                break
+            ks.append(k)
+            vs.append(v)
+            got += sm.medium_bytes(objs[k], "memory")
+        ds = C.DemoteStart(ks, vs, now=wall, allow_soft=ahead.allow_soft)
+        starts[id(ds)] = (ds, now, got)
+        return ds
 
-    def _demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
+    def _demote_level(self) -> float:
+        """The memory level demotion starts at: 0 with write-through (every object), else
+        ``demote_watermark`` (0: ``high_watermark - evict_ratio``)."""
+        cfg = self.cfg
+        if cfg.write_through:
+            return 0.0
+        return cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
+
+    def demote_ended(
+        self, cmd: C.DemoteEnd, result: Any, now: float, wall: float
+    ) -> list[tuple[Any, Callable[[Any], Any]]]:
+        """A node's DemoteEnd applied (``result``; None: failed or unknown): what to propose
+        now rather than at the next tick, as ``(command, done)`` pairs proposed together --
+        the DropReplica of the memory of the keys now on disk while memory is over its
+        watermark (:meth:`drop_demoted`), and the next batch (:meth:`demote_next`) now that
+        this one no longer counts against ``demote_inflight_bytes``: the node's reply
+        carries it (docs/store.md, "Disk tier"), so a node that keeps up never waits for a
+        tick or a poll between batches."""
+        if result is None:
+            return []
+        out: list[tuple[Any, Callable[[Any], Any]]] = []
+        ok = [k for k, c in zip(cmd.keys, result.codes) if c == 0]
+        drop = self.drop_demoted(ok, now)
+        if drop is not None:
+            out.append((drop, lambda r: self.evicted(drop, r)))
+        gone = drop.keys if drop is not None else ()
+        ds = self.demote_next(now, wall, gone) if self.sm.has_disk() else None
+        if ds is not None:
+            out.append((ds, lambda r: self.demote_started(ds, r, now)))
+        return out
+
+    def promotion(self, now: float) -> C.PromoteStart | None:
+        """Promotion on hit (``promote_hits``): the disk-only objects read that many times
+        get a memory copy back (``PromoteStart``), while memory has room below the level
+        demotion starts at -- a promoted object is on both media, its memory the first
+        freed when memory is needed again. Not while its promotion is in flight."""
+        n = self.cfg.promote_hits
+        if not n or not self._hits:
+            return None
+        sm, cfg = self.sm, self.cfg
+        due = [k for k, h in self._hits.items() if h >= n]
+        if not due:
+            return None
+        busy = {k for _, ks in self._promotions.values() for k, _, _, _ in ks}
+        u = sm.usage()
+        dw = cfg.demote_watermark or max(0.0, cfg.high_watermark - cfg.evict_ratio)
+        # (the memory of objects on both media counts as free: it is dropped when needed)
+        room = dw * u.capacity - u.used + sm.reclaimable_bytes()
+        a = sm.config.align
+        ks, vs = [], []
+        for k in due:
+            if k in busy:
+                continue
+            v = sm.promotable(k)
+            if not v:
+                self._hits.pop(k, None)  # gone, or back in memory
+                continue
+            need = (sm.objects[k].size + a - 1) & -a
+            if need > room or len(ks) >= cfg.max_batch_keys:
+                break
+            room -= need
+            ks.append(k)
+            vs.append(v)
+        return C.PromoteStart(ks, vs) if ks else None
+
+    def promote_started(self, cmd: C.PromoteStart, result: Any, now: float) -> None:
+        """A PromoteStart applied (``result``) or failed (None): its promotions are in
+        flight until ended, or until its reservation is released after ``demote_timeout_s``
+        (the node never ended them: the object stays on disk)."""
+        if result is None:
+            return
+        for k, c in zip(cmd.keys, result.codes):
+            if c != int(Code.NO_AVAILABLE_HANDLE):
+                self._hits.pop(k, None)  # started, or not promotable: counted afresh
+        if not result.tag:
+            return
+        got = [
+            (k, v, sid, off)
+            for k, v, c, sid, off in zip(
+                cmd.keys, cmd.versions, result.codes, result.sids, result.offsets
+            )  # fmt: skip
+            if c == 0
+        ]
+        self._promotions[result.tag] = (now, got)
+        self.holds.note(result.tag, now + self.cfg.demote_timeout_s)
+
+    def promote_tasks(self, node_id: str, limit: int) -> list[Any]:
+        """The promotions in flight whose disk copy is on ``node_id`` (at most ``limit``):
+        what a heartbeat asking for work is also answered with."""
+        sm = self.sm
+        out: list[Any] = []
+        for tag in [t for t in self._promotions if t not in sm.reserved]:
+            del self._promotions[tag]  # released (timed out) or all ended
+        segs = sm.segs
+        for tag, (_, ks) in self._promotions.items():
+            for k, v, sid, off in ks:
+                if len(out) >= limit:
+                    return out
+                s = segs.get(sid)
+                if s is None or s.node_id != node_id or sm.promotable(k) != v:
+                    continue
+                o = sm.objects[k]
+                dst = ReplicaDesc(s.name, s.node_id, s.endpoint, off, o.size)
+                ((dname, doff),) = sm.disk_copy(k)
+                d = segs[sm.by_name[dname]]
+                src = ReplicaDesc(d.name, d.node_id, d.endpoint, doff, o.size)
+                rep = ObjectReplica
+                out.append(PromoteTask(tag, k, v, o.size, o.crc, rep([src]), rep([dst])))
+        return out
+
+    def plan_promote_end(self, cmd: C.PromoteEnd) -> C.PromoteEnd:
+        """The part of a node's PromoteEnd that names promotions this leader started, as
+        it started them (tag, key, version, its node's segment, offset): an end naming any
+        other reservation -- a writer's, or an earlier leader's promotion -- is refused
+        before the log, as a PutCommit into another session's reservation is."""
+        got = self._promotions.get(cmd.tag)
+        segs, by_name = self.sm.segs, self.sm.by_name
+        mine = set() if got is None else {(k, v, sid, off) for k, v, sid, off in got[1]}
+        keep = [
+            i
+            for i, (k, v, name, off) in enumerate(
+                zip(cmd.keys, cmd.versions, cmd.segments, cmd.offsets)
+            )
+            if (k, v, by_name.get(name), off) in mine and segs[by_name[name]].node_id == cmd.node_id
+        ]
+        return C.PromoteEnd(
+            cmd.node_id, cmd.tag, [cmd.keys[i] for i in keep], [cmd.versions[i] for i in keep],
+            [cmd.segments[i] for i in keep], [cmd.offsets[i] for i in keep],
+        )  # fmt: skip
+
+    def promote_ended(self, cmd: C.PromoteEnd, result: Any) -> None:
+        """A node's PromoteEnd applied (``result``) or failed (None)."""
+        if result is None:
+            return
+        ok = {k for k, c in zip(cmd.keys, result.codes) if c == 0}
+        self.promoted_total += len(ok)
+        got = self._promotions.get(cmd.tag)
+        if got is not None:
+            rest = [x for x in got[1] if x[0] not in ok]
+            if rest:
+                self._promotions[cmd.tag] = (got[0], rest)
+            else:
+                del self._promotions[cmd.tag]
+
+    def demote_asked(self, now: float, wall: float) -> list[tuple[Any, Callable[[Any], Any]]]:
+        """A node with a disk asked for demotions and has none in flight: the next batch
+        if one is due (:meth:`demote_next`), now rather than at the next tick -- a writer
+        that refilled memory since the last end is met at the node's next poll."""
+        ds = self.demote_next(now, wall) if self.sm.has_disk() else None
+        return [] if ds is None else [(ds, lambda r: self.demote_started(ds, r, now))]
+
+    def demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
+        """A DemoteStart of :meth:`demote_next` applied (``result``) or failed (None)."""
+        got = self._starts.get(id(cmd))
+        if got is not None and got[0] is cmd:
+            del self._starts[id(cmd)]
         self.demote_ages.stale(self.sm.demoting(), now, NEVER)  # their timeout runs from now
         if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes:
             # the disk is full (or too fragmented) for some: evict until a turn later

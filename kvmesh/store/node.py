@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ DEMOTE_BATCH = 1024  # demotions one heartbeat asks for
 DEMOTE_POLL_S = 0.2  # a node with a disk heartbeats (asking for demotions) this often
 # ... and this often for a while after demotions progressed: the leader starts the next batch
 # at a tick of its own, which a poll every DEMOTE_POLL_S would meet that much later
-DEMOTE_BUSY_POLL_S = 0.01
+DEMOTE_BUSY_POLL_S = 0.003
 DEMOTE_BUSY_S = 1.0
 STAGE_BYTES = 64 << 20  # bytes one demotion batch stages (a larger object alone)
 
@@ -108,9 +109,11 @@ class StorageNode:
         self.mounts = 0
         self.heartbeats = 0
         self.demoted = 0  # objects this node demoted (DemoteEnd accepted)
+        self.promoted = 0  # objects this node promoted back to memory (PromoteEnd accepted)
         self.disk_id = ""
         self.adopted = (0, 0)  # the last re-adoption: (copies kept, copies dropped)
         self._stage: MemoryRegion | None = None
+        self._end_pool: ThreadPoolExecutor | None = None  # sends DemoteEnds (node.py _demote)
 
     def start(self) -> StorageNode:
         if self.disk_path is not None:
@@ -248,6 +251,8 @@ class StorageNode:
                     timeout=self.heartbeat_s * 2,
                 )
                 self.heartbeats += 1
+                if type(resp) is P.DemoteTasksResp and resp.promote and resp.codes == [0]:
+                    self._promote(resp.promote)
                 if type(resp) is P.DemoteTasksResp and resp.tasks and resp.codes == [0]:
                     # ask again at once while the demotions progress: the leader has likely
                     # started the next batch while this one was copied (a poll period per
@@ -270,31 +275,136 @@ class StorageNode:
         memory copy into our disk segment (straight from our memory segment when the copy
         is there, else through a staging buffer), fdatasync, then ``DemoteEnd`` with the
         crc32c of the bytes. Only that entry makes the disk copy COMPLETE; a batch that
-        fails is left to the master's demotion timeout. Returns the demotions accepted."""
+        fails is left to the master's demotion timeout.
+
+        A pipeline: a batch's end is sent from another thread while the next batch copies
+        (one end in flight), and the reply to each end names the demotions the master has
+        for us now -- the next batch among them, started as the end applied -- so the work
+        goes on without waiting for a poll, until none is left or an end made no progress.
+        Returns the demotions accepted."""
         eng = self.engine
         done = 0
-        i = 0
-        while i < len(tasks) and not self._stop.is_set():
-            batch, total = [], 0
+        ending: Future[Any] | None = None  # the end in flight
+        ending_keys: set[tuple[str, int]] = set()
+        stalled = False
+
+        def answered(fut: Future[Any], copied: set[tuple[str, int]]) -> None:
+            # the end's reply; ``copied``: the batch copied meanwhile, not yet ended
+            nonlocal tasks, done, stalled
+            try:
+                resp = fut.result()
+            except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
+                log.warning("store node %s: demotion end failed: %r", self.node_id, e)
+                return
+            if type(resp) not in (P.CodesResp, P.DemoteTasksResp):
+                return
+            ok = resp.codes.count(0)
+            self.demoted += ok
+            done += ok
+            if not ok:
+                stalled = True  # refused: a poll period before asking again
+            elif type(resp) is P.DemoteTasksResp:
+                # the master's list of what is left for us (not yet ended, and new)
+                tasks = [t for t in resp.tasks if (t.key, t.version) not in copied]
+
+        while (tasks or ending is not None) and not self._stop.is_set():
+            if not tasks or stalled:
+                if ending is None:
+                    break
+                answered(ending, set())
+                ending = None
+                if stalled:
+                    break
+                continue
+            batch, total, i = [], 0, 0
             while i < len(tasks) and (not batch or total + tasks[i].size <= STAGE_BYTES):
                 batch.append(tasks[i])
                 total += tasks[i].size
                 i += 1
+            tasks = tasks[i:]
             try:
                 crcs = self._demote_batch(eng, batch, total)
-                resp = self.master.mutate(
-                    lambda rid, s, b=batch, c=crcs: P.DemoteEndReq(
-                        rid, s, self.node_id, [t.key for t in b], [t.version for t in b], c
-                    )
-                )
-                if type(resp) is P.CodesResp:
-                    self.demoted += resp.codes.count(0)
-                    done += resp.codes.count(0)
             except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
                 log.warning(
                     "store node %s: demotion of %d objects failed: %r", self.node_id, len(batch), e
                 )
+                continue
+            copied = {(t.key, t.version) for t in batch}
+            if ending is not None:
+                answered(ending, copied)
+            ending_keys = copied
+            ending = self._ender().submit(
+                self.master.mutate,
+                lambda rid, s, b=batch, c=crcs: P.DemoteEndReq(
+                    rid, s, self.node_id, [t.key for t in b], [t.version for t in b], c,
+                    DEMOTE_BATCH,
+                ),
+            )  # fmt: skip
+        if ending is not None:  # stopping: the last end still counts
+            answered(ending, ending_keys)
         return done
+
+    def _promote(self, tasks: list[Any]) -> int:
+        """Promotion on hit (docs/store.md, "Disk tier"): read each disk-only object's disk
+        copy (on our disk) into the memory the master reserved for it (in our memory
+        segment), check the bytes against the copy's crc32c -- a corrupt copy is never
+        promoted -- and end them with one ``PromoteEndReq`` per reservation. A task that
+        names anything else is skipped; one never ended is released by the master."""
+        eng, region = self.engine, self.region
+        if region is None or self.disk is None:
+            return 0
+        mine = [
+            t
+            for t in tasks
+            if len(t.src.slices) == 1
+            and len(t.dst.slices) == 1
+            and t.src.slices[0].segment == self.disk_segment
+            and t.dst.slices[0].segment == self.segment
+            and t.src.slices[0].length == t.dst.slices[0].length == t.size
+            and 0 <= t.dst.slices[0].offset <= self.size - t.size
+        ]
+        if not mine:
+            return 0
+        done = 0
+        try:
+            disk = eng.open_segment(eng.address, self.disk_segment)
+            eng.transfer(
+                Op.READ, region, [t.dst.slices[0].offset for t in mine], disk,
+                [t.src.slices[0].offset for t in mine], [t.size for t in mine],
+            )  # fmt: skip
+            got = checksums(region.array(), [t.dst.slices[0].offset for t in mine],
+                            [t.size for t in mine]).tolist()  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the master releases the memory later
+            log.warning("store node %s: promotion of %d objects failed: %r", self.node_id,
+                        len(mine), e)  # fmt: skip
+            return 0
+        by_tag: dict[int, list[Any]] = {}
+        for t, c in zip(mine, got):
+            if int(c) == t.crc:
+                by_tag.setdefault(t.tag, []).append(t)
+            else:
+                log.warning("store node %s: disk copy of %r fails its crc: not promoted",
+                            self.node_id, t.key)  # fmt: skip
+        for tag, ts in by_tag.items():
+            try:
+                resp = self.master.mutate(
+                    lambda rid, s, tag=tag, ts=ts: P.PromoteEndReq(
+                        rid, s, self.node_id, tag, [t.key for t in ts], [t.version for t in ts],
+                        [self.segment] * len(ts), [t.dst.slices[0].offset for t in ts],
+                    )
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the master releases the memory later
+                log.warning("store node %s: promotion end failed: %r", self.node_id, e)
+                continue
+            if type(resp) is P.CodesResp:
+                done += resp.codes.count(0)
+        self.promoted += done
+        return done
+
+    def _ender(self) -> ThreadPoolExecutor:
+        if self._end_pool is None:
+            self._end_pool = ThreadPoolExecutor(1, thread_name_prefix="store-node-end")
+        return self._end_pool
 
     def _demote_batch(self, eng: TransferEngine, batch: list[Any], total: int) -> list[int]:
         region = self.region
@@ -389,6 +499,9 @@ class StorageNode:
 
     def _close_disk(self) -> None:
         """Unregister the disk segment (its files stay: a restart on the path finds them)."""
+        pool, self._end_pool = self._end_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
         stage, self._stage = self._stage, None
         if stage is not None:
             try:

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from .errors import Code
-from .types import DemoteTask, ObjectReplica, ReplicaRun, ReplicateConfig
+from .types import DemoteTask, ObjectReplica, PromoteTask, ReplicaRun, ReplicateConfig
 
 __all__ = [
     "MUTATING",
@@ -38,6 +38,7 @@ __all__ = [
     "CountResp",
     "DemoteEndReq",
     "DemoteTasksResp",
+    "PromoteEndReq",
     "ErrorResp",
     "ExistsPartsReq",
     "ExistsReq",
@@ -277,7 +278,9 @@ class HeartbeatReq(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True
 
 class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=True):
     """Storage node ``node_id`` wrote and fdatasync-ed the disk copies of ``keys`` (the
-    tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`."""
+    tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`; with ``work`` a
+    :class:`DemoteTasksResp` (per-key codes) naming up to that many demotions the node is to
+    do next, the batch this end let the leader start among them."""
 
     rid: int
     session: Session
@@ -285,6 +288,21 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     keys: list[str]
     versions: list[int]
     crcs: list[int]
+    work: int = 0
+
+
+class PromoteEndReq(msgspec.Struct, tag="promote_end", array_like=True, frozen=True):
+    """Storage node ``node_id`` filled and checked the memory copies of promotion tasks
+    (``PromoteTask``: their reservation ``tag``, keys, versions, where). :class:`CodesResp`."""
+
+    rid: int
+    session: Session
+    node_id: str
+    tag: int
+    keys: list[str]
+    versions: list[int]
+    segments: list[str]
+    offsets: list[int]
 
 
 class AdoptListReq(msgspec.Struct, tag="adopt_list", array_like=True, frozen=True):
@@ -347,6 +365,7 @@ Request = (
     | StatusReq
     | RemovePrefixReq
     | DemoteEndReq
+    | PromoteEndReq
     | ReportCorruptReq
     | AdoptListReq
     | AdoptReq
@@ -363,6 +382,7 @@ MUTATING = (
     UnmountReq,
     RemovePrefixReq,
     DemoteEndReq,
+    PromoteEndReq,
     ReportCorruptReq,
     AdoptReq,
 )
@@ -470,12 +490,13 @@ class AdoptListResp(msgspec.Struct, tag="adopt_list", array_like=True, frozen=Tr
 
 
 class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, frozen=True):
-    """The reply to a :class:`HeartbeatReq` with ``work``: its code (as CodesResp's) and
-    the demotions the node is to do."""
+    """The reply to a :class:`HeartbeatReq` (its code, as CodesResp's) or a
+    :class:`DemoteEndReq` (per-key codes) with ``work``: the demotions the node is to do."""
 
     rid: int
     codes: list[int]
     tasks: list[DemoteTask] = []
+    promote: list[PromoteTask] = []  # promotions on hit for the node to do (docs/store.md)
 
 
 class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):

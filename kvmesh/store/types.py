@@ -34,6 +34,7 @@ __all__ = [
     "MAX_REPLICAS",
     "MAX_SLICES_PER_BATCH",
     "DemoteTask",
+    "PromoteTask",
     "ObjectLookup",
     "ObjectReplica",
     "ReplicaDesc",
@@ -94,6 +95,21 @@ class DemoteTask(msgspec.Struct, array_like=True, frozen=True):
     key: str
     version: int
     size: int
+    src: ObjectReplica
+    dst: ObjectReplica
+
+
+class PromoteTask(msgspec.Struct, array_like=True, frozen=True):
+    """One disk-only object for a storage node to copy back into memory (promotion on hit,
+    docs/store.md): read ``src`` (its COMPLETE disk copy, on this node's disk) into ``dst``
+    (memory reserved in reservation ``tag`` on this node), check the bytes against ``crc``,
+    then end it with ``PromoteEndReq``."""
+
+    tag: int
+    key: str
+    version: int
+    size: int
+    crc: int
     src: ObjectReplica
     dst: ObjectReplica
 

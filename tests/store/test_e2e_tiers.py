@@ -7,6 +7,7 @@ file bytes were corrupted is refused per key (never wrong bytes) and dropped."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -24,13 +25,13 @@ DISK = 32 << 20
 SIZE = 64 << 10
 
 
-@pytest.fixture
-def tiered(tmp_path):
+@contextlib.contextmanager
+def _cluster(tmp_path, *master_args: str):
     port, mport = free_ports(2)
     addr = f"127.0.0.1:{port}"
     m = _kvmesh(
         "master", "--listen", addr, "--dir", str(tmp_path / "m"), "--metrics-port", str(mport),
-        "--ticker-s", "0.05", "--evict-ratio", "0.5", "--demote-timeout-s", "10",
+        "--ticker-s", "0.05", "--evict-ratio", "0.5", "--demote-timeout-s", "10", *master_args,
     )  # fmt: skip
     procs = [m]
     c = None
@@ -50,6 +51,12 @@ def tiered(tmp_path):
         for p in reversed(procs):
             p.kill()
             p.wait(20)
+
+
+@pytest.fixture
+def tiered(tmp_path):
+    with _cluster(tmp_path) as got:
+        yield got
 
 
 def _value(i: int) -> bytes:
@@ -298,3 +305,65 @@ def test_a_node_restarted_on_its_disk_re_adopts_the_copies_and_drops_a_corrupted
         for p in reversed(procs):
             p.kill()
             p.wait(20)
+
+
+def _on_disk_only(c: StoreClient, key: str) -> bool:
+    (reps,) = c.replicas([key])
+    return all(d.segment.endswith(".disk") for r in reps for d in r.slices)
+
+
+def test_a_demoted_object_read_n_times_is_promoted_back_to_memory(tmp_path) -> None:
+    """Promotion on hit (``--promote-hits 3``): a disk-only object read three times gets a
+    memory copy again -- the node reads its disk copy into memory the master reserved,
+    checks the crc and ends it through the log -- and is then served from memory,
+    byte-exact, its disk copy kept; an object read less often stays on disk only."""
+    with _cluster(tmp_path, "--promote-hits", "3") as (c, _, _):
+        keys = [f"obj-{i}" for i in range(96)]  # 3 x memory
+        _fill(c, keys)
+        _settle(c)
+        hot, cold = keys[:2], keys[2]
+        assert _on_disk_only(c, hot[0]) and _on_disk_only(c, hot[1])
+        c.remove(keys[48:])  # room in memory (promotion fills free memory only)
+        for _ in range(3):
+            got = c.get(hot)
+            assert got == [_value(int(k.split("-")[1])) for k in hot]
+        assert "tcp" in c.last_transports  # served by the owner from its file so far
+        end = time.monotonic() + 20
+        while any(_on_disk_only(c, k) for k in hot) and time.monotonic() < end:
+            time.sleep(0.05)
+        for k in hot:
+            (reps,) = c.replicas([k])
+            segs = [d.segment for r in reps for d in r.slices]
+            assert len(segs) == 2 and not segs[0].endswith(".disk"), segs  # memory first
+            assert segs[1].endswith(".disk")  # the disk copy kept
+        got = c.get(hot)
+        assert got == [_value(int(k.split("-")[1])) for k in hot]
+        assert c.last_transports == ["shm"], c.last_transports  # from memory now
+        assert _on_disk_only(c, cold)  # read once (plus this lookup): still on disk only
+
+
+def test_write_through_puts_get_a_disk_copy_with_memory_kept(tmp_path) -> None:
+    """``--write-through``: objects far under any watermark still get a disk copy soon after
+    their put (the node writes it, checks nothing more), their memory kept: reads come
+    from memory, byte-exact, and the disk copy holds the same bytes (its crc is checked on
+    every read)."""
+    with _cluster(tmp_path, "--write-through") as (c, _, _):
+        keys = [f"obj-{i}" for i in range(4)]  # 256 KiB of a 2 MiB memory
+        assert c.put(keys, [_value(i) for i in range(4)]) == [None] * 4
+        # (no lookup before the copies are allocated: a read lease defers a demotion)
+        end = time.monotonic() + 20
+        while _media(c)["disk"]["used"] < 4 * SIZE and time.monotonic() < end:
+            time.sleep(0.05)
+        end = time.monotonic() + 20
+        while True:  # then COMPLETE: lookups return the disk copies
+            segs = [[d.segment for r in reps for d in r.slices] for reps in c.replicas(keys)]
+            if all(len(s) == 2 for s in segs) or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        assert len(segs) == 4 and all(len(s) == 2 and s[1].endswith(".disk") for s in segs), (
+            segs
+        )  # memory first
+        mem = _media(c)["memory"]
+        assert mem["used"] - mem["reserved_bytes"] == 4 * SIZE  # nothing freed
+        assert c.get(keys) == [_value(i) for i in range(4)]
+        assert c.last_transports == ["shm"]

@@ -69,6 +69,9 @@ __all__ = [
     "DemoteEnd",
     "DemoteRevoke",
     "DemoteStart",
+    "PromoteEnd",
+    "PromoteResult",
+    "PromoteStart",
     "DropReplica",
     "Evict",
     "EvictResult",
@@ -308,6 +311,31 @@ class DemoteRevoke(msgspec.Struct, tag="demote_revoke", **_S):
     versions: list[int]
 
 
+class PromoteStart(msgspec.Struct, tag="promote_start", **_S):
+    """Promotion on hit (``tiers.py``): reserve a memory copy for each disk-only COMPLETE
+    single-slice object ``keys[i]`` at ``versions[i]``, on the memory segment of its disk
+    copy's node, for that node to fill (``PromoteResult``). The extents are a reservation
+    with this entry's index as tag, released by ``Release`` unless ``PromoteEnd`` takes
+    them: the object itself is unchanged (served from disk) until then."""
+
+    keys: list[str]
+    versions: list[int]
+
+
+class PromoteEnd(msgspec.Struct, tag="promote_end", **_S):
+    """Node ``node_id`` filled the memory copies of ``keys[i]`` at ``versions[i]`` at
+    ``offsets[i]`` of its memory segment ``segments[i]``, inside reservation ``tag`` (and
+    checked them against the disk copy's crc): each becomes the object's memory copy, the
+    disk copy kept (``Codes``)."""
+
+    node_id: str
+    tag: int
+    keys: list[str]
+    versions: list[int]
+    segments: list[str]
+    offsets: list[int]
+
+
 class DropReplica(msgspec.Struct, tag="drop_replica", **_S):
     """Free one medium's copies of ``keys[i]`` at ``versions[i]``. ``memory``: only of
     objects whose disk copy is COMPLETE (else ``NotEvictable``: the memory copy is never
@@ -355,6 +383,8 @@ Command = (
     | DemoteRevoke
     | DropReplica
     | Adopt
+    | PromoteStart
+    | PromoteEnd
 )
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
 
@@ -367,6 +397,16 @@ class Codes(msgspec.Struct, tag="codes", **_S):
     """One code per key (or per node / tag): 0 or a ``kvmesh.store.errors.Code``."""
 
     codes: list[int]
+
+
+class PromoteResult(msgspec.Struct, tag="promote", **_S):
+    """Per key ``codes[i]``; when 0 its memory copy is reserved at ``offsets[i]`` of segment
+    id ``sids[i]``, in reservation ``tag`` (0: none reserved)."""
+
+    codes: list[int]
+    tag: int = 0
+    sids: list[int] = []
+    offsets: list[int] = []
 
 
 class PutStartResult(msgspec.Struct, tag="put_start", **_S):

@@ -42,6 +42,8 @@ from .commands import (
     ExpireNodes,
     Mount,
     Pin,
+    PromoteEnd,
+    PromoteStart,
     PutCommit,
     PutEnd,
     PutRevoke,
@@ -92,6 +94,8 @@ _HANDLERS: dict[type, str] = {
     DemoteRevoke: "_demote_revoke",
     DropReplica: "_drop_replica",
     Adopt: "_adopt",
+    PromoteStart: "_promote_start",
+    PromoteEnd: "_promote_end",
 }
 """Command type -> handler method name (looked up per call, so a test can patch a handler
 on the class, as the simulator's negative controls do)."""

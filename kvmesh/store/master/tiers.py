@@ -11,6 +11,12 @@ other copy is in memory. The life of a demotion::
          ^                             |                                     |
          +-------- DemoteRevoke -------+             DropReplica(memory) --> disk only
 
+Promotion on hit is the way back: ``PromoteStart`` reserves a memory copy of a disk-only
+object (a reservation, ``reserved[tag]``, as a writer's: no lookup sees it, ``Release``
+frees it if the node never ends), the disk copy's node reads the disk copy into it and
+checks the crc, and ``PromoteEnd`` makes it the object's memory copy, the disk copy kept
+(the object is then as after a ``DemoteEnd``: on both media, its memory free to drop).
+
 ``DropReplica(memory)`` is refused unless the disk copy is COMPLETE: apply, not only the
 leader, keeps the rule that a memory copy is never freed before its disk copy is durable.
 The master moves no byte: the node owning the disk copy copies it (``node.py``) and ends it.
@@ -23,7 +29,17 @@ from msgspec.structs import replace
 
 from ..errors import Code
 from ..types import DemoteTask, ObjectReplica, ReplicaDesc
-from .commands import Codes, DemoteEnd, DemoteRevoke, DemoteStart, DropReplica, EvictResult
+from .commands import (
+    Codes,
+    DemoteEnd,
+    DemoteRevoke,
+    DemoteStart,
+    DropReplica,
+    EvictResult,
+    PromoteEnd,
+    PromoteResult,
+    PromoteStart,
+)
 from .objects import (
     PIN_HARD,
     PIN_SOFT,
@@ -36,6 +52,7 @@ from .objects import (
     slice_lengths,
 )
 from .segments import DISK, MEMORY, MOUNTED, Segment
+from .writes import _carve
 
 __all__ = ["Tiers"]
 
@@ -298,3 +315,94 @@ class Tiers:
             self.objects[key] = replace(o, layout=pack_layout(copies[-1:]))
             codes.append(0)
         return EvictResult(codes, freed)
+
+    # ------------------------------------------------------------------ promotion on hit
+
+    def promotable(self, key: str) -> int:
+        """The version of ``key`` if it is a disk-only COMPLETE single-slice object whose
+        disk copy is online (what ``PromoteStart`` takes), else 0."""
+        o = self.objects.get(key)
+        if o is None or o.tier != TIER_DISK or key in self.processing:
+            return 0
+        copies, lens = self._copies(o)
+        if len(copies) != 1 or len(lens) != 1 or copies[0][0][0] in self.offline_sids():
+            return 0
+        return o.version
+
+    def _promote_start(self, index: int, c: PromoteStart) -> PromoteResult:
+        n = len(c.keys)
+        if not self._tier_batch_ok(c.keys, c.versions):
+            return PromoteResult([int(Code.INVALID_PARAMS)] * n)
+        a = self.config.align
+        segs = self.segs
+        codes, sids, offs = [], [], []
+        ext: list[tuple[int, int, int]] = []
+        for key, version in zip(c.keys, c.versions):
+            v = self.promotable(key)
+            if not v or v != version:
+                codes.append(int(Code.OBJECT_NOT_FOUND if key not in self.objects else
+                                 Code.NOT_EVICTABLE))  # fmt: skip
+                sids.append(0)
+                offs.append(0)
+                continue
+            o = self.objects[key]
+            disk = self._copies(o)[0][0]
+            node = segs[disk[0][0]].node_id
+            need = (o.size + a - 1) & -a
+            # the disk copy's node's memory: it copies locally, from its file to its memory
+            s = next(
+                (s for s in segs.values() if s.medium == MEMORY and s.state == MOUNTED
+                 and s.node_id == node and s.alloc.largest() >= need),
+                None,
+            )  # fmt: skip
+            if s is None:
+                codes.append(int(Code.NO_AVAILABLE_HANDLE))
+                sids.append(0)
+                offs.append(0)
+                continue
+            off = s.alloc.alloc(need)
+            ext.append((s.id, off, need))
+            codes.append(0)
+            sids.append(s.id)
+            offs.append(off)
+        if not ext:
+            return PromoteResult(codes, 0, sids, offs)
+        self.reserved[index] = ext
+        return PromoteResult(codes, index, sids, offs)
+
+    def _promote_end(self, index: int, c: PromoteEnd) -> Codes:
+        n = len(c.keys)
+        if not self._tier_batch_ok(c.keys, c.versions, c.segments, c.offsets) or not all(
+            type(x) is str for x in c.segments
+        ):
+            return Codes([int(Code.INVALID_PARAMS)] * n)
+        ext = self.reserved.get(c.tag)
+        a = self.config.align
+        codes = []
+        for key, version, name, off in zip(c.keys, c.versions, c.segments, c.offsets):
+            o = self.objects.get(key)
+            if o is None:
+                codes.append(int(Code.OBJECT_NOT_FOUND))
+                continue
+            sid = self.by_name.get(name)
+            s = None if sid is None else self.segs.get(sid)
+            if (
+                ext is None
+                or s is None
+                or s.node_id != c.node_id
+                or s.medium != MEMORY
+                or s.state != MOUNTED
+                or self.promotable(key) != version
+                or off % a
+                or not _carve(ext, s.id, off, (o.size + a - 1) & -a)
+            ):
+                codes.append(int(Code.INVALID_WRITE))
+                continue
+            disk = self._copies(o)[0][0]
+            s.slices += 1
+            # memory first, the disk copy last (as every object with a disk copy)
+            self.objects[key] = replace(o, layout=pack_layout([[(s.id, off)], disk]))
+            codes.append(0)
+        if ext is not None and not ext:
+            del self.reserved[c.tag]
+        return Codes(codes)

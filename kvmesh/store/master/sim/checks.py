@@ -42,12 +42,15 @@ class Checks:
                     f"storage node {n} died at {t:.2f} and is still mounted at {self.now:.2f}"
                 )
 
-    def _check_owned(self, key: str, version: int, where: list[tuple[str, int]], what: str) -> None:
+    def _check_owned(
+        self, key: str, version: int, where: list[tuple[str, int]], what: str, since: int = 0
+    ) -> None:
         """Every ``(segment, offset)`` is allocated to ``key`` at ``version`` (or held) on
-        every replica that has applied at least the version's entry."""
+        every replica that has applied at least the version's entry (and ``since``: the
+        entry the copy was found at)."""
         for i in self.ids:
             sm = self.sms[i]
-            if sm.applied < version:
+            if sm.applied < max(version, since):
                 continue
             names = {s.name: sid for sid, s in sm.segs.items()}
             ext = None
@@ -81,7 +84,9 @@ class Checks:
             self._check_demote_src(key, version, where)
         for rd in self.reads:
             if self.now <= rd.until:
-                self._check_owned(rd.key, rd.version, [(s, o) for s, o, _ in rd.slices], "lease")
+                self._check_owned(
+                    rd.key, rd.version, [(s, o) for s, o, _ in rd.slices], "lease", rd.seen
+                )
         if self.steps % 25 == 0:
             by_index: dict[int, tuple[int, int]] = {}
             for i in self.ids:

@@ -33,7 +33,7 @@ def tag_of(key: str, version: int, i: int) -> int:
 class Read:
     """A read in progress: the copy runs under a lease until ``finish``."""
 
-    __slots__ = ("key", "version", "slices", "until", "op", "incs")
+    __slots__ = ("key", "version", "slices", "until", "op", "incs", "seen")
 
     def __init__(
         self, key: str, version: int, slices: list[tuple[str, int, int]], until: float, op: int
@@ -43,6 +43,9 @@ class Read:
         self.slices = slices  # (segment, offset, slice number)
         self.until = until
         self.op = op
+        # the leader's applied index at the lookup: a copy added at the same version (a
+        # promotion's memory copy) is the object's only from there on
+        self.seen = 0
 
 
 # ======================================================================================
@@ -243,6 +246,7 @@ class Clients:
             slices = [(d.segment, d.offset, j) for j, d in enumerate(copy.slices)]
             rd = Read(key, lk.version, slices, until, h)
             rd.incs = {d.segment: self.seg_incarn.get(d.segment, -1) for d in copy.slices}
+            rd.seen = sm.applied
             self.reads.append(rd)
             token = self.tokens.get((key, lk.version))
             self.at(

@@ -26,6 +26,7 @@ from ..commands import (
     Evict,
     ExpireNodes,
     Mount,
+    PromoteEnd,
     Reclaim,
     Release,
     Unmount,
@@ -82,6 +83,7 @@ class StoreSim(Clients, Checks):
         self.mounted: dict[str, bool] = dict.fromkeys(self.nodes, False)
         self.dmounted: dict[str, bool] = dict.fromkeys(self.nodes, False)  # disk segments
         self.demoting: set[tuple[str, int]] = set()  # demotions a node is copying
+        self.promoting: set[tuple[int, str]] = set()  # promotions a node is copying
         self.demote_srcs: list[tuple[str, int, list[tuple[str, int]]]] = []  # their sources
         self.mem: dict[tuple[str, int], int] = {}
         self.reads: list[Read] = []
@@ -98,6 +100,7 @@ class StoreSim(Clients, Checks):
             high_watermark=0.7,
             evict_ratio=0.2,
             demote_timeout_s=cfg.put_timeout,
+            promote_hits=cfg.promote_hits,
         )
         self.ldr = Leader(self.lcfg, self.sms[1], self.now)
         self.term_keys: set[str] = set()  # keys put under this leader (a planted rule)
@@ -391,7 +394,16 @@ class StoreSim(Clients, Checks):
                 self.ldr.heartbeat(n, self.now)
                 self.dead_since.pop(n, None)
                 if self.cfg.disk_size and self.seg_incarn.get(f"dsk-{n}") == self.incarn[n]:
-                    self._demote(n, self.ldr.demote_tasks(n, 8))
+                    self._promote(n, self.ldr.promote_tasks(n, 8))
+                    tasks = self.ldr.demote_tasks(n, 8)
+                    if tasks:
+                        self._demote(n, tasks)
+                        continue
+                    # none: the handler proposes the next batch if one is due (the node's
+                    # next poll finds it)
+                    for c, d in self.ldr.demote_asked(self.now, self.wall()):
+                        if not self.propose(c, d):
+                            d(None)
 
     def _demote(self, n: str, tasks: list[Any]) -> None:
         """A node's demotions (node.py's): read each memory copy's bytes, write them into
@@ -424,23 +436,84 @@ class StoreSim(Clients, Checks):
                     self.mem[(d.segment, d.offset)] = tag
                 ends.append((t.key, t.version, zlib.crc32(repr(got).encode())))
 
+            cmd = DemoteEnd(
+                n, [k for k, _, _ in ends], [v for _, v, _ in ends], [c for _, _, c in ends]
+            )
+
             def done(r: Any) -> None:
                 for t in todo:
                     self.demoting.discard((t.key, t.version))
-                if r is not None:
-                    self.res.demotions += sum(1 for c in r.codes if c == 0)
+                if r is None:
+                    return
+                self.res.demotions += sum(1 for c in r.codes if c == 0)
+                # the handler's chain (Leader.demote_ended), then the reply's tasks
+                chain = self.ldr.demote_ended(cmd, r, self.now, self.wall()) if self.lead else []
+                left = [len(chain)]
+
+                def replied() -> None:
+                    if self.lead and self.nodes[n] and self.incarn[n] == inc:
+                        self._demote(n, self.ldr.demote_tasks(n, 8))
+
+                def one(res: Any, d: Callable[[Any], Any]) -> None:
+                    d(res)
+                    left[0] -= 1
+                    if not left[0]:
+                        replied()
+
+                for c, d in chain:
+                    if not self.propose(c, lambda res, d=d: one(res, d)):
+                        one(None, d)
+                if not chain:
+                    replied()
 
             if (
                 not ends
                 or not (self.nodes[n] and self.incarn[n] == inc)
-                or not self.propose(
-                    DemoteEnd(
-                        n, [k for k, _, _ in ends], [v for _, v, _ in ends], [c for _, _, c in ends]
-                    ),
-                    done,
-                )
+                or not self.propose(cmd, done)
             ):
                 done(None)
+
+        self.at(self.now + self.rng.uniform(0.02, 0.3), end)
+
+    def _promote(self, n: str, tasks: list[Any]) -> None:
+        """A node's promotions (node.py's): read each disk copy, check it against its crc,
+        write it into the reserved memory a while later, then end them. What it writes
+        lands where the master reserved: the reservation must outlive the copy."""
+        inc = self.incarn[n]
+        todo = [t for t in tasks if (t.tag, t.key) not in self.promoting]
+        if not todo:
+            return
+        self.promoting.update((t.tag, t.key) for t in todo)
+        got = {t.key: self.mem.get((t.src.slices[0].segment, t.src.slices[0].offset)) for t in todo}
+
+        def end() -> None:
+            for t in todo:
+                self.promoting.discard((t.tag, t.key))
+            if not (self.nodes[n] and self.incarn[n] == inc):
+                return
+            ok = [t for t in todo if zlib.crc32(repr([got[t.key]]).encode()) == t.crc]
+            for t in ok:
+                d = t.dst.slices[0]
+                if self.seg_incarn.get(d.segment) == inc:
+                    self.mem[(d.segment, d.offset)] = got[t.key]
+            for tag in {t.tag for t in ok}:
+                ts = [t for t in ok if t.tag == tag]
+                cmd = PromoteEnd(
+                    n, tag, [t.key for t in ts], [t.version for t in ts],
+                    [t.dst.slices[0].segment for t in ts], [t.dst.slices[0].offset for t in ts],
+                )  # fmt: skip
+
+                def done(r: Any, cmd: PromoteEnd = cmd) -> None:
+                    if r is not None:
+                        self.res.promotions += sum(1 for c in r.codes if c == 0)
+                    if self.lead:
+                        self.ldr.promote_ended(cmd, r)
+
+                if not self.lead:
+                    continue
+                cmd = self.ldr.plan_promote_end(cmd)  # the handler's check
+                if not cmd.keys or not self.propose(cmd, lambda r, cmd=cmd: done(r, cmd)):
+                    done(None, cmd)
 
         self.at(self.now + self.rng.uniform(0.02, 0.3), end)
 

@@ -34,6 +34,8 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # the disk tier: each storage node also mounts a disk segment of this many bytes
     # ("dsk-<node>") and does the demotions the leader gives it (0: no disk)
     disk_size: int = 0
+    # promotion on hit: the leader's promote_hits (0: off); the nodes do the promotions
+    promote_hits: int = 0
     plant: str | None = None
 
 
@@ -61,4 +63,5 @@ class SimResult(msgspec.Struct, kw_only=True):
     pauses: int = 0
     demotions: int = 0  # disk copies made COMPLETE (the disk tier)
     disk_reads: int = 0  # reads served by a disk copy
+    promotions: int = 0  # disk-only objects given a memory copy again (promotion on hit)
     lin_outcome: str = ""
