@@ -964,6 +964,11 @@ class RaftNode:
         entries proposed during its fsync reach the followers now, not after it."""
         core = self.core
         assert core is not None and self.transport is not None
+        if core.voters == (self.id,) and not core.learners:
+            # A lone voter has no one to send to early: one wait, not a wake-up race per
+            # fsync (a future and a task each, on every durable commit).
+            await fut
+            return
         while not fut.done() and core.role == Role.LEADER:
             self._wake.clear()  # the Ready loop re-checks has_ready() after this Ready
             woke = asyncio.ensure_future(self._wake.wait())

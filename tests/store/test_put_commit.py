@@ -324,6 +324,39 @@ def test_batch_laid_end_to_end_is_written_whole_and_a_failed_write_fails_every_k
         assert c.get(k) == src[base + o : base + o + z].tobytes(), k
 
 
+def test_equal_size_batch_is_one_request_only_when_it_lies_end_to_end_in_the_buffer(env) -> None:
+    """Equal sizes (the usual batch, laid out without numpy): contiguous in the caller's
+    buffer, one engine request; the same sizes from places with a gap, or out of order, one
+    request per key -- either way every key reads back its own bytes."""
+    cl, peer, c = env
+    src = np.frombuffer(np.random.default_rng(12).bytes(80 * 4096), np.uint8).copy()
+    c.register_buffer(src)
+    c.put_from(["eq-warm"], src, [0], [64])  # a reservation is held
+    moves: list[int] = []
+    move = c._move_arrays
+
+    def counted(op, owner, *rest):
+        moves.append(len(owner))
+        return move(op, owner, *rest)
+
+    layouts = {
+        "contiguous": [i * 4096 for i in range(16)],
+        "gap": [i * 4096 + (4096 if i >= 8 else 0) for i in range(16)],
+        "reversed": [(15 - i) * 4096 for i in range(16)],
+    }
+    c._move_arrays = counted  # type: ignore[method-assign]
+    try:
+        for n, (name, offs) in enumerate(layouts.items()):
+            base = 20 * 4096 * n
+            keys = [f"eq-{name}-{i}" for i in range(16)]
+            assert c.put_from(keys, src, [base + o for o in offs], [4096] * 16).ok, name
+            for k, o in zip(keys, offs):
+                assert c.get(k) == src[base + o : base + o + 4096].tobytes(), (name, k)
+    finally:
+        del c._move_arrays
+    assert moves == [1, 16, 16], moves
+
+
 def test_a_reservation_in_use_by_another_thread_is_never_given_back(env) -> None:
     """Threads of one client share its reservation. While one is writing into the bytes it
     carved, another that needs a bigger reservation must not release the old one: the

@@ -91,6 +91,32 @@ def _carve(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> bool:
     return False
 
 
+def _end_to_end(sizes: list[int], offs: list[int], a: int) -> int:
+    """The bytes ``[offs[0], offs[0] + span)`` that the extents of a batch cover when they
+    lie end to end from an aligned ``offs[0]`` (each rounded up to the alignment ``a``), every
+    offset in ``[0, 2^62)``; 0 for any other layout (the per-key path judges it). Equal sizes
+    (the usual batch) are compared as lists, in C; numpy only for mixed sizes."""
+    n = len(sizes)
+    if not n or len(offs) != n:
+        return 0
+    base = offs[0]
+    if type(base) is not int or base < 0 or base % a:
+        return 0
+    s0 = sizes[0]
+    if type(s0) is int and s0 >= 1 and sizes.count(s0) == n:
+        step = (s0 + a - 1) & -a
+        span = step * n
+        if offs != list(range(base, base + span, step)):
+            return 0
+    else:
+        r = (np.asarray(sizes, np.int64) + (a - 1)) & -a
+        ends = np.cumsum(r) + base
+        if n > 1 and not np.array_equal(np.asarray(offs[1:], np.int64), ends[:-1]):
+            return 0
+        span = int(ends[-1]) - base
+    return span if base + span <= 1 << 62 else 0
+
+
 class Writes:
     """The record-writing handlers of :class:`~.state.StoreStateMachine`."""
 
@@ -319,29 +345,22 @@ class Writes:
         objs = self.objects
         sid = seg.id
         pin, until = pin_of(c.config, c.now, c.pin_ttl)
+        span = _end_to_end(sizes, offs, a)
         if (
-            keys_valid(keys)
+            span
+            and keys_valid(keys)
             and min(sizes) >= 1
             and max(sizes) <= top
-            and min(offs) >= 0
-            and max(offs) < 1 << 62
-            and len(dict.fromkeys(keys)) == n
-            and list(map(objs.index.get, keys)).count(None) == n
+            and len(distinct := dict.fromkeys(keys)) == n
+            and objs.index.keys().isdisjoint(distinct)
+            and _carve(ext, sid, offs[0], span)
         ):
             # The batch a conforming client sends: new distinct keys laid end to end (each
             # rounded up to the alignment) in one extent: one carve and one column write.
-            r = (np.asarray(sizes, np.int64) + (a - 1)) & -a
-            base = offs[0]
-            ends = np.cumsum(r) + base
-            if (
-                base % a == 0
-                and (n == 1 or np.array_equal(np.asarray(offs[1:], np.int64), ends[:-1]))
-                and _carve(ext, sid, base, int(ends[-1]) - base)
-            ):
-                objs.put_run(keys, sizes, index, c.now, sid, offs, pin, until)
-                seg.slices += n
-                self.complete += n
-                return [0] * n
+            objs.put_run(keys, sizes, index, c.now, sid, offs, pin, until)
+            seg.slices += n
+            self.complete += n
+            return [0] * n
         codes = []
         for key, size, off in zip(keys, sizes, offs):
             if key_error(key) is not None:
