@@ -372,6 +372,54 @@ def test_concurrent_prefetch_and_backup_threads(cluster):
     b.close()
 
 
+def test_counters_exact_across_threads_folds_and_reports():
+    """The v1 counters queue one tuple per batch and fold it in later: every batch counts
+    exactly once, whichever report (``get_stats`` resets) it lands in, with batches on four
+    threads past several fold points while a fifth thread keeps reporting."""
+    from kvmesh_sglang import hicache as H
+
+    c = H._Counters()
+    per, workers = 3 * H._FOLD + 7, 4
+    reports: list[dict] = []
+    done = threading.Event()
+
+    def batches(t: int) -> None:
+        for i in range(per):
+            c.io("get", 2, 1 + (i + t) % 2, 4096, 0.001)
+            c.io("set", 3, 3, 8192, 0.002)
+
+    def reporter() -> None:
+        while not done.is_set():
+            reports.append(c.reset())
+            time.sleep(0.0005)
+
+    rep = threading.Thread(target=reporter)
+    rep.start()
+    ts = [threading.Thread(target=batches, args=(t,)) for t in range(workers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    done.set()
+    rep.join(60)
+    reports.append(c.reset())
+
+    def total(k: str) -> int:
+        return sum(r.get(k, 0) if not isinstance(r.get(k), list) else sum(r[k]) for r in reports)
+
+    n = per * workers
+    assert total("get_pages") == 2 * n and total("set_pages") == 3 * n
+    hits = sum(1 + (i + t) % 2 for t in range(workers) for i in range(per))
+    assert total("get_hits") == hits and total("get_misses") == 2 * n - hits
+    assert total("get_bytes") == 4096 * n and total("set_written") == 3 * n
+    assert sum(len(r.get("get_seconds", [])) for r in reports) == n
+    assert total("prefetch_pgs") == 2 * n and total("backup_pgs") == 3 * n
+    # A read shows the queued batches (fewer than a fold's worth) without resetting them.
+    c.io("get", 5, 5, 1, 0.001)
+    assert c.snapshot()["get_pages"] == 5
+    assert c.reset()["get_hits"] == 5
+
+
 def test_factory_dynamic_path_end_to_end(cluster):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
