@@ -5,12 +5,18 @@ floats, its layout ``bytes``, the segment key lists); at tens of millions of obj
 the master's whole memory. Here an object is
 
 * its key ``str`` and one entry in :attr:`Table.index` (key -> row, the lookup every query
-  starts with; a dict is what a per-key ``in`` costs least in Python),
+  starts with): one dict up to :data:`SHARD_AT` keys, then an :class:`Index` of
+  :data:`SHARDS` dicts picked by the key's hash, so no dict resize rehashes more than one
+  shard (a dict of millions of keys resizes in one step of half a second),
 * a pointer in :attr:`Table.names` (row -> key, ``None`` for a free row),
 * one row of the columns (:data:`COLUMNS`): size, version, started, pin, pin_until and the
   layout of the common object -- one copy of one slice -- as ``sid`` (u32) and ``off`` (u64).
   Objects of several slices or copies keep their packed layout (``objects.pack_layout``)
   in :attr:`Table.extra` and ``sid`` 0 (segment ids start at 1).
+
+Past :data:`RESERVE_AT` rows the columns (and the free list) are views of address ranges
+reserved once (``MAP_NORESERVE``: memory only for the pages written), so they grow by a
+longer view and never by copying every column.
 
 Freed rows go on a LIFO free list and are reused first. Row order is *table order*
 (``keys()``): a function of the applied entries alone, restored exactly from a snapshot
@@ -38,6 +44,7 @@ builds an :class:`~.objects.Obj` from the row.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -69,7 +76,7 @@ _NAMES = tuple(n for n, _ in COLUMNS)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 
 SHARDS = 256  # shards of a large key index: a resize rehashes one, ~1/256 of the keys
-SHARD_AT = 1 << 17  # keys: below, one dict (a resize of at most ~87k keys, ~10 ms)
+SHARD_AT = 1 << 16  # keys: below, one dict (a resize of at most ~44k keys, a few ms)
 _SEL_BITS = 16
 _SEL_MASK = (1 << _SEL_BITS) - 1
 RESERVE_AT = 1 << 16  # rows: above, the columns live in a reserved address range
@@ -115,12 +122,12 @@ class Index:
         shard = np.asarray(_OWNERS, np.int16)[slot]
         order = np.argsort(shard, kind="stable")
         bounds = np.searchsorted(shard[order], np.arange(SHARDS + 1)).tolist()
-        ks = list(map(keys.__getitem__, order.tolist()))
-        rs = np.asarray(rows, np.int64)[order].tolist()
+        rs = np.asarray(rows, np.int64)[order]
+        get = keys.__getitem__
         for i in range(SHARDS):
             lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
-                ix.shards[i] = dict(zip(ks[lo:hi], rs[lo:hi]))
+            if hi > lo:  # each key fetched and inserted in one pass: touched once
+                ix.shards[i] = dict(zip(map(get, order[lo:hi].tolist()), rs[lo:hi].tolist()))
         ix._sel = [ix.shards[i] for i in _OWNERS]
         ix._n = n
         return ix
@@ -164,6 +171,26 @@ class Index:
     def __iter__(self) -> Iterator[str]:
         for d in self.shards:
             yield from d
+
+
+def _untracked(names: list) -> list:
+    """``names`` with the cyclic GC no longer scanning it: a full collection visits every
+    item of a tracked list (reading each key's header), ~60 ms per 2 M keys and most of a
+    second at 10 M, one stall of the loop each time. A list of ``str`` and ``None`` cannot
+    be part of a cycle, and a list stays untracked as it grows (only a new list is
+    tracked). ``PyObject_GC_UnTrack`` is public C API; without ctypes, the list stays
+    tracked (correct, only slower to collect)."""
+    if _UNTRACK is not None:
+        _UNTRACK(names)
+    return names
+
+
+try:
+    _UNTRACK = ctypes.pythonapi.PyObject_GC_UnTrack
+    _UNTRACK.argtypes = (ctypes.py_object,)
+    _UNTRACK.restype = None
+except (AttributeError, OSError):  # pragma: no cover
+    _UNTRACK = None  # type: ignore[assignment]
 
 
 def _reserve(dt: str) -> np.ndarray | None:
@@ -230,7 +257,7 @@ class _Image:
 class Table(Mapping[str, Obj]):
     def __init__(self, processing: dict[str, int]) -> None:
         self.index: dict[str, int] | Index = {}  # an Index once it passes SHARD_AT keys
-        self.names: list[str | None] = []
+        self.names: list[str | None] = _untracked([])
         self.extra: dict[int, bytes] = {}
         self.processing = processing
         self.n = 0  # rows ever used (live or free); row n is the next new one
@@ -651,7 +678,7 @@ class Table(Mapping[str, Obj]):
                 self.extra[r] = lay
         if len(names) != n:
             raise ValueError(f"{len(names)} rows, image says {n}")
-        self.names = names
+        self.names = _untracked(names)
         live = n - names.count(None)
         size, sid = self.size[:n], self.sid[:n]
         # Live rows only, in C-level passes (no per-row Python): a None key, even popped
