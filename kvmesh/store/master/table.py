@@ -122,12 +122,12 @@ class Index:
         shard = np.asarray(_OWNERS, np.int16)[slot]
         order = np.argsort(shard, kind="stable")
         bounds = np.searchsorted(shard[order], np.arange(SHARDS + 1)).tolist()
-        rs = np.asarray(rows, np.int64)[order]
-        get = keys.__getitem__
+        ks = list(map(keys.__getitem__, order.tolist()))
+        rs = np.asarray(rows, np.int64)[order].tolist()
         for i in range(SHARDS):
             lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:  # each key fetched and inserted in one pass: touched once
-                ix.shards[i] = dict(zip(map(get, order[lo:hi].tolist()), rs[lo:hi].tolist()))
+            if hi > lo:
+                ix.shards[i] = dict(zip(ks[lo:hi], rs[lo:hi]))
         ix._sel = [ix.shards[i] for i in _OWNERS]
         ix._n = n
         return ix
