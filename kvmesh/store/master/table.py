@@ -75,9 +75,9 @@ _OLD_COLUMNS = 7  # images from before the disk tier: tier and crc 0
 _NAMES = tuple(n for n, _ in COLUMNS)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 
-SHARDS = 256  # shards of a large key index: a resize rehashes one, ~1/256 of the keys
+SHARDS = 128  # shards of a large key index: a resize rehashes one, ~1/128 of the keys
 SHARD_AT = 1 << 16  # keys: below, one dict (a resize of at most ~44k keys, a few ms)
-_SEL_BITS = 16
+_SEL_BITS = 13  # an 8,192-entry slot table (64 KiB); 65,536 made lookups ~1.6x slower at 2 M keys
 _SEL_MASK = (1 << _SEL_BITS) - 1
 RESERVE_AT = 1 << 16  # rows: above, the columns live in a reserved address range
 _MAP_NORESERVE = 0x4000  # Linux's value (the mmap module lacks the constant before 3.13)
