@@ -467,6 +467,8 @@ def _big_master(limits: dict, n: int, key: str) -> list[dict[str, Any]]:
         ex = rpc.call(lambda rid: P.ExistsReq(rid, probe))
         assert type(ex) is P.CodesResp and ex.codes == [1, 1, 1], ex
         rss = _rss_mib(cl.procs[1].pid)
+        st = rpc.call(lambda rid: P.StatusReq(rid))
+        lag = st.info.get("loop_lag_max_s") if type(st) is P.StatusResp else None
         rpc.close()
 
         def restart(crash: bool) -> float:
@@ -505,6 +507,7 @@ def _big_master(limits: dict, n: int, key: str) -> list[dict[str, Any]]:
             rss_after_restart_mib=round(rss_after, 1),
             restart_s=round(restart_s, 3),
             restart_after_crash_s=round(crash_s, 3),
+            loop_lag_max_s=lag,
             fsync=True,
         )
     ]
@@ -610,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['rss_bytes_per_object']:.0f} B/object, keys {r['key_bytes']} B) "
                 f"({r['rss_after_restart_mib']:.0f} MiB after restart), restart "
                 f"{r['restart_s']:.2f} s ({r['restart_after_crash_s']:.2f} s after kill -9), "
-                f"loaded at {r['ops_per_s']:,.0f} keys/s"
+                f"loaded at {r['ops_per_s']:,.0f} keys/s, loop lag max {r['loop_lag_max_s']} s"
             )
         if r["case"] == "failover":
             sec = lambda v, k=1.0: "-" if v is None else f"{v / k:.2f}"  # noqa: E731

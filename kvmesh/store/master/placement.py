@@ -146,7 +146,7 @@ class Placement:
         ):
             # The batch a conforming client sends: every key valid and distinct, every size
             # one slice (checked with C-level passes); only the table decides per key.
-            olds = list(map(objs.index.get, keys))
+            olds = objs.rows_get(keys)
             if olds.count(None) == n:
                 todo = list(range(n))
             else:

@@ -174,7 +174,7 @@ class Queries:
         if not keys or set(map(type, keys)) != {str}:
             return None
         t = self.objects
-        got = list(map(t.index.get, keys))
+        got = t.rows_get(keys)
         proc = self.processing
         if None in got or (proc and not proc.keys().isdisjoint(keys)):
             return None
@@ -291,7 +291,7 @@ class Queries:
         objs, proc = self.objects.index, self.processing
         if set(map(type, ks)) <= {str}:  # what the service decodes: no per-key type test
             if not proc:
-                return [k in objs for k in ks]
+                return self.objects.has_many(ks)
             return [k in objs and k not in proc for k in ks]
         return [type(k) is str and k in objs and k not in proc for k in ks]
 
@@ -303,7 +303,7 @@ class Queries:
         if self.offline_sids():  # type: ignore[attr-defined]
             return [int(f) for f in self.exists(keys)]
         if not proc:
-            return [1 if k in objs else 0 for k in keys]
+            return self.objects.has_many(keys, True)
         return [1 if k in objs and k not in proc else 0 for k in keys]
 
     def exists_codes(self, prefix: str, keys: list[str], suffixes: list[str]) -> list[int]:

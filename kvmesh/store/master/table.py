@@ -5,12 +5,18 @@ floats, its layout ``bytes``, the segment key lists); at tens of millions of obj
 the master's whole memory. Here an object is
 
 * its key ``str`` and one entry in :attr:`Table.index` (key -> row, the lookup every query
-  starts with; a dict is what a per-key ``in`` costs least in Python),
+  starts with): one dict up to :data:`SHARD_AT` keys, then an :class:`Index` of
+  :data:`SHARDS` dicts picked by the key's hash, so no dict resize rehashes more than one
+  shard (a dict of millions of keys resizes in one step of half a second),
 * a pointer in :attr:`Table.names` (row -> key, ``None`` for a free row),
 * one row of the columns (:data:`COLUMNS`): size, version, started, pin, pin_until and the
   layout of the common object -- one copy of one slice -- as ``sid`` (u32) and ``off`` (u64).
   Objects of several slices or copies keep their packed layout (``objects.pack_layout``)
   in :attr:`Table.extra` and ``sid`` 0 (segment ids start at 1).
+
+Past :data:`RESERVE_AT` rows the columns (and the free list) are views of address ranges
+reserved once (``MAP_NORESERVE``: memory only for the pages written), so they grow by a
+longer view and never by copying every column.
 
 Freed rows go on a LIFO free list and are reused first. Row order is *table order*
 (``keys()``): a function of the applied entries alone, restored exactly from a snapshot
@@ -38,6 +44,10 @@ builds an :class:`~.objects.Obj` from the row.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -47,7 +57,7 @@ import numpy as np
 
 from .objects import SLICE, Obj, State
 
-__all__ = ["CHUNK_ROWS", "COLUMNS", "Rows", "Table"]
+__all__ = ["CHUNK_ROWS", "COLUMNS", "Index", "Rows", "Table"]
 
 CHUNK_ROWS = 1 << 14  # ~8 ms of encoding a step (HiCache-shaped keys): the stall bound
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -64,6 +74,162 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 _OLD_COLUMNS = 7  # images from before the disk tier: tier and crc 0
 _NAMES = tuple(n for n, _ in COLUMNS)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
+
+SHARDS = 128  # shards of a large key index: a resize rehashes one, ~1/128 of the keys
+SHARD_AT = 1 << 16  # keys: below, one dict (a resize of at most ~44k keys, a few ms)
+_SEL_BITS = 13  # an 8,192-entry slot table (64 KiB); 65,536 made lookups ~1.6x slower at 2 M keys
+_SEL_MASK = (1 << _SEL_BITS) - 1
+RESERVE_AT = 1 << 16  # rows: above, the columns live in a reserved address range
+_MAP_NORESERVE = 0x4000  # Linux's value (the mmap module lacks the constant before 3.13)
+
+
+def _owners() -> list[int]:
+    """Hash slot (the low bits of ``hash(key)``) -> shard, shard ``i`` owning a share
+    proportional to ``2 ** (i / SHARDS)``: the shards' sizes spread over one doubling, so
+    their dicts reach their resize points at different table sizes, not all in one batch
+    (equal shares would grow in step and resize together)."""
+    w = 2.0 ** (np.arange(SHARDS) / SHARDS)
+    edges = np.cumsum(w) / w.sum() * (1 << _SEL_BITS)
+    return np.searchsorted(edges, np.arange(1 << _SEL_BITS) + 0.5).tolist()
+
+
+_OWNERS = _owners()
+
+
+class Index:
+    """The key -> row index of a large table: :data:`SHARDS` dicts, a key's shard picked
+    by the low bits of its ``hash`` (randomised per process, so requests cannot aim at one
+    shard; the index is never in a snapshot, so replicas need not agree on it). A dict
+    that must grow rehashes all of its keys at once (482 ms at 5.6 M keys in one dict);
+    here that is one shard's keys. The ``dict`` methods the table's callers use."""
+
+    __slots__ = ("_n", "_sel", "shards")
+
+    def __init__(self) -> None:
+        self.shards: list[dict[str, int]] = [{} for _ in range(SHARDS)]
+        self._sel = [self.shards[i] for i in _OWNERS]  # slot -> its shard's dict
+        self._n = 0
+
+    @classmethod
+    def build(cls, keys: list[str], rows: list[int]) -> Index:
+        """An index of distinct ``keys`` (rows as given): the keys grouped by shard with
+        numpy passes, each shard built by one ``dict(zip(...))`` (C-level)."""
+        ix = cls()
+        n = len(keys)
+        if not n:
+            return ix
+        slot = np.fromiter(map(hash, keys), np.int64, n) & _SEL_MASK
+        shard = np.asarray(_OWNERS, np.int16)[slot]
+        order = np.argsort(shard, kind="stable")
+        bounds = np.searchsorted(shard[order], np.arange(SHARDS + 1)).tolist()
+        ks = list(map(keys.__getitem__, order.tolist()))
+        rs = np.asarray(rows, np.int64)[order].tolist()
+        for i in range(SHARDS):
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi > lo:
+                ix.shards[i] = dict(zip(ks[lo:hi], rs[lo:hi]))
+        ix._sel = [ix.shards[i] for i in _OWNERS]
+        ix._n = n
+        return ix
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sel[hash(key) & _SEL_MASK]
+
+    def __getitem__(self, key: str) -> int:
+        return self._sel[hash(key) & _SEL_MASK][key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._sel[hash(key) & _SEL_MASK].get(key, default)
+
+    def __setitem__(self, key: str, row: int) -> None:
+        d = self._sel[hash(key) & _SEL_MASK]
+        n = len(d)
+        d[key] = row
+        self._n += len(d) - n
+
+    def pop(self, key: str) -> int:
+        r = self._sel[hash(key) & _SEL_MASK].pop(key)
+        self._n -= 1
+        return r
+
+    def update(self, pairs: Iterable[tuple[str, int]]) -> None:
+        """New keys only (the table's inserts)."""
+        sel = self._sel
+        m = 0
+        for k, r in pairs:
+            sel[hash(k) & _SEL_MASK][k] = r
+            m += 1
+        self._n += m
+
+    def get_many(self, keys: list[str]) -> list[int | None]:
+        sel = self._sel
+        return [sel[hash(k) & _SEL_MASK].get(k) for k in keys]
+
+    def __iter__(self) -> Iterator[str]:
+        for d in self.shards:
+            yield from d
+
+
+def _untracked(names: list) -> list:
+    """``names`` with the cyclic GC no longer scanning it: a full collection visits every
+    item of a tracked list (reading each key's header), ~60 ms per 2 M keys and most of a
+    second at 10 M, one stall of the loop each time. A list of ``str`` and ``None`` cannot
+    be part of a cycle, and a list stays untracked as it grows (only a new list is
+    tracked). ``PyObject_GC_UnTrack`` is public C API; without ctypes, the list stays
+    tracked (correct, only slower to collect)."""
+    if _UNTRACK is not None:
+        _UNTRACK(names)
+    return names
+
+
+try:
+    _UNTRACK = ctypes.pythonapi.PyObject_GC_UnTrack
+    _UNTRACK.argtypes = (ctypes.py_object,)
+    _UNTRACK.restype = None
+except (AttributeError, OSError):  # pragma: no cover
+    _UNTRACK = None  # type: ignore[assignment]
+
+
+def _reserve(dt: str) -> np.ndarray | None:
+    """A column of :func:`_reserve_rows` rows in an address range reserved, not committed
+    (``MAP_NORESERVE``: pages become memory when first written), so a column never moves:
+    it grows by a longer view of the same pages, no copy. None where the kernel refuses
+    (strict overcommit, a small address space): the columns then grow by copying."""
+    rows = _reserve_rows()
+    if not rows:
+        return None
+    try:
+        mm = mmap.mmap(
+            -1,
+            rows * np.dtype(dt).itemsize,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+        )
+    except (OSError, ValueError, OverflowError):
+        return None
+    return np.frombuffer(mm, dt)
+
+
+def _reserve_rows() -> int:
+    """Rows to reserve: more than this machine's memory could hold (an object costs
+    >= 250 bytes, a row is reserved at 1 per 64 bytes of memory), at most 2**32."""
+    global _RESERVE_ROWS
+    if _RESERVE_ROWS < 0:
+        _RESERVE_ROWS = 0
+        try:
+            with open("/proc/sys/vm/overcommit_memory") as f:
+                strict = f.read().strip() == "2"
+            phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError):
+            return 0
+        if not strict and sys.maxsize > 1 << 32:
+            _RESERVE_ROWS = min(1 << 32, max(phys // 64, RESERVE_AT * 4))
+    return _RESERVE_ROWS
+
+
+_RESERVE_ROWS = -1
 
 
 class Rows(msgspec.Struct, array_like=True, frozen=True):
@@ -90,8 +256,8 @@ class _Image:
 
 class Table(Mapping[str, Obj]):
     def __init__(self, processing: dict[str, int]) -> None:
-        self.index: dict[str, int] = {}
-        self.names: list[str | None] = []
+        self.index: dict[str, int] | Index = {}  # an Index once it passes SHARD_AT keys
+        self.names: list[str | None] = _untracked([])
         self.extra: dict[int, bytes] = {}
         self.processing = processing
         self.n = 0  # rows ever used (live or free); row n is the next new one
@@ -102,6 +268,8 @@ class Table(Mapping[str, Obj]):
         self.nfree = 0
         self.stamp = np.zeros(0, np.uint32)  # leader soft state (module docstring)
         self.clock = 1
+        self._full: dict[str, np.ndarray] | None = None  # reserved columns (_grow)
+        self._free_full: np.ndarray | None = None  # the free list's (_grow_free)
         self._images: weakref.WeakSet[_Image] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ Mapping (views)
@@ -150,7 +318,24 @@ class Table(Mapping[str, Obj]):
     # ------------------------------------------------------------------ changes
 
     def _grow(self, need: int) -> None:
+        """Room for ``need`` rows. Past :data:`RESERVE_AT` rows the columns are views of
+        reserved address ranges (:func:`_reserve`): growing is a longer view, nothing is
+        copied, whatever the table's size (a copy of every column at 1.5x was ~410 MB at
+        10 M rows, one stall of the loop). Below it, or where nothing could be reserved,
+        the columns grow by half, copying the used part."""
         cap = max(1024, self.cap + (self.cap >> 1), need)
+        if self._full is None and cap > RESERVE_AT:
+            full = {name: _reserve(dt) for name, dt in (*COLUMNS, ("stamp", "<u4"))}
+            if all(a is not None and len(a) >= cap for a in full.values()):
+                self._full = full  # type: ignore[assignment]
+                for name, a in full.items():
+                    a[: self.n] = getattr(self, name)[: self.n]  # once, < RESERVE_AT rows
+        full = self._full
+        if full is not None and cap <= len(full["size"]):
+            for name, a in full.items():
+                setattr(self, name, a[:cap])
+            self.cap = cap
+            return
         for name, dt in COLUMNS:
             new = np.zeros(cap, dt)
             new[: self.n] = getattr(self, name)[: self.n]
@@ -159,6 +344,30 @@ class Table(Mapping[str, Obj]):
         stamp[: self.n] = self.stamp[: self.n]
         self.stamp = stamp
         self.cap = cap
+        self._full = None
+
+    def _index_grown(self) -> None:
+        """The one dict passed :data:`SHARD_AT` keys: from now on an :class:`Index` (one
+        pass over at most ``SHARD_AT`` keys, then bounded resizes only)."""
+        ix = self.index
+        self.index = Index.build(list(ix), list(ix.values()))
+
+    def rows_get(self, keys: list[str]) -> list[int | None]:
+        """Per key its row, None where absent (``map(index.get, keys)`` of either index)."""
+        ix = self.index
+        return list(map(ix.get, keys)) if type(ix) is dict else ix.get_many(keys)
+
+    def has_many(self, keys: list[str], flags: bool = False) -> list[Any]:
+        """Per (``str``) key whether it has a row (``flags``: as 1 / 0, the wire's)."""
+        ix = self.index
+        if type(ix) is dict:
+            if flags:
+                return [1 if k in ix else 0 for k in keys]
+            return [k in ix for k in keys]
+        sel = ix._sel
+        if flags:
+            return [1 if k in sel[hash(k) & _SEL_MASK] else 0 for k in keys]
+        return [k in sel[hash(k) & _SEL_MASK] for k in keys]
 
     def _alloc(self, m: int) -> np.ndarray:
         """``m`` rows: the most recently freed first, then new ones."""
@@ -212,6 +421,8 @@ class Table(Mapping[str, Obj]):
             if self._images:
                 self._save(r)
             self.index[key] = r
+            if type(self.index) is dict and len(self.index) > SHARD_AT:
+                self._index_grown()
             self._set_names([r], [key])
             self.stamp[r] = 0
         elif self._images:
@@ -263,6 +474,8 @@ class Table(Mapping[str, Obj]):
             rl = rows.tolist()
             self._set_names(rl, keys)
             self.index.update(zip(keys, rl))
+        if type(self.index) is dict and len(self.index) > SHARD_AT:
+            self._index_grown()
         self.size[sl] = sizes
         self.version[sl] = version
         self.started[sl] = started
@@ -286,11 +499,28 @@ class Table(Mapping[str, Obj]):
         self.crc[r] = 0
         self.extra.pop(r, None)
         if self.nfree == len(self.free):
-            self.free = np.concatenate((self.free, np.zeros(max(1024, self.nfree), np.int64)))
+            self._grow_free()
         self.free[self.nfree] = r
         self.nfree += 1
 
     __delitem__ = drop
+
+    def _grow_free(self, need: int = 0) -> None:
+        """The free list doubles; past :data:`RESERVE_AT` entries it is a view of a
+        reserved range like the columns (no copy of a list of millions of rows)."""
+        top = self.nfree
+        cap = max(1024, 2 * top, need)
+        if self._free_full is None and cap > RESERVE_AT:
+            a = _reserve("<i8")
+            if a is not None and len(a) >= cap:
+                a[:top] = self.free[:top]  # once, <= RESERVE_AT rows
+                self._free_full = a
+        a = self._free_full
+        if a is not None and cap <= len(a):
+            self.free = a[:cap]
+        else:
+            self.free = np.concatenate((self.free[:top], np.zeros(cap - top, np.int64)))
+            self._free_full = None
 
     # ------------------------------------------------------------------ access order
 
@@ -304,7 +534,7 @@ class Table(Mapping[str, Obj]):
                 self.stamp[r] = self.clock
                 self.clock += 1
             return
-        rows = list(map(self.index.get, keys))
+        rows = self.rows_get(keys if type(keys) is list else list(keys))
         if None in rows:
             rows = [r for r in rows if r is not None]
         if not rows:
@@ -375,16 +605,18 @@ class Table(Mapping[str, Obj]):
         ``names`` (row -> key list), ``index`` (the key -> row dict and its row ints),
         ``keys`` (the key strings), ``extra`` (packed layouts of multi-slice objects).
         From ``sys.getsizeof``: the same on every machine for one Python build."""
-        import sys
-
         index = self.index
         big = max(0, len(index) - 257)  # rows above 256 are ints of their own
+        if type(index) is dict:
+            ix_b = sys.getsizeof(index)
+        else:
+            ix_b = sum(map(sys.getsizeof, index.shards)) + sys.getsizeof(index._sel)
         return {
             "columns": sum(getattr(self, name).nbytes for name in _NAMES)
             + self.free.nbytes
             + self.stamp.nbytes,
             "names": sys.getsizeof(self.names),
-            "index": sys.getsizeof(index) + big * sys.getsizeof(1 << 20),
+            "index": ix_b + big * sys.getsizeof(1 << 20),
             "keys": sum(map(sys.getsizeof, index)),
             "extra": sys.getsizeof(self.extra)
             + sum(sys.getsizeof(v) + sys.getsizeof(1 << 20) for v in self.extra.values()),
@@ -446,14 +678,18 @@ class Table(Mapping[str, Obj]):
                 self.extra[r] = lay
         if len(names) != n:
             raise ValueError(f"{len(names)} rows, image says {n}")
-        self.names = names
+        self.names = _untracked(names)
         live = n - names.count(None)
         size, sid = self.size[:n], self.sid[:n]
         # Live rows only, in C-level passes (no per-row Python): a None key, even popped
         # again, would leave the dict in its general mode, slower to probe than a dict of
         # str keys only. The checks below prove the None names are exactly the free rows,
         # so the live keys pair with the nonzero sizes in order.
-        if live == n:
+        index: dict[str, int] | Index
+        if live > SHARD_AT:
+            lk = names if live == n else list(filter(None, names))
+            index = Index.build(lk, np.flatnonzero(size).tolist())  # type: ignore[arg-type]
+        elif live == n:
             index = dict(zip(names, range(n)))
         else:
             index = dict(zip(filter(None, names), np.flatnonzero(size).tolist()))
@@ -469,8 +705,10 @@ class Table(Mapping[str, Obj]):
             or any(not size[r] for r in self.extra)
         ):
             raise ValueError("rows, keys and free rows disagree")
-        self.index = index  # type: ignore[assignment]
-        self.free = free.astype(np.int64)
+        self.index = index
+        self.nfree = 0
+        self._grow_free(len(free))
+        self.free[: len(free)] = free
         self.nfree = len(free)
         return live
 
