@@ -428,3 +428,31 @@ def test_forged_commits_are_refused_and_the_master_serves_on(env) -> None:
         assert c.get("forge-warm") == b"w" * 1000
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_commit_of_new_keys_and_of_a_present_key_with_either_key_index(
+    sharded: bool, monkeypatch
+) -> None:
+    """The end-to-end fast path asks the table whether every key is new. A large table's
+    index is sharded (``table.Index``, past ``SHARD_AT`` keys), which has no ``keys()``
+    view: the check must work on both indexes (it raised AttributeError on the sharded
+    one, failing every commit of a master with more than 65,536 objects)."""
+    from kvmesh.store.master import table as tbl
+
+    if sharded:
+        monkeypatch.setattr(tbl, "SHARD_AT", 2)
+    sm, tag, sid, off = _sm()
+    keys = [f"k{i}" for i in range(8)]
+    r = _commit(sm, 4, keys, [1024] * 8, tag, sid, [off + 1024 * i for i in range(8)])
+    assert r.codes == [0] * 8
+    assert (type(sm.objects.index) is tbl.Index) is sharded
+    more = [f"m{i}" for i in range(4)]
+    r = _commit(sm, 5, more, [1024] * 4, tag, sid, [off + 8192 + 1024 * i for i in range(4)])
+    assert r.codes == [0] * 4
+    # a key already present in an otherwise end-to-end batch: that key alone is refused
+    again = ["n0", "k3", "n2"]
+    r = _commit(sm, 6, again, [1024] * 3, tag, sid, [off + 12288 + 1024 * i for i in range(3)])
+    assert r.codes[0] == 0 and r.codes[1] != 0 and r.codes[2] == 0, r.codes
+    assert SLICE.unpack(sm.objects["k3"].layout) == (sid, off + 3 * 1024)
+    assert not invariants.check(sm)

@@ -357,6 +357,14 @@ class Table(Mapping[str, Obj]):
         ix = self.index
         return list(map(ix.get, keys)) if type(ix) is dict else ix.get_many(keys)
 
+    def has_none(self, keys: Iterable[str]) -> bool:
+        """Whether no key of ``keys`` has a row (one C-level pass for the one dict)."""
+        ix = self.index
+        if type(ix) is dict:
+            return ix.keys().isdisjoint(keys)
+        sel = ix._sel
+        return not any(k in sel[hash(k) & _SEL_MASK] for k in keys)
+
     def has_many(self, keys: list[str], flags: bool = False) -> list[Any]:
         """Per (``str``) key whether it has a row (``flags``: as 1 / 0, the wire's)."""
         ix = self.index

@@ -352,7 +352,7 @@ class Writes:
             and min(sizes) >= 1
             and max(sizes) <= top
             and len(distinct := dict.fromkeys(keys)) == n
-            and objs.index.keys().isdisjoint(distinct)
+            and objs.has_none(distinct)
             and _carve(ext, sid, offs[0], span)
         ):
             # The batch a conforming client sends: new distinct keys laid end to end (each
