@@ -410,7 +410,9 @@ class Handlers:
             usage = self.sm.usage()
             free = usage.capacity - usage.used
             if free < reserve <= usage.capacity:
-                await self._evict(time.monotonic(), need=reserve - free)
+                # (room for puts not yet made: no object loses its only copy for it while
+                # demotion can give it a disk copy -- Leader.evictions)
+                await self._evict(time.monotonic(), need=reserve - free, reserve=True)
         if self.cfg.max_objects and not any(planned):
             _, _, planned = await self._object_cap(req, keys, req.sizes, planned)
         if any(planned):

@@ -490,15 +490,20 @@ class Leader:
         return C.Evict(keys=plan.keys, versions=plan.versions, now=wall, allow_soft=plan.allow_soft)
 
     def evictions(
-        self, now: float, wall: float, need: int = 0, objects: int = 0
+        self, now: float, wall: float, need: int = 0, objects: int = 0, reserve: bool = False
     ) -> list[C.Evict | C.DropReplica]:
         """:meth:`eviction` for a put that found no room, with the disk tier: the victims
         whose disk copy is COMPLETE lose only their memory copy (``DropReplica``), the rest
-        are evicted; each command's victims blocked until :meth:`evicted`."""
+        are evicted; each command's victims blocked until :meth:`evicted`. ``reserve``: the
+        room is for a writer's reservation (bytes of puts not yet made): while the disk has
+        room, only memory copies with a disk copy go -- an object in memory only gets its
+        disk copy from demotion shortly, and no guess at a next put is worth losing it."""
         sm = self.sm
         if not sm.has_disk():
             ev = self.eviction(now, wall, need, objects)
             return [] if ev is None else [ev]
+        if reserve and not self._disk_room(now):
+            reserve = False  # the disk cannot take them: evicted as without the tier
         cfg = self.cfg
         plan = choose_victims(
             sm, self.leases, self.stats, now, cfg.high_watermark, cfg.evict_ratio,
@@ -509,10 +514,16 @@ class Leader:
         if drop:
             self.leases.block(drop[0])
             out.append(C.DropReplica(*drop))
-        if rest:
+        if rest and not reserve:
             self.leases.block(rest[0])
             out.append(C.Evict(rest[0], rest[1], now=wall, allow_soft=plan.allow_soft))
         return out
+
+    def _disk_room(self, now: float) -> bool:
+        """Whether demotion can give memory-only objects a disk copy now (no NoSpace answer
+        within the last turns, free disk bytes, no object cap to meet)."""
+        sm = self.sm
+        return not self.object_excess() and now >= self._disk_full_until and sm.disk_free() > 0
 
     def _split(
         self, keys: list[str], versions: list[int]
@@ -581,7 +592,7 @@ class Leader:
         under ``demote_inflight_bytes``. ``gone``: keys being evicted meanwhile. The caller
         reports the result to :meth:`demote_started`."""
         sm, cfg = self.sm, self.cfg
-        if self.object_excess() or now < self._disk_full_until or sm.disk_free() <= 0:
+        if not self._disk_room(now):
             return None
         dw = self._demote_level()
         u = sm.usage()

@@ -335,13 +335,15 @@ class MasterService(Server, Admission, Handlers):
 
         self._snap_task = asyncio.get_running_loop().create_task(snap(), name="store-snapshot")
 
-    async def _evict(self, mono: float, need: int = 0, objects: int = 0) -> int:
+    async def _evict(
+        self, mono: float, need: int = 0, objects: int = 0, reserve: bool = False
+    ) -> int:
         """Propose one Evict if usage is above the watermark (or ``need`` bytes are wanted).
         Leases are judged on the monotonic clock; soft pins then look live (their expiry is
         wall time), which only makes the choice more conservative -- ``apply`` re-checks
         pins against the command's wall-clock ``now``."""
         freed = 0
-        for cmd in self.leader.evictions(mono, wall_clock(), need, objects):
+        for cmd in self.leader.evictions(mono, wall_clock(), need, objects, reserve):
             res = None
             try:
                 res = await self._propose_plain(cmd)

@@ -288,6 +288,43 @@ def test_a_demote_end_chains_the_next_batch_within_the_inflight_cap() -> None:
     assert ld.demote_next(t, t) is None  # nothing due: the pipeline stops by itself
 
 
+def test_room_for_a_reservation_never_evicts_an_object_demotion_can_keep() -> None:
+    """The live staged-demotion failure (test_e2e_tier_faults.py): memory full, one capped
+    batch in flight, the other objects in memory only, and a writer's reservation refill
+    asks for room. Only memory copies with a disk copy may go for it; an object in memory
+    only is evicted for a put's own bytes (as documented) or when the disk is full."""
+    a = _pool(mem=64 * 1024, disk=1 << 20)
+    keys = [f"k{i:02d}" for i in range(62)]  # 62 KiB of 64
+    _put(a, keys)
+    ld = _leader(a, demote_batch_bytes=1024)
+    ld.touch(keys)
+    ds = ld.demote_next(1.0, 1.0)
+    assert ds is not None and 0 < len(ds.keys) < len(keys)  # capped: not all of memory
+    ld.demote_started(ds, _checked(a, ds), 1.0)
+    only_memory = [k for k in keys if a.sm.tier_of(k) == TIER_NONE]
+    assert only_memory
+    # a reservation while the batch copies: nothing to free without losing an object
+    assert ld.evictions(1.1, 1.1, need=8 * 1024, reserve=True) == []
+    # the batch ends: its objects' memory may go for the reservation, nothing else
+    tasks = a.sm.demote_tasks("n0", 100)
+    _checked(
+        a, DemoteEnd("n0", [t.key for t in tasks], [t.version for t in tasks], [0] * len(tasks))
+    )
+    cmds = ld.evictions(1.2, 1.2, need=8 * 1024, reserve=True)
+    assert [type(c) for c in cmds] == [DropReplica] and set(cmds[0].keys) <= set(ds.keys)
+    for c in cmds:
+        ld.evicted(c, _checked(a, c))
+    assert all(a.sm.exists([k]) == [True] for k in keys)
+    # a put's own bytes: memory-only victims are evicted at once (demotion is too late)
+    cmds = ld.evictions(1.3, 1.3, need=8 * 1024)
+    assert Evict in [type(c) for c in cmds]
+    for c in cmds:
+        ld.evicted(c, None)  # not proposed: unblocked
+    # a disk that answered NoSpace: a reservation evicts as without the tier
+    ld._disk_full_until = 2.0
+    assert Evict in [type(c) for c in ld.evictions(1.4, 1.4, need=8 * 1024, reserve=True)]
+
+
 def test_leader_revokes_a_demotion_its_node_never_ends() -> None:
     a = _pool(mem=64 * 1024)
     keys = [f"k{i:02d}" for i in range(60)]
