@@ -52,7 +52,7 @@ from .objects import (
     slice_lengths,
 )
 from .segments import DISK, MEMORY, MOUNTED, Segment
-from .writes import _carve
+from .writes import carve_extent
 
 __all__ = ["Tiers"]
 
@@ -394,7 +394,7 @@ class Tiers:
                 or s.state != MOUNTED
                 or self.promotable(key) != version
                 or off % a
-                or not _carve(ext, s.id, off, (o.size + a - 1) & -a)
+                or not carve_extent(ext, s.id, off, (o.size + a - 1) & -a)
             ):
                 codes.append(int(Code.INVALID_WRITE))
                 continue

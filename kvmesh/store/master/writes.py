@@ -74,7 +74,7 @@ def _join(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> None:
     ext[:] = out
 
 
-def _carve(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> bool:
+def carve_extent(ext: list[tuple[int, int, int]], sid: int, off: int, n: int) -> bool:
     """Take ``[off, off + n)`` of segment ``sid`` out of the unused extents ``ext`` of a
     reservation (``(sid, start, length)``); False (nothing changed) unless one extent
     holds all of it."""
@@ -353,7 +353,7 @@ class Writes:
             and max(sizes) <= top
             and len(distinct := dict.fromkeys(keys)) == n
             and objs.has_none(distinct)
-            and _carve(ext, sid, offs[0], span)
+            and carve_extent(ext, sid, offs[0], span)
         ):
             # The batch a conforming client sends: new distinct keys laid end to end (each
             # rounded up to the alignment) in one extent: one carve and one column write.
@@ -370,7 +370,7 @@ class Writes:
             elif key in objs:
                 busy = key in self.processing
                 codes.append(int(Code.REPLICA_IS_NOT_READY if busy else Code.OBJECT_ALREADY_EXISTS))
-            elif off % a or not _carve(ext, sid, off, (size + a - 1) & -a):
+            elif off % a or not carve_extent(ext, sid, off, (size + a - 1) & -a):
                 codes.append(int(Code.INVALID_WRITE))  # not unused bytes of the reservation
             else:
                 objs.put(key, Obj(size, _C, index, c.now, SLICE.pack(sid, off), pin, until))
