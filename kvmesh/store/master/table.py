@@ -50,6 +50,7 @@ import os
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -79,6 +80,8 @@ SHARDS = 128  # shards of a large key index: a resize rehashes one, ~1/128 of th
 SHARD_AT = 1 << 16  # keys: below, one dict (a resize of at most ~44k keys, a few ms)
 _SEL_BITS = 13  # an 8,192-entry slot table (64 KiB); 65,536 made lookups ~1.6x slower at 2 M keys
 _SEL_MASK = (1 << _SEL_BITS) - 1
+_MANY = 8  # keys: from here a batch lookup picks its shards in one C-level call (Index.pick)
+_GET, _HAS = dict.get, dict.__contains__
 RESERVE_AT = 1 << 16  # rows: above, the columns live in a reserved address range
 _MAP_NORESERVE = 0x4000  # Linux's value (the mmap module lacks the constant before 3.13)
 
@@ -164,7 +167,19 @@ class Index:
             m += 1
         self._n += m
 
+    def pick(self, keys: list[str]) -> Any:
+        """Per key its shard's dict, for ``map(dict.get, ix.pick(keys), keys)``: the slots
+        by one comprehension of ints, the dicts by one ``itemgetter`` call, so the lookups
+        themselves run as one C-level ``map`` (a comprehension doing all of it per key cost
+        ~1.5x the one dict's ``map`` at 2 M keys; this, ~1.2x for absent keys, ~1x for
+        present ones). ``hash`` caches a ``str``'s hash, so the lookups do not hash again.
+        At least 2 keys (``itemgetter`` of one index returns the item, not a tuple)."""
+        m = _SEL_MASK
+        return itemgetter(*[h & m for h in map(hash, keys)])(self._sel)
+
     def get_many(self, keys: list[str]) -> list[int | None]:
+        if len(keys) >= _MANY:
+            return list(map(_GET, self.pick(keys), keys))
         sel = self._sel
         return [sel[hash(k) & _SEL_MASK].get(k) for k in keys]
 
@@ -362,8 +377,11 @@ class Table(Mapping[str, Obj]):
         ix = self.index
         if type(ix) is dict:
             return ix.keys().isdisjoint(keys)
+        ks = keys if type(keys) is list else list(keys)
+        if len(ks) >= _MANY:
+            return not any(map(_HAS, ix.pick(ks), ks))
         sel = ix._sel
-        return not any(k in sel[hash(k) & _SEL_MASK] for k in keys)
+        return not any(k in sel[hash(k) & _SEL_MASK] for k in ks)
 
     def has_many(self, keys: list[str], flags: bool = False) -> list[Any]:
         """Per (``str``) key whether it has a row (``flags``: as 1 / 0, the wire's)."""
@@ -372,6 +390,11 @@ class Table(Mapping[str, Obj]):
             if flags:
                 return [1 if k in ix else 0 for k in keys]
             return [k in ix for k in keys]
+        if len(keys) >= _MANY:
+            # The lookups as one C loop first: the cache misses of consecutive keys then
+            # overlap (a comprehension pulling them one by one cost ~1.4x).
+            got = list(map(_HAS, ix.pick(keys), keys))
+            return [1 if f else 0 for f in got] if flags else got
         sel = ix._sel
         if flags:
             return [1 if k in sel[hash(k) & _SEL_MASK] else 0 for k in keys]
