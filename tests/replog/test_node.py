@@ -15,6 +15,7 @@ from kvmesh.replog.node import (
     NodeConfig,
     NodeStopped,
     NotLeaderError,
+    ProposalLost,
     ProposalTimeout,
     RaftNode,
     ReadTimeout,
@@ -88,14 +89,17 @@ class Cluster:
         )
 
     async def put(self, key, value, timeout=10.0):
-        """Write through whoever leads (like a client would), retrying on redirects."""
+        """Write through whoever leads (like a client would), retrying on redirects and on
+        the errors that say the write was not applied: on a loaded machine an election can
+        come between any two writes (a stall past the 0.2-0.4 s timeout), and a client's
+        answer to a lost proposal is to send it again."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while True:
             node = await self.leader(max(0.1, end - loop.time()))
             try:
                 return await node.propose(encode_command(KvPut(key, value)))
-            except (NotLeaderError, ProposalTimeout):
+            except (NotLeaderError, ProposalTimeout, ProposalLost):
                 if loop.time() > end:
                     raise
                 await asyncio.sleep(0.05)
