@@ -189,8 +189,12 @@ class Handlers:
         return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
 
     async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> Any:
-        if len(req.crcs) != len(req.keys) or len(req.versions) != len(req.keys):
-            raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
+        n = len(req.keys)
+        if len(req.crcs) != n or len(req.versions) != n:
+            raise E.InvalidParams(
+                f"demotion end of {n} keys with {len(req.versions)} versions and "
+                f"{len(req.crcs)} crcs"
+            )
         cmd = C.DemoteEnd(req.node_id, req.keys, req.versions, req.crcs)
         res = await self._propose(node, req.session, cmd)
         codes = [int(c) for c in res.codes]
