@@ -337,11 +337,30 @@ def test_forged_tier_ends_are_refused_and_change_nothing(live: Live) -> None:
         assert type(r) is P.CodesResp and r.codes == codes, (make(0, P.Session(0, 0)), r)
         unchanged(repr(make(0, P.Session(0, 0))))
 
+    # demotions reported failed (DemoteEndReq.failed) by another node, or at another
+    # version: not revoked (still handed to the node), nothing counted
+    for who, nid, v in ((lv.as_other, "node-e", dt.version), (lv.as_node, NODE, dt.version + 1)):
+        r = who.mutate(
+            lambda rid, s, n=nid, v=v: P.DemoteEndReq(rid, s, n, [], [], [], 0, [d0], [v])
+        )
+        assert type(r) is P.CodesResp and r.codes == [], r
+        assert d0 in {t.key for t in lv.work().tasks}, "another's failure report revoked it"
+        assert lv.status()["requests"].get("demote_failed", 0) == 0
+        unchanged("a forged failure report")
+
     # malformed batches: refused whole with the reason
     for make, why in (
         (_demote_end(NODE, [d0], [dt.version], []), "1 keys with 1 versions and 0 crcs"),
         (_demote_end(NODE, [d0], [], [1]), "1 keys with 0 versions and 1 crcs"),
         (_demote_end(NODE, [d0, d0], [dt.version], [1, 1]), "versions"),
+        (
+            lambda rid, s: P.DemoteEndReq(rid, s, NODE, [], [], [], 0, [d0], []),
+            "1 failed demotions with 0 versions",
+        ),
+        (
+            lambda rid, s: P.DemoteEndReq(rid, s, NODE, [], [], [], 0, ["k"] * 8193, [1] * 8193),
+            "limit",
+        ),
         (_promote_end(NODE, p0.tag, [p0.key], [v0], [], [pdst.offset]), "unequal"),
         (_promote_end(NODE, p0.tag, [p0.key], [v0], [mem], []), "unequal"),
         (_demote_end(NODE, [f"k{i}" for i in range(8193)], [1] * 8193, [1] * 8193), "limit"),
