@@ -32,6 +32,7 @@ from .envelope import Echoed, encode_envelope
 from .master import commands as C
 from .master.objects import State
 from .types import (
+    bad_key,
     key_error,
     replica_lists,
 )
@@ -189,20 +190,50 @@ class Handlers:
         return P.CodesResp(req.rid, [_code_of(await self._propose(node, req.session, cmd))])
 
     async def _demote_end(self, node: RaftNode, req: P.DemoteEndReq) -> Any:
-        if len(req.crcs) != len(req.keys) or len(req.versions) != len(req.keys):
-            raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
+        n = len(req.keys)
+        if len(req.crcs) != n or len(req.versions) != n:
+            raise E.InvalidParams(
+                f"demotion end of {n} keys with {len(req.versions)} versions and "
+                f"{len(req.crcs)} crcs"
+            )
+        ld = self.leader
+        revoke = self._demote_failed(req) if req.failed or req.failed_versions else None
         cmd = C.DemoteEnd(req.node_id, req.keys, req.versions, req.crcs)
         res = await self._propose(node, req.session, cmd)
         codes = [int(c) for c in res.codes]
+        if 0 in codes:
+            ld.disk_recovered(req.node_id)
+            self.counters["demote_ended"] = self.counters.get("demote_ended", 0) + codes.count(0)
         # What the end makes due (Leader.demote_ended): the memory of these keys, now rather
         # than at the next tick, and the next batch, which the reply then carries -- the node
         # copies it at once instead of at its next poll
-        ld = self.leader
-        await self._propose_chain(ld.demote_ended(cmd, res, time.monotonic(), wall_clock()))
+        chain = ld.demote_ended(cmd, res, time.monotonic(), wall_clock())
+        if revoke is not None:
+            chain.append((revoke, lambda r: None))
+        await self._propose_chain(chain)
         if req.work > 0:
             limit = min(req.work, self.cfg.max_batch_keys)
             return P.DemoteTasksResp(req.rid, codes, ld.demote_tasks(req.node_id, limit))
         return P.CodesResp(req.rid, codes)
+
+    def _demote_failed(self, req: P.DemoteEndReq) -> C.DemoteRevoke | None:
+        """The demotions a node reports failed (``req.failed``), checked like ``keys``, as
+        the leader plans them (Leader.demote_failed: its own only; the disk backs off --
+        planned before the end's next batch is chosen, which then avoids that disk)."""
+        n = len(req.failed)
+        if len(req.failed_versions) != n:
+            raise E.InvalidParams(f"{n} failed demotions with {len(req.failed_versions)} versions")
+        if n + len(req.keys) > self.cfg.max_batch_keys:
+            raise E.InvalidParams(
+                f"{n + len(req.keys)} keys in one request; the limit is {self.cfg.max_batch_keys}"
+            )
+        why = bad_key(req.failed)
+        if why is not None:
+            raise E.InvalidKey(why)
+        ld = self.leader
+        revoke = ld.demote_failed(req.node_id, req.failed, req.failed_versions, time.monotonic())
+        self.counters["demote_failed"] = ld.demote_failed_total
+        return revoke
 
     async def _promote_end(self, node: RaftNode, req: P.PromoteEndReq) -> P.CodesResp:
         n = len(req.keys)

@@ -54,6 +54,7 @@ from .master.policy import (
     plan_remove_prefix,
     plan_upsert,
 )
+from .master.segments import DISK, MOUNTED
 from .types import MAX_BATCH_KEYS, ObjectReplica, PromoteTask, ReplicaDesc
 
 if TYPE_CHECKING:
@@ -162,6 +163,12 @@ class Leader:
         self._promotions: dict[int, tuple[float, list[tuple[str, int, int, int]]]] = {}
         self.promoted_total = 0
         self._disk_full_until = float("-inf")
+        # per-disk backoff after failed demotions its node reported (DemoteEndReq.failed):
+        # disk segment id -> (no new demotion placed there until, failures in a row). Not
+        # a full disk: eviction goes on treating the disk as having room (no object that
+        # is in memory only is evicted for it), only demotion waits
+        self._disk_backoff: dict[int, tuple[float, int]] = {}
+        self.demote_failed_total = 0  # demotions their node reported failed (revoked)
         self.removing_all = 0  # RemoveAll proposals in flight: no new leases at all
         self.suspects: list[str] = []
         self.verdict = Verdict()
@@ -219,6 +226,7 @@ class Leader:
         self.put_ages = PutAges()  # every put in flight gets a full timeout from now
         self.demote_ages = PutAges()
         self._starts.clear()
+        self._disk_backoff.clear()
         self._hits.clear()
         self._promotions.clear()  # an earlier leader's: their reservations lapse (Release)
         self.removing_all = 0
@@ -594,6 +602,9 @@ class Leader:
         sm, cfg = self.sm, self.cfg
         if not self._disk_room(now):
             return None
+        avoid = self._backing_off(now)
+        if avoid is None:
+            return None  # every disk backs off: the objects wait in memory
         dw = self._demote_level()
         u = sm.usage()
         objs = sm.objects
@@ -640,9 +651,55 @@ class Leader:
             ks.append(k)
             vs.append(v)
             got += sm.medium_bytes(objs[k], "memory")
-        ds = C.DemoteStart(ks, vs, now=wall, allow_soft=ahead.allow_soft)
+        ds = C.DemoteStart(ks, vs, now=wall, allow_soft=ahead.allow_soft, avoid=avoid)
         starts[id(ds)] = (ds, now, got)
         return ds
+
+    def _backing_off(self, now: float) -> list[int] | None:
+        """The ids of mounted disk segments in their backoff (their next DemoteStart's
+        ``avoid``); None when every one is."""
+        back = self._disk_backoff
+        if not back:
+            return []
+        disks = [s.id for s in self.sm.segs.values() if s.medium == DISK and s.state == MOUNTED]
+        out = [sid for sid in disks if back.get(sid, (0.0, 0))[0] > now]
+        return None if disks and len(out) == len(disks) else out
+
+    def demote_failed(
+        self, node_id: str, keys: list[str], versions: list[int], now: float
+    ) -> C.DemoteRevoke | None:
+        """Node ``node_id`` could not write the disk copies of ``keys`` (ENOSPC, EIO: its
+        ``DemoteEndReq.failed``): the DemoteRevoke of those whose PROCESSING disk copy at
+        that version is on its disk -- any other name is not its to give up -- so that
+        their memory copies stay the only ones and a later batch tries again; and that disk
+        backs off: no DemoteStart places on it for ``4 x ticker_s`` doubling per failure
+        in a row, at most ``demote_timeout_s`` (what a silent failure waited before)."""
+        sm, cfg = self.sm, self.cfg
+        ks, vs, disks = [], [], set()
+        for k, v in zip(keys, versions):
+            sids = sm.demoting_disk(k, v, node_id)
+            if sids is None or k in ks:
+                continue
+            ks.append(k)
+            vs.append(v)
+            disks.update(sids)
+        if not ks:
+            return None
+        self.demote_failed_total += len(ks)
+        back = self._disk_backoff
+        for sid in disks:
+            n = back.get(sid, (0.0, 0))[1] + 1
+            delay = min(4 * cfg.ticker_s * 2 ** min(n - 1, 30), cfg.demote_timeout_s)
+            back[sid] = (now + delay, n)
+        return C.DemoteRevoke(ks, vs)
+
+    def disk_recovered(self, node_id: str) -> None:
+        """A DemoteEnd of ``node_id`` made disk copies COMPLETE: its disks back off no more."""
+        back = self._disk_backoff
+        if back:
+            for s in self.sm.segs.values():
+                if s.node_id == node_id:
+                    back.pop(s.id, None)
 
     def _demote_level(self) -> float:
         """The memory level demotion starts at: 0 with write-through (every object), else
@@ -801,8 +858,10 @@ class Leader:
         if got is not None and got[0] is cmd:
             del self._starts[id(cmd)]
         self.demote_ages.stale(self.sm.demoting(), now, NEVER)  # their timeout runs from now
-        if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes:
-            # the disk is full (or too fragmented) for some: evict until a turn later
+        if result is not None and int(Code.NO_AVAILABLE_HANDLE) in result.codes and not cmd.avoid:
+            # the disk is full (or too fragmented) for some: evict until a turn later (not
+            # when disks backing off were avoided: their room is not gone, and objects in
+            # memory only must not be evicted for a backoff)
             self._disk_full_until = now + 2 * self.cfg.ticker_s
 
     def drop_demoted(self, keys: list[str], now: float) -> C.DropReplica | None:

@@ -82,6 +82,11 @@ class _StateCollector:
             "objects evicted by this replica as leader",
             value=svc.counters.get("evicted", 0),
         )
+        yield c(
+            "kvmesh_store_demote_failed",
+            "demotions their node reported failed (revoked, retried after the disk's backoff)",
+            value=svc.counters.get("demote_failed", 0),
+        )
         yield c("kvmesh_store_read_hits", "keys found by GetReplicas", value=svc.hits)
         yield c("kvmesh_store_read_misses", "keys not found by GetReplicas", value=svc.misses)
 

@@ -275,7 +275,8 @@ class StorageNode:
         memory copy into our disk segment (straight from our memory segment when the copy
         is there, else through a staging buffer), fdatasync, then ``DemoteEnd`` with the
         crc32c of the bytes. Only that entry makes the disk copy COMPLETE; a batch that
-        fails is left to the master's demotion timeout.
+        fails is reported failed (:meth:`_demote_failed`) with the rest, and the copying
+        stops until the next poll.
 
         A pipeline: a batch's end is sent from another thread while the next batch copies
         (one end in flight), and the reply to each end names the demotions the master has
@@ -324,10 +325,14 @@ class StorageNode:
             tasks = tasks[i:]
             try:
                 crcs = self._demote_batch(eng, batch, total)
-            except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
+            except Exception as e:  # noqa: BLE001 - reported: the master revokes them
                 log.warning(
                     "store node %s: demotion of %d objects failed: %r", self.node_id, len(batch), e
                 )
+                # this batch and the ones not tried yet (the disk failed: they would too)
+                self._demote_failed(batch + tasks)
+                tasks = []
+                stalled = True
                 continue
             copied = {(t.key, t.version) for t in batch}
             if ending is not None:
@@ -343,6 +348,21 @@ class StorageNode:
         if ending is not None:  # stopping: the last end still counts
             answered(ending, ending_keys)
         return done
+
+    def _demote_failed(self, tasks: list[Any]) -> None:
+        """Tell the master that demotions ``tasks`` failed (``DemoteEndReq.failed``): it
+        revokes them at once -- their memory copies stay the only ones -- and backs off
+        from our disk before it places demotions there again. Unsent (the master does not
+        answer): its demotion timeout revokes them as well."""
+        try:
+            self.master.mutate(
+                lambda rid, s: P.DemoteEndReq(
+                    rid, s, self.node_id, [], [], [], 0,
+                    [t.key for t in tasks], [t.version for t in tasks],
+                )
+            )  # fmt: skip
+        except E.StoreError as e:
+            log.warning("store node %s: reporting failed demotions: %s", self.node_id, e)
 
     def _promote(self, tasks: list[Any]) -> int:
         """Promotion on hit (docs/store.md, "Disk tier"): read each disk-only object's disk

@@ -280,7 +280,9 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     """Storage node ``node_id`` wrote and fdatasync-ed the disk copies of ``keys`` (the
     tasks' versions) whose bytes have crc32c ``crcs``. :class:`CodesResp`; with ``work`` a
     :class:`DemoteTasksResp` (per-key codes) naming up to that many demotions the node is to
-    do next, the batch this end let the leader start among them."""
+    do next, the batch this end let the leader start among them. ``failed`` (at
+    ``failed_versions``): demotions the node could not write (ENOSPC, EIO): the master
+    revokes them (their memory copies stay) and backs off from that disk."""
 
     rid: int
     session: Session
@@ -289,6 +291,8 @@ class DemoteEndReq(msgspec.Struct, tag="demote_end", array_like=True, frozen=Tru
     versions: list[int]
     crcs: list[int]
     work: int = 0
+    failed: list[str] = []
+    failed_versions: list[int] = []
 
 
 class PromoteEndReq(msgspec.Struct, tag="promote_end", array_like=True, frozen=True):

@@ -403,9 +403,9 @@ def _punch(path, size: int) -> None:
 def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
     """The disk file on a small filesystem (a tmpfs of the node's own mount namespace) whose
     space runs out after the node started: every demotion write fails with ENOSPC. The node
-    says so and ends nothing; the master revokes the demotions; no disk copy is ever listed,
-    every object stays in memory and reads byte-exact. Once space is back, demotion
-    resumes and the disk copies hold exactly their objects' bytes."""
+    says so and reports them failed, ending nothing; the master revokes the demotions; no
+    disk copy is ever listed, every object stays in memory and reads byte-exact. Once space
+    is back, demotion resumes and the disk copies hold exactly their objects' bytes."""
     mnt = tmp_path / "mnt"
     pre = _small_fs(mnt, f"size={DISK + (1 << 20)}")
     (port,) = free_ports(1)
@@ -432,7 +432,7 @@ def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
         while fails < 2:  # the node tries, fails and says why; the master revokes the
             # batch after its timeout and hands it out again, which fails the same way
             assert time.monotonic() < end, "the node reported no failed demotion"
-            ended = c.status()["requests"].get("DemoteEndReq", 0)
+            ended = c.status()["requests"].get("demote_ended", 0)
             assert ended == 0, "a demotion was ended while every disk write fails"
             try:
                 line = _line(n, "WARNING:kvmesh.store.node", timeout=0.5)
@@ -444,7 +444,8 @@ def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
         # The master's state is polled by status only: a lookup leases the keys, and leased
         # objects are not demoted.
         st = c.status()
-        assert st["requests"].get("DemoteEndReq", 0) == 0  # the node ended nothing
+        assert st["requests"].get("demote_ended", 0) == 0  # the node ended nothing
+        assert st["requests"].get("demote_failed", 0) > 0  # it reported the failures
         assert st["requests"].get("demoted", 0) == 0  # no memory copy was freed
         assert st["media"]["memory"]["used"] >= len(keys) * SIZE
         cs = _copies(c, keys)  # a COMPLETE disk copy would still be listed
@@ -452,8 +453,8 @@ def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
         got = c.get(keys)
         assert [g == _value(_idx(k)) for k, g in zip(keys, got)] == [True] * len(keys)
         assert got.media == ["memory"] * len(keys)
-        os.unlink(filler)  # space again: the next demotions succeed
-        _until(lambda: c.status()["requests"].get("DemoteEndReq", 0) > 0)
+        os.unlink(filler)  # space again: the next demotions succeed (after the backoff)
+        _until(lambda: c.status()["requests"].get("demote_ended", 0) > 0)
         cs = _copies(c, keys)
         done = {k: cp for k, v in cs.items() for cp in v if _on_disk(cp)}
         assert done
@@ -461,6 +462,75 @@ def test_a_full_disk_fails_demotion_cleanly_keeps_memory_and_recovers(tmp_path):
             assert _file_bytes(path, cp) == _value(_idx(k)), k
         got = c.get(keys)
         assert [g == _value(_idx(k)) for k, g in zip(keys, got)] == [True] * len(keys)
+    finally:
+        if c is not None:
+            c.close()
+        _stop(procs)
+
+
+def test_failed_demotions_are_reported_revoked_and_backed_off_never_evicting_memory(tmp_path):
+    """Every demotion write fails with ENOSPC (the filesystem under the disk file is full,
+    the disk segment itself has room). The node reports the failures (``DemoteEndReq
+    .failed``); the master counts them (``demote_failed``), revokes them at once -- the
+    disk bytes are free long before the demotion timeout -- and backs off from the disk
+    before it tries again. Meanwhile memory goes over its eviction watermark: the objects
+    in memory only are not evicted for it (the disk has room, it is only backing off), and
+    every acknowledged put reads byte-exact. With space back, demotion resumes and memory
+    is freed by dropping the memory copies now on disk."""
+    mnt = tmp_path / "mnt"
+    pre = _small_fs(mnt, f"size={DISK + (1 << 20)}")
+    (port,) = free_ports(1)
+    addr = f"127.0.0.1:{port}"
+    procs = [_master(tmp_path, addr, "--demote-timeout-s", "20")]
+    c = None
+    try:
+        n = subprocess.Popen(
+            [*pre, sys.executable, "-m", "kvmesh.cli", "node", "--master", addr, "--size",
+             str(MEM), "--heartbeat-s", "0.05", *_disk_args(mnt / "tier.seg")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
+        )  # fmt: skip
+        procs.append(n)
+        _line(n, "READY node")
+        root = f"/proc/{n.pid}/root{mnt}"
+        path = f"{root}/tier.seg"
+        _punch(path, DISK)
+        filler = _fill_fs(root)
+        c = StoreClient(addr, timeout=10, segment_size=0)
+
+        def st() -> dict:
+            s = c.status()  # (status only until the reads: a lookup leases the keys)
+            return {**s["requests"], "disk_used": s["media"]["disk"]["used"]}
+
+        keys = [f"obj-{i}" for i in range(24)]  # 1.5 MiB of 2: past 0.4, under 0.9
+        for lo in range(0, len(keys), 8):
+            _put(c, keys[lo : lo + 8])
+        # reported and revoked: the PROCESSING disk copies freed well within the 20 s
+        # demotion timeout (the revoke came from the report), then tried again
+        _until(lambda: (s := st()).get("demote_failed", 0) > 0 and s["disk_used"] == 0,
+               timeout=10, step=0.01, msg="a failed demotion revoked at once")  # fmt: skip
+        _until(lambda: st().get("demote_failed", 0) > len(keys), msg="tried again")
+        # memory over its 90 % watermark while the disk backs off: 30 of 32 slots
+        more = [f"obj-{i}" for i in range(24, 30)]
+        _put(c, more)
+        keys += more
+        seen = st()["demote_failed"]
+        _until(lambda: st()["demote_failed"] > seen, msg="tried again over the watermark")
+        s = st()
+        assert s.get("evicted", 0) == 0, "an object in memory only was evicted for a backoff"
+        assert s.get("demote_ended", 0) == 0 and s.get("demoted", 0) == 0
+        got = c.get(keys)
+        assert [g == _value(_idx(k)) for k, g in zip(keys, got)] == [True] * len(keys)
+        assert got.media == ["memory"] * len(keys)
+        assert [k for k, v in _copies(c, keys).items() if any(_on_disk(cp) for cp in v)] == []
+        os.unlink(filler)  # space again: demotion resumes, then memory copies on disk go
+        _until(lambda: st().get("demoted", 0) > 0, timeout=60, msg="demotion resumed")
+        assert st().get("evicted", 0) == 0
+        got = c.get(keys)
+        assert [g == _value(_idx(k)) for k, g in zip(keys, got)] == [True] * len(keys)
+        done = {k: cp for k, v in _copies(c, keys).items() for cp in v if _on_disk(cp)}
+        assert done
+        for k, cp in done.items():
+            assert _file_bytes(path, cp) == _value(_idx(k)), k
     finally:
         if c is not None:
             c.close()

@@ -80,6 +80,7 @@ from kvmesh.store.errors import Code  # noqa: E402
 from kvmesh.store.leader import Leader, LeaderConfig  # noqa: E402
 from kvmesh.store.master import invariants  # noqa: E402
 from kvmesh.store.master.commands import (  # noqa: E402
+    Codes,
     DemoteEnd,
     DemoteRevoke,
     DemoteStart,
@@ -91,6 +92,7 @@ from kvmesh.store.master.commands import (  # noqa: E402
 from kvmesh.store.master.objects import TIER_DEMOTING, TIER_DISK, TIER_NONE  # noqa: E402
 
 NE = int(Code.NOT_EVICTABLE)
+NH = int(Code.NO_AVAILABLE_HANDLE)
 
 
 def _checked(a: _SM, cmd):
@@ -338,6 +340,74 @@ def test_leader_revokes_a_demotion_its_node_never_ends() -> None:
     assert [type(c) for c, _ in steps] == [DemoteRevoke, DemoteStart]
     assert sorted(steps[0][0].keys) == sorted(step[0].keys)
     assert steps[0][1].codes == [0] * len(step[0].keys)
+
+
+def test_a_reported_failed_demotion_is_revoked_and_its_disk_backs_off() -> None:
+    """A node's DemoteEndReq.failed (its disk failed the writes: ENOSPC, EIO): the leader
+    revokes only that node's own demotions in flight at their version, counts them, and
+    places no demotion on that disk until its backoff passes (doubling per failure in a
+    row, capped at demote_timeout_s; a COMPLETE end clears it). Another node's disk is used
+    meanwhile; with no usable disk the objects wait in memory: the tick evicts no object
+    in memory only for a backoff, even above the memory watermark."""
+    a = _pool(mem=64 * 1024, disk=1 << 20, nodes=2)
+    keys = [f"k{i:02d}" for i in range(120)]  # 120 KiB of 128: above the 90 % watermark
+    _put(a, keys)
+    ld = _leader(a, ticker_s=0.25, demote_timeout_s=5.0, demote_batch_bytes=1024)
+    ds = ld.demote_next(1.0, 1.0)
+    assert ds is not None and ds.avoid == []
+    ld.demote_started(ds, _checked(a, ds), 1.0)
+    mine = a.sm.demote_tasks("n0", 1000)
+    theirs = a.sm.demote_tasks("n1", 1000)
+    assert mine and theirs
+    # n1 names n0's demotions, wrong versions, absent keys: none of it is revoked
+    assert ld.demote_failed("n1", [t.key for t in mine], [t.version for t in mine], 1.1) is None
+    bogus = ld.demote_failed("n0", [mine[0].key, "nope"], [mine[0].version + 1, 1], 1.1)
+    assert bogus is None and ld.demote_failed_total == 0
+    rv = ld.demote_failed(
+        "n0", [t.key for t in mine + theirs], [t.version for t in mine + theirs], 1.1
+    )
+    assert type(rv) is DemoteRevoke and sorted(rv.keys) == sorted(t.key for t in mine)
+    assert _checked(a, rv).codes == [0] * len(mine) and ld.demote_failed_total == len(mine)
+    assert all(a.sm.tier_of(t.key) == TIER_NONE for t in mine)
+    assert all(a.sm.tier_of(t.key) == TIER_DEMOTING for t in theirs)
+    # n0's disk backs off 4 x ticker_s: the next batch avoids it, placed on n1's disk
+    d0 = a.sm.by_name["m0.disk"]
+    ds = ld.demote_next(1.2, 1.2)
+    assert ds is not None and ds.avoid == [d0]
+    ld.demote_started(ds, _checked(a, ds), 1.2)
+    assert not set(ds.keys) & {t.key for t in a.sm.demote_tasks("n0", 1000)}
+    assert ld._disk_room(1.2)  # a backoff is no full disk (eviction keeps memory-only objects)
+    # (nor is NoSpace from the other disks while one was avoided)
+    full = ld._disk_full_until
+    ld.demote_started(DemoteStart(["x"], [1], avoid=[d0]), Codes([NH]), 1.2)
+    assert ld._disk_full_until == full and ld._disk_room(1.2)
+    # both disks back off: no batch; the tick evicts nothing in memory only
+    theirs = a.sm.demote_tasks("n1", 1000)
+    assert ld.demote_failed("n1", [t.key for t in theirs], [t.version for t in theirs], 1.3)
+    _checked(a, DemoteRevoke([t.key for t in theirs], [t.version for t in theirs]))
+    assert ld.demote_next(1.4, 1.4) is None
+    assert a.sm.usage().used > 0.9 * a.sm.usage().capacity
+    steps = _run_tick(a, ld, 1.4)
+    assert Evict not in [type(c) for c, _ in steps], steps
+    assert all(a.sm.exists([k]) == [True] for k in keys)
+    # n0's backoff (1.1 + 1.0) is over first; a second failure in a row doubles it
+    ds = ld.demote_next(2.2, 2.2)
+    assert ds is not None and ds.avoid == [a.sm.by_name["m1.disk"]]
+    ld.demote_started(ds, _checked(a, ds), 2.2)
+    mine = a.sm.demote_tasks("n0", 1000)
+    assert mine
+    rv = ld.demote_failed("n0", [t.key for t in mine], [t.version for t in mine], 2.3)
+    _checked(a, rv)
+    assert ld._backing_off(4.2) == [d0] and ld._backing_off(4.4) == []
+    # an end of n0's that makes a disk copy COMPLETE clears its backoff
+    ds = ld.demote_next(4.4, 4.4)
+    assert ds is not None
+    ld.demote_started(ds, _checked(a, ds), 4.4)
+    t0 = a.sm.demote_tasks("n0", 1)[0]
+    ld._disk_backoff[d0] = (9.0, 3)
+    assert _checked(a, DemoteEnd("n0", [t0.key], [t0.version], [1])).codes == [0]
+    ld.disk_recovered("n0")
+    assert d0 not in ld._disk_backoff
 
 
 def test_leader_evicts_disk_only_objects_above_the_disk_watermark() -> None:

@@ -284,12 +284,15 @@ class DemoteStart(msgspec.Struct, tag="demote_start", **_S):
     """The disk tier (``tiers.py``): give each COMPLETE memory object ``keys[i]`` at
     ``versions[i]`` a PROCESSING disk copy (preferably on the node of its memory copy), for
     that node to fill. Refused per key (``NotEvictable``) as ``Evict`` refuses, and when
-    the object already has a disk copy; ``NoSpace`` when no disk segment has room."""
+    the object already has a disk copy; ``NoSpace`` when no disk segment has room.
+    ``avoid``: ids of disk segments to place nothing on (their node reported failed
+    demotions: the leader's per-disk backoff)."""
 
     keys: list[str]
     versions: list[int]
     now: float = 0.0
     allow_soft: bool = False
+    avoid: list[int] = []
 
 
 class DemoteEnd(msgspec.Struct, tag="demote_end", **_S):

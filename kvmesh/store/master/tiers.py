@@ -164,6 +164,20 @@ class Tiers:
             )
         return out
 
+    def demoting_disk(self, key: str, version: int, node_id: str) -> list[int] | None:
+        """The segment ids of ``key``'s PROCESSING disk copy at ``version`` when every slice
+        of it is on ``node_id``'s segments -- a demotion that node may report failed --
+        else None."""
+        o = self.objects.get(key)
+        if o is None or o.version != version or o.tier != TIER_DEMOTING:
+            return None
+        copies, _ = self._copies(o)
+        sids = [sid for sid, _ in copies[-1]]
+        segs = self.segs
+        if any(segs[s].node_id != node_id for s in sids):
+            return None
+        return sids
+
     def _replica(self, copy: list[tuple[int, int]], lens: list[int]) -> ObjectReplica:
         segs = self.segs
         return ObjectReplica(
@@ -196,7 +210,7 @@ class Tiers:
                 codes.append(int(Code.NOT_EVICTABLE))
                 continue
             copies, lens = self._copies(o)
-            disk = self._place_disk(lens, self.segs[copies[0][0][0]].node_id)
+            disk = self._place_disk(lens, self.segs[copies[0][0][0]].node_id, c.avoid)
             if disk is None:
                 codes.append(int(Code.NO_AVAILABLE_HANDLE))
                 continue
@@ -204,11 +218,19 @@ class Tiers:
             codes.append(0)
         return Codes(codes)
 
-    def _place_disk(self, lens: list[int], node: str) -> list[tuple[int, int]] | None:
-        """One disk copy of slices ``lens``: each slice on a mounted disk segment, ``node``'s
-        first, then the most free (deterministic: segment order breaks ties)."""
+    def _place_disk(
+        self, lens: list[int], node: str, avoid: list[int] | None = None
+    ) -> list[tuple[int, int]] | None:
+        """One disk copy of slices ``lens``: each slice on a mounted disk segment (none of
+        ``avoid``), ``node``'s first, then the most free (deterministic: segment order
+        breaks ties)."""
         a = self.config.align
-        disks = [s for s in self.segs.values() if s.medium == DISK and s.state == MOUNTED]
+        skip = set(avoid or ())
+        disks = [
+            s
+            for s in self.segs.values()
+            if s.medium == DISK and s.state == MOUNTED and s.id not in skip
+        ]
         done: list[tuple[Segment, int, int]] = []
         for ln in lens:
             need = (ln + a - 1) & -a
