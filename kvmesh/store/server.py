@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import types
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -281,27 +280,41 @@ def _start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task | None:
         first = coro.send(None)
     except StopIteration:
         return None
-    return asyncio.get_running_loop().create_task(_resume(coro, first))  # type: ignore[arg-type]
+    return asyncio.get_running_loop().create_task(_finish(_Suspended(coro, first)))
 
 
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
-    """Go on with ``coro``, suspended at ``yielded`` (what its first ``send`` returned), as
-    ``await`` would have: the task waits on what it yields, sends the results in and throws
-    cancellation in."""
-    while True:
-        try:
-            got = yield yielded
-        except BaseException as e:  # noqa: BLE001 - cancellation: the handler's to handle
+async def _finish(rest: _Suspended) -> None:
+    await rest
+
+
+class _Suspended:
+    """A coroutine suspended at ``yielded`` (what its first ``send`` returned), awaitable:
+    awaiting it goes on with the coroutine as ``await`` would have -- the task waits on what
+    it yields, sends the results in and throws exceptions and cancellation in. (An
+    awaitable, not a generator handed to ``create_task``: asyncio takes only coroutines
+    from Python 3.12 on.)"""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], yielded: Any) -> None:
+        self.coro = coro
+        self.yielded = yielded
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, yielded = self.coro, self.yielded
+        while True:
             try:
-                yielded = coro.throw(e)
-            except StopIteration:
-                return
-        else:
-            try:
-                yielded = coro.send(got)
-            except StopIteration:
-                return
+                got = yield yielded
+            except BaseException as e:  # noqa: BLE001 - cancellation: the handler's to handle
+                try:
+                    yielded = coro.throw(e)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    yielded = coro.send(got)
+                except StopIteration:
+                    return
 
 
 _WRITE_HIGH = 1 << 20  # unread reply bytes above which a connection stops and waits
