@@ -63,13 +63,27 @@ class EchoMachine:
         # Leader.before_apply while this replica leads (the grace's exceptions are judged on
         # what was PROCESSING once every earlier term's entry applied)
         self.before_apply: Callable[[int], None] | None = None
+        self._expected: tuple[bytes, Any] | None = None  # see expect()
+
+    def expect(self, body: bytes, cmd: Any) -> None:
+        """The proposing leader's command ``cmd`` is about to be proposed with ``body`` (its
+        ``encode_command``): the apply of the entry whose body equals it takes ``cmd``
+        instead of decoding the body again (~18 us of a 256-key PutCommit's apply, measured
+        in the live master). Compared by value, so an entry applied in another order, a
+        retry or another leader's entry decodes as before; a follower never expects."""
+        self._expected = (body, cmd)
 
     def apply(self, index: int, data: bytes) -> Any:
         before = self.before_apply
         if before is not None:
             before(index)
         env = _echo_dec.decode(data)
-        res = self.inner.apply(index, env.body)
+        exp = self._expected
+        if exp is not None and exp[0] == env.body:
+            self._expected = None
+            res = self.inner.apply_command(index, exp[1])
+        else:
+            res = self.inner.apply(index, env.body)
         if env.release_at and self.on_hold is not None:
             self.on_hold(index, env.release_at, env.proposer)
         return EchoResult(env.codes, res)

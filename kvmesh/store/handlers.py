@@ -458,10 +458,10 @@ class Handlers:
         )
         pending = len(tk) if self.cfg.max_objects else 0
         self._objects_pending += pending
+        body = C.encode_command(cmd)
+        self._machine.expect(body, cmd)  # its apply here takes cmd, not body decoded again
         try:
-            res = await self._propose_echo(
-                node, req.session, Echoed(C.encode_command(cmd), planned)
-            )
+            res = await self._propose_echo(node, req.session, Echoed(body, planned))
         finally:
             self._objects_pending -= pending
         r = res.result

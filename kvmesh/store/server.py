@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine, Generator
 from typing import Any
 
 import msgspec
@@ -139,7 +140,14 @@ class Server:
                             watched.resume()
                     else:
                         await slots.acquire()
-                    t = asyncio.get_running_loop().create_task(self._handle(req, out, peer))
+                    coro = self._handle(req, out, peer)
+                    if type(req) in LEASE_READS:  # a big read: a task, never this read loop
+                        t = asyncio.get_running_loop().create_task(coro)
+                    else:
+                        t = _start_eagerly(coro)
+                        if t is None:  # answered without suspending (a memory log's commit)
+                            slots.release()
+                            continue
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
                     t.add_done_callback(lambda _t: slots.release())
@@ -259,6 +267,54 @@ class Server:
             rt = type(resp)
             outcome = "redirect" if rt is P.Redirect else "error" if rt is P.ErrorResp else "ok"
             self.metrics.observe(type(req).__name__, outcome, P.request_key_count(req), started)
+
+
+def _start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task | None:
+    """Run a request's handler ``coro`` in the read loop's task up to its first suspension:
+    None when it ended without one (a mutation on a memory log commits, applies and is
+    answered inside its proposal call), else a task that goes on from that suspension. The
+    request then skips the task hop (a task, a turn of the event loop and the read loop's
+    return to its socket before the handler starts: ~20-30 us of a put's commit, measured
+    with stage timers) while one that waits (an fsync, a quorum) is a task as before."""
+    try:
+        first = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.get_running_loop().create_task(_finish(_Suspended(coro, first)))
+
+
+async def _finish(rest: _Suspended) -> None:
+    await rest
+
+
+class _Suspended:
+    """A coroutine suspended at ``yielded`` (what its first ``send`` returned), awaitable:
+    awaiting it goes on with the coroutine as ``await`` would have -- the task waits on what
+    it yields, sends the results in and throws exceptions and cancellation in. (An
+    awaitable, not a generator handed to ``create_task``: asyncio takes only coroutines
+    from Python 3.12 on.)"""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], yielded: Any) -> None:
+        self.coro = coro
+        self.yielded = yielded
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, yielded = self.coro, self.yielded
+        while True:
+            try:
+                got = yield yielded
+            except BaseException as e:  # noqa: BLE001 - cancellation: the handler's to handle
+                try:
+                    yielded = coro.throw(e)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    yielded = coro.send(got)
+                except StopIteration:
+                    return
 
 
 _WRITE_HIGH = 1 << 20  # unread reply bytes above which a connection stops and waits

@@ -16,6 +16,7 @@ from kvmesh.store import StoreClient
 from kvmesh.store import errors as E
 from kvmesh.store import protocol as P
 from kvmesh.store.cluster import StoreCluster
+from kvmesh.store.envelope import Echoed, EchoMachine, encode_envelope
 from kvmesh.store.master import commands as C
 from kvmesh.store.master import invariants
 from kvmesh.store.master.objects import SLICE
@@ -133,6 +134,51 @@ def test_reservation_survives_a_snapshot_and_goes_with_its_segment() -> None:
     assert not sm.reserved and sm.usage().reserved_bytes == 0
     assert not invariants.check(sm)
     assert _commit(sm, 7, ["q"], [100], tag, sid, [off + 256]).codes == [BAD]
+
+
+class _Counting(StoreStateMachine):
+    """Counts the entries it had to decode (``apply``; the expected one skips it)."""
+
+    decoded = 0
+
+    def apply(self, index, data):
+        self.decoded += 1
+        return super().apply(index, data)
+
+
+def _echoed(cmd) -> tuple[bytes, bytes]:
+    body = C.encode_command(cmd)
+    return body, encode_envelope(Echoed(body, [0] * len(cmd.keys)))
+
+
+def test_the_leaders_own_commit_applies_without_a_decode_and_as_a_follower_applies_it() -> None:
+    """The proposing leader's apply takes the command it built (EchoMachine.expect) only
+    for the entry whose body is that command's bytes; the result and the state are the
+    follower's, which decodes the same entry."""
+    leader_sm, tag, sid, off = _sm()
+    follower_sm = _Counting()
+    follower_sm.restore(leader_sm.snapshot())
+    leader_sm.__class__ = _Counting  # counting from here on
+    leader, follower = EchoMachine(leader_sm), EchoMachine(follower_sm)
+    keys = [f"k{i}" for i in range(8)]
+    mine = C.PutCommit(keys, [1000] * 8, tag, sid, [off + 1024 * i for i in range(8)], CFG, 2.0)
+    other = C.PutCommit(["x"], [1000], tag, sid, [off + 8192], CFG, 2.0, reserve=4096)
+    body, entry = _echoed(mine)
+    leader.expect(body, mine)
+    # another entry applied first (another proposal's, or a retry): decoded, not `mine`
+    _, entry2 = _echoed(other)
+    for m in (leader, follower):
+        assert m.apply(4, entry2).result.codes == [0]
+    assert leader_sm.decoded == 1 and leader_sm.state_of("x") == 2 and leader_sm.state_of("k0") == 0
+    r_leader, r_follower = leader.apply(5, entry), follower.apply(5, entry)
+    assert leader_sm.decoded == 1  # its own command: no decode
+    assert follower_sm.decoded == 2
+    assert r_leader == r_follower and r_leader.result.codes == [0] * 8
+    assert leader_sm.digest() == follower_sm.digest()
+    assert not invariants.check(leader_sm)
+    # any other entry decodes
+    assert leader.apply(6, _echoed(C.Remove(keys))[1]).result.codes == [0] * 8
+    assert leader_sm.decoded == 2
 
 
 # ---------------------------------------------------------------------------- live master

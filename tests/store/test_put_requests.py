@@ -130,24 +130,37 @@ class _Sized:
         self.size = size
 
 
-def test_one_buffer_vouches_only_for_ranges_inside_the_registration():
+def test_one_region_vouches_only_for_ranges_inside_the_registration():
+    """The columns a put from one buffer (and a get into one) take without a check per key:
+    every range inside the registration, every offset and size an int (a put's sizes
+    positive); anything else is left to the per-key loop, which names the refused key."""
     region = _Sized(1000)
 
-    def where(buffer, length):
-        if buffer == "unregistered":
-            raise E.NotRegistered("no")
-        return region, 100  # the buffer starts 100 bytes into its registration
+    class _Client:
+        @staticmethod
+        def _region_of(buffer, length):
+            if buffer == "unregistered":
+                raise E.NotRegistered("no")
+            return region, 100  # the buffer starts 100 bytes into its registration
 
-    one = C.StoreClient._one_buffer
-    got = one(where, "buf", [0, 400, 890], [10, 20, 10])  # columns, no tuple per key
+    def one(buffer, offs, sizes, batch=True):
+        n = len(offs) if batch else 1
+        return C.StoreClient._one_region(_Client(), buffer, offs, sizes, n, batch)
+
+    got = one("buf", [0, 400, 890], [10, 20, 10])  # columns, no tuple per key
     assert [got.at(i) for i in range(3)] == [(region, 100), (region, 500), (region, 990)]
     assert got.caps.tolist() == [10, 20, 10]
-    # each of these leaves the batch to the per-key loop, which names the refused key
-    assert one(where, "buf", [0, 891], [10, 10]) is None  # ends 1 byte past the registration
-    assert one(where, "buf", [0, -1], [10, 10]) is None
-    assert one(where, "buf", [0, 10], [10, 0]) is None
-    assert one(where, "buf", [0, 10], [10, None]) is None
-    assert one(where, "buf", [0, 10], [10, True]) is None
-    assert one(where, "buf", [0, 1.0], [10, 10]) is None
-    assert one(where, "unregistered", [0], [10]) is None
-    assert one(where, "buf", [], []) is None
+    got = one("buf", 890, 10, batch=False)  # one key: the same checks on ints
+    assert got.at(0) == (region, 990) and list(got.caps) == [10]
+    assert one("buf", 891, 10, batch=False) is None
+    assert one("buf", 0, True, batch=False) is None
+    assert one("buf", [0, 891], [10, 10]) is None  # ends 1 byte past the registration
+    assert one("buf", [0, -1], [10, 10]) is None
+    assert one("buf", [0, 10], [10, 0]) is None
+    assert one("buf", [0, 10], [10, -5]) is None
+    assert one("buf", [0, 10], [10, None]) is None
+    assert one("buf", [0, 10], [10, True]) is None
+    assert one("buf", [0, 1.0], [10, 10]) is None
+    assert one("buf", [0, 10], [10, "10"]) is None
+    assert one("buf", [0, 10], [10]) is None  # a size short
+    assert one("unregistered", [0], [10]) is None

@@ -34,6 +34,7 @@ def _index(v: Any, what: str) -> int:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+_BOOLS = (bool, np.bool_)
 
 
 def int_array(values: Any) -> np.ndarray | None:
@@ -46,12 +47,31 @@ def int_array(values: Any) -> np.ndarray | None:
         return None
     k = a.dtype.kind
     if k == "i":
+        if type(values) in (list, tuple) and _has_bool(values, a):
+            return None
         return a.astype(np.int64, copy=False)
     if k == "u" and (not a.size or int(a.max()) <= _INT64_MAX):
         return a.astype(np.int64)
     if k == "f" and not a.size:  # np.asarray([]) is float64
         return a.astype(np.int64)
     return None
+
+
+def _has_bool(values: list | tuple, a: np.ndarray) -> bool:
+    """Whether the (nested) sequence ``values``, which numpy made the int array ``a``, holds a
+    bool: ``np.asarray([10, True])`` is int64, so a bool among ints would pass for 1. Only
+    the elements that are 0 or 1 can be one: those are looked at, not every element (a
+    type per element was the cost of a batch's checks that columns avoid)."""
+    low = a <= 1  # (a few more than 0 and 1: cheaper to find, and harmless to look at)
+    if a.ndim == 1:
+        return any(isinstance(values[i], _BOOLS) for i in np.flatnonzero(low).tolist())
+    for ix in np.argwhere(low).tolist():
+        v: Any = values
+        for i in ix:
+            v = v[i]
+        if isinstance(v, _BOOLS):
+            return True
+    return False
 
 
 def listify(keys: Any) -> tuple[list[Any], bool]:

@@ -3,7 +3,6 @@ or list of pieces lies (region, offset), checked against the registration."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -253,23 +252,46 @@ class Buffers:
             ln.sum(axis=1),
         )
 
-    @staticmethod
-    def _one_buffer(where: Any, buffer: Any, offs: list[Any], szs: list[Any]) -> Places | None:
-        """The :class:`Places` (columns, no tuple per key) of a put from one buffer when
-        every size and offset is an int and every range lies inside the buffer's
-        registration (checked for the batch at once); None: some key is refused, its error
-        found by the per-key loop."""
-        if not offs or set(map(type, szs)) != {int} or set(map(type, offs)) != {int}:
-            return None
-        if min(szs) <= 0 or min(offs) < 0:
+    def _one_region(
+        self, buffer: Any, offsets: Any, sizes: Any, n: int, batch: bool
+    ) -> Places | None:
+        """The batch's places when every key's range (``offsets``; capacity ``sizes``, default:
+        to the end of the registration) lies in one registered buffer, worked out with numpy
+        (a get's destinations, a put's sources); None sends the call down the per-key path
+        (which reports each bad key, or raises for a malformed call)."""
+        if not batch and type(offsets) is int and (sizes is None or type(sizes) is int):
+            # One key (a single get): the same checks on Python ints.
+            try:
+                region, base = self._region_of(buffer, 1)
+            except E.StoreError:
+                return None
+            at = base + offsets
+            cap = region.size - at if sizes is None else sizes
+            if offsets < 0 or cap <= 0 or at + cap > region.size:
+                return None
+            return Places(region, [at], [cap])
+        offs = int_array(offsets if batch else [offsets])
+        caps = None if sizes is None else int_array(sizes if batch else [sizes])
+        if offs is None or (caps is None and sizes is not None):
+            return None  # not all ints: the per-key path says which
+        if offs.ndim == 0:
+            offs = np.full(n, int(offs), np.int64)
+        if caps is not None and caps.ndim == 0:
+            caps = np.full(n, int(caps), np.int64)
+        if offs.shape != (n,) or (caps is not None and caps.shape != (n,)):
             return None
         try:
-            region, base = where(buffer, 1)
+            region, base = self._region_of(buffer, 1)
         except E.StoreError:
             return None
-        if base + max(map(operator.add, offs, szs)) > region.size:
+        at = offs + base
+        if caps is None:
+            caps = region.size - at
+        if n and (
+            int(offs.min()) < 0 or int(caps.min()) <= 0 or int((at + caps).max()) > region.size
+        ):
             return None
-        return Places(region, np.asarray(offs, np.int64) + base, np.asarray(szs, np.int64))
+        return Places(region, at, caps)
 
     def _pieces(self, buffers: list[Any], sizes: list[int], where: Any) -> list[tuple]:
         """``[(region, offset, length)]`` of one object's buffers (registered objects at

@@ -17,7 +17,7 @@ from ..types import (
     bad_parts,
     keys_valid,
 )
-from .args import int_array, listify, per_key
+from .args import listify, per_key
 from .buffers import Pieces, Places, split_pieces
 from .replies import (
     MAX_KEYS_PER_RPC,
@@ -561,46 +561,6 @@ class Reads:
         places = self._region_columns(regions, reg, offsets, sizes, len(ks))
         caps = places.caps if isinstance(places, Places) else places.totals
         return self._get_regions(ks, places, caps)
-
-    def _one_region(
-        self, buffer: Any, offsets: Any, sizes: Any, n: int, batch: bool
-    ) -> Places | None:
-        """The batch's destinations when every key reads into one registered buffer at valid
-        offsets, worked out with numpy; None sends the call down the per-key path (which
-        reports each bad key, or raises for a malformed call)."""
-        if not batch and type(offsets) is int and (sizes is None or type(sizes) is int):
-            # One key (a single get): the same checks on Python ints.
-            try:
-                region, base = self._region_of(buffer, 1)
-            except E.StoreError:
-                return None
-            at = base + offsets
-            cap = region.size - at if sizes is None else sizes
-            if offsets < 0 or cap <= 0 or at + cap > region.size:
-                return None
-            return Places(region, [at], [cap])
-        offs = int_array(offsets if batch else [offsets])
-        caps = None if sizes is None else int_array(sizes if batch else [sizes])
-        if offs is None or (caps is None and sizes is not None):
-            return None  # not all ints: the per-key path says which
-        if offs.ndim == 0:
-            offs = np.full(n, int(offs), np.int64)
-        if caps is not None and caps.ndim == 0:
-            caps = np.full(n, int(caps), np.int64)
-        if offs.shape != (n,) or (caps is not None and caps.shape != (n,)):
-            return None
-        try:
-            region, base = self._region_of(buffer, 1)
-        except E.StoreError:
-            return None
-        at = offs + base
-        if caps is None:
-            caps = region.size - at
-        if n and (
-            int(offs.min()) < 0 or int(caps.min()) <= 0 or int((at + caps).max()) > region.size
-        ):
-            return None
-        return Places(region, at, caps)
 
     def get(self, keys: Any, *, into: Callable[[memoryview], Any] | None = None) -> Any:
         """Objects as ``bytes`` (one copy out of a staging buffer). ``into``: each object

@@ -398,10 +398,15 @@ class Writes:
     def _put_api(self, keys, buffer, offsets, sizes, upsert, config) -> Any:
         ks, batch = listify(keys)
         n = len(ks)
-        if batch and isinstance(buffer, list) and sizes is not None:
-            places = self._raw_places(buffer, offsets, sizes, n)  # raw addresses, at once
+        if sizes is not None and n:
+            if batch and isinstance(buffer, list):  # raw addresses, resolved at once
+                places = self._raw_places(buffer, offsets, sizes, n)
+            else:  # every key's range inside the one buffer: checked as columns
+                places = self._one_region(buffer, offsets, sizes, n, batch)
             if places is not None:
-                return self._put_regions(ks, places, places.caps.tolist(), upsert, config)
+                caps = places.caps
+                szs = caps.tolist() if type(caps) is np.ndarray else list(caps)
+                return finish(self._put_regions(ks, places, szs, upsert, config), batch)
         offs = per_key(offsets, n, "offsets", batch)
         szs = per_key(sizes, n, "sizes", batch)
         bufl = buffer if (batch and isinstance(buffer, list)) else [buffer] * n
@@ -409,9 +414,6 @@ class Writes:
             raise E.InvalidParams(f"{n} keys but {len(bufl)} buffers")
         bufs: list[Any] = []
         where = self._resolver()
-        one = None if buffer is bufl else self._one_buffer(where, buffer, offs, szs)
-        if one is not None:  # every key's range inside the one buffer: no check per key
-            bufs, n = one, 0  # type: ignore[assignment]
         for i in range(n):
             try:
                 sz = szs[i]

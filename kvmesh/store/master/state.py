@@ -34,6 +34,7 @@ from ..types import MAX_BATCH_KEYS
 from .commands import (
     Adopt,
     Codes,
+    Command,
     DemoteEnd,
     DemoteRevoke,
     DemoteStart,
@@ -138,6 +139,12 @@ class StoreStateMachine(Tiers, Writes, Removes, Placement, Segments, Queries, Sn
             cmd = decode_command(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return Codes([int(Code.INVALID_PARAMS)])
+        return self.apply_command(index, cmd)
+
+    def apply_command(self, index: int, cmd: Command) -> Result:
+        """:meth:`apply` of the command its bytes decode to (the proposing leader's own
+        object, :meth:`~kvmesh.store.envelope.EchoMachine.expect`)."""
+        self.applied = index
         self.applied_keys += len(getattr(cmd, "keys", ()))
         return getattr(self, _HANDLERS[type(cmd)])(index, cmd)
 
