@@ -203,7 +203,7 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
         load = Load(cluster, seed=22)
         load.start()
         try:
-            await asyncio.sleep(1.5)
+            await _until_acked(load, 200)  # a leader serves the load
             victim = await find_leader(cluster)
             term_before = (await statuses(cluster))[victim]["term"]
             cluster.pause(victim)  # SIGSTOP for 3 election timeouts
@@ -216,7 +216,8 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
             assert load.acked > acked, "the majority did not continue without the paused leader"
             await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
             cluster.resume(victim)
-            await asyncio.sleep(1.5)
+            # Under load while the old leader wakes up among its replacements.
+            await _until_acked(load, load.acked + 200)
         finally:
             await load.finish()
         final = await load.final_reads()
@@ -275,8 +276,7 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
             c.start_all()
             load = Load(c, seed=44, read_ratio=0.0)
             load.start()
-            await asyncio.sleep(1.5)
-            await _until_acked(load, 20)
+            await _until_acked(load, 200)
             for i in c.ids:
                 c.kill(i)
             await load.finish()
