@@ -27,6 +27,7 @@ ARGS = [
     "--trailing-logs",
     "50",
 ]  # snapshots + compaction during the test
+PHASE_WRITES = 1000  # acknowledged writes between kills (a snapshot threshold and more)
 
 
 class Load:
@@ -172,15 +173,17 @@ def test_kill_leader_under_load_no_acknowledged_write_lost(cluster):
         kills = 0
         try:
             for _ in range(3):
-                await asyncio.sleep(2.0)
+                # Progress, not fixed sleeps: past a snapshot's worth of writes (threshold 400)
+                # before each kill; after it, until the two others acknowledge writes.
+                await _until_acked(load, load.acked + PHASE_WRITES)
                 victim = await find_leader(cluster)
                 before = load.acked
                 cluster.kill(victim)  # SIGKILL: no flush, no goodbye
                 kills += 1
-                await asyncio.sleep(1.5)
+                await _until_acked(load, load.acked + 50)
                 cluster.start(victim)  # recovers from its own disk (snapshot + WAL)
                 assert load.acked >= before
-            await asyncio.sleep(1.0)
+            await _until_acked(load, load.acked + PHASE_WRITES // 2)
         finally:
             await load.finish()
         final = await load.final_reads()
@@ -200,7 +203,7 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
         load = Load(cluster, seed=22)
         load.start()
         try:
-            await asyncio.sleep(1.5)
+            await _until_acked(load, 200)  # a leader serves the load
             victim = await find_leader(cluster)
             term_before = (await statuses(cluster))[victim]["term"]
             cluster.pause(victim)  # SIGSTOP for 3 election timeouts
@@ -213,7 +216,8 @@ def test_paused_leader_is_replaced_and_steps_down(cluster):
             assert load.acked > acked, "the majority did not continue without the paused leader"
             await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
             cluster.resume(victim)
-            await asyncio.sleep(1.5)
+            # Under load while the old leader wakes up among its replacements.
+            await _until_acked(load, load.acked + 200)
         finally:
             await load.finish()
         final = await load.final_reads()
@@ -241,8 +245,7 @@ def test_full_cluster_kill_and_restart_from_disk(cluster):
         cluster.start_all()
         load = Load(cluster, seed=33)
         load.start()
-        await asyncio.sleep(2.5)
-        await _until_acked(load, 50)
+        await _until_acked(load, PHASE_WRITES)  # past a snapshot: restart from snapshot + WAL
         for i in cluster.ids:
             cluster.kill(i)  # all at once, under load
         await asyncio.sleep(0.3)
@@ -273,8 +276,7 @@ def test_memory_durability_full_cluster_kill_loses_writes_and_checker_sees_it(tm
             c.start_all()
             load = Load(c, seed=44, read_ratio=0.0)
             load.start()
-            await asyncio.sleep(1.5)
-            await _until_acked(load, 20)
+            await _until_acked(load, 200)
             for i in c.ids:
                 c.kill(i)
             await load.finish()

@@ -13,6 +13,7 @@ import os
 import msgspec
 import pytest
 
+from kvmesh.replog.sim.__main__ import iter_results
 from kvmesh.replog.sim.cluster import SimConfig, SimResult, Simulator, run_seed
 from kvmesh.replog.sim.nemesis import FAULTS
 from kvmesh.replog.types import RaftConfig, ReadOnlyOption
@@ -28,9 +29,23 @@ def _explain(r) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def ci_results(request) -> dict[int, SimResult]:
+    """The run of every selected ``test_seed`` seed, spread over the machine's cores (the
+    command line's pool): each run is deterministic wherever it runs, and the suite itself
+    is serial, so the other cores would sit idle through the seeds' CPU-bound minute."""
+    seeds = [
+        it.callspec.params["seed"]
+        for it in request.session.items
+        if it.module is request.module and it.originalname == "test_seed"
+    ]
+    jobs = min(len(seeds), os.cpu_count() or 1, 4)
+    return {r.seed: r for r in iter_results([(s, "ci", {}) for s in seeds], jobs)}
+
+
 @pytest.mark.parametrize("seed", CI_SEEDS)
-def test_seed(seed: int) -> None:
-    r = run_seed(seed, "ci")
+def test_seed(seed: int, ci_results) -> None:
+    r = ci_results[seed]
     assert r.ok, _explain(r)
     assert r.ops_ok > 0 and r.lin_outcome == "ok"
 

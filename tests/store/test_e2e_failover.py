@@ -66,19 +66,23 @@ def test_leader_killed_under_load_loses_no_acknowledged_put(tmp_path):
         threads = [threading.Thread(target=write_loop), threading.Thread(target=read_loop)]
         for t in threads:
             t.start()
+
+        def until_acked(n: int, since: float) -> None:  # progress, not a fixed sleep
+            while len(acked) < n and time.monotonic() - since < 30:
+                time.sleep(0.05)
+
         try:
-            time.sleep(1.5)
+            until_acked(400, time.monotonic())  # the load runs, reads included
             before = len(acked)
             lead = _leader(cl, reader)
             cl.kill(lead)
             t_kill = time.monotonic()
-            while len(acked) < before + 200 and time.monotonic() - t_kill < 30:
-                time.sleep(0.05)
+            until_acked(before + 200, t_kill)
             assert len(acked) >= before + 200, "writes did not resume after the leader was killed"
             new_lead = _leader(cl, reader)
             assert new_lead != lead
             cl.start(lead)  # the old leader comes back as a follower
-            time.sleep(1.0)
+            until_acked(len(acked) + 200, time.monotonic())  # and the load goes on
         finally:
             stop.set()
             for t in threads:

@@ -186,7 +186,9 @@ def _flood(seconds: float, tmp_path) -> None:
 
 
 def test_flooded_leader_expires_no_node(tmp_path):
-    _flood(15.0, tmp_path)
+    # Twice TTL + stage: a heartbeat the flood held back that long would have expired the
+    # node (the minute-long run is the slow variant below).
+    _flood(2 * (TTL + STAGE) + 2.0, tmp_path)
 
 
 @pytest.mark.slow

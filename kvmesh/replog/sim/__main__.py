@@ -15,8 +15,20 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Iterator
 
+from .cluster import SimResult
 from .cluster import run_seed_args as _run
+
+
+def iter_results(work: list[tuple[int, str, dict]], jobs: int) -> Iterator[SimResult]:
+    """``run_seed_args`` of each of ``work``, over ``jobs`` processes (in their order of
+    completion); in this process when there is one job or one seed."""
+    if len(work) == 1 or jobs <= 1:
+        yield from map(_run, work)
+        return
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        yield from pool.imap_unordered(_run, work, chunksize=4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,11 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [a.seed] if a.seed is not None else list(range(a.start, a.start + a.seeds))
     t0 = time.perf_counter()
     work = [(s, a.profile, overrides) for s in seeds]
-    if len(seeds) == 1 or a.jobs <= 1:
-        results = map(_run, work)
-    else:
-        pool = mp.get_context("spawn").Pool(a.jobs)
-        results = pool.imap_unordered(_run, work, chunksize=4)
+    results = iter_results(work, a.jobs)
     failed = []
     n = acked = ops = 0
     for r in results:
