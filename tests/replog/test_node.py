@@ -701,3 +701,60 @@ def test_snapshots_and_compaction_never_fsync_or_unlink_on_the_loop(tmp_path, mo
         assert not on_loop, on_loop
 
     run(main())
+
+
+def test_a_long_replay_lets_the_loop_run_between_readies(tmp_path, monkeypatch):
+    """Readies that need no I/O (a restart's replay, a follower catching up) used to run
+    back to back in one loop step: a 10 M-object replay held the loop for 6.3 s, no timer,
+    request or heartbeat ran (issue 21). The Ready loop now gives the loop a turn once it
+    has run for ``_READY_TURN_S`` (0 here, so every Ready): a task that only counts loop
+    turns sees the replay half done."""
+    from kvmesh.replog import node as nodemod
+
+    # Small Readies (a few entries each) so the replay is many of them.
+    raft = RaftConfig(
+        election_tick=10, max_election_tick=20, heartbeat_tick=1, max_committed_size_per_ready=600
+    )
+    n_entries = 120
+
+    async def main() -> tuple[int, list[int]]:
+        c = Cluster(tmp_path, n=1, durability="disk", raft=raft, snapshot_threshold=100_000)
+        await c.start_all()
+        leader = await c.leader()
+        for i in range(n_entries):
+            await leader.propose(encode_command(KvPut(f"k{i}", b"v" * 100)))
+        last = leader.applied_index
+        await c.stop(1)
+        monkeypatch.setattr(nodemod, "_READY_TURN_S", 0.0)
+        seen: list[int] = []
+        box: dict[str, RaftNode] = {}
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                n = box.get("node")
+                if n is not None:
+                    seen.append(n.applied_index)
+                await asyncio.sleep(0)
+
+        w = asyncio.ensure_future(watch())
+        orig = RaftNode.start
+
+        async def start(self):  # the watcher gets the node before its replay begins
+            box["node"] = self
+            await orig(self)
+
+        monkeypatch.setattr(RaftNode, "start", start)
+        node = await c.start(1)
+        end = asyncio.get_running_loop().time() + 20
+        while node.applied_index < last:
+            assert asyncio.get_running_loop().time() < end, node.status()
+            await asyncio.sleep(0.01)
+        done.set()
+        await w
+        await c.stop_all()
+        return last, seen
+
+    last, seen = asyncio.run(asyncio.wait_for(main(), 60))
+    mid = [a for a in seen if 0 < a < last - 10]
+    assert len(set(mid)) >= 3, (last, sorted(set(seen)))

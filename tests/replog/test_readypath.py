@@ -82,6 +82,27 @@ def test_committed_entries_apply_while_the_fsync_runs() -> None:
     ], trace
 
 
+def test_apply_slices_are_bounded_by_bytes_too() -> None:
+    """Slices end at ``apply_slice`` entries or once ``apply_bytes`` of entry data were
+    applied (the entry reaching the bound is the slice's last): a store entry can name
+    thousands of keys, and 1,000 of them applied without a yield held a 10 M-object
+    replay's loop for seconds (issue 21). Without a byte bound, entries alone decide."""
+    ents = [Entry(2, i, data=b"x" * z) for i, z in zip(range(1, 8), (10, 50, 45, 1, 200, 5, 5))]
+
+    def slices(**kw: int) -> list:
+        trace: list = []
+        path = ReadyPath(_Core(trace), _Storage(trace), _Host(trace), **kw)  # type: ignore[arg-type]
+        for eff in path.run(Ready(committed_entries=ents, must_sync=False)):
+            trace.append(eff)
+        assert path.applied == 7
+        return [t[1] for t in trace if type(t) is tuple]
+
+    assert slices(apply_slice=3, apply_bytes=100) == [[1, 2, 3], [4, 5], [6, 7]]
+    assert slices(apply_slice=2, apply_bytes=100) == [[1, 2], [3, 4], [5], [6, 7]]
+    assert slices(apply_slice=3) == [[1, 2, 3], [4, 5, 6], [7]]
+    assert slices(apply_slice=1000, apply_bytes=1) == [[i] for i in range(1, 8)]
+
+
 def test_no_fsync_no_sync_effects() -> None:
     rd = Ready(committed_entries=[Entry(2, 9)], send_after_persist=["ack"], must_sync=False)
     assert _effects(rd) == ["write", ("apply", [9]), "send-after", "advance"]
