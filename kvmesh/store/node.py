@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -236,12 +237,13 @@ class StorageNode:
         # with a disk, heartbeats also fetch demotions: at least every DEMOTE_POLL_S
         period = min(self.heartbeat_s, DEMOTE_POLL_S) if self.disk is not None else self.heartbeat_s
         busy_until = 0.0
+        soon = False  # the master is proposing a batch (DemoteTasksResp.soon)
         while again or not self._stop.wait(
-            DEMOTE_BUSY_POLL_S if time.monotonic() < busy_until else period
+            DEMOTE_BUSY_POLL_S if soon or time.monotonic() < busy_until else period
         ):
             if again:
                 busy_until = time.monotonic() + DEMOTE_BUSY_S
-            again = False
+            again = soon = False
             if self._stop.is_set():
                 return
             try:
@@ -251,6 +253,7 @@ class StorageNode:
                     timeout=self.heartbeat_s * 2,
                 )
                 self.heartbeats += 1
+                soon = type(resp) is P.DemoteTasksResp and resp.soon and not resp.tasks
                 if type(resp) is P.DemoteTasksResp and resp.promote and resp.codes == [0]:
                     self._promote(resp.promote)
                 if type(resp) is P.DemoteTasksResp and resp.tasks and resp.codes == [0]:
@@ -277,11 +280,13 @@ class StorageNode:
         crc32c of the bytes. Only that entry makes the disk copy COMPLETE; a batch that
         fails is left to the master's demotion timeout.
 
-        A pipeline: a batch's end is sent from another thread while the next batch copies
-        (one end in flight), and the reply to each end names the demotions the master has
-        for us now -- the next batch among them, started as the end applied -- so the work
-        goes on without waiting for a poll, until none is left or an end made no progress.
-        Returns the demotions accepted."""
+        A pipeline: once a batch's bytes are written, its fdatasync, crc and end run on
+        another thread (:meth:`_end`, one end in flight) while this one writes the next
+        batch, and the reply to each end names the demotions the master has for us now --
+        the next batch among them, started as the end applied -- so the work goes on
+        without waiting for a poll, until none is left or an end made no progress (the
+        master keeps two batches per node in flight when memory has room for them, so the
+        next batch is usually known before this one ends). Returns the demotions accepted."""
         eng = self.engine
         done = 0
         ending: Future[Any] | None = None  # the end in flight
@@ -323,7 +328,7 @@ class StorageNode:
                 i += 1
             tasks = tasks[i:]
             try:
-                crcs = self._demote_batch(eng, batch, total)
+                sums = self._demote_batch(eng, batch, total)
             except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
                 log.warning(
                     "store node %s: demotion of %d objects failed: %r", self.node_id, len(batch), e
@@ -333,13 +338,7 @@ class StorageNode:
             if ending is not None:
                 answered(ending, copied)
             ending_keys = copied
-            ending = self._ender().submit(
-                self.master.mutate,
-                lambda rid, s, b=batch, c=crcs: P.DemoteEndReq(
-                    rid, s, self.node_id, [t.key for t in b], [t.version for t in b], c,
-                    DEMOTE_BATCH,
-                ),
-            )  # fmt: skip
+            ending = self._ender().submit(self._end, eng, batch, sums)
         if ending is not None:  # stopping: the last end still counts
             answered(ending, ending_keys)
         return done
@@ -401,12 +400,36 @@ class StorageNode:
         self.promoted += done
         return done
 
+    def _end(self, eng: TransferEngine, batch: list[Any], sums: Callable[[], list[int]]) -> Any:
+        """A written batch's end (the end thread of :meth:`_demote`): fdatasync of the disk,
+        the crc32c of the bytes (``sums``), then ``DemoteEnd``: the master makes the disk
+        copies COMPLETE only from it, so only durable bytes with their crc are ever
+        COMPLETE. A failure here (the sync's ``EIO``) leaves the batch to the master's
+        demotion timeout."""
+        eng.sync_segment(eng.open_segment(eng.address, self.disk_segment))
+        crcs = sums()
+        return self.master.mutate(
+            lambda rid, s: P.DemoteEndReq(
+                rid,
+                s,
+                self.node_id,
+                [t.key for t in batch],
+                [t.version for t in batch],
+                crcs,
+                DEMOTE_BATCH,
+            )
+        )
+
     def _ender(self) -> ThreadPoolExecutor:
         if self._end_pool is None:
             self._end_pool = ThreadPoolExecutor(1, thread_name_prefix="store-node-end")
         return self._end_pool
 
-    def _demote_batch(self, eng: TransferEngine, batch: list[Any], total: int) -> list[int]:
+    def _demote_batch(
+        self, eng: TransferEngine, batch: list[Any], total: int
+    ) -> Callable[[], list[int]]:
+        """Write ``batch`` into our disk (not yet synced); returns what computes the crcs
+        of the bytes written (:meth:`_end` calls it after the sync)."""
         region = self.region
         if region is not None and all(
             len(t.src.slices) == 1
@@ -439,15 +462,18 @@ class StorageNode:
                 rs = eng.open_segment(ep, name)
                 lo, ro, ln = (list(x) for x in zip(*reqs))
                 eng.transfer(op, stage, lo, rs, ro, ln)
-        eng.sync_segment(eng.open_segment(eng.address, self.disk_segment))
-        sums = checksums(stage.array(), starts, [t.size for t in batch])
-        return [int(x) for x in sums.tolist()]
+        # now, not at the end: the next batch reuses the staging buffer
+        sums = checksums(stage.array(), starts, [t.size for t in batch]).tolist()
+        return lambda: sums
 
-    def _demote_direct(self, eng: TransferEngine, region: Any, batch: list[Any]) -> list[int]:
+    def _demote_direct(
+        self, eng: TransferEngine, region: Any, batch: list[Any]
+    ) -> Callable[[], list[int]]:
         """Copies whose memory copy is one range of our own segment: written from it
         straight into the disk (the engine bounces what O_DIRECT cannot take), no staging
-        memcpy. The crc is of the source after the write: bytes that changed meanwhile
-        belong to an object freed under us, whose DemoteEnd the master refuses."""
+        memcpy. The crc is of the source after the write (on the end thread, while the
+        next batch is written): bytes that changed meanwhile belong to an object freed
+        under us, whose DemoteEnd the master refuses (by version or absence)."""
         lo: list[int] = []
         ro: list[int] = []
         ln: list[int] = []
@@ -462,10 +488,8 @@ class StorageNode:
                 pos += d.length
         disk = eng.open_segment(eng.address, self.disk_segment)
         eng.transfer(Op.WRITE, region, lo, disk, ro, ln)
-        eng.sync_segment(disk)
-        sums = checksums(region.array(), [t.src.slices[0].offset for t in batch],
-                         [t.size for t in batch])  # fmt: skip
-        return [int(x) for x in sums.tolist()]
+        offs, sizes = [t.src.slices[0].offset for t in batch], [t.size for t in batch]
+        return lambda: checksums(region.array(), offs, sizes).tolist()
 
     def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
         """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
