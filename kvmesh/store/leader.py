@@ -637,9 +637,11 @@ class Leader:
                     cfg.demote_inflight_bytes - pending, max(int(room), 1))  # fmt: skip
         # (the keys of proposed batches are still candidates to it: skipped below)
         need = batch + sm.reclaimable_bytes() + proposed
+        # (leased objects too: copying them is harmless, only freeing waits for the lease)
         ahead = choose_victims(
-            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory"
-        )
+            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory",
+            copy=True,
+        )  # fmt: skip
         _, rest = self._split(ahead.keys, ahead.versions)
         if rest is None:
             return None

@@ -217,7 +217,9 @@ def test_leader_demotes_instead_of_evicting_then_frees_memory_after_demote_end()
     vs = dict(zip(keys, _put(a, keys)))
     ld = _leader(a, demote_batch_bytes=1)  # evict_ratio batches: the pipeline's stop seen
     ld.touch(keys[30:])  # the first 30 are the oldest
-    ld.leases.grant(["k00"], 1.0, 5.0)  # a leased object is never chosen
+    # a leased object is copied like the others (a lease forbids freeing, not reading), its
+    # memory kept while the lease lasts
+    ld.leases.grant(["k00"], 1.0, 5.0)
     started: list[str] = []
     t = 1.0
     while True:  # batches until the ones in flight bring memory under 85 % (the pipeline)
@@ -230,20 +232,22 @@ def test_leader_demotes_instead_of_evicting_then_frees_memory_after_demote_end()
         for c, _ in steps:
             assert not set(c.keys) & set(started)
             started += c.keys
-    assert started and "k00" not in started and set(started) <= set(keys[:30])
+    assert started and "k00" in started and set(started) <= set(keys[:30])
     # 5 % batches (4 objects) until memory minus the demotions in flight is under 85 %
     assert (60 - len(started)) * 1024 < 0.85 * 64 * 1024 <= (64 - len(started)) * 1024
     tasks = a.sm.demote_tasks("n0", 100)
     assert sorted(t.key for t in tasks) == sorted(started)
     a(DemoteEnd("n0", [t.key for t in tasks], [t.version for t in tasks], [0] * len(tasks)))
-    # memory is over its 90 % watermark: the oldest, now on disk, lose their memory copy
+    # memory is over its 90 % watermark: the oldest, now on disk, lose their memory copy --
+    # but the leased one, and neither does eviction take it while its lease lasts
     drop = ld.drop_demoted(started, t)
-    assert type(drop) is DropReplica and set(drop.keys) == set(started)
+    assert type(drop) is DropReplica and set(drop.keys) == set(started) - {"k00"}
     res = a(drop)
     ld.evicted(drop, res)
-    assert res.codes == [0] * len(started) and ld.demoted_total == len(started)
+    assert res.codes == [0] * len(drop.keys) and ld.demoted_total == len(drop.keys)
     assert all(a.sm.exists([k]) == [True] for k in keys)
-    assert a.sm.usage().used == (60 - len(started)) * 1024
+    assert a.sm.usage().used == (60 - len(started) + 1) * 1024
+    assert all("k00" not in c.keys for c in ld.evictions(t, t, need=64 * 1024))
     assert {k: vs[k] for k in started} == {k: a.sm.version_of(k) for k in started}
     # below the watermark an ended demotion keeps its memory copy (both tiers serve it)
     assert ld.drop_demoted(started, t) is None
@@ -381,9 +385,10 @@ def test_the_simulator_with_a_disk_tier_holds_its_invariants() -> None:
 
 
 def test_planted_memory_freed_before_the_disk_copy_is_complete_is_caught(monkeypatch) -> None:
-    # (the first 12 seeds, two batches a decision: caught in all but 2, 5, 8 and 9 by the
-    # invariant; 0, 1, 4 and 11 by the demotion-source check without it)
-    caught = [run_seed(seed, plant="early_free", **SIM) for seed in (0, 1, 4)]
+    # (the first 16 seeds, two batches a decision and leased objects demoted: caught in all
+    # but 2, 3, 8 and 15 by the invariant; 0, 1, 5, 6, 7 and 9 by the demotion-source check
+    # without it)
+    caught = [run_seed(seed, plant="early_free", **SIM) for seed in (0, 1, 9)]
     assert all(not r.ok and "freed too early" in r.violation for r in caught), caught
     # without the state invariant the behaviour shows it too: the memory a node is copying
     # from is freed under it
@@ -393,7 +398,7 @@ def test_planted_memory_freed_before_the_disk_copy_is_complete_is_caught(monkeyp
     monkeypatch.setattr(
         checks, "check_state", lambda sm: [e for e in orig(sm) if "freed too early" not in e]
     )
-    caught = [run_seed(seed, plant="early_free", **SIM) for seed in (0, 1, 4)]
+    caught = [run_seed(seed, plant="early_free", **SIM) for seed in (0, 1, 9)]
     assert all(not r.ok and "demotion source" in r.violation for r in caught), caught
 
 

@@ -60,13 +60,18 @@ def choose_victims(
     max_keys: int = 65536,
     objects: int = 0,
     medium: str | None = None,
+    copy: bool = False,
 ) -> EvictPlan:
     """Choose victims to free ``max(evict_ratio * capacity, need)`` bytes when usage is at or
     above ``high_watermark`` (or ``need > 0``); an empty plan otherwise or when nothing is
     evictable. Keys the access table does not know (objects that appeared since the table
     was reset) count as the oldest. ``objects``: also at least this many victims.
     ``medium``: the watermark and the bytes of that medium only, victims the objects whose
-    copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier)."""
+    copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier).
+    ``copy``: the victims are to be copied, not freed (demotion's DemoteStart): leased
+    objects may be chosen too -- a lease forbids freeing a reader's bytes, not reading
+    them; their memory is freed later only once no lease holds it (``Leader.drop_demoted``,
+    and this function's own choice of what to free)."""
     usage = sm.usage() if medium is None else sm.usage(medium)
     if usage.capacity <= 0 and objects <= 0:
         return EvictPlan([], [], False, 0)
@@ -88,7 +93,7 @@ def choose_victims(
         if info is None:  # gone, or not COMPLETE
             continue
         version, nbytes, pin, pin_until = info
-        if leases.leased(key, now) or leases.blocked(key):
+        if leases.blocked(key) or (not copy and leases.leased(key, now)):
             leased += 1
             continue
         if pin == 2:
