@@ -118,3 +118,37 @@ def test_each_batch_is_synced_before_its_end_and_the_next_is_written_meanwhile(
         assert got == want
     finally:
         node.engine.close()
+
+
+def test_a_reply_saying_soon_makes_the_node_ask_again_at_once(monkeypatch) -> None:
+    """``DemoteTasksResp.soon`` (the master is proposing a batch a heartbeat set off): the
+    node's next poll comes DEMOTE_BUSY_POLL_S later, not a poll period later; without it,
+    a period. The waits the loop asks for are recorded, no clock is read."""
+    import kvmesh.store.node as node_mod
+
+    replies = [
+        P.DemoteTasksResp(1, [0], [], [], True),
+        P.DemoteTasksResp(1, [0], [], [], False),
+        P.DemoteTasksResp(1, [0], [], [], False),
+    ]
+
+    class M:
+        node_id = role = name = "n0"
+
+        def call(self, make: Any, *, timeout: float | None = None) -> Any:
+            assert type(make(1)) is P.HeartbeatReq and make(1).work > 0
+            return replies.pop(0)
+
+    node = StorageNode(M(), 1 << 20, engine=object(), node_id="n0", heartbeat_s=2.0)  # type: ignore[arg-type]
+    node.disk = object()  # type: ignore[assignment]  # a disk: heartbeats ask for work
+    waits: list[float] = []
+
+    def wait(t: float) -> bool:
+        waits.append(t)
+        return not replies  # stop once every reply was taken
+
+    monkeypatch.setattr(node._stop, "wait", wait)
+    monkeypatch.setattr(node._stop, "is_set", lambda: False)
+    node._beat_loop()
+    period = node_mod.DEMOTE_POLL_S
+    assert waits == [period, node_mod.DEMOTE_BUSY_POLL_S, period, period]
