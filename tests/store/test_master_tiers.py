@@ -695,3 +695,33 @@ def test_write_through_gives_every_object_a_disk_copy_and_keeps_its_memory() -> 
     _put(a, ["new"])
     ((ds, _),) = ld.demote_asked(1.3, 1.3)
     assert ds.keys == ["new"]
+
+
+def test_demotion_and_eviction_walks_skip_disk_only_objects_in_one_pass(monkeypatch) -> None:
+    """The oldest objects are disk-only once demotion kept up: the victim walk leaves them
+    out in one vectorised pass (``no_memory_to_free``), not one ``evict_info`` each, so a
+    decision costs the memory's objects, not the disk's (counted calls, no clock)."""
+    a = _pool(mem=64 * 1024, disk=4 << 20)
+    for lo in range(0, 2000, 50):  # 2,000 disk-only objects, the oldest
+        ks = [f"d{i}" for i in range(lo, lo + 50)]
+        vs = _put(a, ks)
+        a(DemoteStart(ks, vs))
+        a(DemoteEnd("n0", ks, vs, [0] * len(ks)))
+        a(DropReplica(ks, vs))
+    mem = [f"m{i:02d}" for i in range(60)]
+    _put(a, mem)
+    ld = _leader(a, evict_ratio=0.25)
+    calls = 0
+    real = a.sm.evict_info
+
+    def counted(key, medium=None):
+        nonlocal calls
+        calls += 1
+        return real(key, medium)
+
+    monkeypatch.setattr(a.sm, "evict_info", counted)
+    ds = ld.demote_next(1.0, 1.0)
+    assert ds is not None and set(ds.keys) <= set(mem)
+    cmds = ld.evictions(1.0, 1.0, need=8 * 1024)
+    assert cmds and all(set(c.keys) <= set(mem) for c in cmds)
+    assert calls <= 2 * len(mem), f"{calls} evict_info calls for {len(mem)} objects in memory"

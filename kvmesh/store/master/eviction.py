@@ -22,7 +22,7 @@ triggers on either the byte watermark or the object count.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -86,7 +86,8 @@ def choose_victims(
     soft: list[tuple[str, int, int]] = []
     got = 0
     leased = pinned = 0
-    for key in _candidates(sm, stats):
+    skip = sm.no_memory_to_free() if medium == "memory" and sm.has_disk() else None
+    for key in _candidates(sm, stats, skip):
         if (got >= target and len(keys) >= objects) or len(keys) >= max_keys:
             break
         info = sm.evict_info(key) if medium is None else sm.evict_info(key, medium)
@@ -117,9 +118,9 @@ def choose_victims(
     return EvictPlan(keys, versions, allow_soft, got, leased, pinned)
 
 
-def _candidates(sm: StoreStateMachine, stats: AccessStats | AccessStamps):
+def _candidates(sm: StoreStateMachine, stats: AccessStats | AccessStamps, skip: Any = None):
     if len(stats) < sm.object_count():
         for k in sm.keys():  # noqa: SIM118 (a method, not a dict)
             if k not in stats:
                 yield k
-    yield from stats.oldest()
+    yield from stats.oldest(skip)
