@@ -115,6 +115,7 @@ class StorageNode:
         self.adopted = (0, 0)  # the last re-adoption: (copies kept, copies dropped)
         self._stage: MemoryRegion | None = None
         self._end_pool: ThreadPoolExecutor | None = None  # sends DemoteEnds (node.py _demote)
+        self._sum_pool: ThreadPoolExecutor | None = None  # crcs while a batch is written
 
     def start(self) -> StorageNode:
         if self.disk_path is not None:
@@ -471,9 +472,10 @@ class StorageNode:
     ) -> Callable[[], list[int]]:
         """Copies whose memory copy is one range of our own segment: written from it
         straight into the disk (the engine bounces what O_DIRECT cannot take), no staging
-        memcpy. The crc is of the source after the write (on the end thread, while the
-        next batch is written): bytes that changed meanwhile belong to an object freed
-        under us, whose DemoteEnd the master refuses (by version or absence)."""
+        memcpy. The crc is of the source, computed on another thread while the bytes are
+        written (the source is a COMPLETE object's memory, unchanged until the object is
+        freed): bytes that changed meanwhile belong to an object freed under us, whose
+        DemoteEnd the master refuses (by version or absence). :meth:`_end` waits for it."""
         lo: list[int] = []
         ro: list[int] = []
         ln: list[int] = []
@@ -487,9 +489,12 @@ class StorageNode:
                 ln.append(d.length)
                 pos += d.length
         disk = eng.open_segment(eng.address, self.disk_segment)
-        eng.transfer(Op.WRITE, region, lo, disk, ro, ln)
         offs, sizes = [t.src.slices[0].offset for t in batch], [t.size for t in batch]
-        return lambda: checksums(region.array(), offs, sizes).tolist()
+        if self._sum_pool is None:
+            self._sum_pool = ThreadPoolExecutor(1, thread_name_prefix="store-node-crc")
+        sums = self._sum_pool.submit(lambda: checksums(region.array(), offs, sizes).tolist())
+        eng.transfer(Op.WRITE, region, lo, disk, ro, ln)
+        return sums.result
 
     def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
         """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
@@ -523,9 +528,10 @@ class StorageNode:
 
     def _close_disk(self) -> None:
         """Unregister the disk segment (its files stay: a restart on the path finds them)."""
-        pool, self._end_pool = self._end_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        for pool in (self._end_pool, self._sum_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._end_pool = self._sum_pool = None
         stage, self._stage = self._stage, None
         if stage is not None:
             try:
