@@ -144,25 +144,26 @@ class Handlers:
         if req.work > 0 and known:
             limit = min(req.work, self.cfg.max_batch_keys)
             tasks = self.leader.demote_tasks(req.node_id, limit)
-            if not tasks:
-                self._demote_asked(node)
+            soon = not tasks and self._demote_asked(node)
             promote = self.leader.promote_tasks(req.node_id, limit)
-            return P.DemoteTasksResp(req.rid, codes, tasks, promote)
+            return P.DemoteTasksResp(req.rid, codes, tasks, promote, soon)
         return P.CodesResp(req.rid, codes)
 
-    def _demote_asked(self, node: RaftNode) -> None:
+    def _demote_asked(self, node: RaftNode) -> bool:
         """A node found no demotion to do: the next batch if one is due (Leader.demote_asked),
         proposed in the background -- the heartbeat's reply never waits for a proposal --
-        one such proposal at a time; the node's next poll finds it."""
+        one such proposal at a time; the node's next poll finds it. True while one is
+        being proposed (the reply's ``soon``: the node asks again shortly)."""
         busy = getattr(self, "_demote_asking", None)
         if busy is not None and not busy.done():
-            return
+            return True
         chain = self.leader.demote_asked(time.monotonic(), wall_clock())
         if not chain:
-            return
+            return False
         self._demote_asking = asyncio.get_running_loop().create_task(
             self._propose_chain(chain), name="store-demote-asked"
         )
+        return True
 
     async def _report_corrupt(self, node: RaftNode, req: P.ReportCorruptReq) -> P.CodesResp:
         if len(req.crcs) != len(req.keys):

@@ -65,6 +65,9 @@ __all__ = ["Leader", "LeaderConfig"]
 NEVER = float("inf")  # Reclaim's put timeout: stale puts are revoked by version instead
 _MAX_WRITERS = 1 << 20  # put -> writer session bindings kept by a leader
 _MAX_HITS = 1 << 16  # disk-only keys whose reads a leader counts (promotion on hit)
+# DemoteStart batches one decision proposes at most (a tick, a DemoteEnd's chain, a node's
+# ask): two, so that a node writes one while the other's end is under way
+DEMOTE_DEPTH = 2
 
 
 class LeaderConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -585,9 +588,24 @@ class Leader:
             yield pr, lambda r: self.promote_started(pr, r, now)
         if excess or now < self._disk_full_until or sm.disk_free() <= 0:
             return
-        ds = self.demote_next(now, wall, gone)
-        if ds is not None:
-            yield ds, lambda r: self.demote_started(ds, r, now)
+        yield from self._demote_more(now, wall, gone)
+
+    def _demote_more(
+        self, now: float, wall: float, gone: Iterable[str] = ()
+    ) -> list[tuple[C.DemoteStart, Callable[[Any], Any]]]:
+        """Up to ``DEMOTE_DEPTH`` batches of :meth:`demote_next` at once, as ``(command,
+        done)`` pairs: a node then knows its next batch while it ends one (it writes the
+        next while the last one's fdatasync and DemoteEnd are under way, node.py
+        ``_demote``), instead of waiting a DemoteEnd round trip for it."""
+        out: list[tuple[C.DemoteStart, Callable[[Any], Any]]] = []
+        if not self.sm.has_disk():
+            return out
+        for _ in range(DEMOTE_DEPTH):
+            ds = self.demote_next(now, wall, gone)
+            if ds is None:
+                break
+            out.append((ds, lambda r, ds=ds: self.demote_started(ds, r, now)))
+        return out
 
     def demote_next(
         self, now: float, wall: float, gone: Iterable[str] = ()
@@ -630,9 +648,11 @@ class Leader:
                     cfg.demote_inflight_bytes - pending, max(int(room), 1))  # fmt: skip
         # (the keys of proposed batches are still candidates to it: skipped below)
         need = batch + sm.reclaimable_bytes() + proposed
+        # (leased objects too: copying them is harmless, only freeing waits for the lease)
         ahead = choose_victims(
-            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory"
-        )
+            sm, self.leases, self.stats, now, dw, cfg.evict_ratio, need=need, medium="memory",
+            copy=True,
+        )  # fmt: skip
         _, rest = self._split(ahead.keys, ahead.versions)
         if rest is None:
             return None
@@ -727,9 +747,7 @@ class Leader:
         if drop is not None:
             out.append((drop, lambda r: self.evicted(drop, r)))
         gone = drop.keys if drop is not None else ()
-        ds = self.demote_next(now, wall, gone) if self.sm.has_disk() else None
-        if ds is not None:
-            out.append((ds, lambda r: self.demote_started(ds, r, now)))
+        out.extend(self._demote_more(now, wall, gone))
         return out
 
     def promotion(self, now: float) -> C.PromoteStart | None:
@@ -849,8 +867,7 @@ class Leader:
         """A node with a disk asked for demotions and has none in flight: the next batch
         if one is due (:meth:`demote_next`), now rather than at the next tick -- a writer
         that refilled memory since the last end is met at the node's next poll."""
-        ds = self.demote_next(now, wall) if self.sm.has_disk() else None
-        return [] if ds is None else [(ds, lambda r: self.demote_started(ds, r, now))]
+        return list(self._demote_more(now, wall))
 
     def demote_started(self, cmd: C.DemoteStart, result: Any, now: float) -> None:
         """A DemoteStart of :meth:`demote_next` applied (``result``) or failed (None)."""

@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -114,6 +115,7 @@ class StorageNode:
         self.adopted = (0, 0)  # the last re-adoption: (copies kept, copies dropped)
         self._stage: MemoryRegion | None = None
         self._end_pool: ThreadPoolExecutor | None = None  # sends DemoteEnds (node.py _demote)
+        self._sum_pool: ThreadPoolExecutor | None = None  # crcs while a batch is written
 
     def start(self) -> StorageNode:
         if self.disk_path is not None:
@@ -236,12 +238,13 @@ class StorageNode:
         # with a disk, heartbeats also fetch demotions: at least every DEMOTE_POLL_S
         period = min(self.heartbeat_s, DEMOTE_POLL_S) if self.disk is not None else self.heartbeat_s
         busy_until = 0.0
+        soon = False  # the master is proposing a batch (DemoteTasksResp.soon)
         while again or not self._stop.wait(
-            DEMOTE_BUSY_POLL_S if time.monotonic() < busy_until else period
+            DEMOTE_BUSY_POLL_S if soon or time.monotonic() < busy_until else period
         ):
             if again:
                 busy_until = time.monotonic() + DEMOTE_BUSY_S
-            again = False
+            again = soon = False
             if self._stop.is_set():
                 return
             try:
@@ -251,6 +254,7 @@ class StorageNode:
                     timeout=self.heartbeat_s * 2,
                 )
                 self.heartbeats += 1
+                soon = type(resp) is P.DemoteTasksResp and resp.soon and not resp.tasks
                 if type(resp) is P.DemoteTasksResp and resp.promote and resp.codes == [0]:
                     self._promote(resp.promote)
                 if type(resp) is P.DemoteTasksResp and resp.tasks and resp.codes == [0]:
@@ -278,11 +282,13 @@ class StorageNode:
         fails is reported failed (:meth:`_demote_failed`) with the rest, and the copying
         stops until the next poll.
 
-        A pipeline: a batch's end is sent from another thread while the next batch copies
-        (one end in flight), and the reply to each end names the demotions the master has
-        for us now -- the next batch among them, started as the end applied -- so the work
-        goes on without waiting for a poll, until none is left or an end made no progress.
-        Returns the demotions accepted."""
+        A pipeline: once a batch's bytes are written, its fdatasync, crc and end run on
+        another thread (:meth:`_end`, one end in flight) while this one writes the next
+        batch, and the reply to each end names the demotions the master has for us now --
+        the next batch among them, started as the end applied -- so the work goes on
+        without waiting for a poll, until none is left or an end made no progress (the
+        master keeps two batches per node in flight when memory has room for them, so the
+        next batch is usually known before this one ends). Returns the demotions accepted."""
         eng = self.engine
         done = 0
         ending: Future[Any] | None = None  # the end in flight
@@ -294,8 +300,9 @@ class StorageNode:
             nonlocal tasks, done, stalled
             try:
                 resp = fut.result()
-            except Exception as e:  # noqa: BLE001 - the master revokes it after its timeout
+            except Exception as e:  # noqa: BLE001 - reported by _end, or the master's timeout
                 log.warning("store node %s: demotion end failed: %r", self.node_id, e)
+                stalled = True  # a failing disk: a poll period before asking again
                 return
             if type(resp) not in (P.CodesResp, P.DemoteTasksResp):
                 return
@@ -324,7 +331,7 @@ class StorageNode:
                 i += 1
             tasks = tasks[i:]
             try:
-                crcs = self._demote_batch(eng, batch, total)
+                sums = self._demote_batch(eng, batch, total)
             except Exception as e:  # noqa: BLE001 - reported: the master revokes them
                 log.warning(
                     "store node %s: demotion of %d objects failed: %r", self.node_id, len(batch), e
@@ -338,13 +345,7 @@ class StorageNode:
             if ending is not None:
                 answered(ending, copied)
             ending_keys = copied
-            ending = self._ender().submit(
-                self.master.mutate,
-                lambda rid, s, b=batch, c=crcs: P.DemoteEndReq(
-                    rid, s, self.node_id, [t.key for t in b], [t.version for t in b], c,
-                    DEMOTE_BATCH,
-                ),
-            )  # fmt: skip
+            ending = self._ender().submit(self._end, eng, batch, sums)
         if ending is not None:  # stopping: the last end still counts
             answered(ending, ending_keys)
         return done
@@ -421,12 +422,41 @@ class StorageNode:
         self.promoted += done
         return done
 
+    def _end(self, eng: TransferEngine, batch: list[Any], sums: Callable[[], list[int]]) -> Any:
+        """A written batch's end (the end thread of :meth:`_demote`): fdatasync of the disk,
+        the crc32c of the bytes (``sums``), then ``DemoteEnd``: the master makes the disk
+        copies COMPLETE only from it, so only durable bytes with their crc are ever
+        COMPLETE. A failure here (the sync's ``EIO``) is reported like a failed write
+        (:meth:`_demote_failed`: the master revokes the batch at once and backs off from
+        this disk) and raised to :meth:`_demote`, which stops copying until the next poll."""
+        try:
+            eng.sync_segment(eng.open_segment(eng.address, self.disk_segment))
+            crcs = sums()
+        except Exception:
+            self._demote_failed(batch)
+            raise
+        return self.master.mutate(
+            lambda rid, s: P.DemoteEndReq(
+                rid,
+                s,
+                self.node_id,
+                [t.key for t in batch],
+                [t.version for t in batch],
+                crcs,
+                DEMOTE_BATCH,
+            )
+        )
+
     def _ender(self) -> ThreadPoolExecutor:
         if self._end_pool is None:
             self._end_pool = ThreadPoolExecutor(1, thread_name_prefix="store-node-end")
         return self._end_pool
 
-    def _demote_batch(self, eng: TransferEngine, batch: list[Any], total: int) -> list[int]:
+    def _demote_batch(
+        self, eng: TransferEngine, batch: list[Any], total: int
+    ) -> Callable[[], list[int]]:
+        """Write ``batch`` into our disk (not yet synced); returns what computes the crcs
+        of the bytes written (:meth:`_end` calls it after the sync)."""
         region = self.region
         if region is not None and all(
             len(t.src.slices) == 1
@@ -459,15 +489,19 @@ class StorageNode:
                 rs = eng.open_segment(ep, name)
                 lo, ro, ln = (list(x) for x in zip(*reqs))
                 eng.transfer(op, stage, lo, rs, ro, ln)
-        eng.sync_segment(eng.open_segment(eng.address, self.disk_segment))
-        sums = checksums(stage.array(), starts, [t.size for t in batch])
-        return [int(x) for x in sums.tolist()]
+        # now, not at the end: the next batch reuses the staging buffer
+        sums = checksums(stage.array(), starts, [t.size for t in batch]).tolist()
+        return lambda: sums
 
-    def _demote_direct(self, eng: TransferEngine, region: Any, batch: list[Any]) -> list[int]:
+    def _demote_direct(
+        self, eng: TransferEngine, region: Any, batch: list[Any]
+    ) -> Callable[[], list[int]]:
         """Copies whose memory copy is one range of our own segment: written from it
         straight into the disk (the engine bounces what O_DIRECT cannot take), no staging
-        memcpy. The crc is of the source after the write: bytes that changed meanwhile
-        belong to an object freed under us, whose DemoteEnd the master refuses."""
+        memcpy. The crc is of the source, computed on another thread while the bytes are
+        written (the source is a COMPLETE object's memory, unchanged until the object is
+        freed): bytes that changed meanwhile belong to an object freed under us, whose
+        DemoteEnd the master refuses (by version or absence). :meth:`_end` waits for it."""
         lo: list[int] = []
         ro: list[int] = []
         ln: list[int] = []
@@ -481,11 +515,12 @@ class StorageNode:
                 ln.append(d.length)
                 pos += d.length
         disk = eng.open_segment(eng.address, self.disk_segment)
+        offs, sizes = [t.src.slices[0].offset for t in batch], [t.size for t in batch]
+        if self._sum_pool is None:
+            self._sum_pool = ThreadPoolExecutor(1, thread_name_prefix="store-node-crc")
+        sums = self._sum_pool.submit(lambda: checksums(region.array(), offs, sizes).tolist())
         eng.transfer(Op.WRITE, region, lo, disk, ro, ln)
-        eng.sync_segment(disk)
-        sums = checksums(region.array(), [t.src.slices[0].offset for t in batch],
-                         [t.size for t in batch])  # fmt: skip
-        return [int(x) for x in sums.tolist()]
+        return sums.result
 
     def close(self, grace_s: float = 0.0, lease_s: float = 0.0) -> None:
         """Unmount and free the memory. ``grace_s`` 0: the master drops this segment's
@@ -519,9 +554,10 @@ class StorageNode:
 
     def _close_disk(self) -> None:
         """Unregister the disk segment (its files stay: a restart on the path finds them)."""
-        pool, self._end_pool = self._end_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        for pool in (self._end_pool, self._sum_pool):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._end_pool = self._sum_pool = None
         stage, self._stage = self._stage, None
         if stage is not None:
             try:

@@ -501,6 +501,9 @@ class DemoteTasksResp(msgspec.Struct, tag="demote_tasks", array_like=True, froze
     codes: list[int]
     tasks: list[DemoteTask] = []
     promote: list[PromoteTask] = []  # promotions on hit for the node to do (docs/store.md)
+    # no tasks yet, but the master is proposing a demotion batch now (a heartbeat asked):
+    # ask again shortly rather than a heartbeat period later
+    soon: bool = False
 
 
 class SizesResp(msgspec.Struct, tag="sizes", array_like=True, frozen=True):

@@ -22,7 +22,7 @@ triggers on either the byte watermark or the object count.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -60,13 +60,18 @@ def choose_victims(
     max_keys: int = 65536,
     objects: int = 0,
     medium: str | None = None,
+    copy: bool = False,
 ) -> EvictPlan:
     """Choose victims to free ``max(evict_ratio * capacity, need)`` bytes when usage is at or
     above ``high_watermark`` (or ``need > 0``); an empty plan otherwise or when nothing is
     evictable. Keys the access table does not know (objects that appeared since the table
     was reset) count as the oldest. ``objects``: also at least this many victims.
     ``medium``: the watermark and the bytes of that medium only, victims the objects whose
-    copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier)."""
+    copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier).
+    ``copy``: the victims are to be copied, not freed (demotion's DemoteStart): leased
+    objects may be chosen too -- a lease forbids freeing a reader's bytes, not reading
+    them; their memory is freed later only once no lease holds it (``Leader.drop_demoted``,
+    and this function's own choice of what to free)."""
     usage = sm.usage() if medium is None else sm.usage(medium)
     if usage.capacity <= 0 and objects <= 0:
         return EvictPlan([], [], False, 0)
@@ -81,14 +86,15 @@ def choose_victims(
     soft: list[tuple[str, int, int]] = []
     got = 0
     leased = pinned = 0
-    for key in _candidates(sm, stats):
+    skip = sm.no_memory_to_free() if medium == "memory" and sm.has_disk() else None
+    for key in _candidates(sm, stats, skip):
         if (got >= target and len(keys) >= objects) or len(keys) >= max_keys:
             break
         info = sm.evict_info(key) if medium is None else sm.evict_info(key, medium)
         if info is None:  # gone, or not COMPLETE
             continue
         version, nbytes, pin, pin_until = info
-        if leases.leased(key, now) or leases.blocked(key):
+        if leases.blocked(key) or (not copy and leases.leased(key, now)):
             leased += 1
             continue
         if pin == 2:
@@ -112,9 +118,9 @@ def choose_victims(
     return EvictPlan(keys, versions, allow_soft, got, leased, pinned)
 
 
-def _candidates(sm: StoreStateMachine, stats: AccessStats | AccessStamps):
+def _candidates(sm: StoreStateMachine, stats: AccessStats | AccessStamps, skip: Any = None):
     if len(stats) < sm.object_count():
         for k in sm.keys():  # noqa: SIM118 (a method, not a dict)
             if k not in stats:
                 yield k
-    yield from stats.oldest()
+    yield from stats.oldest(skip)

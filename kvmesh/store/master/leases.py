@@ -245,8 +245,9 @@ class AccessStats:
         for k in keys:
             o.pop(k, None)
 
-    def oldest(self) -> Iterator[str]:
-        """Keys from least to most recently used (a snapshot: safe to mutate while iterating)."""
+    def oldest(self, skip: Any = None) -> Iterator[str]:
+        """Keys from least to most recently used (a snapshot: safe to mutate while iterating).
+        ``skip`` (a row mask, :meth:`AccessStamps.oldest`): a hint this order cannot use."""
         return iter(list(self._order))
 
     def __len__(self) -> int:
@@ -274,10 +275,12 @@ class AccessStamps:
     def forget(self, keys: Iterable[str]) -> None:
         """Nothing to do: a freed row is skipped, a reused one starts as the oldest."""
 
-    def oldest(self) -> Iterator[str]:
+    def oldest(self, skip: Any = None) -> Iterator[str]:
+        """Keys from the least recently touched; ``skip``: a mask of table rows to leave
+        out (rows the caller would pass over anyway, ``Table.oldest_rows``)."""
         t = self._sm.objects
         names = t.names
-        for r in t.oldest_rows():
+        for r in t.oldest_rows(skip=skip):
             k = names[r]
             if k is not None:
                 yield k

@@ -584,13 +584,14 @@ class Table(Mapping[str, Obj]):
         self.stamp[: self.n] = 0
         self.clock = 1
 
-    def oldest_rows(self, first: int = 4096) -> Iterator[int]:
+    def oldest_rows(self, first: int = 4096, skip: np.ndarray | None = None) -> Iterator[int]:
         """Live rows from the least recently touched, ties in row order. Lazily: each
         pass picks the next ``first`` (doubling) rows with one ``argpartition`` over the
         rows, so a caller that stops early pays O(rows), not a full sort. Changes made
-        while iterating may or may not be seen (an approximate order)."""
+        while iterating may or may not be seen (an approximate order). ``skip``: a mask
+        over the first ``n`` rows of rows left out (vectorised, before any row is yielded)."""
         n = self.n
-        live = np.flatnonzero(self.size[:n])
+        live = np.flatnonzero(self.size[:n] if skip is None else (self.size[:n] != 0) & ~skip)
         if not len(live):
             return
         order = (self.stamp[live].astype(np.uint64) << np.uint64(32)) | live.astype(np.uint64)
