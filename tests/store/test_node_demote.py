@@ -152,3 +152,32 @@ def test_a_reply_saying_soon_makes_the_node_ask_again_at_once(monkeypatch) -> No
     node._beat_loop()
     period = node_mod.DEMOTE_POLL_S
     assert waits == [period, node_mod.DEMOTE_BUSY_POLL_S, period, period]
+
+
+def test_a_failed_fdatasync_on_the_end_thread_is_reported_and_stops_the_copying(
+    tmp_path, monkeypatch
+) -> None:
+    """The first batch's fdatasync fails (``EIO``) on the end thread: that batch is
+    reported failed (``DemoteEndReq.failed``: the master revokes it at once and backs off
+    from this disk) and never ended, and the node stops copying until its next poll."""
+    import kvmesh.store.node as node_mod
+
+    monkeypatch.setattr(node_mod, "STAGE_BYTES", 4 * OBJ)
+    node, master, tasks, src = _setup(tmp_path, 12, monkeypatch)
+    failed: list[list[str]] = []
+    monkeypatch.setattr(node, "_demote_failed", lambda ts: failed.append([t.key for t in ts]))
+
+    def sync(seg: Any, **kw: Any) -> None:
+        master.second_write.wait(10.0)  # the next batch is written meanwhile
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(node.engine, "sync_segment", sync)
+    try:
+        assert node._demote(list(tasks)) == 0
+        # the batch written meanwhile fails its sync as well: both reported, none ended
+        assert failed == [[f"k{i}" for i in range(4)], [f"k{i}" for i in range(4, 8)]]
+        assert not [e for e in master.log if e[0] == "end"]
+        # the third batch is never written
+        assert [w for w in master.log if w[0] == "write"] == [("write", 1), ("write", 2)]
+    finally:
+        node.engine.close()
