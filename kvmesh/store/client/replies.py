@@ -11,9 +11,7 @@ import numpy as np
 
 from .. import errors as E
 from ..rpc import reply_error as whole_error
-from ..types import (
-    key_error,
-)
+from ..types import key_error, keys_valid
 
 __all__ = [
     "BatchResults",
@@ -153,7 +151,11 @@ def finish(results: BatchResults, batch: bool) -> Any:
 
 
 def valid_indices(keys: Sequence[Any], out: list[Any]) -> list[int]:
-    """Indexes of the well-formed keys; each malformed key's error goes into ``out``."""
+    """Indexes of the well-formed keys; each malformed key's error goes into ``out``. A
+    batch of plain valid keys (the usual one) is told by one C-level check, not a Python
+    call per key (remove, get_size, replicas: ~0.4 us a key)."""
+    if keys_valid(keys):  # type: ignore[arg-type]
+        return list(range(len(keys)))
     idx: list[int] = []
     for i, k in enumerate(keys):
         err = invalid_key(k)
