@@ -86,6 +86,7 @@ _KEEP_STAGES = 8  # idle staging buffers kept per segment
 DEPTH = 4  # requests one call keeps in flight on the device (register_disk(depth=...))
 DEPTH_MIN_BYTES = 2 << 20  # smaller calls run in the calling thread alone
 _IO_THREADS = 16  # the process's disk I/O threads (idle ones block: no CPU)
+_AHEAD_THREADS = 8  # TCP requests on disk segments whose next part moves during this one's
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _U64 = np.dtype("<u8")
 
@@ -146,6 +147,7 @@ class _File:
 _live_lock = threading.Lock()
 _live: dict[int, DiskSegment] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_ahead: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -154,6 +156,17 @@ def _io_pool() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(_IO_THREADS, "kvmesh-disk")
         return _pool
+
+
+def _ahead_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that read or write a TCP request's next part while the server's thread moves
+    the current one through the socket. Not :func:`_io_pool`: their ``io`` calls queue runs
+    there and wait for them, which could exhaust one shared pool and wait forever."""
+    global _ahead
+    with _live_lock:
+        if _ahead is None:
+            _ahead = concurrent.futures.ThreadPoolExecutor(_AHEAD_THREADS, "kvmesh-disk-ahead")
+        return _ahead
 
 
 def find_live(region_id: int) -> DiskSegment | None:
@@ -372,24 +385,48 @@ class DiskSegment(Users):
     ) -> TransferError | None:
         """Receive a WRITE's payload (the ranges in order) and write it to the file.
 
-        Returns the error to answer with when the file refused (the rest of the payload is
-        drained, so the connection stays in step); socket errors raise.
+        Two staging buffers: part ``i + 1`` arrives from the socket while part ``i`` is
+        written on a disk thread, so the peer sees about the slower of the two paths, not
+        their sum. Returns the error to answer with when the file refused (the rest of the
+        payload is drained, so the connection stays in step); socket errors raise.
         """
-        stage = self._take_stage()
+        parts = chunks(offsets, offsets, lengths, STAGE_BYTES // 2)
+        stages = [self._take_stage() for _ in range(min(2, len(parts)))]
+        behind: concurrent.futures.Future[None] | None = None  # the previous part's write
+
+        def write(i: int) -> None:
+            _, fo, ln = parts[i]
+            self.io(Op.WRITE, stages[i % 2], np.cumsum(ln) - ln, fo, ln)
+
+        def written(fut: concurrent.futures.Future[None]) -> TransferError | None:
+            exc = fut.exception()
+            if exc is not None and not isinstance(exc, TransferError):
+                raise exc
+            return exc
+
         failed: TransferError | None = None
         try:
-            sv = memoryview(stage)
-            parts = chunks(offsets, offsets, lengths, STAGE_BYTES // 2)
-            for i, (_, fo, ln) in enumerate(parts):
-                recv_into_views(sock, [sv[: int(ln.sum())]], deadline)
-                try:
-                    self.io(Op.WRITE, stage, np.cumsum(ln) - ln, fo, ln)
-                except TransferError as exc:
-                    failed = exc
-                    drain(sock, sum(int(p[2].sum()) for p in parts[i + 1 :]), deadline)
-                    break
+            for i, (_, _, ln) in enumerate(parts):
+                recv_into_views(sock, [memoryview(stages[i % 2])[: int(ln.sum())]], deadline)
+                if behind is not None:
+                    # part i + 1 goes into the stage part i - 1 is being written from
+                    done, behind = behind, None
+                    failed = written(done)
+                    if failed is not None:
+                        drain(sock, sum(int(p[2].sum()) for p in parts[i + 1 :]), deadline)
+                        break
+                if i + 1 == len(parts):
+                    try:
+                        write(i)
+                    except TransferError as exc:
+                        failed = exc
+                else:
+                    behind = _ahead_pool().submit(write, i)
         finally:
-            self._give_stage(stage)
+            if behind is not None:
+                concurrent.futures.wait([behind])  # a stage is never reused mid-write
+            for stage in stages:
+                self._give_stage(stage)
         if failed is None and self.durable:
             try:
                 self.sync()
@@ -402,27 +439,38 @@ class DiskSegment(Users):
     ) -> TransferError | None:
         """Read the ranges and push them after ``head`` (the ``ReadResp``).
 
-        The first part is read before ``head`` is sent: a file that refuses it returns the
-        error to answer with instead; a later failure raises (the connection is closed).
+        Two staging buffers: part ``i + 1`` is read on a disk thread while part ``i`` is
+        sent. The first part is read before ``head`` is sent: a file that refuses it returns
+        the error to answer with instead; a later failure raises (the connection is closed).
         """
-        stage = self._take_stage()
+        parts = chunks(offsets, offsets, lengths, STAGE_BYTES // 2)
+        stages = [self._take_stage() for _ in range(min(2, len(parts)))]
+        ahead: concurrent.futures.Future[None] | None = None  # the next part's read
+
+        def read(i: int) -> None:
+            _, fo, ln = parts[i]
+            self.io(Op.READ, stages[i % 2], np.cumsum(ln) - ln, fo, ln)
+
         try:
-            sv = memoryview(stage)
-            first: bytes | None = head
-            for _, fo, ln in chunks(offsets, offsets, lengths, STAGE_BYTES // 2):
-                try:
-                    self.io(Op.READ, stage, np.cumsum(ln) - ln, fo, ln)
-                except TransferError as exc:
-                    if first is not None:
-                        return exc
-                    raise
-                views = [sv[: int(ln.sum())]]
-                if first is not None:
-                    views.insert(0, memoryview(first))
-                    first = None
+            try:
+                read(0)
+            except TransferError as exc:
+                return exc
+            for i, (_, _, ln) in enumerate(parts):
+                if i + 1 < len(parts):
+                    ahead = _ahead_pool().submit(read, i + 1)
+                views = [memoryview(stages[i % 2])[: int(ln.sum())]]
+                if i == 0:
+                    views.insert(0, memoryview(head))
                 send_views(sock, views, deadline)
+                if ahead is not None:
+                    done, ahead = ahead, None
+                    done.result()  # a failure after the head raises: the connection closes
         finally:
-            self._give_stage(stage)
+            if ahead is not None:
+                concurrent.futures.wait([ahead])  # a stage is never reused mid-read
+            for stage in stages:
+                self._give_stage(stage)
         return None
 
     def close(self, timeout: float) -> None:
