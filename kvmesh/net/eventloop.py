@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from . import stallwatch
 
 __all__ = ["ENV", "loop_name", "new_event_loop", "run"]
 
@@ -48,7 +51,24 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+async def _watched(coro: Coroutine[Any, Any, _T], threshold_s: float) -> _T:
+    loop = asyncio.get_running_loop()
+    watch = stallwatch.StallWatch(loop, threading.get_ident(), threshold_s).start()
+    try:
+        return await coro
+    finally:
+        watch.stop()
+
+
 def run(coro: Coroutine[Any, Any, _T]) -> _T:
-    """``asyncio.run`` on the loop :func:`loop_name` names."""
+    """``asyncio.run`` on the loop :func:`loop_name` names; with ``KVMESH_STALL_TRACE_MS`` set
+    (:mod:`.stallwatch`) stalls of the loop are logged with the stacks that held it."""
+    try:
+        threshold_s = stallwatch.threshold_from_env()
+    except ValueError:
+        coro.close()
+        raise
+    if threshold_s is not None:
+        coro = _watched(coro, threshold_s)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coro)
