@@ -97,7 +97,9 @@ def test_torn_tail_loses_only_unsynced_batch(tmp_path):
     (seg,) = wal_files(st)
     synced = os.path.getsize(seg)
     st.append(ents(21, 41))  # never synced
+    st._wal._flush()  # in the file (the next sync's write, without its fdatasync)
     total = os.path.getsize(seg)
+    assert total > synced
     st._wal._fd and os.close(st._wal._fd)  # crash: no close/sync
     st._wal._fd = -1
     os.close(st._lock_fd)

@@ -2,6 +2,7 @@
 
 import os
 import struct
+import threading
 
 import pytest
 
@@ -235,8 +236,9 @@ def test_write_error_is_fatal(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(walmod.os, "write", enospc)
+    w.append([b"x"])  # kept for the sync: the writer (the event loop) never blocks in write(2)
     with pytest.raises(WalFatalError, match="write failed.*No space"):
-        w.append([b"x"])
+        w.sync()
     monkeypatch.undo()
     with pytest.raises(WalFatalError):
         w.append([b"x"])
@@ -279,4 +281,34 @@ def test_detached_compaction_keeps_a_durable_oldest_segment(tmp_path, monkeypatc
     w = Wal.open(d, segment_bytes=300, preamble=lambda: [b"PRE"])
     got = [p for _, p in w.replay()]
     assert got[0] == b"PRE" and got[-1] == b"y" * 100
+    w.close()
+
+
+def test_records_reach_the_file_in_the_sync_not_in_append(tmp_path, monkeypatch):
+    """The node appends on its event loop and syncs in a worker thread: write(2), which can
+    block under dirty-page writeback, must run in the sync, in order, before fdatasync."""
+    w = Wal.open(str(tmp_path / "wal"))
+    w.sync()
+    calls = []
+    real_write, real_sync = walmod.os.write, walmod.os.fdatasync
+    monkeypatch.setattr(
+        walmod.os,
+        "write",
+        lambda fd, b: calls.append(("write", threading.get_ident())) or real_write(fd, b),
+    )
+    monkeypatch.setattr(
+        walmod.os, "fdatasync", lambda fd: calls.append(("sync", None)) or real_sync(fd)
+    )
+    for i in range(3):
+        w.append([b"record-%d" % i])
+    assert calls == []  # the appending thread wrote nothing
+    t = threading.Thread(target=w.sync)
+    t.start()
+    t.join()
+    assert [c[0] for c in calls] == ["write"] * 3 + ["sync"]
+    assert {c[1] for c in calls if c[0] == "write"} == {t.ident}
+    monkeypatch.undo()
+    w.close()
+    w = Wal.open(str(tmp_path / "wal"))
+    assert [p for _, p in w.replay()][-3:] == [b"record-0", b"record-1", b"record-2"]
     w.close()

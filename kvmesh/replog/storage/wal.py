@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -128,7 +129,9 @@ def _valid_record_after(buf: bytes, start: int) -> int | None:
 
 
 class Wal:
-    """An append-only, segmented, checksummed log. Not thread-safe; one writer.
+    """An append-only, segmented, checksummed log. Not thread-safe; one writer. Appended
+    records reach the file at the next :meth:`sync` (which may run in a worker thread while
+    the writer does not append).
 
     Open with :meth:`open`, which recovers and exposes the surviving records through
     :meth:`replay`. ``preamble`` is called whenever a new segment is started and returns
@@ -146,6 +149,8 @@ class Wal:
         self._fd = -1
         self._dir_dirty = False
         self._unsynced = False
+        self._pending: list[bytes] = []  # records appended, written by the next sync
+        self._plock = threading.Lock()  # held only to hand _pending over, never during I/O
         # Whether the active segment's header and preamble are known durable (a sync since
         # it was created): until then deleting older segments must keep a closed one.
         self._active_durable = False
@@ -319,15 +324,28 @@ class Wal:
                 )
             parts.append(hdr(len(p), crc(p)))
             parts.append(p)
-        buf = memoryview(b"".join(parts))
-        try:
-            while buf:
-                n = os.write(self._fd, buf)
-                buf = buf[n:]
-        except OSError as e:
-            raise self._fail("write", e) from e
+        # Written by the next sync, in its worker thread: a write(2) into the page cache can
+        # block for tens of ms under dirty-page writeback (a snapshot file being written),
+        # and the event loop that appends must not (docs/store-master.md, "Event-loop
+        # stalls"). Unsynced records were never promised to survive a crash.
+        buf = b"".join(parts)
+        with self._plock:
+            self._pending.append(buf)
         self._segments[-1].size += sum(len(p) + 8 for p in payloads)
         self._unsynced = True
+
+    def _flush(self) -> None:
+        """Write the records :meth:`_write` kept, in order (the caller syncs)."""
+        with self._plock:
+            bufs, self._pending = self._pending, []
+        try:
+            for b in bufs:
+                buf = memoryview(b)
+                while buf:
+                    n = os.write(self._fd, buf)
+                    buf = buf[n:]
+        except OSError as e:
+            raise self._fail("write", e) from e
 
     def append(self, payloads: Sequence[bytes]) -> int:
         """Write records (not yet durable: call :meth:`sync`). Returns the segment seq
@@ -345,6 +363,7 @@ class Wal:
         self._check()
         if not self._unsynced:
             return
+        self._flush()
         try:
             os.fdatasync(self._fd)
             if self._dir_dirty:
@@ -352,7 +371,8 @@ class Wal:
                 self._dir_dirty = False
         except OSError as e:
             raise self._fail("fsync", e) from e
-        self._unsynced = False
+        with self._plock:  # an append racing this sync is written by the next one
+            self._unsynced = bool(self._pending)
         self._active_durable = True  # read on the loop while this runs in a worker: late is safe
         self.fsyncs += 1
 
