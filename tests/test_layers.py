@@ -74,11 +74,21 @@ PURE = {
         "kvmesh.replog",  # the state machine contract and snapshot chunking
         "kvmesh.replog.sim.harness",  # master/sim drives the core over the replog simulator
         "kvmesh.store.leader",  # ... and the production leader's decisions
+        "kvmesh.store.tiering",  # (the disk tier's part of them)
     ),
     # The leader's soft state and decisions (the service and the simulator drive it).
     "kvmesh.store.leader": (
         "kvmesh.store.leader",
+        "kvmesh.store.tiering",
         "kvmesh.store.master.*",  # ".*": the package and every module under it
+        "kvmesh.store.types",
+        "kvmesh.store.errors",
+    ),
+    # The disk tier's part of the leader (``leader.tiers``), under the same rule.
+    "kvmesh.store.tiering": (
+        "kvmesh.store.tiering",
+        "kvmesh.store.leader",
+        "kvmesh.store.master.*",
         "kvmesh.store.types",
         "kvmesh.store.errors",
     ),

@@ -143,21 +143,21 @@ class Handlers:
         codes = [0 if known else E.NodeNotFound.code]
         if req.work > 0 and known:
             limit = min(req.work, self.cfg.max_batch_keys)
-            tasks = self.leader.demote_tasks(req.node_id, limit)
+            tasks = self.leader.tiers.demote_tasks(req.node_id, limit)
             soon = not tasks and self._demote_asked(node)
-            promote = self.leader.promote_tasks(req.node_id, limit)
+            promote = self.leader.tiers.promote_tasks(req.node_id, limit)
             return P.DemoteTasksResp(req.rid, codes, tasks, promote, soon)
         return P.CodesResp(req.rid, codes)
 
     def _demote_asked(self, node: RaftNode) -> bool:
-        """A node found no demotion to do: the next batch if one is due (Leader.demote_asked),
+        """A node found no demotion to do: the next batch if one is due (Tiering.demote_asked),
         proposed in the background -- the heartbeat's reply never waits for a proposal --
         one such proposal at a time; the node's next poll finds it. True while one is
         being proposed (the reply's ``soon``: the node asks again shortly)."""
         busy = getattr(self, "_demote_asking", None)
         if busy is not None and not busy.done():
             return True
-        chain = self.leader.demote_asked(time.monotonic(), wall_clock())
+        chain = self.leader.tiers.demote_asked(time.monotonic(), wall_clock())
         if not chain:
             return False
         self._demote_asking = asyncio.get_running_loop().create_task(
@@ -168,7 +168,7 @@ class Handlers:
     async def _report_corrupt(self, node: RaftNode, req: P.ReportCorruptReq) -> P.CodesResp:
         if len(req.crcs) != len(req.keys):
             raise E.InvalidParams(f"{len(req.crcs)} crcs for {len(req.keys)} keys")
-        cmd = self.leader.plan_drop_corrupt(req.keys, req.crcs)
+        cmd = self.leader.tiers.plan_drop_corrupt(req.keys, req.crcs)
         if not cmd.keys:
             return P.CodesResp(req.rid, [E.ObjectNotFound.code] * len(req.keys))
         res = await self._propose(node, req.session, cmd)
@@ -203,23 +203,23 @@ class Handlers:
         res = await self._propose(node, req.session, cmd)
         codes = [int(c) for c in res.codes]
         if 0 in codes:
-            ld.disk_recovered(req.node_id)
+            ld.tiers.disk_recovered(req.node_id)
             self.counters["demote_ended"] = self.counters.get("demote_ended", 0) + codes.count(0)
-        # What the end makes due (Leader.demote_ended): the memory of these keys, now rather
+        # What the end makes due (Tiering.demote_ended): the memory of these keys, now rather
         # than at the next tick, and the next batch, which the reply then carries -- the node
         # copies it at once instead of at its next poll
-        chain = ld.demote_ended(cmd, res, time.monotonic(), wall_clock())
+        chain = ld.tiers.demote_ended(cmd, res, time.monotonic(), wall_clock())
         if revoke is not None:
             chain.append((revoke, lambda r: None))
         await self._propose_chain(chain)
         if req.work > 0:
             limit = min(req.work, self.cfg.max_batch_keys)
-            return P.DemoteTasksResp(req.rid, codes, ld.demote_tasks(req.node_id, limit))
+            return P.DemoteTasksResp(req.rid, codes, ld.tiers.demote_tasks(req.node_id, limit))
         return P.CodesResp(req.rid, codes)
 
     def _demote_failed(self, req: P.DemoteEndReq) -> C.DemoteRevoke | None:
         """The demotions a node reports failed (``req.failed``), checked like ``keys``, as
-        the leader plans them (Leader.demote_failed: its own only; the disk backs off --
+        the leader plans them (Tiering.demote_failed: its own only; the disk backs off --
         planned before the end's next batch is chosen, which then avoids that disk)."""
         n = len(req.failed)
         if len(req.failed_versions) != n:
@@ -232,8 +232,10 @@ class Handlers:
         if why is not None:
             raise E.InvalidKey(why)
         ld = self.leader
-        revoke = ld.demote_failed(req.node_id, req.failed, req.failed_versions, time.monotonic())
-        self.counters["demote_failed"] = ld.demote_failed_total
+        revoke = ld.tiers.demote_failed(
+            req.node_id, req.failed, req.failed_versions, time.monotonic()
+        )
+        self.counters["demote_failed"] = ld.tiers.demote_failed_total
         return revoke
 
     async def _promote_end(self, node: RaftNode, req: P.PromoteEndReq) -> P.CodesResp:
@@ -243,11 +245,11 @@ class Handlers:
         asked = C.PromoteEnd(
             req.node_id, req.tag, req.keys, req.versions, req.segments, req.offsets
         )
-        cmd = self.leader.plan_promote_end(asked)
+        cmd = self.leader.tiers.plan_promote_end(asked)
         if not cmd.keys:
             return P.CodesResp(req.rid, [int(E.InvalidWrite.code)] * n)
         res = await self._propose(node, req.session, cmd)
-        self.leader.promote_ended(cmd, res)
+        self.leader.tiers.promote_ended(cmd, res)
         got = dict(zip(cmd.keys, res.codes))
         bad = int(E.InvalidWrite.code)
         return P.CodesResp(req.rid, [int(got.get(k, bad)) for k in req.keys])

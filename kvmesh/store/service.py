@@ -303,8 +303,8 @@ class MasterService(Server, Admission, Handlers):
                 log.info("store master: storage nodes %s are suspect (no heartbeat)", ld.suspects)
             self.counters["nodes_expired"] = ld.expired_total
             self.counters["evicted"] = ld.evicted_total
-            self.counters["demoted"] = ld.demoted_total
-            self.counters["demote_failed"] = ld.demote_failed_total
+            self.counters["demoted"] = ld.tiers.demoted_total
+            self.counters["demote_failed"] = ld.tiers.demote_failed_total
 
     def _snapshot_by_keys(self, node: RaftNode) -> None:
         """Start a snapshot (in the background) once ``snapshot_keys`` keys, and at least

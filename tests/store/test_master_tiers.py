@@ -77,7 +77,7 @@ def test_snapshot_keeps_the_medium() -> None:
 
 
 from kvmesh.store.errors import Code  # noqa: E402
-from kvmesh.store.leader import DEMOTE_DEPTH, Leader, LeaderConfig  # noqa: E402
+from kvmesh.store.leader import Leader, LeaderConfig  # noqa: E402
 from kvmesh.store.master import invariants  # noqa: E402
 from kvmesh.store.master.commands import (  # noqa: E402
     Codes,
@@ -90,6 +90,7 @@ from kvmesh.store.master.commands import (  # noqa: E402
     Upsert,
 )
 from kvmesh.store.master.objects import TIER_DEMOTING, TIER_DISK, TIER_NONE  # noqa: E402
+from kvmesh.store.tiering import DEMOTE_DEPTH  # noqa: E402
 
 NE = int(Code.NOT_EVICTABLE)
 NH = int(Code.NO_AVAILABLE_HANDLE)
@@ -242,17 +243,17 @@ def test_leader_demotes_instead_of_evicting_then_frees_memory_after_demote_end()
     a(DemoteEnd("n0", [t.key for t in tasks], [t.version for t in tasks], [0] * len(tasks)))
     # memory is over its 90 % watermark: the oldest, now on disk, lose their memory copy --
     # but the leased one, and neither does eviction take it while its lease lasts
-    drop = ld.drop_demoted(started, t)
+    drop = ld.tiers.drop_demoted(started, t)
     assert type(drop) is DropReplica and set(drop.keys) == set(started) - {"k00"}
     res = a(drop)
     ld.evicted(drop, res)
-    assert res.codes == [0] * len(drop.keys) and ld.demoted_total == len(drop.keys)
+    assert res.codes == [0] * len(drop.keys) and ld.tiers.demoted_total == len(drop.keys)
     assert all(a.sm.exists([k]) == [True] for k in keys)
     assert a.sm.usage().used == (60 - len(started) + 1) * 1024
     assert all("k00" not in c.keys for c in ld.evictions(t, t, need=64 * 1024))
     assert {k: vs[k] for k in started} == {k: a.sm.version_of(k) for k in started}
     # below the watermark an ended demotion keeps its memory copy (both tiers serve it)
-    assert ld.drop_demoted(started, t) is None
+    assert ld.tiers.drop_demoted(started, t) is None
 
 
 def _in_flight(a: _SM) -> int:
@@ -268,14 +269,14 @@ def test_a_demote_end_chains_the_next_batch_within_the_inflight_cap() -> None:
     # demotion from half of memory: the cap, not the watermark, bounds the batches
     ld = _leader(a, demote_batch_bytes=4 * 1024, demote_inflight_bytes=cap, demote_watermark=0.5)
     # proposed and not yet applied counts too: a second batch, other keys, then the cap
-    first = ld.demote_next(1.0, 1.0)
-    second = ld.demote_next(1.0, 1.0)
+    first = ld.tiers.demote_next(1.0, 1.0)
+    second = ld.tiers.demote_next(1.0, 1.0)
     assert first is not None and second is not None and len(first.keys) == 4
     assert not set(first.keys) & set(second.keys)
-    assert ld.demote_next(1.0, 1.0) is None  # 8 KiB proposed: the cap
+    assert ld.tiers.demote_next(1.0, 1.0) is None  # 8 KiB proposed: the cap
     for ds in (first, second):
-        ld.demote_started(ds, _checked(a, ds), 1.0)
-    assert _in_flight(a) == cap and ld.demote_next(1.0, 1.0) is None
+        ld.tiers.demote_started(ds, _checked(a, ds), 1.0)
+    assert _in_flight(a) == cap and ld.tiers.demote_next(1.0, 1.0) is None
     # from here no tick: every end chains the next batch (the node's reply carries it)
     ended: list[str] = []
     t = 1.0
@@ -284,7 +285,7 @@ def test_a_demote_end_chains_the_next_batch_within_the_inflight_cap() -> None:
         end = DemoteEnd("n0", [k], [v], [1])
         res = _checked(a, end)
         ended.append(k)
-        chain = ld.demote_ended(end, res, t, t)
+        chain = ld.tiers.demote_ended(end, res, t, t)
         for cmd, done in chain:
             done(_checked(a, cmd))
         assert _in_flight(a) <= cap, "a chained DemoteStart passed demote_inflight_bytes"
@@ -293,8 +294,8 @@ def test_a_demote_end_chains_the_next_batch_within_the_inflight_cap() -> None:
     # went on until the in-flight batches brought memory under demote_watermark
     assert len(ended) > 8 and len(set(ended)) == len(ended)
     assert all(a.sm.tier_of(k) == TIER_DISK for k in ended)
-    assert a.sm.usage().used < 0.9 * 64 * 1024 and ld.demoted_total > 0
-    assert ld.demote_next(t, t) is None  # nothing due: the pipeline stops by itself
+    assert a.sm.usage().used < 0.9 * 64 * 1024 and ld.tiers.demoted_total > 0
+    assert ld.tiers.demote_next(t, t) is None  # nothing due: the pipeline stops by itself
 
 
 def test_room_for_a_reservation_never_evicts_an_object_demotion_can_keep() -> None:
@@ -307,9 +308,9 @@ def test_room_for_a_reservation_never_evicts_an_object_demotion_can_keep() -> No
     _put(a, keys)
     ld = _leader(a, demote_batch_bytes=1024)
     ld.touch(keys)
-    ds = ld.demote_next(1.0, 1.0)
+    ds = ld.tiers.demote_next(1.0, 1.0)
     assert ds is not None and 0 < len(ds.keys) < len(keys)  # capped: not all of memory
-    ld.demote_started(ds, _checked(a, ds), 1.0)
+    ld.tiers.demote_started(ds, _checked(a, ds), 1.0)
     only_memory = [k for k in keys if a.sm.tier_of(k) == TIER_NONE]
     assert only_memory
     # a reservation while the batch copies: nothing to free without losing an object
@@ -330,7 +331,7 @@ def test_room_for_a_reservation_never_evicts_an_object_demotion_can_keep() -> No
     for c in cmds:
         ld.evicted(c, None)  # not proposed: unblocked
     # a disk that answered NoSpace: a reservation evicts as without the tier
-    ld._disk_full_until = 2.0
+    ld.tiers._disk_full_until = 2.0
     assert Evict in [type(c) for c in ld.evictions(1.4, 1.4, need=8 * 1024, reserve=True)]
 
 
@@ -361,61 +362,63 @@ def test_a_reported_failed_demotion_is_revoked_and_its_disk_backs_off() -> None:
     keys = [f"k{i:02d}" for i in range(120)]  # 120 KiB of 128: above the 90 % watermark
     _put(a, keys)
     ld = _leader(a, ticker_s=0.25, demote_timeout_s=5.0, demote_batch_bytes=1024)
-    ds = ld.demote_next(1.0, 1.0)
+    ds = ld.tiers.demote_next(1.0, 1.0)
     assert ds is not None and ds.avoid == []
-    ld.demote_started(ds, _checked(a, ds), 1.0)
+    ld.tiers.demote_started(ds, _checked(a, ds), 1.0)
     mine = a.sm.demote_tasks("n0", 1000)
     theirs = a.sm.demote_tasks("n1", 1000)
     assert mine and theirs
     # n1 names n0's demotions, wrong versions, absent keys: none of it is revoked
-    assert ld.demote_failed("n1", [t.key for t in mine], [t.version for t in mine], 1.1) is None
-    bogus = ld.demote_failed("n0", [mine[0].key, "nope"], [mine[0].version + 1, 1], 1.1)
-    assert bogus is None and ld.demote_failed_total == 0
-    rv = ld.demote_failed(
+    assert (
+        ld.tiers.demote_failed("n1", [t.key for t in mine], [t.version for t in mine], 1.1) is None
+    )
+    bogus = ld.tiers.demote_failed("n0", [mine[0].key, "nope"], [mine[0].version + 1, 1], 1.1)
+    assert bogus is None and ld.tiers.demote_failed_total == 0
+    rv = ld.tiers.demote_failed(
         "n0", [t.key for t in mine + theirs], [t.version for t in mine + theirs], 1.1
     )
     assert type(rv) is DemoteRevoke and sorted(rv.keys) == sorted(t.key for t in mine)
-    assert _checked(a, rv).codes == [0] * len(mine) and ld.demote_failed_total == len(mine)
+    assert _checked(a, rv).codes == [0] * len(mine) and ld.tiers.demote_failed_total == len(mine)
     assert all(a.sm.tier_of(t.key) == TIER_NONE for t in mine)
     assert all(a.sm.tier_of(t.key) == TIER_DEMOTING for t in theirs)
     # n0's disk backs off 4 x ticker_s: the next batch avoids it, placed on n1's disk
     d0 = a.sm.by_name["m0.disk"]
-    ds = ld.demote_next(1.2, 1.2)
+    ds = ld.tiers.demote_next(1.2, 1.2)
     assert ds is not None and ds.avoid == [d0]
-    ld.demote_started(ds, _checked(a, ds), 1.2)
+    ld.tiers.demote_started(ds, _checked(a, ds), 1.2)
     assert not set(ds.keys) & {t.key for t in a.sm.demote_tasks("n0", 1000)}
-    assert ld._disk_room(1.2)  # a backoff is no full disk (eviction keeps memory-only objects)
+    assert ld.tiers.disk_room(1.2)  # a backoff is no full disk (eviction keeps memory-only objects)
     # (nor is NoSpace from the other disks while one was avoided)
-    full = ld._disk_full_until
-    ld.demote_started(DemoteStart(["x"], [1], avoid=[d0]), Codes([NH]), 1.2)
-    assert ld._disk_full_until == full and ld._disk_room(1.2)
+    full = ld.tiers._disk_full_until
+    ld.tiers.demote_started(DemoteStart(["x"], [1], avoid=[d0]), Codes([NH]), 1.2)
+    assert ld.tiers._disk_full_until == full and ld.tiers.disk_room(1.2)
     # both disks back off: no batch; the tick evicts nothing in memory only
     theirs = a.sm.demote_tasks("n1", 1000)
-    assert ld.demote_failed("n1", [t.key for t in theirs], [t.version for t in theirs], 1.3)
+    assert ld.tiers.demote_failed("n1", [t.key for t in theirs], [t.version for t in theirs], 1.3)
     _checked(a, DemoteRevoke([t.key for t in theirs], [t.version for t in theirs]))
-    assert ld.demote_next(1.4, 1.4) is None
+    assert ld.tiers.demote_next(1.4, 1.4) is None
     assert a.sm.usage().used > 0.9 * a.sm.usage().capacity
     steps = _run_tick(a, ld, 1.4)
     assert Evict not in [type(c) for c, _ in steps], steps
     assert all(a.sm.exists([k]) == [True] for k in keys)
     # n0's backoff (1.1 + 1.0) is over first; a second failure in a row doubles it
-    ds = ld.demote_next(2.2, 2.2)
+    ds = ld.tiers.demote_next(2.2, 2.2)
     assert ds is not None and ds.avoid == [a.sm.by_name["m1.disk"]]
-    ld.demote_started(ds, _checked(a, ds), 2.2)
+    ld.tiers.demote_started(ds, _checked(a, ds), 2.2)
     mine = a.sm.demote_tasks("n0", 1000)
     assert mine
-    rv = ld.demote_failed("n0", [t.key for t in mine], [t.version for t in mine], 2.3)
+    rv = ld.tiers.demote_failed("n0", [t.key for t in mine], [t.version for t in mine], 2.3)
     _checked(a, rv)
-    assert ld._backing_off(4.2) == [d0] and ld._backing_off(4.4) == []
+    assert ld.tiers._backing_off(4.2) == [d0] and ld.tiers._backing_off(4.4) == []
     # an end of n0's that makes a disk copy COMPLETE clears its backoff
-    ds = ld.demote_next(4.4, 4.4)
+    ds = ld.tiers.demote_next(4.4, 4.4)
     assert ds is not None
-    ld.demote_started(ds, _checked(a, ds), 4.4)
+    ld.tiers.demote_started(ds, _checked(a, ds), 4.4)
     t0 = a.sm.demote_tasks("n0", 1)[0]
-    ld._disk_backoff[d0] = (9.0, 3)
+    ld.tiers._disk_backoff[d0] = (9.0, 3)
     assert _checked(a, DemoteEnd("n0", [t0.key], [t0.version], [1])).codes == [0]
-    ld.disk_recovered("n0")
-    assert d0 not in ld._disk_backoff
+    ld.tiers.disk_recovered("n0")
+    assert d0 not in ld.tiers._disk_backoff
 
 
 def test_leader_evicts_disk_only_objects_above_the_disk_watermark() -> None:
@@ -684,8 +687,8 @@ def test_promotion_on_hit_fills_a_reserved_memory_copy_and_keeps_the_disk_copy()
     # reserved, not in the object: lookups still serve the disk copy alone, with its crc
     assert tag in a.sm.reserved and a.sm.usage().reserved_bytes == 2 * 1024
     assert _segs(a, "a") == ["m0.disk"] and a.sm.lookup_table(["a"]).crcs == [100]
-    tasks = {t.key: t for t in ld.promote_tasks("n0", 10)}
-    assert ld.promote_tasks("n9", 10) == [] and sorted(tasks) == ["a", "b"]
+    tasks = {t.key: t for t in ld.tiers.promote_tasks("n0", 10)}
+    assert ld.tiers.promote_tasks("n9", 10) == [] and sorted(tasks) == ["a", "b"]
     ta = tasks["a"]
     assert (ta.tag, ta.version, ta.crc) == (tag, vs[0], 100)
     assert ta.src.slices[0].segment == "m0.disk" and ta.dst.slices[0].segment == "m0"
@@ -695,14 +698,22 @@ def test_promotion_on_hit_fills_a_reserved_memory_copy_and_keeps_the_disk_copy()
     assert _checked(a, PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off + 64])).codes == [IW]
     assert _checked(a, PromoteEnd("n0", tag, ["a"], [vs[0] + 1], ["m0"], [off])).codes == [IW]
     # the leader passes only ends of its own promotions, as it started them
-    assert ld.plan_promote_end(PromoteEnd("n0", tag + 1, ["a"], [vs[0]], ["m0"], [off])).keys == []
-    assert ld.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off + 64])).keys == []
-    assert ld.plan_promote_end(PromoteEnd("n9", tag, ["a"], [vs[0]], ["m0"], [off])).keys == []
-    end = ld.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off]))
+    assert (
+        ld.tiers.plan_promote_end(PromoteEnd("n0", tag + 1, ["a"], [vs[0]], ["m0"], [off])).keys
+        == []
+    )
+    assert (
+        ld.tiers.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off + 64])).keys
+        == []
+    )
+    assert (
+        ld.tiers.plan_promote_end(PromoteEnd("n9", tag, ["a"], [vs[0]], ["m0"], [off])).keys == []
+    )
+    end = ld.tiers.plan_promote_end(PromoteEnd("n0", tag, ["a"], [vs[0]], ["m0"], [off]))
     assert end.keys == ["a"]
     r = _checked(a, end)
-    ld.promote_ended(end, r)
-    assert r.codes == [0] and ld.promoted_total == 1
+    ld.tiers.promote_ended(end, r)
+    assert r.codes == [0] and ld.tiers.promoted_total == 1
     # memory first, the disk copy kept (its crc still checked), memory free to drop again
     assert _segs(a, "a") == ["m0", "m0.disk"] and a.sm.tier_of("a") == TIER_DISK
     assert a.sm.lookup_table(["a"]).crcs == [100]
@@ -718,7 +729,7 @@ def test_promotion_on_hit_fills_a_reserved_memory_copy_and_keeps_the_disk_copy()
     steps = _run_tick(a, ld, 6.5)
     assert [type(c) for c, _ in steps] == [Release] and steps[0][0].tags == [tag]
     assert tag not in a.sm.reserved and a.sm.usage().reserved_bytes == 0
-    assert ld.promote_tasks("n0", 10) == []
+    assert ld.tiers.promote_tasks("n0", 10) == []
     # c, never read twice, was never promoted; a promotion that lapses leaves the object
     # on disk, readable
     assert _segs(a, "c") == ["m0.disk"]
@@ -732,7 +743,7 @@ def test_promotion_only_into_memory_below_the_demotion_watermark() -> None:
     _put(a, [f"f{i:02d}" for i in range(56)])  # 56 KiB of 64: over 85 %
     ld = _leader(a, promote_hits=1)
     ld.touch(["x"])
-    assert ld.promotion(1.0) is None  # it would be demoted again at once
+    assert ld.tiers.promotion(1.0) is None  # it would be demoted again at once
     assert _checked(a, PromoteStart(["x"], [vs[0] + 1])).codes == [NE]  # version checked
 
 
@@ -758,12 +769,12 @@ def test_write_through_gives_every_object_a_disk_copy_and_keeps_its_memory() -> 
     end = DemoteEnd("n0", [t.key for t in tasks], [t.version for t in tasks], [7] * 4)
     r = _checked(a, end)
     # memory is under its watermark: the memory copies stay, nothing more is due
-    assert [type(c) for c, _ in ld.demote_ended(end, r, 1.1, 1.1)] == []
+    assert [type(c) for c, _ in ld.tiers.demote_ended(end, r, 1.1, 1.1)] == []
     assert all(_segs(a, k) == ["m0", "m0.disk"] for k in keys)
     assert a.sm.usage().used == 4 * 1024 and _run_tick(a, ld, 1.2) == []
     # a new put gets its disk copy at the next chance (a tick, or a node asking for work)
     _put(a, ["new"])
-    ((ds, _),) = ld.demote_asked(1.3, 1.3)
+    ((ds, _),) = ld.tiers.demote_asked(1.3, 1.3)
     assert ds.keys == ["new"]
 
 
@@ -790,7 +801,7 @@ def test_demotion_and_eviction_walks_skip_disk_only_objects_in_one_pass(monkeypa
         return real(key, medium)
 
     monkeypatch.setattr(a.sm, "evict_info", counted)
-    ds = ld.demote_next(1.0, 1.0)
+    ds = ld.tiers.demote_next(1.0, 1.0)
     assert ds is not None and set(ds.keys) <= set(mem)
     cmds = ld.evictions(1.0, 1.0, need=8 * 1024)
     assert cmds and all(set(c.keys) <= set(mem) for c in cmds)

@@ -70,7 +70,7 @@ def choose_victims(
     copies there may be freed now (``StoreStateMachine.evict_info``; the disk tier).
     ``copy``: the victims are to be copied, not freed (demotion's DemoteStart): leased
     objects may be chosen too -- a lease forbids freeing a reader's bytes, not reading
-    them; their memory is freed later only once no lease holds it (``Leader.drop_demoted``,
+    them; their memory is freed later only once no lease holds it (``Tiering.drop_demoted``,
     and this function's own choice of what to free)."""
     usage = sm.usage() if medium is None else sm.usage(medium)
     if usage.capacity <= 0 and objects <= 0:

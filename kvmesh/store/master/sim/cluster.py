@@ -394,14 +394,14 @@ class StoreSim(Clients, Checks):
                 self.ldr.heartbeat(n, self.now)
                 self.dead_since.pop(n, None)
                 if self.cfg.disk_size and self.seg_incarn.get(f"dsk-{n}") == self.incarn[n]:
-                    self._promote(n, self.ldr.promote_tasks(n, 8))
-                    tasks = self.ldr.demote_tasks(n, 8)
+                    self._promote(n, self.ldr.tiers.promote_tasks(n, 8))
+                    tasks = self.ldr.tiers.demote_tasks(n, 8)
                     if tasks:
                         self._demote(n, tasks)
                         continue
                     # none: the handler proposes the next batch if one is due (the node's
                     # next poll finds it)
-                    for c, d in self.ldr.demote_asked(self.now, self.wall()):
+                    for c, d in self.ldr.tiers.demote_asked(self.now, self.wall()):
                         if not self.propose(c, d):
                             d(None)
 
@@ -446,13 +446,15 @@ class StoreSim(Clients, Checks):
                 if r is None:
                     return
                 self.res.demotions += sum(1 for c in r.codes if c == 0)
-                # the handler's chain (Leader.demote_ended), then the reply's tasks
-                chain = self.ldr.demote_ended(cmd, r, self.now, self.wall()) if self.lead else []
+                # the handler's chain (Tiering.demote_ended), then the reply's tasks
+                chain = (
+                    self.ldr.tiers.demote_ended(cmd, r, self.now, self.wall()) if self.lead else []
+                )
                 left = [len(chain)]
 
                 def replied() -> None:
                     if self.lead and self.nodes[n] and self.incarn[n] == inc:
-                        self._demote(n, self.ldr.demote_tasks(n, 8))
+                        self._demote(n, self.ldr.tiers.demote_tasks(n, 8))
 
                 def one(res: Any, d: Callable[[Any], Any]) -> None:
                     d(res)
@@ -507,11 +509,11 @@ class StoreSim(Clients, Checks):
                     if r is not None:
                         self.res.promotions += sum(1 for c in r.codes if c == 0)
                     if self.lead:
-                        self.ldr.promote_ended(cmd, r)
+                        self.ldr.tiers.promote_ended(cmd, r)
 
                 if not self.lead:
                     continue
-                cmd = self.ldr.plan_promote_end(cmd)  # the handler's check
+                cmd = self.ldr.tiers.plan_promote_end(cmd)  # the handler's check
                 if not cmd.keys or not self.propose(cmd, lambda r, cmd=cmd: done(r, cmd)):
                     done(None, cmd)
 

@@ -11,6 +11,7 @@ from msgspec.structs import replace
 
 from ...errors import Code
 from ...leader import Leader
+from ...tiering import Tiering
 from .. import state as state_mod
 from .. import tiers as tiers_mod
 from ..commands import (
@@ -121,9 +122,9 @@ def planted(plant: str | None, sim: Any):  # sim: the StoreSim (its term_keys)
                 return o.version, self.medium_bytes(o, "memory"), o.pin, o.pin_until
             return orig_info(self, key, medium)
 
-        orig_split = getattr(Leader, "_split")  # noqa: B009 (the plant replaces it)
+        orig_split = Tiering.split
 
-        def split_early(self: Leader, keys: list[str], versions: list[int]):
+        def split_early(self: Tiering, keys: list[str], versions: list[int]):
             early = [(k, v) for k, v in zip(keys, versions) if self.sm.tier_of(k) == TIER_DEMOTING]
             drop, rest = orig_split(self, keys, versions)
             if early:
@@ -147,7 +148,7 @@ def planted(plant: str | None, sim: Any):  # sim: the StoreSim (its term_keys)
             return orig_drop(self, index, c)
 
         patch(tiers_mod.Tiers, "evict_info", info_demoting)
-        patch(Leader, "_split", split_early)
+        patch(Tiering, "split", split_early)
         patch(tiers_mod.Tiers, "_drop_replica", drop_early)
     elif plant is not None:
         raise ValueError(f"unknown plant {plant!r}")
