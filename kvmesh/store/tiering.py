@@ -175,8 +175,8 @@ class Tiering:
     ) -> list[tuple[C.DemoteStart, Callable[[Any], Any]]]:
         """Up to ``DEMOTE_DEPTH`` batches of :meth:`demote_next` at once, as ``(command,
         done)`` pairs: a node then knows its next batch while it ends one (it writes the
-        next while the last one's fdatasync and DemoteEnd are under way, node.py
-        ``_demote``), instead of waiting a DemoteEnd round trip for it."""
+        next while the last one's fdatasync and DemoteEnd are under way, tiercopy.py
+        ``TierCopier.demote``), instead of waiting a DemoteEnd round trip for it."""
         out: list[tuple[C.DemoteStart, Callable[[Any], Any]]] = []
         if not self.sm.has_disk():
             return out

@@ -1,10 +1,10 @@
-"""The storage node's demotion pipeline (kvmesh/store/node.py ``_demote``/``_end``), in one
-process: a real engine, memory segment and disk segment, a stand-in master that records the
-``DemoteEndReq`` it gets. What it checks: each batch is written, then fdatasync-ed, then
-checksummed, and only then ended (the master makes a disk copy COMPLETE from that end
-alone); the crcs are those of the bytes on disk; and the next batch is written while the
-previous batch's fdatasync and end are under way (the pipeline, docs/store.md "Disk
-tier")."""
+"""The storage node's demotion pipeline (kvmesh/store/tiercopy.py: ``TierCopier.demote``
+and ``_end``), in one process: a real engine, memory segment and disk segment, a stand-in
+master that records the ``DemoteEndReq`` it gets. What it checks: each batch is written,
+then fdatasync-ed, then checksummed, and only then ended (the master makes a disk copy
+COMPLETE from that end alone); the crcs are those of the bytes on disk; and the next batch
+is written while the previous batch's fdatasync and end are under way (the pipeline,
+docs/store.md "Disk tier")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import crc32c
 import numpy as np
 
 from kvmesh.store import protocol as P
+from kvmesh.store import tiercopy
 from kvmesh.store.node import StorageNode
 from kvmesh.store.types import DemoteTask, ObjectReplica, ReplicaDesc
 from kvmesh.transfer import EngineConfig, TransferEngine
@@ -92,13 +93,12 @@ def _setup(tmp_path, n: int, monkeypatch) -> tuple[StorageNode, _Master, list, n
 def test_each_batch_is_synced_before_its_end_and_the_next_is_written_meanwhile(
     tmp_path, monkeypatch
 ) -> None:
-    import kvmesh.store.node as node_mod
 
     # two batches of 4 objects
-    monkeypatch.setattr(node_mod, "STAGE_BYTES", 4 * OBJ)
+    monkeypatch.setattr(tiercopy, "STAGE_BYTES", 4 * OBJ)
     node, master, tasks, src = _setup(tmp_path, 8, monkeypatch)
     try:
-        assert node._demote(list(tasks)) == 8
+        assert node.copier.demote(list(tasks)) == 8
         log = master.log
         ends = [e for e in log if e[0] == "end"]
         assert [len(e[1]) for e in ends] == [4, 4]
@@ -160,12 +160,11 @@ def test_a_failed_fdatasync_on_the_end_thread_is_reported_and_stops_the_copying(
     """The first batch's fdatasync fails (``EIO``) on the end thread: that batch is
     reported failed (``DemoteEndReq.failed``: the master revokes it at once and backs off
     from this disk) and never ended, and the node stops copying until its next poll."""
-    import kvmesh.store.node as node_mod
 
-    monkeypatch.setattr(node_mod, "STAGE_BYTES", 4 * OBJ)
+    monkeypatch.setattr(tiercopy, "STAGE_BYTES", 4 * OBJ)
     node, master, tasks, src = _setup(tmp_path, 12, monkeypatch)
     failed: list[list[str]] = []
-    monkeypatch.setattr(node, "_demote_failed", lambda ts: failed.append([t.key for t in ts]))
+    monkeypatch.setattr(node.copier, "report_failed", lambda ts: failed.append([t.key for t in ts]))
 
     def sync(seg: Any, **kw: Any) -> None:
         master.second_write.wait(10.0)  # the next batch is written meanwhile
@@ -173,7 +172,7 @@ def test_a_failed_fdatasync_on_the_end_thread_is_reported_and_stops_the_copying(
 
     monkeypatch.setattr(node.engine, "sync_segment", sync)
     try:
-        assert node._demote(list(tasks)) == 0
+        assert node.copier.demote(list(tasks)) == 0
         # the batch written meanwhile fails its sync as well: both reported, none ended
         assert failed == [[f"k{i}" for i in range(4)], [f"k{i}" for i in range(4, 8)]]
         assert not [e for e in master.log if e[0] == "end"]

@@ -406,7 +406,7 @@ class StoreSim(Clients, Checks):
                             d(None)
 
     def _demote(self, n: str, tasks: list[Any]) -> None:
-        """A node's demotions (node.py's): read each memory copy's bytes, write them into
+        """A node's demotions (tiercopy.py's): read each memory copy's bytes, write them into
         its disk copy, and -- the copy and the fdatasync taking a while -- end them with the
         checksum of the bytes written. It never checks what it read: the master's rules
         must make that the object's bytes."""
@@ -478,7 +478,7 @@ class StoreSim(Clients, Checks):
         self.at(self.now + self.rng.uniform(0.02, 0.3), end)
 
     def _promote(self, n: str, tasks: list[Any]) -> None:
-        """A node's promotions (node.py's): read each disk copy, check it against its crc,
+        """A node's promotions (tiercopy.py's): read each disk copy, check it against its crc,
         write it into the reserved memory a while later, then end them. What it writes
         lands where the master reserved: the reservation must outlive the copy."""
         inc = self.incarn[n]
