@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import itertools
 import mmap
 import os
@@ -380,6 +381,11 @@ class DiskSegment(Users):
         return out
 
     # --- the owner's half of the TCP path -------------------------------------------------
+    def _part_io(self, op: Op, parts: list[Any], stages: list[np.ndarray], i: int) -> None:
+        """Move part ``i`` of a request between the file and its staging buffer (of two)."""
+        _, fo, ln = parts[i]
+        self.io(op, stages[i % 2], np.cumsum(ln) - ln, fo, ln)
+
     def serve_write(
         self, sock: Any, offsets: np.ndarray, lengths: np.ndarray, deadline: Any
     ) -> TransferError | None:
@@ -394,9 +400,7 @@ class DiskSegment(Users):
         stages = [self._take_stage() for _ in range(min(2, len(parts)))]
         behind: concurrent.futures.Future[None] | None = None  # the previous part's write
 
-        def write(i: int) -> None:
-            _, fo, ln = parts[i]
-            self.io(Op.WRITE, stages[i % 2], np.cumsum(ln) - ln, fo, ln)
+        write = functools.partial(self._part_io, Op.WRITE, parts, stages)
 
         def written(fut: concurrent.futures.Future[None]) -> TransferError | None:
             exc = fut.exception()
@@ -447,9 +451,7 @@ class DiskSegment(Users):
         stages = [self._take_stage() for _ in range(min(2, len(parts)))]
         ahead: concurrent.futures.Future[None] | None = None  # the next part's read
 
-        def read(i: int) -> None:
-            _, fo, ln = parts[i]
-            self.io(Op.READ, stages[i % 2], np.cumsum(ln) - ln, fo, ln)
+        read = functools.partial(self._part_io, Op.READ, parts, stages)
 
         try:
             try:

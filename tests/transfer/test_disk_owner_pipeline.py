@@ -226,3 +226,37 @@ def test_a_stage_is_never_reused_while_a_disk_thread_still_fills_it(tmp_path, mo
         srv.close()
     assert len(seg._stages) == 2  # both stages came back
     seg.close(5)
+
+
+def test_a_peer_gone_mid_read_ends_the_serve_after_the_disk_thread(tmp_path, monkeypatch):
+    """The remote end closes after part of the reply: the owner's send fails, and it
+    returns only once the read running ahead is over, with both stages given back."""
+    seg, _ = _segment(tmp_path, 4)
+    state = {"reading": False, "done": False}
+
+    def hook(op, off):
+        if op is Op.READ and off == PART:
+            state["reading"] = True
+            time.sleep(0.5)
+            state["done"] = True
+
+    _spy_io(monkeypatch, hook)
+    srv, peer = _pair()
+
+    def remote():
+        _recv(peer, len(HEAD) + MiB)
+        while not state["reading"]:
+            time.sleep(0.005)
+        peer.close()
+
+    t = threading.Thread(target=remote)
+    t.start()
+    try:
+        with pytest.raises((PeerDeadError, OSError)):
+            seg.serve_read(srv, *_whole(4 * PART), HEAD, None)
+        assert state["done"], "returned while part 1's read still used its stage"
+    finally:
+        t.join(60)
+        srv.close()
+    assert len(seg._stages) == 2
+    seg.close(5)
