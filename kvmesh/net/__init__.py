@@ -30,6 +30,8 @@ messages and bound their work with this package; none keeps its own copy.
   failing asyncio connection raises on either event loop.
 * :mod:`.eventloop` -- the event loop a server process runs (uvloop or the standard
   library's, ``KVMESH_EVENT_LOOP``).
+* :mod:`.stallwatch` -- with ``KVMESH_STALL_TRACE_MS``, each hold of a server's loop logged
+  with the stacks that held it and the cyclic GC's share.
 
 Details of the API worth knowing:
 
