@@ -194,25 +194,30 @@ def test_a_failed_first_read_is_answered_and_a_later_one_closes(tmp_path, monkey
     seg.close(5)
 
 
+def _slow_part(monkeypatch, op, off):
+    """The disk call of ``op`` at ``off`` takes 0.5 s: events set as it starts and ends."""
+    started, ended = threading.Event(), threading.Event()
+
+    def hook(o, at):
+        if o is op and at == off:
+            started.set()
+            time.sleep(0.5)
+            ended.set()
+
+    _spy_io(monkeypatch, hook)
+    return started, ended
+
+
 def test_a_stage_is_never_reused_while_a_disk_thread_still_fills_it(tmp_path, monkeypatch):
     """The peer dies while part 0 is being written: the owner raises only once that write is
     over, so the staging buffer it gives back is not in use."""
     seg, _ = _segment(tmp_path, 4)
-    state = {"writing": False, "done": False}
-
-    def hook(op, off):
-        if op is Op.WRITE and off == 0:
-            state["writing"] = True
-            time.sleep(0.5)
-            state["done"] = True
-
-    _spy_io(monkeypatch, hook)
+    started, ended = _slow_part(monkeypatch, Op.WRITE, 0)
     srv, peer = _pair()
 
     def remote():
         peer.sendall(memoryview(pattern(3, 0, PART + MiB)))
-        while not state["writing"]:
-            time.sleep(0.005)
+        started.wait(60)
         peer.close()
 
     t = threading.Thread(target=remote)
@@ -220,7 +225,7 @@ def test_a_stage_is_never_reused_while_a_disk_thread_still_fills_it(tmp_path, mo
     try:
         with pytest.raises(PeerDeadError):
             seg.serve_write(srv, *_whole(4 * PART), None)
-        assert state["done"], "raised while part 0's write still used its stage"
+        assert ended.is_set(), "raised while part 0's write still used its stage"
     finally:
         t.join(60)
         srv.close()
@@ -232,21 +237,12 @@ def test_a_peer_gone_mid_read_ends_the_serve_after_the_disk_thread(tmp_path, mon
     """The remote end closes after part of the reply: the owner's send fails, and it
     returns only once the read running ahead is over, with both stages given back."""
     seg, _ = _segment(tmp_path, 4)
-    state = {"reading": False, "done": False}
-
-    def hook(op, off):
-        if op is Op.READ and off == PART:
-            state["reading"] = True
-            time.sleep(0.5)
-            state["done"] = True
-
-    _spy_io(monkeypatch, hook)
+    started, ended = _slow_part(monkeypatch, Op.READ, PART)
     srv, peer = _pair()
 
     def remote():
         _recv(peer, len(HEAD) + MiB)
-        while not state["reading"]:
-            time.sleep(0.005)
+        started.wait(60)
         peer.close()
 
     t = threading.Thread(target=remote)
@@ -254,7 +250,7 @@ def test_a_peer_gone_mid_read_ends_the_serve_after_the_disk_thread(tmp_path, mon
     try:
         with pytest.raises((PeerDeadError, OSError)):
             seg.serve_read(srv, *_whole(4 * PART), HEAD, None)
-        assert state["done"], "returned while part 1's read still used its stage"
+        assert ended.is_set(), "returned while part 1's read still used its stage"
     finally:
         t.join(60)
         srv.close()
