@@ -193,11 +193,12 @@ class NodeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _Pending:
-    __slots__ = ("fut", "term")
+    __slots__ = ("fut", "term", "seq")
 
-    def __init__(self, term: int, fut: asyncio.Future) -> None:
+    def __init__(self, term: int, fut: asyncio.Future, seq: int) -> None:
         self.term = term
         self.fut = fut
+        self.seq = seq  # which _track call made it: the deadline heap names it by this
 
 
 class RaftNode:
@@ -239,7 +240,10 @@ class RaftNode:
         self.transport: Transport | None = None
         self._wake = asyncio.Event()
         self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int, int, asyncio.Future]] = []
+        # (deadline, _Pending.seq, index): no future in it, so a proposal answered long
+        # before its deadline does not keep its result alive (and in the cyclic GC's scans)
+        # until then.
+        self._deadlines: list[tuple[float, int, int]] = []
         self._deadline_seq = itertools.count()
         self._reads: dict[bytes, asyncio.Future] = {}
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
@@ -650,22 +654,24 @@ class RaftNode:
             old.fut.set_exception(
                 ProposalLost(f"index {idx} was taken by a proposal of term {term}")
             )
-        self._pending[idx] = _Pending(term, fut)
+        seq = next(self._deadline_seq)
+        self._pending[idx] = _Pending(term, fut, seq)
         t = self.cfg.proposal_timeout_s if timeout is None else timeout
         # One heap swept by the tick loop instead of a timer per proposal.
-        heapq.heappush(self._deadlines, (time.monotonic() + t, next(self._deadline_seq), idx, fut))
+        heapq.heappush(self._deadlines, (time.monotonic() + t, seq, idx))
         return fut
 
     def _expire_proposals(self, now: float) -> None:
         dl = self._deadlines
         while dl and dl[0][0] <= now:
-            _, _, idx, fut = heapq.heappop(dl)
-            if fut.done():
-                continue
+            _, seq, idx = heapq.heappop(dl)
             p = self._pending.get(idx)
-            if p is not None and p.fut is fut:
-                del self._pending[idx]
-            fut.set_exception(
+            if p is None or p.seq != seq:
+                continue  # answered (or replaced) before its deadline
+            del self._pending[idx]
+            if p.fut.done():
+                continue
+            p.fut.set_exception(
                 ProposalTimeout(
                     f"no result for the proposal at index {idx} in time (outcome unknown)"
                 )

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -288,11 +289,19 @@ class Handlers:
         """The per-key answers (and hold release time) planned for this request: computed by
         ``make()`` the first time, reused for a retry of the same ``(client, seq)``."""
         k = (sess.client_id, sess.seq)
-        plan = self._plans.get(k)
-        if plan is None:
-            plan = self._plans[k] = make()
-            while len(self._plans) > 4096:
-                self._plans.popitem(last=False)
+        kept = self._plans.get(k)
+        if kept is not None:
+            codes, release_at = kept
+            return ([0] * codes if isinstance(codes, int) else codes.tolist()), release_at
+        plan = make()
+        codes = plan[0]
+        # Kept compact: a count when nothing was refused (the common case), else an int32
+        # array. Thousands of kept plans as lists of thousands of ints would be millions of
+        # references for the cyclic GC to walk on every pass (the 10 M-load young-GC hold in
+        # docs/store-master.md); a count or an array is not a GC container at all.
+        self._plans[k] = (len(codes) if not any(codes) else array("i", codes), plan[1])
+        while len(self._plans) > 4096:
+            self._plans.popitem(last=False)
         return plan
 
     @staticmethod

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import time
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -114,7 +115,8 @@ class MasterService(Server, Admission, Handlers):
         self._node_owners: OrderedDict[str, str] = OrderedDict()
         # Per-key answers decided before proposing, per (client, seq): a retry reaching this
         # leader again reuses them (after a failover the log's cached result carries them).
-        self._plans: OrderedDict[tuple[int, int], tuple[list[int], float]] = OrderedDict()
+        # (kept as a count of zeros or an int32 array: see _planned)
+        self._plans: OrderedDict[tuple[int, int], tuple[int | array, float]] = OrderedDict()
         self.counters: dict[str, int] = {}
         self._objects_pending = 0  # new keys of PutStart proposals not applied yet
         self.metrics: Any = None
