@@ -47,3 +47,34 @@ def test_answered_put_batches_leave_no_batch_sized_lists_behind():
     finally:
         rpc.close()
         m.stop()
+
+
+def test_a_kept_plan_gives_a_retry_the_first_attempts_answers():
+    """Plans are kept compact (a count of zeros, or an int32 array when something was
+    refused): a retry of the same (client, seq) must still get the first attempt's per-key
+    answers and hold release time back, without planning again."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from kvmesh.store.handlers import Handlers
+
+    h = SimpleNamespace(_plans=OrderedDict())
+    calls = []
+
+    def plan(codes, release_at):
+        def make():
+            calls.append(1)
+            return list(codes), release_at
+
+        return make
+
+    refused = [0, -706, 0, -704, -(2**31)]
+    for sess, codes, rel in (
+        (P.Session(7, 1, 0), refused, 12.5),
+        (P.Session(7, 2, 0), [0] * 5, 0.0),
+    ):
+        first = Handlers._planned(h, sess, plan(codes, rel))
+        again = Handlers._planned(h, sess, plan([1] * 5, 99.0))  # must not be called
+        assert first == again == (codes, rel)
+        assert type(again[0]) is list
+    assert len(calls) == 2
