@@ -197,7 +197,7 @@ def _lists(plan):
     multi = plan.multi
     ptrs = [flat(x) for x in plan.ptrs] if multi else flat(plan.ptrs)
     sizes = [flat(x) for x in plan.sizes] if multi else flat(plan.sizes)
-    return (plan.names, ptrs, sizes, list(plan.totals), multi, plan.per_page)
+    return (plan.object_names(), ptrs, sizes, list(plan.totals), multi, plan.per_page)
 
 
 @pytest.mark.parametrize("kind,layout", CASES)
@@ -640,8 +640,8 @@ def test_failures_are_misses_never_exceptions_or_wrong_bytes(cluster, monkeypatc
     # a read whose lease expired mid-copy, or that filled fewer bytes than the page: a miss
     real = b.client.get_into_regions  # the get of a pool whose page table knows its regions
 
-    def flaky(*args):
-        res = real(*args)
+    def flaky(*args, **kwargs):
+        res = real(*args, **kwargs)
         res[0] = E.LeaseExpired("planted")
         res[3] = res[3] - 1  # page 1's V object came back one byte short
         return res
