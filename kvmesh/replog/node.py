@@ -254,6 +254,10 @@ class RaftNode:
         self._term = 0
         self._applied = 0
         self._snap_index = 0
+        # The last index of the log as this replica found it at start (0 before start): its
+        # own replay runs up to here. The store defers snapshots by keys until then.
+        self.recovered_index = 0
+        self._alone = False  # until it first leads: a lone voter campaigns without a timeout
         self._snapshotting = False
         self._running = False
         # A Ready is being handled (by the Ready loop, or begun inline and handed to it):
@@ -306,6 +310,7 @@ class RaftNode:
             )
             self.storage = MemoryStorage() if cfg.join else MemoryStorage.bootstrap(voters)
         t_open = time.perf_counter() - t0
+        self.recovered_index = self.storage.last_index()
         snap = self.storage.snapshot()
         snap_index = snap.meta.index
         if snap_index:
@@ -369,6 +374,8 @@ class RaftNode:
             self._tasks.append(
                 loop.create_task(self._expiry_loop(), name=f"replog-{self.id}-expiry")
             )
+        self._alone = True
+        self._campaign_alone()
         self._wake.set()
 
     async def stop(self) -> None:
@@ -860,7 +867,22 @@ class RaftNode:
         for _ in range(n):
             core.tick()
         self._ticks_done += n
+        self._campaign_alone()
         self._wake.set()
+
+    def _campaign_alone(self) -> None:
+        """A replica that is the only voter campaigns at once, from its start until it first
+        leads: there is no one to hear from or collide with, so an election timeout (0.5-1 s
+        at the store's ticks) would only delay every restart. The core refuses while
+        committed configuration entries are still unapplied (a fresh log's first entry, a
+        replay's); a later tick asks again."""
+        core = self.core
+        if not self._alone or core is None:
+            return
+        if core.role == Role.LEADER or core.voters not in ((), (self.id,)):
+            self._alone = False  # () until a fresh log's configuration entry is applied
+            return
+        core.campaign()
 
     async def _tick_loop(self) -> None:
         tick = self.cfg.tick_s

@@ -426,6 +426,40 @@ def test_snapshot_is_written_while_encoded_never_held_whole(tmp_path):
     run(main())
 
 
+@pytest.mark.parametrize("durability", ["disk", "memory"])
+def test_a_lone_voter_leads_at_once_and_one_of_three_waits_its_timeout(tmp_path, durability):
+    """A single voter campaigns as it starts (nobody to hear from or collide with): with an
+    election timeout of 8-16 s it leads within a fraction of that, fresh and after a
+    restart from its disk (and knows the index its replay runs to). One voter of three
+    still waits out its timeout: no term is started at start."""
+    slow = RaftConfig(election_tick=400, max_election_tick=800, heartbeat_tick=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cl = Cluster(tmp_path / "one", n=1, durability=durability, raft=slow)
+        last = 0
+        for round_ in range(2):
+            t0 = loop.time()
+            node = await cl.start(1)
+            # what its replay runs up to (the store defers snapshots by keys until then)
+            assert node.recovered_index == (last if durability == "disk" and round_ else 1)
+            node = await cl.leader(timeout=4.0)
+            assert loop.time() - t0 < 4.0
+            await node.propose(encode_command(KvPut(f"k{round_}", b"v")))
+            last = node.status()["last_index"]
+            assert last > 1
+            await cl.stop(1)
+        three = Cluster(tmp_path / "three", n=3, durability=durability, raft=slow)
+        node = await three.start(1)
+        await asyncio.sleep(0.3)
+        st = node.status()
+        assert (st["role"], st["term"], st["leader"]) == ("FOLLOWER", node.core.term, 0)
+        assert not node.is_leader and node.core.votes == {}
+        await three.stop(1)
+
+    run(main())
+
+
 def test_session_expiry_is_a_committed_entry(tmp_path):
     async def main():
         async with Cluster(tmp_path, session_ttl_s=0.3) as c:

@@ -114,9 +114,11 @@ class Index:
         self._n = 0
 
     @classmethod
-    def build(cls, keys: list[str], rows: list[int]) -> Index:
-        """An index of distinct ``keys`` (rows as given): the keys grouped by shard with
-        numpy passes, each shard built by one ``dict(zip(...))`` (C-level)."""
+    def build(cls, keys: list[str], rows: list[int] | np.ndarray) -> Index:
+        """An index of distinct ``keys`` (rows as given, a list or an integer array: a
+        restore passes its live rows as the array they are, not as 10 M ``int`` objects
+        converted back): the keys grouped by shard with numpy passes, each shard built by
+        one ``dict(zip(...))`` (C-level)."""
         ix = cls()
         n = len(keys)
         if not n:
@@ -727,7 +729,7 @@ class Table(Mapping[str, Obj]):
         index: dict[str, int] | Index
         if live > SHARD_AT:
             lk = names if live == n else list(filter(None, names))
-            index = Index.build(lk, np.flatnonzero(size).tolist())  # type: ignore[arg-type]
+            index = Index.build(lk, np.flatnonzero(size))  # type: ignore[arg-type]
         elif live == n:
             index = dict(zip(names, range(n)))
         else:
