@@ -14,6 +14,31 @@ from kvmesh.store.rpc import MasterClient
 from kvmesh.store.types import ReplicateConfig
 
 
+class _Node:
+    """What ``MasterService._snapshot_by_keys`` reads of its node: the applied and recovered
+    indexes; ``snapshot_now`` counts the snapshots and moves a fake clock by ``took_s``."""
+
+    def __init__(self, clock: list[float] | None = None, took_s: float = 0.0) -> None:
+        self.taken = 0
+        self.applied_index = self.recovered_index = 0
+        self.clock, self.took_s = clock, took_s
+
+    async def snapshot_now(self) -> int:
+        self.taken += 1
+        if self.clock is not None:
+            self.clock[0] += self.took_s
+        return 1
+
+
+async def _keys_applied(svc, node: _Node, n: int) -> int:
+    """``n`` more keys applied, then the check each apply runs; the snapshots taken so far."""
+    svc.sm.applied_keys += n
+    svc._snapshot_by_keys(node)
+    if svc._snap_task is not None:
+        await svc._snap_task
+    return node.taken
+
+
 def _snapshots(d: str) -> list[str]:
     snap = os.path.join(d, "1", "snap")
     return sorted(os.listdir(snap)) if os.path.isdir(snap) else []
@@ -89,26 +114,15 @@ def test_snapshot_cadence_scales_with_the_table(tmp_path) -> None:
     from kvmesh.store.config import ServiceConfig
     from kvmesh.store.service import MasterService
 
-    class Node:
-        taken = 0
-        applied_index = recovered_index = 0
-
-        async def snapshot_now(self) -> int:
-            Node.taken += 1
-            return 1
-
     cfg = ServiceConfig(
         listen="127.0.0.1:0", data_dir=str(tmp_path), snapshot_keys=100, snapshot_fraction=0.5
     )
     svc = MasterService(cfg)
     sm = svc.sm
+    node = _Node()
 
     async def keys_applied(n: int) -> int:
-        sm.applied_keys += n
-        svc._snapshot_by_keys(Node())  # type: ignore[arg-type]
-        if svc._snap_task is not None:
-            await svc._snap_task
-        return Node.taken
+        return await _keys_applied(svc, node, n)
 
     async def main() -> None:
         assert await keys_applied(99) == 0
@@ -131,16 +145,7 @@ def test_snapshots_by_keys_take_at_most_their_share_of_the_time(tmp_path) -> Non
     from kvmesh.store.service import MasterService
 
     clock = [100.0]
-
-    class Node:
-        taken = 0
-        applied_index = recovered_index = 0
-
-        async def snapshot_now(self) -> int:
-            Node.taken += 1
-            clock[0] += 10.0  # each snapshot takes 10 s of the (fake) clock
-            return 1
-
+    node = _Node(clock, took_s=10.0)  # each snapshot takes 10 s of the (fake) clock
     cfg = ServiceConfig(
         listen="127.0.0.1:0",
         data_dir=str(tmp_path),
@@ -153,11 +158,7 @@ def test_snapshots_by_keys_take_at_most_their_share_of_the_time(tmp_path) -> Non
 
     async def keys_applied(n: int, after_s: float = 0.0) -> int:
         clock[0] += after_s
-        svc.sm.applied_keys += n
-        svc._snapshot_by_keys(Node())  # type: ignore[arg-type]
-        if svc._snap_task is not None:
-            await svc._snap_task
-        return Node.taken
+        return await _keys_applied(svc, node, n)
 
     async def main() -> None:
         assert await keys_applied(100) == 1  # ends at 110: none before 140
@@ -180,27 +181,16 @@ def test_no_snapshot_by_keys_while_a_restart_replays_its_log(tmp_path) -> None:
     from kvmesh.store.config import ServiceConfig
     from kvmesh.store.service import MasterService
 
-    class Node:
-        taken = 0
-        applied_index, recovered_index = 10, 500
-
-        async def snapshot_now(self) -> int:
-            Node.taken += 1
-            return 1
-
     cfg = ServiceConfig(
         listen="127.0.0.1:0", data_dir=str(tmp_path), snapshot_keys=100, snapshot_fraction=0.0
     )
     svc = MasterService(cfg)
-    node = Node()
+    node = _Node()
+    node.recovered_index = 500
 
     async def applied(n: int, index: int) -> int:
-        svc.sm.applied_keys += n
         node.applied_index = index
-        svc._snapshot_by_keys(node)  # type: ignore[arg-type]
-        if svc._snap_task is not None:
-            await svc._snap_task
-        return Node.taken
+        return await _keys_applied(svc, node, n)
 
     async def main() -> None:
         assert await applied(150, 100) == 0  # keys due, replay not done
