@@ -11,7 +11,7 @@
 #
 # Usage: bash scripts/gpu_check.sh            (from a checkout)
 #   KVMESH_PYTHON=/path/to/python  use that interpreter (default: .venv/bin/python, else python3)
-# Needs numpy, msgspec, pytest and cuda-python (its major version must not exceed the
+# Needs numpy, msgspec, crc32c, pytest and cuda-python (its major version must not exceed the
 # driver's CUDA version: cuda-bindings 13 fails with cudaErrorInsufficientDriver on a CUDA 12
 # driver); nixl-cu12/nixl-cu13 for the NIXL check (skipped without). Missing packages are
 # installed with pip when the machine can reach the package index; offline it says what is
@@ -44,7 +44,7 @@ pip_install() {
 }
 
 missing=()
-for mod in numpy msgspec pytest; do
+for mod in numpy msgspec crc32c pytest; do
     "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -82,10 +82,22 @@ def _spawn(target, *args):
     return proc, parent
 
 
+def _first(conn, proc):
+    """The child's first message; if it died first, its exit code (a negative one is the
+    signal that killed it: a native crash prints no Python traceback)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(30)
+        raise AssertionError(
+            f"GPU child died before answering: exit code {proc.exitcode}"
+        ) from None
+
+
 def test_ipc_handle_across_processes():
     proc, conn = _spawn(_child_ipc, 0)
     try:
-        handle, offset, uuid = conn.recv()
+        handle, offset, uuid = _first(conn, proc)
         assert offset == 8192 and len(handle) == cuda.IPC_HANDLE_SIZE
         dev = cuda.ordinal_of(uuid)
         assert dev is not None
@@ -112,7 +124,7 @@ def test_ipc_handle_across_processes():
 def test_cuda_ipc_transport(local):
     proc, conn = _spawn(_child_engine, 0)
     try:
-        address = conn.recv()
+        address = _first(conn, proc)
         with TransferEngine(config=EngineConfig(transports_disable=[TransportKind.NIXL])) as eng:
             seg = eng.open_segment(address, "gpu")
             assert seg.desc.cuda_ipc is not None
@@ -153,7 +165,7 @@ def test_cuda_ipc_transport(local):
 def test_nvlink_transport():
     proc, conn = _spawn(_child_engine, 0)
     try:
-        address = conn.recv()
+        address = _first(conn, proc)
         with TransferEngine(config=EngineConfig(transports_disable=[TransportKind.NIXL])) as eng:
             seg = eng.open_segment(address, "gpu")
             lbase = cuda.malloc(SIZE, 1)
