@@ -143,7 +143,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     )
     try:
         node.start()
-    except TransferError as exc:  # an unusable --disk path: the engine says why
+    # an unusable --disk path, or a --size /dev/shm has no room for: the engine says why
+    except (TransferError, OSError) as exc:
         print(f"kvmesh node: error: {exc}", file=sys.stderr)
         rpc.close()
         return 2

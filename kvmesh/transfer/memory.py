@@ -103,6 +103,7 @@ class SharedBuffer:
         size = (size + _PAGE - 1) // _PAGE * _PAGE
         name, fd = shmfile.create(size)
         try:
+            shmfile.reserve(fd, size, commit=populate)
             addr = map_file(fd, size, populate=populate)
         except BaseException:
             os.unlink(os.path.join(SHM_DIR, name))

@@ -99,6 +99,37 @@ def create(size: int) -> tuple[str, int]:
     raise OSError(errno.EEXIST, "could not create a shared-memory file (sweeps kept racing)")
 
 
+def reserve(fd: int, size: int, *, commit: bool) -> None:
+    """Make sure the ``size`` bytes of a new file ``fd`` exist, so that touching them never
+    raises ``SIGBUS``: a tmpfs file is sparse, and a page that cannot be allocated when it is
+    first written kills the process with a bus error, no Python traceback (a container's
+    ``/dev/shm`` is often 64 MiB). ``commit``: allocate them now (``posix_fallocate``: exact,
+    the same memory a populated mapping commits anyway); else only check the free space (a
+    lazily committed buffer can still run out later if others fill the filesystem).
+    ``OSError(ENOSPC)`` naming the space there and the usual remedies."""
+    if commit:
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: stays sparse
+                return
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    if not commit and size <= free:
+        return
+    total = st.f_blocks * st.f_frsize
+    raise OSError(
+        errno.ENOSPC,
+        f"shared memory: {size / 2**20:.1f} MiB asked for, {free / 2**20:.1f} MiB free on "
+        f"{SHM_DIR} (a tmpfs of {total / 2**20:.1f} MiB). Ask for less, or grow it (docker "
+        "run --shm-size=..., a Kubernetes emptyDir with medium: Memory, or mount -o "
+        f"remount,size=... {SHM_DIR})",
+    )
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -52,7 +53,6 @@ POOL_TARGETS = (
 AUX_TARGETS = ("sglang.srt.disaggregation.utils.MetadataBuffers.__init__",)
 TARGETS = POOL_TARGETS + AUX_TARGETS
 
-_SHM_DIR = "/dev/shm"
 _stats_lock = threading.Lock()
 stats = {"buffers": 0, "bytes": 0, "fallbacks": 0}  # this process, for logs and tests
 
@@ -75,14 +75,6 @@ def shared_tensor(shape: tuple[int, ...], dtype: Any) -> Any:
         stats["buffers"] += 1
         stats["bytes"] += nbytes
     return raw.view(dtype).view(shape)
-
-
-def _shm_free() -> int:
-    try:
-        st = os.statvfs(_SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 def _factory_size(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
@@ -142,20 +134,21 @@ def _mode_class() -> type:
             if size is None:
                 return func(*args, **kwargs)
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
-            if nbytes > _shm_free():
-                # A short /dev/shm (containers default to 64 MiB) would SIGBUS on first touch.
+            try:
+                t = shared_tensor(size, dtype)
+            except OSError as e:
+                # A short /dev/shm (containers default to 64 MiB): the engine refuses a buffer
+                # it has no room for (it would SIGBUS on first touch) with ENOSPC.
+                if e.errno != errno.ENOSPC:
+                    raise
                 with _stats_lock:
                     stats["fallbacks"] += 1
                 log.warning(
-                    "kvmesh shm pools: %d bytes do not fit in %s (%d free); this buffer stays "
-                    "in private memory (same-host PD copies of it go through cma)",
-                    nbytes,
-                    _SHM_DIR,
-                    _shm_free(),
+                    "kvmesh shm pools: %s; this buffer stays in private memory (same-host PD "
+                    "copies of it go through cma)",
+                    e.strerror,
                 )
                 return func(*args, **kwargs)
-            t = shared_tensor(size, dtype)
             if name == "ones":
                 t.fill_(1)
             elif name == "full":

@@ -10,6 +10,7 @@ same host, so the engine must pick the ``shm`` transport, and land every byte.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import glob
 import json
 import os
@@ -290,7 +291,15 @@ def test_write_after_decode_deregistered_its_shm_pool_fails_and_lands_nothing(pr
 def test_short_dev_shm_leaves_the_buffer_private(monkeypatch):
     # A container's 64 MiB /dev/shm: a pool that does not fit must not be mapped (SIGBUS on
     # first touch); it stays in private memory and the fallback is counted (and logged).
-    monkeypatch.setattr(shm_pools, "_shm_free", lambda: 1 << 20)
+    # The engine's own reservation (shmfile.reserve) is what refuses: here it finds 1 MiB.
+    real = os.posix_fallocate
+
+    def short(fd, offset, length):
+        if offset + length > 1 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", short)
     pool = _Pool("cpu")
     before = dict(shm_pools.stats)
 

@@ -7,9 +7,14 @@ needed by the tensor test. scripts/gpu_check.sh runs this file on a GPU machine.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import multiprocessing as mp
+import os
+import tempfile
 import time
+import traceback
+import weakref
 
 import numpy as np
 import pytest
@@ -72,10 +77,28 @@ def _child_engine(conn, device: int) -> None:
             return
 
 
+def _child_main(target, report: str, conn, *args) -> None:
+    """Run ``target`` in the spawned child with its native crash stack (faulthandler) and any
+    Python traceback written to ``report``, which the parent shows if the child dies first:
+    the first H200 run lost both (the cuda_ipc children died without a word)."""
+    with open(report, "w") as f:
+        faulthandler.enable(file=f, all_threads=True)
+        try:
+            target(conn, *args)
+        except BaseException:
+            traceback.print_exc(file=f)
+            f.flush()
+            raise
+
+
 def _spawn(target, *args):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args))
+    fd, report = tempfile.mkstemp(prefix="kvmesh-gpu-child-", suffix=".txt")
+    os.close(fd)
+    proc = ctx.Process(target=_child_main, args=(target, report, child, *args))
+    proc.report = report
+    weakref.finalize(proc, os.unlink, report)
     proc.start()
     child.close()
     assert parent.poll(120), "GPU child did not start"
@@ -84,13 +107,15 @@ def _spawn(target, *args):
 
 def _first(conn, proc):
     """The child's first message; if it died first, its exit code (a negative one is the
-    signal that killed it: a native crash prints no Python traceback)."""
+    signal that killed it) and what it wrote to its report (a native crash's stack)."""
     try:
         return conn.recv()
     except EOFError:
         proc.join(30)
+        with open(proc.report) as f:
+            said = f.read().strip() or "(nothing)"
         raise AssertionError(
-            f"GPU child died before answering: exit code {proc.exitcode}"
+            f"GPU child died before answering: exit code {proc.exitcode}; its report:\n{said}"
         ) from None
 
 
