@@ -5,8 +5,8 @@ floats, its layout ``bytes``, the segment key lists); at tens of millions of obj
 the master's whole memory. Here an object is
 
 * its key ``str`` and one entry in :attr:`Table.index` (key -> row, the lookup every query
-  starts with): one dict up to :data:`SHARD_AT` keys, then an :class:`Index` of
-  :data:`SHARDS` dicts picked by the key's hash, so no dict resize rehashes more than one
+  starts with): one dict up to :data:`SHARD_AT` keys, then an :class:`~.index.Index` of
+  ``index.SHARDS`` dicts picked by the key's hash, so no dict resize rehashes more than one
   shard (a dict of millions of keys resizes in one step of half a second),
 * a pointer in :attr:`Table.names` (row -> key, ``None`` for a free row),
 * one row of the columns (:data:`COLUMNS`): size, version, started, pin, pin_until and the
@@ -50,15 +50,15 @@ import os
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from operator import itemgetter
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from .index import SHARD_AT, Index
 from .objects import SLICE, Obj, State
 
-__all__ = ["CHUNK_ROWS", "COLUMNS", "Index", "Rows", "Table"]
+__all__ = ["CHUNK_ROWS", "COLUMNS", "Rows", "Table"]
 
 CHUNK_ROWS = 1 << 14  # ~8 ms of encoding a step (HiCache-shaped keys): the stall bound
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -76,125 +76,8 @@ _OLD_COLUMNS = 7  # images from before the disk tier: tier and crc 0
 _NAMES = tuple(n for n, _ in COLUMNS)
 _P, _C = int(State.PROCESSING), int(State.COMPLETE)
 
-SHARDS = 128  # shards of a large key index: a resize rehashes one, ~1/128 of the keys
-SHARD_AT = 1 << 16  # keys: below, one dict (a resize of at most ~44k keys, a few ms)
-_SEL_BITS = 13  # an 8,192-entry slot table (64 KiB); 65,536 made lookups ~1.6x slower at 2 M keys
-_SEL_MASK = (1 << _SEL_BITS) - 1
-_MANY = 8  # keys: from here a batch lookup picks its shards in one C-level call (Index.pick)
-_GET, _HAS = dict.get, dict.__contains__
 RESERVE_AT = 1 << 16  # rows: above, the columns live in a reserved address range
 _MAP_NORESERVE = 0x4000  # Linux's value (the mmap module lacks the constant before 3.13)
-
-
-def _owners() -> list[int]:
-    """Hash slot (the low bits of ``hash(key)``) -> shard, shard ``i`` owning a share
-    proportional to ``2 ** (i / SHARDS)``: the shards' sizes spread over one doubling, so
-    their dicts reach their resize points at different table sizes, not all in one batch
-    (equal shares would grow in step and resize together)."""
-    w = 2.0 ** (np.arange(SHARDS) / SHARDS)
-    edges = np.cumsum(w) / w.sum() * (1 << _SEL_BITS)
-    return np.searchsorted(edges, np.arange(1 << _SEL_BITS) + 0.5).tolist()
-
-
-_OWNERS = _owners()
-
-
-class Index:
-    """The key -> row index of a large table: :data:`SHARDS` dicts, a key's shard picked
-    by the low bits of its ``hash`` (randomised per process, so requests cannot aim at one
-    shard; the index is never in a snapshot, so replicas need not agree on it). A dict
-    that must grow rehashes all of its keys at once (482 ms at 5.6 M keys in one dict);
-    here that is one shard's keys. The ``dict`` methods the table's callers use."""
-
-    __slots__ = ("_n", "_sel", "shards")
-
-    def __init__(self) -> None:
-        self.shards: list[dict[str, int]] = [{} for _ in range(SHARDS)]
-        self._sel = [self.shards[i] for i in _OWNERS]  # slot -> its shard's dict
-        self._n = 0
-
-    @classmethod
-    def build(cls, keys: list[str], rows: list[int] | np.ndarray) -> Index:
-        """An index of distinct ``keys`` (rows as given, a list or an integer array: a
-        restore passes its live rows as the array they are, not as 10 M ``int`` objects
-        converted back): the keys grouped by shard with numpy passes, each shard built by
-        one ``dict(zip(...))`` (C-level)."""
-        ix = cls()
-        n = len(keys)
-        if not n:
-            return ix
-        slot = np.fromiter(map(hash, keys), np.int64, n) & _SEL_MASK
-        shard = np.asarray(_OWNERS, np.int16)[slot]
-        order = np.argsort(shard, kind="stable")
-        bounds = np.searchsorted(shard[order], np.arange(SHARDS + 1)).tolist()
-        # The keys put in shard order by numpy's fancy indexing of an object array: a
-        # quarter less than gathering them through ``map(keys.__getitem__, ...)`` in a
-        # restore of 8.9 M keys (5.9 s against 7.0-7.9 s for the whole build,
-        # docs/store-master.md), for two transient columns of pointers.
-        ka = np.empty(n, object)
-        ka[:] = keys
-        ks = ka[order]
-        del ka
-        rs = np.asarray(rows, np.int64)[order]
-        for i in range(SHARDS):
-            lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
-                ix.shards[i] = dict(zip(ks[lo:hi].tolist(), rs[lo:hi].tolist()))
-        ix._sel = [ix.shards[i] for i in _OWNERS]
-        ix._n = n
-        return ix
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sel[hash(key) & _SEL_MASK]
-
-    def __getitem__(self, key: str) -> int:
-        return self._sel[hash(key) & _SEL_MASK][key]
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._sel[hash(key) & _SEL_MASK].get(key, default)
-
-    def __setitem__(self, key: str, row: int) -> None:
-        d = self._sel[hash(key) & _SEL_MASK]
-        n = len(d)
-        d[key] = row
-        self._n += len(d) - n
-
-    def pop(self, key: str) -> int:
-        r = self._sel[hash(key) & _SEL_MASK].pop(key)
-        self._n -= 1
-        return r
-
-    def update(self, pairs: Iterable[tuple[str, int]]) -> None:
-        """New keys only (the table's inserts)."""
-        sel = self._sel
-        m = 0
-        for k, r in pairs:
-            sel[hash(k) & _SEL_MASK][k] = r
-            m += 1
-        self._n += m
-
-    def pick(self, keys: list[str]) -> Any:
-        """Per key its shard's dict, for ``map(dict.get, ix.pick(keys), keys)``: the slots
-        by one comprehension of ints, the dicts by one ``itemgetter`` call, so the lookups
-        themselves run as one C-level ``map`` (a comprehension doing all of it per key cost
-        ~1.5x the one dict's ``map`` at 2 M keys; this, ~1.2x for absent keys, ~1x for
-        present ones). ``hash`` caches a ``str``'s hash, so the lookups do not hash again.
-        At least 2 keys (``itemgetter`` of one index returns the item, not a tuple)."""
-        m = _SEL_MASK
-        return itemgetter(*[h & m for h in map(hash, keys)])(self._sel)
-
-    def get_many(self, keys: list[str]) -> list[int | None]:
-        if len(keys) >= _MANY:
-            return list(map(_GET, self.pick(keys), keys))
-        sel = self._sel
-        return [sel[hash(k) & _SEL_MASK].get(k) for k in keys]
-
-    def __iter__(self) -> Iterator[str]:
-        for d in self.shards:
-            yield from d
 
 
 def _untracked(names: list) -> list:
@@ -386,11 +269,7 @@ class Table(Mapping[str, Obj]):
         ix = self.index
         if type(ix) is dict:
             return ix.keys().isdisjoint(keys)
-        ks = keys if type(keys) is list else list(keys)
-        if len(ks) >= _MANY:
-            return not any(map(_HAS, ix.pick(ks), ks))
-        sel = ix._sel
-        return not any(k in sel[hash(k) & _SEL_MASK] for k in ks)
+        return ix.has_none(keys if type(keys) is list else list(keys))
 
     def has_many(self, keys: list[str], flags: bool = False) -> list[Any]:
         """Per (``str``) key whether it has a row (``flags``: as 1 / 0, the wire's)."""
@@ -399,15 +278,7 @@ class Table(Mapping[str, Obj]):
             if flags:
                 return [1 if k in ix else 0 for k in keys]
             return [k in ix for k in keys]
-        if len(keys) >= _MANY:
-            # The lookups as one C loop first: the cache misses of consecutive keys then
-            # overlap (a comprehension pulling them one by one cost ~1.4x).
-            got = list(map(_HAS, ix.pick(keys), keys))
-            return [1 if f else 0 for f in got] if flags else got
-        sel = ix._sel
-        if flags:
-            return [1 if k in sel[hash(k) & _SEL_MASK] else 0 for k in keys]
-        return [k in sel[hash(k) & _SEL_MASK] for k in keys]
+        return ix.has_many(keys, flags)
 
     def _alloc(self, m: int) -> np.ndarray:
         """``m`` rows: the most recently freed first, then new ones."""
@@ -648,10 +519,7 @@ class Table(Mapping[str, Obj]):
         From ``sys.getsizeof``: the same on every machine for one Python build."""
         index = self.index
         big = max(0, len(index) - 257)  # rows above 256 are ints of their own
-        if type(index) is dict:
-            ix_b = sys.getsizeof(index)
-        else:
-            ix_b = sum(map(sys.getsizeof, index.shards)) + sys.getsizeof(index._sel)
+        ix_b = sys.getsizeof(index) if type(index) is dict else index.nbytes()
         return {
             "columns": sum(getattr(self, name).nbytes for name in _NAMES)
             + self.free.nbytes
