@@ -43,7 +43,7 @@ def _fmt_bytes(n: int) -> str:
 
 # --- info ---------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from kvmesh.transfer import EngineConfig, TransferEngine, fastcopy, nixl
+    from kvmesh.transfer import EngineConfig, TransferEngine, fastcopy, nixl, shmfile
 
     cfg = EngineConfig.from_env(shm_sweep=False)
     with TransferEngine(config=cfg) as eng:
@@ -61,6 +61,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         info["nixl"]["usable"] = nixl.available()
         info["nixl"]["version"] = nixl.nixl_version()
         info["nixl"]["reason"] = nixl.unavailable_reason()
+    try:
+        free, total = shmfile.space()
+        info["shm"] = {"dir": shmfile.SHM_DIR, "free_bytes": free, "size_bytes": total}
+    except OSError as e:
+        info["shm"] = {"dir": shmfile.SHM_DIR, "error": e.strerror}
     info["python"] = platform.python_version()
     info["cpus"] = os.cpu_count()
     if args.json:
@@ -84,6 +89,14 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"usable, version {nx['version']}" if nx["usable"] else f"not usable ({nx['reason']})"
         )
     print(f"  nixl          {state}")
+    sh = info["shm"]
+    if "error" in sh:
+        print(f"  shared memory {sh['dir']}: {sh['error']}")
+    else:
+        print(
+            f"  shared memory {sh['dir']}: {sh['free_bytes'] / 2**20:,.0f} MiB free of "
+            f"{sh['size_bytes'] / 2**20:,.0f} MiB (shared segments and pools must fit here)"
+        )
     print("  transports (preference order):")
     for kind, status in info["transports"].items():
         print(f"    {kind:9} {status}")

@@ -99,6 +99,12 @@ def create(size: int) -> tuple[str, int]:
     raise OSError(errno.EEXIST, "could not create a shared-memory file (sweeps kept racing)")
 
 
+def space(fd: int | None = None) -> tuple[int, int]:
+    """``(free, total)`` bytes of the filesystem of ``fd``, or of :data:`SHM_DIR`."""
+    st = os.statvfs(SHM_DIR) if fd is None else os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
 def reserve(fd: int, size: int, *, commit: bool) -> None:
     """Make sure the ``size`` bytes of a new file ``fd`` exist, so that touching them never
     raises ``SIGBUS``: a tmpfs file is sparse, and a page that cannot be allocated when it is
@@ -116,11 +122,9 @@ def reserve(fd: int, size: int, *, commit: bool) -> None:
                 return
             if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
-    st = os.fstatvfs(fd)
-    free = st.f_bavail * st.f_frsize
+    free, total = space(fd)
     if not commit and size <= free:
         return
-    total = st.f_blocks * st.f_frsize
     raise OSError(
         errno.ENOSPC,
         f"shared memory: {size / 2**20:.1f} MiB asked for, {free / 2**20:.1f} MiB free on "

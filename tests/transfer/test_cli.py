@@ -28,8 +28,13 @@ def test_info_reports_host_and_transports():
     assert ck["kernel"] in ("memmove", "dcopy") and ck["reason"] in info["copy"]
     assert info["transports"]["local"] == "enabled" and info["transports"]["shm"] == "enabled"
     assert set(info["transports"]) == {"disk", "local", "nvlink", "cuda_ipc", "shm", "nixl", "tcp"}
+    st = os.statvfs("/dev/shm")
+    assert info["shm"]["dir"] == "/dev/shm"
+    assert info["shm"]["size_bytes"] == st.f_blocks * st.f_frsize
+    assert 0 <= info["shm"]["free_bytes"] <= info["shm"]["size_bytes"]
     text = _run("info")
     assert text.returncode == 0 and "host id" in text.stdout and "tcp" in text.stdout
+    assert re.search(r"shared memory /dev/shm: [\d,]+ MiB free of [\d,]+ MiB", text.stdout)
 
 
 def test_info_shows_the_measured_copy_kernel_and_its_figures():
